@@ -1,0 +1,258 @@
+"""Deterministic CBOR (RFC 8949 §4.2.1) for everything govtrain signs or hashes.
+
+`encode` writes the core deterministic encoding: shortest integer and length
+arguments, definite lengths only, map keys sorted by the bytewise order of their
+encodings. It accepts unsigned and negative integers that fit in 64 bits, byte
+strings, text strings, arrays, maps with integer or text keys, booleans, null and
+`Tag`. Floats are refused: DESIGN §2 keeps them out of every signed structure.
+
+`decode` is strict: it accepts exactly the bytes `encode` would produce for the
+decoded value and rejects, with a distinct `Code`, input over the size limit,
+trailing bytes, indefinite lengths, non-minimal arguments, unsorted or duplicate
+map keys, floats and other simple values, tags outside the caller's allowed set,
+nesting deeper than the limit, invalid UTF-8 and truncated input. Checking the
+canonical form while parsing (rather than re-encoding) keeps the admission gate
+fast; `tests/test_cbor.py` cross-checks both against a re-encoding oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AbstractSet, Any
+
+from govtrain.errors import Code, EncodingError
+
+MAX_INPUT_BYTES = 64 * 1024
+MAX_DEPTH = 16
+_UINT64_MAX = 2**64 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Tag:
+    """A CBOR tag (major type 6) wrapping one data item."""
+
+    number: int
+    value: Any
+
+
+# ---------------------------------------------------------------------------------------
+# Encoder
+# ---------------------------------------------------------------------------------------
+
+
+def _head(major: int, value: int) -> bytes:
+    """The initial byte and shortest argument for `value` under `major` (§4.2.1)."""
+    mt = major << 5
+    if value < 24:
+        return bytes((mt | value,))
+    if value < 0x100:
+        return bytes((mt | 24, value))
+    if value < 0x10000:
+        return bytes((mt | 25,)) + value.to_bytes(2, "big")
+    if value < 0x100000000:
+        return bytes((mt | 26,)) + value.to_bytes(4, "big")
+    return bytes((mt | 27,)) + value.to_bytes(8, "big")
+
+
+def _encode_into(out: bytearray, obj: Any) -> None:
+    if obj is True:
+        out.append(0xF5)
+    elif obj is False:
+        out.append(0xF4)
+    elif obj is None:
+        out.append(0xF6)
+    elif isinstance(obj, int):
+        if 0 <= obj <= _UINT64_MAX:
+            out += _head(0, obj)
+        elif -(2**64) <= obj < 0:
+            out += _head(1, -1 - obj)
+        else:
+            raise TypeError(f"integer {obj} does not fit in 64 bits")
+    elif isinstance(obj, (bytes, bytearray, memoryview)):
+        raw = bytes(obj)
+        out += _head(2, len(raw))
+        out += raw
+    elif isinstance(obj, str):
+        raw = obj.encode("utf-8")
+        out += _head(3, len(raw))
+        out += raw
+    elif isinstance(obj, (list, tuple)):
+        out += _head(4, len(obj))
+        for item in obj:
+            _encode_into(out, item)
+    elif isinstance(obj, dict):
+        pairs = []
+        for key, value in obj.items():
+            if isinstance(key, bool) or not isinstance(key, (int, str)):
+                raise TypeError(f"map keys must be integers or text, not {type(key).__name__}")
+            pairs.append((encode(key), value))
+        pairs.sort(key=lambda pair: pair[0])
+        out += _head(5, len(pairs))
+        for key_bytes, value in pairs:
+            out += key_bytes
+            _encode_into(out, value)
+    elif isinstance(obj, Tag):
+        if not 0 <= obj.number <= _UINT64_MAX:
+            raise TypeError(f"tag number {obj.number} out of range")
+        out += _head(6, obj.number)
+        _encode_into(out, obj.value)
+    elif isinstance(obj, float):
+        raise TypeError("floats are not allowed in signed or hashed structures; use micro-units")
+    else:
+        raise TypeError(f"cannot encode {type(obj).__name__} as deterministic CBOR")
+
+
+def encode(obj: Any) -> bytes:
+    """The RFC 8949 §4.2.1 core deterministic encoding of `obj`."""
+    out = bytearray()
+    _encode_into(out, obj)
+    return bytes(out)
+
+
+def encode_bstr_head(length: int) -> bytes:
+    """Head of a byte string of `length` bytes (used to frame signed bytes without copying)."""
+    return _head(2, length)
+
+
+# ---------------------------------------------------------------------------------------
+# Strict decoder
+# ---------------------------------------------------------------------------------------
+
+_MINIMUM = {24: 24, 25: 0x100, 26: 0x10000, 27: 0x100000000}
+_WIDTH = {24: 1, 25: 2, 26: 4, 27: 8}
+
+
+class _Reader:
+    __slots__ = ("data", "pos", "end", "tags", "max_depth")
+
+    def __init__(self, data: bytes, tags: AbstractSet[int], max_depth: int) -> None:
+        self.data = data
+        self.pos = 0
+        self.end = len(data)
+        self.tags = tags
+        self.max_depth = max_depth
+
+    def fail(self, code: Code, detail: str) -> EncodingError:
+        return EncodingError(code, f"{detail} at byte {self.pos}")
+
+    def argument(self, info: int, major: int) -> int:
+        """Read the argument that follows an initial byte; enforce the shortest form."""
+        if info < 24:
+            return info
+        width = _WIDTH.get(info)
+        if width is None:
+            if info == 31:
+                if major in (2, 3, 4, 5):
+                    raise self.fail(Code.INDEFINITE_LENGTH, "indefinite-length item")
+                raise self.fail(Code.MALFORMED_CBOR, "break or indefinite marker where none is allowed")
+            raise self.fail(Code.MALFORMED_CBOR, f"reserved additional information {info}")
+        start = self.pos
+        stop = start + width
+        if stop > self.end:
+            raise self.fail(Code.MALFORMED_CBOR, "truncated argument")
+        value = int.from_bytes(self.data[start:stop], "big")
+        if value < _MINIMUM[info]:
+            raise self.fail(Code.NON_CANONICAL, f"argument {value} not in its shortest form")
+        self.pos = stop
+        return value
+
+    def take(self, length: int) -> bytes:
+        start = self.pos
+        stop = start + length
+        if stop > self.end:
+            raise self.fail(Code.MALFORMED_CBOR, f"truncated: {length} bytes announced, {self.end - start} left")
+        self.pos = stop
+        return self.data[start:stop]
+
+    def item(self, depth: int) -> Any:
+        if self.pos >= self.end:
+            raise self.fail(Code.MALFORMED_CBOR, "truncated: data item expected")
+        initial = self.data[self.pos]
+        self.pos += 1
+        major = initial >> 5
+        info = initial & 0x1F
+
+        if major == 7:
+            if info == 20:
+                return False
+            if info == 21:
+                return True
+            if info == 22:
+                return None
+            if info in (25, 26, 27):
+                raise self.fail(Code.FLOAT_FORBIDDEN, "floating-point value")
+            if info == 31:
+                raise self.fail(Code.MALFORMED_CBOR, "unexpected break")
+            raise self.fail(Code.MALFORMED_CBOR, f"simple value {info} is not allowed")
+
+        value = self.argument(info, major)
+        if major == 0:
+            return value
+        if major == 1:
+            return -1 - value
+        if major == 2:
+            return self.take(value)
+        if major == 3:
+            raw = self.take(value)
+            try:
+                return raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise self.fail(Code.INVALID_UTF8, f"text string is not valid UTF-8 ({e.reason})") from e
+
+        depth += 1
+        if depth > self.max_depth:
+            raise self.fail(Code.TOO_DEEP, f"nesting deeper than {self.max_depth}")
+        if major == 4:
+            if value > self.end - self.pos:
+                raise self.fail(Code.MALFORMED_CBOR, f"truncated: array of {value} items")
+            return [self.item(depth) for _ in range(value)]
+        if major == 5:
+            if 2 * value > self.end - self.pos:
+                raise self.fail(Code.MALFORMED_CBOR, f"truncated: map of {value} pairs")
+            result: dict = {}
+            previous = b""
+            seen = set()
+            data = self.data
+            for _ in range(value):
+                key_start = self.pos
+                key = self.item(depth)
+                key_bytes = data[key_start : self.pos]
+                if type(key) is not str and type(key) is not int:
+                    raise self.fail(Code.MALFORMED_CBOR, "map keys must be integers or text strings")
+                if key_bytes in seen:
+                    raise self.fail(Code.DUPLICATE_KEY, f"duplicate map key {key!r}")
+                if key_bytes < previous:
+                    raise self.fail(Code.NON_CANONICAL, f"map key {key!r} out of deterministic order")
+                seen.add(key_bytes)
+                previous = key_bytes
+                result[key] = self.item(depth)
+            return result
+        # major == 6
+        if value not in self.tags:
+            raise self.fail(Code.FORBIDDEN_TAG, f"tag {value} is not allowed here")
+        return Tag(value, self.item(depth))
+
+
+def decode(
+    data: bytes,
+    *,
+    tags: AbstractSet[int] = frozenset(),
+    max_size: int = MAX_INPUT_BYTES,
+    max_depth: int = MAX_DEPTH,
+) -> Any:
+    """Decode exactly one deterministic-CBOR data item, or raise `EncodingError`.
+
+    `tags` lists the tag numbers the caller's format names; any other tag is rejected.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError("decode() takes bytes")
+    data = bytes(data)
+    if len(data) > max_size:
+        raise EncodingError(Code.TOO_LARGE, f"input of {len(data)} bytes exceeds the {max_size}-byte limit")
+    reader = _Reader(data, tags, max_depth)
+    value = reader.item(0)
+    if reader.pos != reader.end:
+        raise EncodingError(
+            Code.TRAILING_BYTES, f"{reader.end - reader.pos} bytes after the data item (at byte {reader.pos})"
+        )
+    return value

@@ -1,0 +1,140 @@
+"""One error type per failure a user can act on.
+
+Every `GovtrainError` carries a stable, machine-readable `Code` (printed as
+``error[code]: detail``) and belongs to one family whose class fixes the exit
+code (DESIGN §7). Programmer mistakes stay `TypeError` / `RuntimeError`.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Code(str, Enum):
+    """Stable error codes. Values are part of the command-line contract: never rename one."""
+
+    # -- configuration and usage (exit 2) -------------------------------------------------
+    USAGE = "usage"
+    POLICY_UNREADABLE = "policy_unreadable"
+    POLICY_INVALID = "policy_invalid"
+    BAD_PUBLIC_KEY = "bad_public_key"
+    KEY_UNREADABLE = "key_unreadable"
+    KEY_PERMISSIONS = "key_permissions"
+    KEY_EXISTS = "key_exists"
+    KEY_MISMATCH = "key_mismatch"
+    LEDGER_URL = "ledger_url"
+    LEDGER_EXISTS = "ledger_exists"
+    LEDGER_MISSING = "ledger_missing"
+    BAD_ARGUMENT = "bad_argument"
+
+    # -- encoding: the strict deterministic-CBOR decoder (DESIGN §2) ----------------------
+    TOO_LARGE = "too_large"
+    MALFORMED_CBOR = "malformed_cbor"
+    TRAILING_BYTES = "trailing_bytes"
+    INDEFINITE_LENGTH = "indefinite_length"
+    NON_CANONICAL = "non_canonical"
+    DUPLICATE_KEY = "duplicate_key"
+    FLOAT_FORBIDDEN = "float_forbidden"
+    FORBIDDEN_TAG = "forbidden_tag"
+    TOO_DEEP = "too_deep"
+    INVALID_UTF8 = "invalid_utf8"
+
+    # -- schema of a decoded structure ----------------------------------------------------
+    UNKNOWN_FIELD = "unknown_field"
+    MISSING_FIELD = "missing_field"
+    WRONG_TYPE = "wrong_type"
+    BAD_VALUE = "bad_value"
+    UNSUPPORTED_VERSION = "unsupported_version"
+
+    # -- COSE_Sign1 envelope (DESIGN §3, RFC 9052 §4.2) -----------------------------------
+    NOT_COSE_SIGN1 = "not_cose_sign1"
+    BAD_COSE_STRUCTURE = "bad_cose_structure"
+    BAD_ALGORITHM = "bad_algorithm"
+    BAD_HEADER = "bad_header"
+    DUPLICATE_HEADER = "duplicate_header"
+    UNKNOWN_CRITICAL = "unknown_critical"
+    MISSING_KID = "missing_kid"
+    BAD_SIGNATURE = "bad_signature"
+    UNKNOWN_KEY = "unknown_key"
+    KEY_NOT_AUTHORIZED = "key_not_authorized"
+
+    # -- admissibility against the policy (DESIGN §4) -------------------------------------
+    UNKNOWN_CLASS = "unknown_class"
+    BAD_WINDOW = "bad_window"
+    NOT_YET_VALID = "not_yet_valid"
+    EXPIRED = "expired"
+    WINDOW_TOO_LONG = "window_too_long"
+    ISSUED_IN_FUTURE = "issued_in_future"
+    BELOW_FLOOR = "below_floor"
+    BELOW_CORPUS_FLOOR = "below_corpus_floor"
+    BUDGET_ABOVE_MAX = "budget_above_max"
+
+    ATTESTATION_UNREADABLE = "attestation_unreadable"
+
+    # -- the data file the descriptor binds ----------------------------------------------
+    DATA_UNREADABLE = "data_unreadable"
+    DIGEST_MISMATCH = "digest_mismatch"
+    BAD_DATA = "bad_data"
+    RECORD_COUNT_MISMATCH = "record_count_mismatch"
+
+    # -- replay against the ledger -------------------------------------------------------
+    REPLAY = "replay"
+    ID_REUSED = "id_reused"
+    DUPLICATE_DATA = "duplicate_data"
+
+    # -- ledger integrity (exit 4) --------------------------------------------------------
+    INTEGRITY = "integrity"
+    LEAF_HASH_MISMATCH = "leaf_hash_mismatch"
+    SEQUENCE_GAP = "sequence_gap"
+    BAD_ENTRY = "bad_entry"
+    BAD_LEDGER_HEADER = "bad_ledger_header"
+    BAD_ADMISSION = "bad_admission"
+    INDEX_MISMATCH = "index_mismatch"
+
+
+class GovtrainError(Exception):
+    """Base of every error a user can act on."""
+
+    exit_code = 1
+
+    def __init__(self, code: Code, detail: str) -> None:
+        super().__init__(f"error[{code.value}]: {detail}")
+        self.code = code
+        self.detail = detail
+
+    def line(self) -> str:
+        """The one-line form printed on stderr."""
+        return f"error[{self.code.value}]: {self.detail}"
+
+    def as_json(self) -> dict:
+        return {"ok": False, "code": self.code.value, "detail": self.detail}
+
+
+class ConfigError(GovtrainError):
+    """A bad policy, key, argument or ledger location: fix the input and rerun (exit 2)."""
+
+    exit_code = 2
+
+
+class RejectedError(GovtrainError):
+    """The gate refused a contribution, or a request named something unknown (exit 3)."""
+
+    exit_code = 3
+
+
+class EncodingError(RejectedError):
+    """Bytes that are not the deterministic CBOR the format requires."""
+
+
+class AttestationError(RejectedError):
+    """A well-formed encoding that is not an acceptable signed attestation."""
+
+
+class AdmissionError(RejectedError):
+    """A valid attestation that this corpus cannot admit (policy, data or replay)."""
+
+
+class IntegrityError(GovtrainError):
+    """The ledger does not verify (exit 4)."""
+
+    exit_code = 4

@@ -1,0 +1,194 @@
+"""Admission: the gate's verdict made durable as an `admit` entry, or nothing written at all.
+
+`admit` handles one attestation; `admit_many` verifies many and commits the admitted
+ones in batches, one transaction per batch. Replays are refused twice over: by a
+lookup before the write, and by the store's unique constraints if a concurrent
+writer got there first.
+"""
+
+from __future__ import annotations
+
+import time as _time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import ledger_store
+from govtrain.errors import AdmissionError, Code, GovtrainError
+from govtrain.gate.gate import Gate, VerifiedAttestation
+from govtrain.ledger.entries import admit_entry
+from govtrain.ledger.ledger import Ledger
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdmitReceipt:
+    contribution_id: str
+    data_class: str
+    contributor: str
+    records: int
+    seq: int
+    leaf_hash: bytes
+    descriptor_sha256: bytes
+    attestation_sha256: bytes
+
+    def as_json(self) -> dict:
+        return {
+            "ok": True,
+            "contribution_id": self.contribution_id,
+            "data_class": self.data_class,
+            "contributor": self.contributor,
+            "records": self.records,
+            "seq": self.seq,
+            "leaf_hash": self.leaf_hash.hex(),
+            "descriptor_sha256": self.descriptor_sha256.hex(),
+            "attestation_sha256": self.attestation_sha256.hex(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitOutcome:
+    source: str
+    receipt: AdmitReceipt | None = None
+    error: GovtrainError | None = None
+
+
+def _replay_error(verified: VerifiedAttestation, row: ledger_store.AdmissionRow) -> AdmissionError:
+    d = verified.descriptor
+    if row.descriptor_sha256 == verified.descriptor_sha256:
+        return AdmissionError(Code.REPLAY, f"this descriptor was already admitted as entry {row.seq}")
+    if row.contribution_id == d.contribution_id:
+        return AdmissionError(
+            Code.ID_REUSED, f"contribution id {d.contribution_id!r} is already taken by entry {row.seq}"
+        )
+    return AdmissionError(
+        Code.DUPLICATE_DATA,
+        f"this data file was already admitted as {row.contribution_id!r} (entry {row.seq}); "
+        "admitting it twice would double its examples' weight",
+    )
+
+
+def _conflict(verified: VerifiedAttestation, rows: Iterable[ledger_store.AdmissionRow]) -> AdmissionError | None:
+    d = verified.descriptor
+    # Report the most specific match first: same descriptor, then same id, then same data.
+    matches = [r for r in rows if r.descriptor_sha256 == verified.descriptor_sha256]
+    matches += [r for r in rows if r.contribution_id == d.contribution_id]
+    matches += [r for r in rows if r.data_sha256 == d.data_sha256]
+    return _replay_error(verified, matches[0]) if matches else None
+
+
+def _admission_row(verified: VerifiedAttestation) -> dict:
+    d = verified.descriptor
+    return {
+        "contribution_id": d.contribution_id,
+        "data_class": d.data_class,
+        "descriptor_sha256": verified.descriptor_sha256,
+        "attestation_sha256": verified.attestation_sha256,
+        "data_sha256": d.data_sha256,
+    }
+
+
+def _receipt(verified: VerifiedAttestation, stored: ledger_store.StoredEntry) -> AdmitReceipt:
+    d = verified.descriptor
+    return AdmitReceipt(
+        contribution_id=d.contribution_id,
+        data_class=d.data_class,
+        contributor=d.contributor,
+        records=d.records,
+        seq=stored.seq,
+        leaf_hash=stored.leaf_hash,
+        descriptor_sha256=verified.descriptor_sha256,
+        attestation_sha256=verified.attestation_sha256,
+    )
+
+
+def _write(ledger: Ledger, batch: list[VerifiedAttestation], now: int) -> list[ledger_store.StoredEntry]:
+    with ledger.store.append() as appender:
+        for verified in batch:
+            appender.add("admit", now, lambda seq, v=verified: admit_entry(seq, now, v), _admission_row(verified))
+    return appender.added
+
+
+def admit(ledger: Ledger, raw: bytes, data: str | Path, *, now: int | None = None,
+          gate: Gate | None = None) -> AdmitReceipt:
+    """Gate one attestation and its data file; on success append its `admit` entry."""
+    outcome = admit_many(ledger, [(str(data), raw, Path(data))], now=now, gate=gate)[0]
+    if outcome.error is not None:
+        raise outcome.error
+    assert outcome.receipt is not None
+    return outcome.receipt
+
+
+def admit_many(ledger: Ledger, items: Iterable[tuple[str, bytes, Path]], *, now: int | None = None,
+               gate: Gate | None = None, batch_size: int = 1000) -> list[AdmitOutcome]:
+    """Admit (source name, `.cose` bytes, data path) items, committing every `batch_size` admitted ones.
+
+    Each item is judged on its own: a rejection writes nothing and does not stop the others.
+    Outcomes come back in input order.
+    """
+    now = int(_time.time()) if now is None else now
+    gate = gate if gate is not None else Gate(ledger.policy)
+    epoch = ledger.epoch()
+    outcomes: list[AdmitOutcome] = []
+    pending: list[tuple[int, str, VerifiedAttestation]] = []
+
+    def flush() -> None:
+        if not pending:
+            return
+        verified_list = [v for _, _, v in pending]
+        rows = ledger.store.admission_conflicts(
+            [v.descriptor.contribution_id for v in verified_list],
+            [v.descriptor_sha256 for v in verified_list],
+            [v.descriptor.data_sha256 for v in verified_list],
+        )
+        accepted: list[tuple[int, str, VerifiedAttestation]] = []
+        seen_ids: set[str] = set()
+        seen_descriptors: set[bytes] = set()
+        seen_data: set[bytes] = set()
+        for index, source, verified in pending:
+            d = verified.descriptor
+            error = _conflict(verified, rows)
+            if error is None and verified.descriptor_sha256 in seen_descriptors:
+                error = AdmissionError(Code.REPLAY, "this descriptor appears twice in one batch")
+            elif error is None and d.contribution_id in seen_ids:
+                error = AdmissionError(Code.ID_REUSED, f"contribution id {d.contribution_id!r} appears twice")
+            elif error is None and d.data_sha256 in seen_data:
+                error = AdmissionError(Code.DUPLICATE_DATA, "the same data file appears twice in one batch")
+            if error is not None:
+                outcomes[index] = AdmitOutcome(source, error=error)
+                continue
+            seen_ids.add(d.contribution_id)
+            seen_descriptors.add(verified.descriptor_sha256)
+            seen_data.add(d.data_sha256)
+            accepted.append((index, source, verified))
+        try:
+            stored = _write(ledger, [v for _, _, v in accepted], now)
+            for (index, source, verified), entry in zip(accepted, stored):
+                outcomes[index] = AdmitOutcome(source, receipt=_receipt(verified, entry))
+        except ledger_store.Conflict:
+            # A concurrent writer admitted one of these after our lookup: redo them one by one.
+            for index, source, verified in accepted:
+                try:
+                    (entry,) = _write(ledger, [verified], now)
+                    outcomes[index] = AdmitOutcome(source, receipt=_receipt(verified, entry))
+                except ledger_store.Conflict:
+                    rows_now = ledger.store.admission_conflicts(
+                        [verified.descriptor.contribution_id], [verified.descriptor_sha256],
+                        [verified.descriptor.data_sha256])
+                    error = _conflict(verified, rows_now) or AdmissionError(Code.REPLAY, "already admitted")
+                    outcomes[index] = AdmitOutcome(source, error=error)
+        pending.clear()
+
+    for source, raw, data in items:
+        index = len(outcomes)
+        outcomes.append(AdmitOutcome(source))
+        try:
+            verified = gate.verify(raw, now=now, epoch=epoch)
+            gate.check_data(verified, data)
+        except GovtrainError as e:
+            outcomes[index] = AdmitOutcome(source, error=e)
+            continue
+        pending.append((index, source, verified))
+        if len(pending) >= batch_size:
+            flush()
+    flush()
+    return outcomes

@@ -1,0 +1,188 @@
+"""The admissibility gate (DESIGN §1.1, §3, §4): is this signed contribution admissible here?
+
+`Gate.verify` decodes and verifies an attestation and checks it against the policy;
+`Gate.check_data` checks the data file it binds. Neither touches the ledger:
+replay checks and the admit entry live in `govtrain.gate.admission`. Both raise
+(`AttestationError`, `EncodingError`, `AdmissionError`); neither returns a bool.
+
+Verification is cached per ledger epoch, as the primitive prescribes (seed 004):
+the expensive, time-independent part (decoding, signature, schema) is reused for an
+attestation seen before in the same epoch; the cheap checks that depend on the clock
+and the policy run every time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from govtrain.attest.cose import ParsedAttestation, parse_attestation, verify_signature
+from govtrain.attest.descriptor import Descriptor
+from govtrain.errors import AdmissionError, AttestationError, Code
+from govtrain.gate.data import DataSummary, inspect_data
+from govtrain.policy.model import Policy
+from govtrain.policy.trust import TrustStore
+from govtrain.units import format_micro
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifiedAttestation:
+    """An attestation whose signature, encoding and policy bounds have been checked."""
+
+    raw: bytes
+    kid: bytes
+    attester: str
+    descriptor: Descriptor
+    payload: bytes
+    descriptor_sha256: bytes
+    attestation_sha256: bytes
+
+
+class AttestationCache:
+    """Verified attestations by SHA-256 of their bytes, valid for one ledger epoch."""
+
+    def __init__(self, max_entries: int = 65_536) -> None:
+        self.max_entries = max_entries
+        self.epoch: int | None = None
+        self._items: OrderedDict[bytes, VerifiedAttestation] = OrderedDict()
+        self.hits = 0
+
+    def get(self, digest: bytes, epoch: int) -> VerifiedAttestation | None:
+        if epoch != self.epoch:
+            self._items.clear()
+            self.epoch = epoch
+            return None
+        found = self._items.get(digest)
+        if found is not None:
+            self._items.move_to_end(digest)
+            self.hits += 1
+        return found
+
+    def put(self, digest: bytes, epoch: int, verified: VerifiedAttestation) -> None:
+        if epoch != self.epoch:
+            self._items.clear()
+            self.epoch = epoch
+        self._items[digest] = verified
+        if len(self._items) > self.max_entries:
+            self._items.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class Gate:
+    def __init__(self, policy: Policy, *, trust: TrustStore | None = None, clock_skew_s: int | None = None,
+                 cache: AttestationCache | None = None) -> None:
+        self.policy = policy
+        self.trust = trust if trust is not None else TrustStore.from_policy(policy)
+        self.clock_skew_s = policy.clock_skew_s if clock_skew_s is None else clock_skew_s
+        self.cache = cache if cache is not None else AttestationCache()
+
+    def verify(self, raw: bytes, *, now: int, epoch: int = 0) -> VerifiedAttestation:
+        """Verify `.cose` bytes at time `now` (Unix seconds). Raises on the first failed step."""
+        digest = hashlib.sha256(raw).digest()
+        verified = self.cache.get(digest, epoch)
+        if verified is None:
+            verified = self._verify_uncached(raw, digest)
+            self.cache.put(digest, epoch, verified)
+        self._check_policy(verified, now)
+        return verified
+
+    def _verify_uncached(self, raw: bytes, digest: bytes) -> VerifiedAttestation:
+        # 1-4. Strict CBOR, COSE_Sign1 structure and headers (RFC 9052 §4.2, DESIGN §2-3).
+        parsed: ParsedAttestation = parse_attestation(raw)
+        # 5. The kid must name a key in the trust store; keys were screened as they entered it.
+        key = self.trust.key(parsed.kid)
+        # 6. Ed25519 over Sig_structure (RFC 9052 §4.4), before the payload is interpreted.
+        verify_signature(parsed, key.public_key)
+        # 7. The payload is a canonical descriptor with exactly the DESIGN §3 fields.
+        descriptor = Descriptor.from_bytes(parsed.payload)
+        return VerifiedAttestation(
+            raw=parsed.raw,
+            kid=parsed.kid,
+            attester=key.name,
+            descriptor=descriptor,
+            payload=parsed.payload,
+            descriptor_sha256=hashlib.sha256(parsed.payload).digest(),
+            attestation_sha256=digest,
+        )
+
+    def _check_policy(self, verified: VerifiedAttestation, now: int) -> None:
+        d = verified.descriptor
+        policy = self.policy
+        # 8. The class exists and this attester may attest it (DESIGN §4).
+        cls = policy.classes.get(d.data_class)
+        if cls is None:
+            raise AdmissionError(Code.UNKNOWN_CLASS, f"class {d.data_class!r} is not in this corpus's policy")
+        self.trust.authorize(self.trust.key(verified.kid), d.data_class)
+
+        # 9. Validity window against the injected clock, with the configured skew.
+        skew = self.clock_skew_s
+        if d.not_after < d.not_before:
+            raise AttestationError(Code.BAD_WINDOW, "not_after is before not_before")
+        if not d.not_before <= d.issued_at <= d.not_after:
+            raise AttestationError(Code.BAD_WINDOW, "issued_at lies outside the validity window")
+        if d.issued_at > now + skew:
+            raise AdmissionError(Code.ISSUED_IN_FUTURE, f"issued_at is {d.issued_at - now} s in the future")
+        if now + skew < d.not_before:
+            raise AdmissionError(Code.NOT_YET_VALID, f"attestation is valid only from {d.not_before} (now {now})")
+        if now - skew > d.not_after:
+            raise AdmissionError(Code.EXPIRED, f"attestation expired at {d.not_after} (now {now})")
+        if d.not_after - d.not_before > policy.max_validity_s:
+            raise AdmissionError(
+                Code.WINDOW_TOO_LONG,
+                f"validity window of {d.not_after - d.not_before} s exceeds the policy's {policy.max_validity_s} s",
+            )
+
+        # 10. Bounds at least as strict as the corpus floor, then the class (DESIGN §4).
+        if d.noise_multiplier_u < policy.floor_min_noise_multiplier_u:
+            raise AdmissionError(
+                Code.BELOW_CORPUS_FLOOR,
+                f"noise multiplier {format_micro(d.noise_multiplier_u)} is below the corpus floor "
+                f"{format_micro(policy.floor_min_noise_multiplier_u)}",
+            )
+        if d.clip_norm_u > policy.floor_max_clip_norm_u:
+            raise AdmissionError(
+                Code.BELOW_CORPUS_FLOOR,
+                f"clipping norm {format_micro(d.clip_norm_u)} exceeds the corpus maximum "
+                f"{format_micro(policy.floor_max_clip_norm_u)}",
+            )
+        if d.noise_multiplier_u < cls.min_noise_multiplier_u:
+            raise AdmissionError(
+                Code.BELOW_FLOOR,
+                f"noise multiplier {format_micro(d.noise_multiplier_u)} is below class {cls.name!r}'s minimum "
+                f"{format_micro(cls.min_noise_multiplier_u)}",
+            )
+        if d.clip_norm_u > cls.clip_norm_u:
+            raise AdmissionError(
+                Code.BELOW_FLOOR,
+                f"clipping norm {format_micro(d.clip_norm_u)} exceeds class {cls.name!r}'s "
+                f"{format_micro(cls.clip_norm_u)}",
+            )
+        if d.eps_budget_u > cls.max_eps_budget_u:
+            raise AdmissionError(
+                Code.BUDGET_ABOVE_MAX,
+                f"budget {format_micro(d.eps_budget_u)} exceeds class {cls.name!r}'s maximum "
+                f"{format_micro(cls.max_eps_budget_u)}",
+            )
+
+    def check_data(self, verified: VerifiedAttestation, data: str | Path,
+                   summary: DataSummary | None = None) -> DataSummary:
+        """11. The data file is the one the descriptor binds, with the declared number of records."""
+        d = verified.descriptor
+        summary = inspect_data(data) if summary is None else summary
+        if summary.sha256 != d.data_sha256:
+            raise AdmissionError(
+                Code.DIGEST_MISMATCH,
+                f"SHA-256 of {data} is {summary.sha256.hex()[:16]}…, the attestation binds "
+                f"{d.data_sha256.hex()[:16]}…",
+            )
+        if summary.first_bad_line is not None:
+            raise AdmissionError(Code.BAD_DATA, f"{data} line {summary.first_bad_line}: {summary.bad_reason}")
+        if summary.records != d.records:
+            raise AdmissionError(
+                Code.RECORD_COUNT_MISMATCH, f"{data} holds {summary.records} records, the attestation declares {d.records}"
+            )
+        return summary
