@@ -117,6 +117,14 @@ def parse_attestation(raw: bytes) -> ParsedAttestation:
             raise AttestationError(Code.DUPLICATE_HEADER, f"header label {label!r} is in both header buckets")
     if unprotected:
         raise AttestationError(Code.BAD_HEADER, "unprotected header must be empty; put every label in protected")
+    # RFC 9052 §3.1: a critical label we do not understand makes the whole message unprocessable.
+    if H_CRIT in header:
+        crit = header[H_CRIT]
+        if type(crit) is not list or not crit:
+            raise AttestationError(Code.BAD_HEADER, "crit (2) must be a non-empty array of labels")
+        for label in crit:
+            if label not in (H_ALG, H_CONTENT_TYPE, H_KID) or label not in header:
+                raise AttestationError(Code.UNKNOWN_CRITICAL, f"crit names label {label!r}, which is not understood")
     for label in header:
         if label not in KNOWN_HEADERS:
             raise AttestationError(Code.BAD_HEADER, f"unknown protected header label {label!r}")
@@ -127,13 +135,6 @@ def parse_attestation(raw: bytes) -> ParsedAttestation:
         raise AttestationError(Code.BAD_ALGORITHM, "protected header has no alg (1)")
     if type(alg) is not int or alg not in ACCEPTED_ALGS:
         raise AttestationError(Code.BAD_ALGORITHM, f"alg {alg!r} is not EdDSA (-8) or Ed25519 (-19)")
-    if H_CRIT in header:
-        crit = header[H_CRIT]
-        if type(crit) is not list or not crit:
-            raise AttestationError(Code.BAD_HEADER, "crit (2) must be a non-empty array of labels")
-        for label in crit:
-            if label not in (H_ALG, H_CONTENT_TYPE, H_KID) or label not in header:
-                raise AttestationError(Code.UNKNOWN_CRITICAL, f"crit names label {label!r}, which is not understood")
     if H_CONTENT_TYPE in header and header[H_CONTENT_TYPE] != CONTENT_TYPE:
         raise AttestationError(Code.BAD_HEADER, f"content type must be {CONTENT_TYPE!r}")
     kid = header.get(H_KID)

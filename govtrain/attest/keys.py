@@ -201,7 +201,10 @@ def parse_public_key(text: str | bytes, *, source: str = "public key") -> bytes:
             raise ConfigError(Code.BAD_PUBLIC_KEY, f"{source} is neither PEM nor base64") from e
         if len(raw) != PUBLIC_KEY_BYTES:
             raise ConfigError(Code.BAD_PUBLIC_KEY, f"{source} decodes to {len(raw)} bytes, not 32")
-    check_public_key(raw)
+    try:
+        check_public_key(raw)
+    except ConfigError as e:
+        raise ConfigError(Code.BAD_PUBLIC_KEY, f"{source}: {e.detail}") from e
     return raw
 
 

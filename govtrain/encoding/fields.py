@@ -38,8 +38,10 @@ def check_shape(
         if type(value) not in kinds:
             names = " or ".join("null" if k is type(None) else _TYPE_NAMES.get(k, k.__name__) for k in kinds)
             raise error(Code.WRONG_TYPE, f"{what}.{key} must be a {names}, not {_describe(value)}")
-        if type(value) is int and not 0 <= value <= INT63_MAX:
-            raise error(Code.BAD_VALUE, f"{what}.{key} must be between 0 and 2^63-1")
+        if type(value) is int and value < 0:
+            raise error(Code.WRONG_TYPE, f"{what}.{key} must be an unsigned integer, not a negative integer")
+        if type(value) is int and value > INT63_MAX:
+            raise error(Code.BAD_VALUE, f"{what}.{key} must be at most 2^63-1")
     return obj
 
 

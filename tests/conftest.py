@@ -1,0 +1,173 @@
+"""Shared fixtures: keys, a test policy, an initialised ledger and attestation builders."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from govtrain.attest.cose import sign_attestation
+from govtrain.attest.descriptor import Descriptor
+from govtrain.attest.keys import generate_key_pair, load_private_key
+from govtrain.encoding import cbor
+from govtrain.encoding.cbor import Tag
+from govtrain.ledger.ledger import Ledger
+from govtrain.policy.config import load_policy
+
+REPO = Path(__file__).resolve().parent.parent
+KEYS_EXAMPLE = REPO / "keys.example"
+
+TEST_POLICY = """
+origin = "test.invalid/govtrain/1"
+delta = 1e-5
+accountant = "prv"
+sampling_rate = 0.01
+steps_per_epoch = 10
+retention_epochs = 5
+max_validity_days = 30
+clock_skew_seconds = 60
+
+[floor]
+min_noise_multiplier = 0.5
+max_clip_norm = 4.0
+
+[classes.public]
+clip_norm = 1.0
+min_noise_multiplier = 0.8
+eps_budget = 8.0
+max_eps_budget = 10.0
+fraction = [0.5, 1.0]
+head = true
+
+[classes.sensitive]
+clip_norm = 0.5
+min_noise_multiplier = 1.0
+eps_budget = 3.0
+max_eps_budget = 4.0
+band = [4, 5]
+
+[classes.restricted]
+clip_norm = 0.5
+min_noise_multiplier = 1.5
+eps_budget = 1.0
+max_eps_budget = 2.0
+adapter = "restricted"
+
+[[attesters]]
+name = "main"
+public_key_file = "attester.pub"
+classes = ["public", "sensitive", "restricted"]
+
+[[attesters]]
+name = "limited"
+public_key_file = "limited.pub"
+classes = ["public"]
+
+[[ledger_keys]]
+name = "test.invalid/govtrain/1"
+public_key_file = "ledger.pub"
+"""
+
+
+@dataclass
+class Corpus:
+    """A test corpus: key files, a policy, an initialised ledger and a clock."""
+
+    dir: Path
+    policy_path: Path
+    url: str
+    attester: Ed25519PrivateKey
+    limited: Ed25519PrivateKey
+    now: int
+
+    @property
+    def attester_key(self) -> Path:
+        return self.dir / "attester.key"
+
+    def open(self) -> Ledger:
+        return Ledger.open(self.url)
+
+    def data(self, name: str, records: int = 3, *, salt: str = "") -> Path:
+        path = self.dir / name
+        lines = [json.dumps({"text": f"{name} {salt} example {i}", "label": i % 2}) for i in range(records)]
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def descriptor_map(self, data: Path, **overrides: object) -> dict:
+        raw = data.read_bytes()
+        fields = {
+            "v": 1,
+            "contribution_id": data.name.replace(".jsonl", ""),
+            "contributor": "alice@example.org",
+            "data_class": "public",
+            "data_sha256": hashlib.sha256(raw).digest(),
+            "records": sum(1 for line in raw.splitlines() if line.strip()),
+            "clip_norm_u": 1_000_000,
+            "noise_multiplier_u": 1_000_000,
+            "eps_budget_u": 5_000_000,
+            "not_before": self.now - 60,
+            "not_after": self.now + 7 * 86_400,
+            "issued_at": self.now - 60,
+            "salt": hashlib.sha256(data.name.encode()).digest()[:16],
+        }
+        fields.update(overrides)
+        return fields
+
+    def attestation(self, data: Path, *, key: Ed25519PrivateKey | None = None, **overrides: object) -> bytes:
+        descriptor = Descriptor(**self.descriptor_map(data, **overrides))  # type: ignore[arg-type]
+        return sign_attestation(descriptor, key or self.attester)
+
+
+def snapshot(url: str) -> tuple[int, bytes | None, int]:
+    """(entry count, last leaf hash, admissions): what a rejection must leave unchanged."""
+    with Ledger.open(url) as ledger:
+        return ledger.size(), ledger.head_leaf_hash(), len(ledger.store.admissions())
+
+
+def sign_raw(payload: bytes, key: Ed25519PrivateKey, *, protected: bytes | None = None,
+             unprotected: dict | None = None, tag: int | None = 18, signature: bytes | None = None) -> bytes:
+    """A COSE_Sign1 over arbitrary payload bytes: for attestations that are malformed on purpose."""
+    from govtrain.attest.cose import sig_structure
+    from govtrain.attest.keys import key_id
+
+    if protected is None:
+        protected = cbor.encode({1: -8, 4: key_id(key.public_key())})
+    if signature is None:
+        signature = key.sign(sig_structure(protected, payload))
+    body = [protected, unprotected if unprotected is not None else {}, payload, signature]
+    return cbor.encode(Tag(tag, body) if tag is not None else body)
+
+
+def copy_demo_keys(target: Path) -> Path:
+    """keys.example into `target` with private keys at 0600 (git does not keep modes)."""
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("attester.key", "attester.pub", "ledger.key", "ledger.pub", "policy.toml"):
+        shutil.copy(KEYS_EXAMPLE / name, target / name)
+    (target / "attester.key").chmod(0o600)
+    (target / "ledger.key").chmod(0o600)
+    return target
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Corpus:
+    keys = copy_demo_keys(tmp_path / "keys")
+    generate_key_pair(keys, "limited")
+    policy_path = keys / "test-policy.toml"
+    policy_path.write_text(TEST_POLICY)
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    policy, digest = load_policy(policy_path)
+    Ledger.init(url, policy, digest, key_path=keys / "ledger.key").close()
+    return Corpus(
+        dir=keys,
+        policy_path=policy_path,
+        url=url,
+        attester=load_private_key(keys / "attester.key"),
+        limited=load_private_key(keys / "limited.key"),
+        now=int(time.time()),
+    )
