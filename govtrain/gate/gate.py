@@ -152,20 +152,20 @@ class Gate:
         if d.noise_multiplier_u < cls.min_noise_multiplier_u:
             raise AdmissionError(
                 Code.BELOW_FLOOR,
-                f"noise multiplier {format_micro(d.noise_multiplier_u)} is below class {cls.name!r}'s minimum "
-                f"{format_micro(cls.min_noise_multiplier_u)}",
+                f"noise multiplier {format_micro(d.noise_multiplier_u)} is below the minimum "
+                f"{format_micro(cls.min_noise_multiplier_u)} of class {cls.name!r}",
             )
         if d.clip_norm_u > cls.clip_norm_u:
             raise AdmissionError(
                 Code.BELOW_FLOOR,
-                f"clipping norm {format_micro(d.clip_norm_u)} exceeds class {cls.name!r}'s "
-                f"{format_micro(cls.clip_norm_u)}",
+                f"clipping norm {format_micro(d.clip_norm_u)} exceeds the bound "
+                f"{format_micro(cls.clip_norm_u)} of class {cls.name!r}",
             )
         if d.eps_budget_u > cls.max_eps_budget_u:
             raise AdmissionError(
                 Code.BUDGET_ABOVE_MAX,
-                f"budget {format_micro(d.eps_budget_u)} exceeds class {cls.name!r}'s maximum "
-                f"{format_micro(cls.max_eps_budget_u)}",
+                f"budget {format_micro(d.eps_budget_u)} exceeds the maximum "
+                f"{format_micro(cls.max_eps_budget_u)} of class {cls.name!r}",
             )
 
     def check_data(self, verified: VerifiedAttestation, data: str | Path,

