@@ -144,10 +144,18 @@ class Appender:
         return stored
 
     def flush(self) -> None:
-        if self._entries:
-            self._connection.execute(insert(Entry.__table__), self._entries)
-        if self._admissions:
-            self._connection.execute(insert(Admission.__table__), self._admissions)
+        for table, rows in ((Entry.__table__, self._entries), (Admission.__table__, self._admissions)):
+            if not rows:
+                continue
+            if self._connection.dialect.paramstyle == "qmark":
+                # SQLite: hand the driver plain tuples; SQLAlchemy's per-value processing costs more
+                # than the insert itself on large batches.
+                columns = list(rows[0])
+                statement = (f"INSERT INTO {table.name} ({', '.join(columns)}) "
+                             f"VALUES ({', '.join('?' * len(columns))})")
+                self._connection.exec_driver_sql(statement, [tuple(row[c] for c in columns) for row in rows])
+            else:
+                self._connection.execute(insert(table), rows)
         self._entries, self._admissions = [], []
 
 

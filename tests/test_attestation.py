@@ -153,3 +153,39 @@ def test_admitted_ledger_grows_by_one(corpus: Corpus):
         admit(ledger, corpus.attestation(data), data, now=corpus.now)
     after = snapshot(corpus.url)
     assert after[0] == before[0] + 1 and after[2] == before[2] + 1
+
+
+def test_verify_many_agrees_with_verify(corpus: Corpus):
+    good = [corpus.attestation(corpus.data(f"many{i}.jsonl")) for i in range(6)]
+    bad_sig = good[1][:-1] + bytes([good[1][-1] ^ 1])
+    expired = corpus.attestation(corpus.data("old.jsonl"), not_before=corpus.now - 90 * 86_400,
+                                 issued_at=corpus.now - 90 * 86_400, not_after=corpus.now - 80 * 86_400)
+    raws = [good[0], bad_sig, b"\x00", good[2], expired, good[0], good[3]]
+    with corpus.open() as ledger:
+        batch = Gate(ledger.policy).verify_many(raws, now=corpus.now)
+        single = Gate(ledger.policy)
+    for raw, result in zip(raws, batch):
+        try:
+            expected = single.verify(raw, now=corpus.now)
+        except GovtrainError as error:
+            assert isinstance(result, GovtrainError) and result.code == error.code
+        else:
+            assert not isinstance(result, GovtrainError) and result.descriptor == expected.descriptor
+    assert [getattr(r, "code", None) and r.code.value for r in batch] == \
+        [None, "bad_signature", "not_cose_sign1", None, "expired", None, None]
+
+
+def test_verify_many_threaded_matches_single_threaded(corpus: Corpus):
+    from govtrain.gate.gate import GatePerformance
+
+    raws = [corpus.attestation(corpus.data(f"t{i}.jsonl")) for i in range(40)]
+    raws[7] = raws[7][:-1] + bytes([raws[7][-1] ^ 1])
+    raws[23] = raws[23][:-2] + bytes([raws[23][-2] ^ 4]) + raws[23][-1:]
+    with corpus.open() as ledger:
+        policy = ledger.policy
+    one = Gate(policy, performance=GatePerformance(verify_threads=1)).verify_many(raws, now=corpus.now)
+    many = Gate(policy, performance=GatePerformance(verify_threads=3, min_parallel_batch=2)).verify_many(
+        raws, now=corpus.now)
+    codes = lambda results: [getattr(r, "code", None) for r in results]  # noqa: E731
+    assert codes(one) == codes(many)
+    assert [i for i, r in enumerate(many) if isinstance(r, GovtrainError)] == [7, 23]

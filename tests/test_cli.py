@@ -165,3 +165,17 @@ def test_admit_to_missing_ledger_is_usage_error(tmp_path, corpus: Corpus):
 def test_ledger_url_from_environment(corpus: Corpus):
     result = CliRunner().invoke(verify_cli, [], env={"GOVTRAIN_LEDGER": corpus.url})
     assert result.exit_code == 0
+
+
+def test_cli_default_validity_matches_the_library():
+    from govtrain.attest.attest import DEFAULT_VALID_DAYS
+    from govtrain.cli import main
+
+    assert main.DEFAULT_VALID_DAYS == DEFAULT_VALID_DAYS
+
+
+def test_help_and_attest_do_not_import_the_store():
+    code = ("import sys; from govtrain.cli.main import cli; "
+            "assert 'sqlalchemy' not in sys.modules and 'pydantic' not in sys.modules; print('light')")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "light" in result.stdout, result.stderr

@@ -12,6 +12,7 @@ deviation, each with its own `Code`.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidSignature
@@ -81,8 +82,53 @@ def sign_attestation(
     return cbor.encode(Tag(COSE_SIGN1_TAG, [protected, {}, payload, signature]))
 
 
+def _protected_templates() -> dict[bytes, int]:
+    """Canonical protected headers govtrain accepts, as byte prefixes before the 32-byte kid."""
+    templates = {}
+    for alg in ACCEPTED_ALGS:
+        for header in ({H_ALG: alg}, {H_ALG: alg, H_CONTENT_TYPE: CONTENT_TYPE}):
+            encoded = cbor.encode({**header, H_KID: bytes(KID_BYTES)})
+            templates[encoded[:-KID_BYTES]] = alg
+    return templates
+
+
+_PROTECTED = _protected_templates()
+# Every accepted protected header is 24-255 bytes long, so its bstr head is two bytes.
+assert all(len(cbor.encode_bstr_head(len(p) + KID_BYTES)) == 2 for p in _PROTECTED)
+# 18([bstr protected, {}, bstr payload, bstr .size 64]) with a known protected header, in one match:
+# group 1 = protected with its head, 2 = its kid, 3 = payload head, 4 = payload, 5 = signature.
+_ENVELOPE = re.compile(
+    re.escape(bytes((0xC0 | COSE_SIGN1_TAG, 0x84)))
+    + b"((?:" + b"|".join(re.escape(cbor.encode_bstr_head(len(p) + KID_BYTES) + p) for p in _PROTECTED) + b")"
+    + b"(.{32}))\\xa0" + cbor.head_pattern(2) + b"(.*)\\x58\\x40(.{64})\\Z",
+    re.DOTALL,
+)
+
+
+def _parse_fast(raw: bytes) -> ParsedAttestation | None:
+    """The common case in one regular expression: exactly ``18([protected, {}, payload, sig64])`` in
+    canonical form with one of the known protected headers. Anything else: None (use the full path)."""
+    if len(raw) > cbor.MAX_INPUT_BYTES:
+        return None
+    match = _ENVELOPE.match(raw)
+    if match is None:
+        return None
+    framed, kid, payload_head, payload, signature = match.groups()
+    if len(payload) != cbor.head_value(payload_head):
+        return None
+    protected = framed[2:]
+    return ParsedAttestation(raw=raw, protected=protected, payload=payload, signature=signature, kid=kid,
+                             alg=_PROTECTED[protected[:-KID_BYTES]])
+
+
 def parse_attestation(raw: bytes) -> ParsedAttestation:
     """Steps 1-4 of verification: strict decoding and header checks (no key, no signature yet)."""
+    fast = _parse_fast(raw)
+    return fast if fast is not None else _parse_full(raw)
+
+
+def _parse_full(raw: bytes) -> ParsedAttestation:
+    """The general path: decode everything, then check each rule and name the first broken one."""
     # 1. Deterministic CBOR, no tags but COSE's own (DESIGN §2).
     top = cbor.decode(raw, tags=_OTHER_COSE_TAGS | {COSE_SIGN1_TAG})
 
@@ -149,9 +195,13 @@ def parse_attestation(raw: bytes) -> ParsedAttestation:
     )
 
 
-def verify_signature(parsed: ParsedAttestation, public_key: Ed25519PublicKey) -> None:
-    """Step 6: Ed25519 over the Sig_structure; raises `bad_signature`."""
+def verify_signature(parsed: ParsedAttestation, public_key: Ed25519PublicKey, *,
+                     message: bytes | None = None) -> None:
+    """Step 6: Ed25519 over the Sig_structure (`message`, when the caller built it already); raises
+    `bad_signature`."""
+    if message is None:
+        message = sig_structure(parsed.protected, parsed.payload)
     try:
-        public_key.verify(parsed.signature, sig_structure(parsed.protected, parsed.payload))
+        public_key.verify(parsed.signature, message)
     except InvalidSignature as e:
         raise AttestationError(Code.BAD_SIGNATURE, "signature does not verify under the attester key") from e

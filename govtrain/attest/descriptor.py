@@ -42,6 +42,14 @@ _SPEC = {
 }
 
 
+_set = object.__setattr__
+_FAST = cbor.FixedMap({
+    **{name: {int: "uint", bytes: "bstr", str: "tstr"}[kind] for name, kind in _SPEC.items()},
+    "data_sha256": "bstr32",
+    "salt": f"bstr{SALT_BYTES}",
+})
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Descriptor:
     contribution_id: str
@@ -79,7 +87,15 @@ class Descriptor:
     @classmethod
     def from_bytes(cls, payload: bytes) -> "Descriptor":
         """Strictly decode and validate a received payload."""
-        return cls.from_map(cbor.decode(payload))
+        fields = _FAST.decode(payload)  # exact canonical layout with the right types, or None
+        if fields is None:
+            return cls.from_map(cbor.decode(payload))
+        # The fields are exactly this class's, with the right types: skip the generated __init__.
+        descriptor = object.__new__(cls)
+        for name, value in fields.items():
+            _set(descriptor, name, value)
+        _check_values(descriptor)
+        return descriptor
 
 
 def _check_values(d: Descriptor) -> None:
@@ -91,7 +107,8 @@ def _check_values(d: Descriptor) -> None:
     if not CONTRIBUTION_ID.fullmatch(d.contribution_id):
         raise bad("contribution_id must be 1-128 characters from [A-Za-z0-9._:-]")
     contributor = d.contributor
-    if not 1 <= len(contributor) <= MAX_CONTRIBUTOR_CHARS or any(
+    # isprintable() is False for every Cc, Cf, Zl and Zp character, so it settles the common case.
+    if not 1 <= len(contributor) <= MAX_CONTRIBUTOR_CHARS or not contributor.isprintable() and any(
         unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp") for ch in contributor
     ):
         raise bad(f"contributor must be 1-{MAX_CONTRIBUTOR_CHARS} printable characters")

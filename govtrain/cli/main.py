@@ -10,14 +10,13 @@ from pathlib import Path
 import click
 
 from govtrain import __version__
-from govtrain.attest.attest import DEFAULT_VALID_DAYS, attest
-from govtrain.attest.keys import generate_key_pair, key_id, load_private_key, raw_public_key
 from govtrain.cli.output import CONTEXT_SETTINGS, EXIT_OK, EXIT_REJECTED, Command, Group, emit_json, fail, reports_errors
-from govtrain.cli.verify import verify_options, run_verify
+from govtrain.cli.verify import run_verify, verify_options
 from govtrain.errors import AttestationError, Code, ConfigError
-from govtrain.gate.admission import admit_many
-from govtrain.ledger.ledger import Ledger
-from govtrain.policy.config import load_policy
+
+# Each command imports what it uses when it runs: SQLAlchemy and pydantic cost half a second to
+# import, and `keys`, `attest` and --help need neither.
+DEFAULT_VALID_DAYS = 90
 
 LEDGER_HELP = "Ledger URL (sqlite:///PATH or a file path); default $GOVTRAIN_LEDGER."
 MAX_ATTESTATION_BYTES = 64 * 1024
@@ -57,6 +56,8 @@ def keys() -> None:
 @reports_errors
 def keys_generate(out_dir: str, name: str, as_json: bool) -> None:
     """Generate an Ed25519 key pair; never overwrites an existing file."""
+    from govtrain.attest.keys import generate_key_pair, key_id, load_private_key, raw_public_key
+
     private_path, public_path = generate_key_pair(out_dir, name)
     kid = key_id(raw_public_key(load_private_key(private_path).public_key())).hex()
     if as_json:
@@ -79,6 +80,10 @@ def keys_generate(out_dir: str, name: str, as_json: bool) -> None:
 @reports_errors
 def init(policy_path: str, ledger_url: str, key_path: str, as_json: bool) -> None:
     """Create a ledger whose first entry records the policy."""
+    from govtrain.attest.keys import load_private_key, raw_public_key
+    from govtrain.ledger.ledger import Ledger
+    from govtrain.policy.config import load_policy
+
     policy, source_sha256 = load_policy(policy_path)
     public = raw_public_key(load_private_key(key_path).public_key())
     if public not in {k.public_key for k in policy.ledger_keys}:
@@ -117,6 +122,8 @@ def attest_command(data: str, key_path: str, contributor: str, data_class: str, 
                    noise_multiplier: str, eps_budget: str, valid_days: int, contribution_id: str | None,
                    out_path: str, as_json: bool) -> None:
     """Sign an attestation (COSE_Sign1) describing a contribution's data file."""
+    from govtrain.attest.attest import attest
+
     cose, descriptor = attest(data, key=key_path, contributor=contributor, data_class=data_class,
                               clip_norm=clip_norm, noise_multiplier=noise_multiplier, eps_budget=eps_budget,
                               valid_days=valid_days, contribution_id=contribution_id)
@@ -174,6 +181,9 @@ def admit_command(attestation: str | None, data_path: str | None, batch_dir: str
 
     Exit 0 when admitted, 3 when rejected (nothing is written).
     """
+    from govtrain.gate.admission import admit_many
+    from govtrain.ledger.ledger import Ledger
+
     if batch_dir is not None:
         if attestation is not None or data_path is not None:
             raise ConfigError(Code.USAGE, "give either ATTESTATION --data DATA or --batch DIR, not both")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import click
 
 from govtrain.cli.output import CONTEXT_SETTINGS, Command, emit_json, reports_errors
-from govtrain.verify.verifier import inspect_ledger
 
 
 def verify_options(f):  # type: ignore[no-untyped-def]
@@ -16,6 +15,8 @@ def verify_options(f):  # type: ignore[no-untyped-def]
 
 
 def run_verify(ledger_url: str, as_json: bool) -> None:
+    from govtrain.verify.verifier import inspect_ledger
+
     report = inspect_ledger(ledger_url)
     if as_json:
         emit_json(report.as_json())

@@ -17,6 +17,7 @@ fast; `tests/test_cbor.py` cross-checks both against a re-encoding oracle.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import AbstractSet, Any
 
@@ -54,50 +55,88 @@ def _head(major: int, value: int) -> bytes:
     return bytes((mt | 27,)) + value.to_bytes(8, "big")
 
 
+_CACHE_LIMIT = 4096
+_key_bytes: dict[tuple[type, Any], bytes] = {}
+_key_orders: dict[tuple[tuple, tuple], list[tuple[bytes, Any]]] = {}
+
+
+def _sorted_keys(obj: dict) -> list[tuple[bytes, Any]]:
+    """(encoded key, key) pairs in §4.2.1 order; memoised per key set, since entries repeat their keys."""
+    # Keys and their types: 1, 1.0 and True are equal as dict keys but must not share an encoding.
+    signature = (tuple(obj), tuple(map(type, obj)))
+    order = _key_orders.get(signature)
+    if order is not None:
+        return order
+    pairs = []
+    for key in obj:
+        if type(key) is not str and type(key) is not int:
+            raise TypeError(f"map keys must be integers or text, not {type(key).__name__}")
+        cache_key = (type(key), key)
+        encoded = _key_bytes.get(cache_key)
+        if encoded is None:
+            out = bytearray()
+            _encode_into(out, key)
+            encoded = bytes(out)
+            if len(_key_bytes) < _CACHE_LIMIT:
+                _key_bytes[cache_key] = encoded
+        pairs.append((encoded, key))
+    pairs.sort(key=lambda pair: pair[0])
+    if len(_key_orders) < _CACHE_LIMIT:
+        _key_orders[signature] = pairs
+    return pairs
+
+
 def _encode_into(out: bytearray, obj: Any) -> None:
-    if obj is True:
-        out.append(0xF5)
-    elif obj is False:
-        out.append(0xF4)
-    elif obj is None:
-        out.append(0xF6)
-    elif isinstance(obj, int):
-        if 0 <= obj <= _UINT64_MAX:
+    kind = type(obj)
+    if kind is int:
+        if 0 <= obj < 24:
+            out.append(obj)
+        elif 0 <= obj <= _UINT64_MAX:
             out += _head(0, obj)
         elif -(2**64) <= obj < 0:
             out += _head(1, -1 - obj)
         else:
             raise TypeError(f"integer {obj} does not fit in 64 bits")
-    elif isinstance(obj, (bytes, bytearray, memoryview)):
-        raw = bytes(obj)
-        out += _head(2, len(raw))
-        out += raw
-    elif isinstance(obj, str):
+    elif kind is str:
         raw = obj.encode("utf-8")
-        out += _head(3, len(raw))
+        if len(raw) < 24:
+            out.append(0x60 | len(raw))
+        else:
+            out += _head(3, len(raw))
         out += raw
-    elif isinstance(obj, (list, tuple)):
+    elif kind is bytes:
+        out += _head(2, len(obj))
+        out += obj
+    elif kind is dict:
+        out += _head(5, len(obj))
+        for encoded, key in _sorted_keys(obj):
+            out += encoded
+            _encode_into(out, obj[key])
+    elif kind is list or kind is tuple:
         out += _head(4, len(obj))
         for item in obj:
             _encode_into(out, item)
-    elif isinstance(obj, dict):
-        pairs = []
-        for key, value in obj.items():
-            if isinstance(key, bool) or not isinstance(key, (int, str)):
-                raise TypeError(f"map keys must be integers or text, not {type(key).__name__}")
-            pairs.append((encode(key), value))
-        pairs.sort(key=lambda pair: pair[0])
-        out += _head(5, len(pairs))
-        for key_bytes, value in pairs:
-            out += key_bytes
-            _encode_into(out, value)
-    elif isinstance(obj, Tag):
+    elif obj is True:
+        out.append(0xF5)
+    elif obj is False:
+        out.append(0xF4)
+    elif obj is None:
+        out.append(0xF6)
+    elif kind is Tag:
         if not 0 <= obj.number <= _UINT64_MAX:
             raise TypeError(f"tag number {obj.number} out of range")
         out += _head(6, obj.number)
         _encode_into(out, obj.value)
     elif isinstance(obj, float):
         raise TypeError("floats are not allowed in signed or hashed structures; use micro-units")
+    elif isinstance(obj, (bytearray, memoryview)):
+        _encode_into(out, bytes(obj))
+    elif isinstance(obj, bool):
+        _encode_into(out, bool(obj))
+    elif isinstance(obj, int):
+        _encode_into(out, int(obj))
+    elif isinstance(obj, str):
+        _encode_into(out, str(obj))
     else:
         raise TypeError(f"cannot encode {type(obj).__name__} as deterministic CBOR")
 
@@ -256,3 +295,103 @@ def decode(
             Code.TRAILING_BYTES, f"{reader.end - reader.pos} bytes after the data item (at byte {reader.pos})"
         )
     return value
+
+
+# ---------------------------------------------------------------------------------------
+# Fast path for fixed layouts
+# ---------------------------------------------------------------------------------------
+#
+# The formats govtrain verifies most (descriptors, COSE envelopes) have a fixed shape. These
+# helpers accept only the exact canonical bytes of that shape and answer None for anything
+# else, so the caller can fall back to `decode`, which then names the precise problem. They
+# never accept what `decode` plus the caller's schema check would reject: tests/test_cbor.py
+# checks that on random and mutated inputs.
+
+_INT63_MAX = 2**63 - 1
+
+
+def head_pattern(major: int, max_value_63: bool = False) -> bytes:
+    """A regex for the shortest-form head of `major` (RFC 8949 §4.2.1), as one capture group."""
+    mt = major << 5
+    byte = lambda b: re.escape(bytes((b,)))  # noqa: E731
+    one = b"[" + byte(mt) + b"-" + byte(mt | 23) + b"]"
+    two = byte(mt | 24) + b"[\\x18-\\xff]"
+    three = byte(mt | 25) + b"(?!\\x00)[\\x00-\\xff]{2}"
+    five = byte(mt | 26) + b"(?!\\x00\\x00)[\\x00-\\xff]{4}"
+    nine = byte(mt | 27) + (b"(?=[\\x00-\\x7f])" if max_value_63 else b"") + b"(?!\\x00{4})[\\x00-\\xff]{8}"
+    return b"(" + b"|".join((one, two, three, five, nine)) + b")"
+
+
+def head_value(head: bytes) -> int:
+    """The argument of a head matched by `head_pattern`."""
+    info = head[0] & 0x1F
+    return info if info < 24 else int.from_bytes(head[1:], "big")
+
+
+class FixedMap:
+    """A map with exactly these text keys, each holding an unsigned integer below 2^63 ("uint"),
+    a byte string ("bstr", or "bstr32" for exactly 32 bytes, and so on) or a text string ("tstr").
+
+    One compiled regular expression checks the layout in C: every key literal in §4.2.1 order and
+    every head in its shortest form. String contents are matched lazily up to the next key inside
+    atomic groups (linear time on any input), then their lengths are checked against their heads, so
+    a string that happens to contain the next key's bytes only sends the input to the slow path.
+    """
+
+    _MAJORS = {"uint": 0, "bstr": 2, "tstr": 3}
+
+    def __init__(self, fields: dict[str, str]) -> None:
+        if not fields or len(fields) >= 24:
+            raise ValueError("a FixedMap has 1 to 23 fields")
+        encoded = sorted((encode(name), name, kind) for name, kind in fields.items())
+        pattern = re.escape(bytes((0xA0 | len(encoded),)))
+        # Capture-group indices by kind: integers (their head), fixed-size byte strings (their
+        # content), variable strings (head, then content).
+        self._uints: list[tuple[str, int]] = []
+        self._fixed: list[tuple[str, int]] = []
+        self._strings: list[tuple[str, int, bool]] = []  # (name, head group, is text)
+        group = 0
+        for index, (key, name, kind) in enumerate(encoded):
+            following = re.escape(encoded[index + 1][0]) if index + 1 < len(encoded) else b"\\Z"
+            pattern += re.escape(key)
+            if kind.startswith("bstr") and kind != "bstr":
+                size = int(kind.removeprefix("bstr"))
+                pattern += re.escape(encode_bstr_head(size)) + b"(.{%d})" % size
+                self._fixed.append((name, group))
+                group += 1
+            elif kind == "uint":
+                pattern += head_pattern(0, True)
+                self._uints.append((name, group))
+                group += 1
+            else:
+                major = self._MAJORS[kind]
+                pattern += b"(?>" + head_pattern(major, False) + b"(.*?)(?=" + following + b"))"
+                self._strings.append((name, group, major == 3))
+                group += 2
+        self._regex = re.compile(pattern + b"\\Z", re.DOTALL)
+
+    def decode(self, data: bytes) -> dict | None:
+        """The map, if `data` is exactly its canonical encoding; otherwise None."""
+        if len(data) > MAX_INPUT_BYTES:
+            return None
+        match = self._regex.match(data)
+        if match is None:
+            return None
+        groups = match.groups()
+        result = {
+            name: head[0] & 0x1F if len(head := groups[index]) == 1 else int.from_bytes(head[1:], "big")
+            for name, index in self._uints
+        }
+        for name, index in self._fixed:
+            result[name] = groups[index]
+        for name, index, is_text in self._strings:
+            head, content = groups[index], groups[index + 1]
+            if len(content) != (head[0] & 0x1F if len(head) == 1 else int.from_bytes(head[1:], "big")):
+                return None
+            if is_text:
+                try:
+                    content = content.decode("utf-8")
+                except UnicodeDecodeError:
+                    return None
+            result[name] = content
+        return result

@@ -178,17 +178,20 @@ def admit_many(ledger: Ledger, items: Iterable[tuple[str, bytes, Path]], *, now:
                     outcomes[index] = AdmitOutcome(source, error=error)
         pending.clear()
 
-    for source, raw, data in items:
-        index = len(outcomes)
-        outcomes.append(AdmitOutcome(source))
-        try:
-            verified = gate.verify(raw, now=now, epoch=epoch)
-            gate.check_data(verified, data)
-        except GovtrainError as e:
-            outcomes[index] = AdmitOutcome(source, error=e)
-            continue
-        pending.append((index, source, verified))
-        if len(pending) >= batch_size:
-            flush()
-    flush()
+    items = list(items)
+    for start in range(0, len(items), batch_size):
+        chunk = items[start : start + batch_size]
+        verdicts = gate.verify_many([raw for _, raw, _ in chunk], now=now, epoch=epoch)
+        for (source, _, data), verdict in zip(chunk, verdicts):
+            index = len(outcomes)
+            outcomes.append(AdmitOutcome(source))
+            try:
+                if isinstance(verdict, GovtrainError):
+                    raise verdict
+                gate.check_data(verdict, data)
+            except GovtrainError as e:
+                outcomes[index] = AdmitOutcome(source, error=e)
+                continue
+            pending.append((index, source, verdict))
+        flush()
     return outcomes
