@@ -147,3 +147,17 @@ def test_public_key_forms(tmp_path):
         parse_public_key(base64.b64encode(raw[:31]).decode())
     with pytest.raises(ConfigError):
         parse_public_key("!!!")
+
+
+def test_save_round_trips_a_given_key(tmp_path):
+    from govtrain.attest.keys import save_key_pair
+
+    key = Ed25519PrivateKey.from_private_bytes(bytes.fromhex(RFC8032[0][0]))
+    private, public = save_key_pair(key, tmp_path, "rfc")
+    assert raw_public_key(load_private_key(private).public_key()).hex() == RFC8032[0][1]
+    assert load_public_key(public).hex() == RFC8032[0][1]
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600
+    (tmp_path / "other.pub").write_text("x")
+    with pytest.raises(ConfigError):
+        save_key_pair(key, tmp_path, "other")
+    assert not (tmp_path / "other.key").exists()

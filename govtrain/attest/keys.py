@@ -124,7 +124,15 @@ def check_public_key(raw: bytes) -> None:
 
 
 def generate_key_pair(out_dir: str | os.PathLike, name: str) -> tuple[Path, Path]:
-    """Write ``NAME.key`` (PKCS#8 PEM, 0600) and ``NAME.pub`` (PEM) into `out_dir`; never overwrite."""
+    """Write a new key pair as ``NAME.key`` (PKCS#8 PEM, 0600) and ``NAME.pub`` (PEM); never overwrite."""
+    return save_key_pair(Ed25519PrivateKey.generate(), out_dir, name)
+
+
+def save_key_pair(private_key: Ed25519PrivateKey, out_dir: str | os.PathLike, name: str) -> tuple[Path, Path]:
+    """Save `private_key` as ``NAME.key`` (PKCS#8 PEM, mode 0600) and its public key as ``NAME.pub``.
+
+    Refuses to overwrite either file, and writes neither if either exists.
+    """
     if not name or "/" in name or name.startswith("."):
         raise ConfigError(Code.BAD_ARGUMENT, f"key name {name!r} must be a plain file name")
     directory = Path(out_dir)
@@ -134,7 +142,6 @@ def generate_key_pair(out_dir: str | os.PathLike, name: str) -> tuple[Path, Path
     for path in (private_path, public_path):
         if path.exists():
             raise ConfigError(Code.KEY_EXISTS, f"{path} already exists; choose another --name or --out")
-    private_key = Ed25519PrivateKey.generate()
     _write_new(
         private_path,
         private_key.private_bytes(
