@@ -43,7 +43,7 @@ echo "   ... 30 attestations written"
 step "Operator: admit them in one batch"
 show "$BIN/govtrain" admit --batch "$OUT/data" --ledger "$LEDGER"
 
-step "Operator: three deliberate rejections (nothing is written for any of them)"
+step "Operator: deliberate rejections: an untrusted key, a bound looser than its class, altered data, a replay"
 mkdir -p "$OUT/rejected"
 head -n 20 "$OUT/data/heldout.jsonl" > "$OUT/rejected/extra.jsonl"
 "$BIN/govtrain" attest "$OUT/rejected/extra.jsonl" --key "$OUT/keys/rogue.key" --contributor mallory \

@@ -181,7 +181,21 @@ def _rehashed_body(seq: int, change):
     return run
 
 
+def _swap_entries(a: int, b: int):
+    def run(db: Path) -> None:
+        connection = sqlite3.connect(db)
+        rows = {seq: (body, leaf) for seq, body, leaf in
+                connection.execute("SELECT seq, body, leaf_hash FROM entries WHERE seq IN (?, ?)", (a, b))}
+        connection.close()
+        # Park a's leaf hash first: leaf hashes are unique.
+        _tamper(db, f"UPDATE entries SET leaf_hash = zeroblob(32) WHERE seq = {a}",
+                f"UPDATE entries SET body = x'{rows[a][0].hex()}', leaf_hash = x'{rows[a][1].hex()}' WHERE seq = {b}",
+                f"UPDATE entries SET body = x'{rows[b][0].hex()}', leaf_hash = x'{rows[b][1].hex()}' WHERE seq = {a}")
+    return run
+
+
 TAMPERS = {
+    "entries_reordered": (_swap_entries(2, 3), "bad_entry", 2),
     "body_byte_changed": (_flip_body_byte(2, 40), "leaf_hash_mismatch", 2),
     "entry_deleted": (lambda db: _tamper(db, "DELETE FROM admissions WHERE seq = 3",
                                          "DELETE FROM entries WHERE seq = 3"), "sequence_gap", 3),

@@ -218,37 +218,23 @@ class Gate:
                 f"validity window of {d.not_after - d.not_before} s exceeds the policy's {policy.max_validity_s} s",
             )
 
-        # 10. Bounds at least as strict as the corpus floor, then the class (DESIGN §4).
-        if d.noise_multiplier_u < policy.floor_min_noise_multiplier_u:
-            raise AdmissionError(
-                Code.BELOW_CORPUS_FLOOR,
-                f"noise multiplier {format_micro(d.noise_multiplier_u)} is below the corpus floor "
-                f"{format_micro(policy.floor_min_noise_multiplier_u)}",
-            )
-        if d.clip_norm_u > policy.floor_max_clip_norm_u:
-            raise AdmissionError(
-                Code.BELOW_CORPUS_FLOOR,
-                f"clipping norm {format_micro(d.clip_norm_u)} exceeds the corpus maximum "
-                f"{format_micro(policy.floor_max_clip_norm_u)}",
-            )
-        if d.noise_multiplier_u < cls.min_noise_multiplier_u:
-            raise AdmissionError(
-                Code.BELOW_FLOOR,
-                f"noise multiplier {format_micro(d.noise_multiplier_u)} is below the minimum "
-                f"{format_micro(cls.min_noise_multiplier_u)} of class {cls.name!r}",
-            )
-        if d.clip_norm_u > cls.clip_norm_u:
-            raise AdmissionError(
-                Code.BELOW_FLOOR,
-                f"clipping norm {format_micro(d.clip_norm_u)} exceeds the bound "
-                f"{format_micro(cls.clip_norm_u)} of class {cls.name!r}",
-            )
-        if d.eps_budget_u > cls.max_eps_budget_u:
-            raise AdmissionError(
-                Code.BUDGET_ABOVE_MAX,
-                f"budget {format_micro(d.eps_budget_u)} exceeds the maximum "
-                f"{format_micro(cls.max_eps_budget_u)} of class {cls.name!r}",
-            )
+        # 10. Bounds at least as strict as the corpus floor, then the class (DESIGN §4):
+        #     clip_norm <= class.clip_norm <= floor.max_clip_norm,
+        #     noise_multiplier >= class.min_noise_multiplier >= floor.min_noise_multiplier,
+        #     eps_budget <= class.max_eps_budget.
+        corpus, own = "the corpus floor", f"the bound of class {cls.name!r}"
+        bounds = (
+            (Code.BELOW_CORPUS_FLOOR, "noise multiplier", d.noise_multiplier_u, ">=",
+             policy.floor_min_noise_multiplier_u, corpus),
+            (Code.BELOW_CORPUS_FLOOR, "clipping norm", d.clip_norm_u, "<=", policy.floor_max_clip_norm_u, corpus),
+            (Code.BELOW_FLOOR, "noise multiplier", d.noise_multiplier_u, ">=", cls.min_noise_multiplier_u, own),
+            (Code.BELOW_FLOOR, "clipping norm", d.clip_norm_u, "<=", cls.clip_norm_u, own),
+            (Code.BUDGET_ABOVE_MAX, "budget", d.eps_budget_u, "<=", cls.max_eps_budget_u, own),
+        )
+        for code, what, value, relation, limit, whose in bounds:
+            if value < limit if relation == ">=" else value > limit:
+                raise AdmissionError(code, f"{what} {format_micro(value)} must be {relation} {format_micro(limit)}, "
+                                           f"{whose}")
 
     def check_data(self, verified: VerifiedAttestation, data: str | Path,
                    summary: DataSummary | None = None) -> DataSummary:
