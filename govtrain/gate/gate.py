@@ -1,7 +1,8 @@
 """The admissibility gate (DESIGN §1.1, §3, §4): is this signed contribution admissible here?
 
-`Gate.verify` decodes and verifies an attestation and checks it against the policy;
-`Gate.check_data` checks the data file it binds. Neither touches the ledger:
+`Gate.verify` decodes and verifies an attestation and checks it against the policy
+(`Gate.verify_many` does the same for a batch, faster); `Gate.check_data` checks the data
+file it binds. Neither touches the ledger:
 replay checks and the admit entry live in `govtrain.gate.admission`. Both raise
 (`AttestationError`, `EncodingError`, `AdmissionError`); neither returns a bool.
 

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from govtrain.errors import Code, GovtrainError, IntegrityError
-from govtrain.ledger.entries import decode_entry
-from govtrain.policy.model import Policy
-
 import ledger_store
+from govtrain.errors import Code, GovtrainError, IntegrityError
+from govtrain.gate.gate import Gate
+from govtrain.ledger.entries import decode_entry
+from govtrain.ledger.ledger import store_errors
+from govtrain.policy.model import Policy
 
 
 @dataclass
@@ -61,8 +62,6 @@ def verify_ledger(url: str) -> VerificationReport:
 
 def inspect_ledger(url: str) -> VerificationReport:
     """Audit the ledger at `url` and return a report for display (the error, if any, inside it)."""
-    from govtrain.ledger.ledger import store_errors
-
     with store_errors():
         store = ledger_store.LedgerStore.open(url)
     report = VerificationReport(url=store.url)
@@ -77,8 +76,6 @@ def inspect_ledger(url: str) -> VerificationReport:
 
 
 def _verify(store: ledger_store.LedgerStore, report: VerificationReport) -> None:
-    from govtrain.gate.gate import Gate
-
     gate: Gate | None = None
     policy: Policy | None = None
     admitted: dict[str, int] = {}
