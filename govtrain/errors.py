@@ -90,6 +90,8 @@ class Code(str, Enum):
     BAD_LEDGER_HEADER = "bad_ledger_header"
     BAD_ADMISSION = "bad_admission"
     INDEX_MISMATCH = "index_mismatch"
+    BAD_PROOF = "bad_proof"
+    BAD_CHECKPOINT = "bad_checkpoint"
 
 
 class GovtrainError(Exception):
