@@ -55,7 +55,7 @@ def _corpus(root: Path) -> Corpus:
 
 def _fresh_ledger(corpus: Corpus, path: Path) -> Ledger:
     policy, digest = load_policy(corpus.policy_path)
-    return Ledger.init(f"sqlite:///{path}", policy, digest)
+    return Ledger.init(f"sqlite:///{path}", policy, digest, key_path=corpus.dir / "ledger.key")
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ class Code(str, Enum):
     KEY_PERMISSIONS = "key_permissions"
     KEY_EXISTS = "key_exists"
     KEY_MISMATCH = "key_mismatch"
+    KEY_MISSING = "key_missing"
     LEDGER_URL = "ledger_url"
     LEDGER_EXISTS = "ledger_exists"
     LEDGER_MISSING = "ledger_missing"
@@ -82,6 +83,12 @@ class Code(str, Enum):
     ID_REUSED = "id_reused"
     DUPLICATE_DATA = "duplicate_data"
 
+    # -- ledger requests that name something unknown or not allowed (exit 3) -------------
+    UNKNOWN_CONTRIBUTION = "unknown_contribution"
+    ALREADY_WITHDRAWN = "already_withdrawn"
+    RETENTION_HORIZON = "retention_horizon"
+    NO_CHECKPOINT = "no_checkpoint"
+
     # -- ledger integrity (exit 4) --------------------------------------------------------
     INTEGRITY = "integrity"
     LEAF_HASH_MISMATCH = "leaf_hash_mismatch"
@@ -92,6 +99,14 @@ class Code(str, Enum):
     INDEX_MISMATCH = "index_mismatch"
     BAD_PROOF = "bad_proof"
     BAD_CHECKPOINT = "bad_checkpoint"
+    UNSIGNED_TAIL = "unsigned_tail"
+    TRUNCATED = "truncated"
+    ROLLBACK = "rollback"
+    FORK = "fork"
+    BAD_SPEND = "bad_spend"
+    BAD_WITHDRAWAL = "bad_withdrawal"
+    BAD_SUMMARY = "bad_summary"
+    BAD_EPOCH = "bad_epoch"
 
 
 class GovtrainError(Exception):

@@ -1,12 +1,15 @@
 """Storage for govtrain ledgers: an append-only table of canonical CBOR entries."""
 
 from ledger_store.store import (
+    PERSISTED_NODE_HEIGHT,
     AdmissionRow,
     Appender,
     Conflict,
     LedgerExists,
     LedgerMissing,
     LedgerStore,
+    NodeCache,
+    StoredCheckpoint,
     StoredEntry,
     StoreError,
     UnsupportedURL,
@@ -15,6 +18,6 @@ from ledger_store.store import (
 )
 
 __all__ = [
-    "AdmissionRow", "Appender", "Conflict", "LedgerExists", "LedgerMissing", "LedgerStore", "StoredEntry",
+    "PERSISTED_NODE_HEIGHT", "NodeCache", "StoredCheckpoint", "AdmissionRow", "Appender", "Conflict", "LedgerExists", "LedgerMissing", "LedgerStore", "StoredEntry",
     "StoreError", "UnsupportedURL", "leaf_hash", "normalize_url",
 ]

@@ -1,10 +1,10 @@
-"""An append-only store of ledger entries on SQLite (SQLModel / SQLAlchemy Core).
+"""An append-only store of ledger entries (SQLModel / SQLAlchemy Core).
 
-Writers take SQLite's write lock before they read the next sequence number
-(``BEGIN IMMEDIATE``), so concurrent processes never assign the same number or skip
-one; everything appended in one `append()` block commits or rolls back together.
-The store hashes nothing but leaves (RFC 9162 §2.1.1) and knows nothing of entry
-contents: encoding is govtrain's job.
+Writers take the database's write lock before they read the next sequence number (SQLite:
+``BEGIN IMMEDIATE``), so concurrent processes never assign the same number or skip one.
+Everything appended in one `append()` block, the checkpoint that signs it included, commits
+or rolls back together: a crash leaves either all of it or none of it. The store hashes
+nothing but leaves (RFC 9162 §2.1.1) and knows nothing of entry contents.
 """
 
 from __future__ import annotations
@@ -14,16 +14,27 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, MutableMapping
 
-from sqlalchemy import create_engine, event, func, insert, select
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy import create_engine, event, func, insert, select, update
+from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, IntegrityError as SQLIntegrityError
 from sqlmodel import SQLModel
 
-from ledger_store.models import APPEND_ONLY_TABLES, Admission, Entry, Setting
+from ledger_store.models import (
+    ALL_TABLES,
+    Admission,
+    Checkpoint,
+    Entry,
+    Setting,
+    Summary,
+    TreeNode,
+    Withdrawal,
+)
+from ledger_store.schema import sqlite_triggers
 
 LEAF_PREFIX = b"\x00"
+PERSISTED_NODE_HEIGHT = 8  # subtrees of 256 leaves and up are stored; smaller ones are cheap to recompute
 
 
 class StoreError(Exception):
@@ -43,7 +54,7 @@ class LedgerExists(StoreError):
 
 
 class Conflict(StoreError):
-    """A unique constraint refused the write (a replay that raced another writer)."""
+    """A unique constraint refused the write (a replay, or a second withdrawal, that raced another writer)."""
 
 
 def leaf_hash(body: bytes) -> bytes:
@@ -70,6 +81,15 @@ class AdmissionRow:
     data_sha256: bytes
 
 
+@dataclass(frozen=True, slots=True)
+class StoredCheckpoint:
+    id: int
+    size: int
+    root: bytes
+    note: str
+    time: int
+
+
 def normalize_url(url: str) -> str:
     """A SQLAlchemy URL; a bare path means a SQLite file."""
     if "://" not in url:
@@ -83,20 +103,10 @@ def _sqlite_path(url: str) -> Path:
     except ArgumentError as e:
         raise UnsupportedURL(f"{url!r} is not a database URL (try sqlite:///ledger.db)") from e
     if parsed.get_backend_name() != "sqlite":
-        raise UnsupportedURL(
-            f"{parsed.get_backend_name()!r} ledgers are not supported yet; use sqlite:///PATH"
-        )
+        raise UnsupportedURL(f"{parsed.get_backend_name()!r} ledgers are not supported yet; use sqlite:///PATH")
     if not parsed.database or parsed.database == ":memory:":
         raise UnsupportedURL("a ledger needs a SQLite file, not an in-memory database")
     return Path(parsed.database)
-
-
-_TRIGGERS = [
-    f"""CREATE TRIGGER IF NOT EXISTS {table}_no_{verb.lower()} BEFORE {verb} ON {table}
-        BEGIN SELECT RAISE(ABORT, 'govtrain ledger: {table} are append-only'); END"""
-    for table in APPEND_ONLY_TABLES
-    for verb in ("UPDATE", "DELETE")
-]
 
 
 def _engine(url: str) -> Engine:
@@ -104,8 +114,7 @@ def _engine(url: str) -> Engine:
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection, _record) -> None:
-        # Let SQLAlchemy's "begin" event below issue BEGIN itself.
-        dbapi_connection.isolation_level = None
+        dbapi_connection.isolation_level = None  # SQLAlchemy's "begin" event below issues BEGIN itself
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA synchronous=FULL")
@@ -120,43 +129,129 @@ def _engine(url: str) -> Engine:
     return engine
 
 
-class Appender:
-    """Adds entries inside one write transaction; sequence numbers are dense and in order."""
+def _insert_rows(connection: Connection, table, rows: list[dict]) -> None:
+    if not rows:
+        return
+    if connection.dialect.paramstyle == "qmark":
+        # SQLite: plain tuples to the driver; SQLAlchemy's per-value processing costs more than the insert.
+        columns = list(rows[0])
+        statement = f"INSERT INTO {table.name} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
+        connection.exec_driver_sql(statement, [tuple(row[c] for c in columns) for row in rows])
+    else:
+        connection.execute(insert(table), rows)
 
-    def __init__(self, connection, next_seq: int) -> None:
-        self._connection = connection
+
+def _leaf_hashes(connection: Connection, start: int, stop: int) -> list[bytes]:
+    rows = connection.execute(
+        select(Entry.leaf_hash).where(Entry.seq >= start, Entry.seq < stop).order_by(Entry.seq)
+    ).all()
+    return [row[0] for row in rows]
+
+
+class NodeCache(MutableMapping):
+    """Perfect-subtree hashes for `govtrain.ledger.merkle.MerkleTree`, persisted in `tree_nodes`.
+
+    Reads go to memory, then the table; writes are kept in memory until `flush` (inside a write
+    transaction) stores the new ones. Only heights >= PERSISTED_NODE_HEIGHT reach the table.
+    """
+
+    def __init__(self, connection_factory: Callable[[], Connection]) -> None:
+        self._connection = connection_factory
+        self._memory: dict[tuple[int, int], bytes] = {}
+        self._new: dict[tuple[int, int], bytes] = {}
+
+    def __getitem__(self, key: tuple[int, int]) -> bytes:
+        found = self._memory.get(key)
+        if found is not None:
+            return found
+        if key[0] >= PERSISTED_NODE_HEIGHT:
+            row = self._connection().execute(
+                select(TreeNode.hash).where(TreeNode.height == key[0], TreeNode.idx == key[1])
+            ).first()
+            if row is not None:
+                self._memory[key] = row[0]
+                return row[0]
+        raise KeyError(key)
+
+    def get(self, key, default=None):  # type: ignore[override]
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __setitem__(self, key: tuple[int, int], value: bytes) -> None:
+        self._memory[key] = value
+        if key[0] >= PERSISTED_NODE_HEIGHT:
+            self._new[key] = value
+
+    def __delitem__(self, key: tuple[int, int]) -> None:
+        raise TypeError("Merkle subtree hashes are immutable")
+
+    def __iter__(self):
+        return iter(self._memory)
+
+    def __len__(self) -> int:
+        return len(self._memory)
+
+    def flush(self, connection: Connection) -> None:
+        if not self._new:
+            return
+        existing = {(h, i) for h, i in connection.execute(
+            select(TreeNode.height, TreeNode.idx).where(
+                TreeNode.height.in_({h for h, _ in self._new}), TreeNode.idx.in_({i for _, i in self._new})))}
+        rows = [{"height": h, "idx": i, "hash": v} for (h, i), v in self._new.items() if (h, i) not in existing]
+        _insert_rows(connection, TreeNode.__table__, rows)
+        self._new.clear()
+
+
+class Appender:
+    """Adds entries (and the index rows and checkpoint that go with them) inside one write transaction."""
+
+    def __init__(self, connection: Connection, next_seq: int) -> None:
+        self.connection = connection
+        self.first_seq = next_seq
         self.next_seq = next_seq
         self._entries: list[dict] = []
-        self._admissions: list[dict] = []
+        self._index: dict[str, list[dict]] = {"admissions": [], "withdrawals": [], "summaries": []}
         self.added: list[StoredEntry] = []
 
-    def add(self, kind: str, time: int, build: Callable[[int], bytes],
-            admission: dict | None = None) -> StoredEntry:
-        """Append the entry `build(seq)` returns; `admission` (contribution_id, data_class, hashes) indexes it."""
+    def add(self, kind: str, time: int, build: Callable[[int], bytes], admission: dict | None = None,
+            withdrawal: dict | None = None, summary: dict | None = None) -> StoredEntry:
+        """Append the entry `build(seq)` returns, with the index rows that describe it."""
         seq = self.next_seq
         body = build(seq)
         stored = StoredEntry(seq, kind, time, leaf_hash(body), body)
         self._entries.append({"seq": seq, "kind": kind, "time": time, "leaf_hash": stored.leaf_hash, "body": body})
-        if admission is not None:
-            self._admissions.append({**admission, "seq": seq})
+        for name, row in (("admissions", admission), ("withdrawals", withdrawal), ("summaries", summary)):
+            if row is not None:
+                self._index[name].append({**row, "seq": seq})
         self.added.append(stored)
         self.next_seq += 1
         return stored
 
     def flush(self) -> None:
-        for table, rows in ((Entry.__table__, self._entries), (Admission.__table__, self._admissions)):
-            if not rows:
-                continue
-            if self._connection.dialect.paramstyle == "qmark":
-                # SQLite: hand the driver plain tuples; SQLAlchemy's per-value processing costs more
-                # than the insert itself on large batches.
-                columns = list(rows[0])
-                statement = (f"INSERT INTO {table.name} ({', '.join(columns)}) "
-                             f"VALUES ({', '.join('?' * len(columns))})")
-                self._connection.exec_driver_sql(statement, [tuple(row[c] for c in columns) for row in rows])
-            else:
-                self._connection.execute(insert(table), rows)
-        self._entries, self._admissions = [], []
+        _insert_rows(self.connection, Entry.__table__, self._entries)
+        for table in (Admission.__table__, Withdrawal.__table__, Summary.__table__):
+            _insert_rows(self.connection, table, self._index[table.name])
+        self._entries = []
+        self._index = {name: [] for name in self._index}
+
+    def leaf_hashes(self, start: int, stop: int) -> list[bytes]:
+        """Leaf hashes as this transaction sees them (what it added included, once flushed)."""
+        self.flush()
+        return _leaf_hashes(self.connection, start, stop)
+
+    def add_checkpoint(self, size: int, root: bytes, note: str, time: int) -> None:
+        self.flush()
+        _insert_rows(self.connection, Checkpoint.__table__,
+                     [{"size": size, "root": root, "note": note, "time": time}])
+
+    def redact(self, seqs: list[int]) -> None:
+        """Drop the bodies of summarized entries (the triggers refuse anything else)."""
+        self.flush()
+        for start in range(0, len(seqs), 500):
+            self.connection.execute(update(Entry.__table__).where(Entry.seq.in_(seqs[start:start + 500]))
+                                    .values(body=None))
 
 
 class LedgerStore:
@@ -174,9 +269,8 @@ class LedgerStore:
         path.parent.mkdir(parents=True, exist_ok=True)
         store = cls(url, _engine(url))
         with store.engine.begin() as connection:
-            SQLModel.metadata.create_all(connection, tables=[Entry.__table__, Admission.__table__,
-                                                            Setting.__table__])
-            for statement in _TRIGGERS:
+            SQLModel.metadata.create_all(connection, tables=ALL_TABLES)
+            for statement in sqlite_triggers():
                 connection.exec_driver_sql(statement)
         if store.size() > 0:
             store.close()
@@ -242,23 +336,49 @@ class LedgerStore:
             row = connection.execute(select(Entry.__table__).where(Entry.seq == seq)).first()
         return StoredEntry(*row) if row is not None else None
 
-    def entries(self, start: int = 0, batch: int = 10_000) -> Iterator[StoredEntry]:
+    def entries(self, start: int = 0, batch: int = 10_000, kinds: tuple[str, ...] | None = None
+                ) -> Iterator[StoredEntry]:
         """Entries in sequence order (including any gaps a tampered store may have)."""
         position = start
         while True:
+            query = select(Entry.__table__).where(Entry.seq >= position)
+            if kinds is not None:
+                query = query.where(Entry.kind.in_(kinds))
             with self.engine.connect() as connection:
-                rows = connection.execute(
-                    select(Entry.__table__).where(Entry.seq >= position).order_by(Entry.seq).limit(batch)
-                ).all()
+                rows = connection.execute(query.order_by(Entry.seq).limit(batch)).all()
             for row in rows:
                 yield StoredEntry(*row)
             if len(rows) < batch:
                 return
             position = rows[-1][0] + 1
 
+    def leaf_hashes(self, start: int, stop: int) -> list[bytes]:
+        with self.engine.connect() as connection:
+            return _leaf_hashes(connection, start, stop)
+
+    def node_cache(self) -> NodeCache:
+        connection_holder: list[Connection] = []
+
+        def connection() -> Connection:
+            if not connection_holder:
+                connection_holder.append(self.engine.connect())
+            return connection_holder[0]
+
+        return NodeCache(connection)
+
     def count_kind(self, kind: str) -> int:
         with self.engine.connect() as connection:
             return connection.execute(select(func.count()).select_from(Entry).where(Entry.kind == kind)).scalar_one()
+
+    def checkpoints(self) -> list[StoredCheckpoint]:
+        with self.engine.connect() as connection:
+            rows = connection.execute(select(Checkpoint.__table__).order_by(Checkpoint.id)).all()
+        return [StoredCheckpoint(r.id, r.size, r.root, r.note, r.time) for r in rows]
+
+    def latest_checkpoint(self) -> StoredCheckpoint | None:
+        with self.engine.connect() as connection:
+            row = connection.execute(select(Checkpoint.__table__).order_by(Checkpoint.id.desc()).limit(1)).first()
+        return StoredCheckpoint(row.id, row.size, row.root, row.note, row.time) if row is not None else None
 
     def admission_conflicts(self, contribution_ids: list[str], descriptor_hashes: list[bytes],
                             data_hashes: list[bytes]) -> list[AdmissionRow]:
@@ -276,10 +396,27 @@ class LedgerStore:
             ).all()
         return [self._admission(row) for row in rows]
 
+    def admission(self, contribution_id: str) -> AdmissionRow | None:
+        with self.engine.connect() as connection:
+            row = connection.execute(select(Admission.__table__).where(
+                Admission.contribution_id == contribution_id)).first()
+        return self._admission(row) if row is not None else None
+
     def admissions(self) -> list[AdmissionRow]:
         with self.engine.connect() as connection:
             rows = connection.execute(select(Admission.__table__).order_by(Admission.seq)).all()
         return [self._admission(row) for row in rows]
+
+    def withdrawals(self) -> dict[str, int]:
+        """contribution id -> seq of its withdraw entry."""
+        with self.engine.connect() as connection:
+            return dict(connection.execute(select(Withdrawal.contribution_id, Withdrawal.seq)).all())
+
+    def summaries(self) -> list[tuple[int, str, int, int]]:
+        """(seq, class, first_seq, last_seq) of every summary entry."""
+        with self.engine.connect() as connection:
+            return [tuple(r) for r in connection.execute(
+                select(Summary.seq, Summary.data_class, Summary.first_seq, Summary.last_seq).order_by(Summary.seq))]
 
     @staticmethod
     def _admission(row) -> AdmissionRow:

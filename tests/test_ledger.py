@@ -66,7 +66,7 @@ def test_init_refuses_an_existing_ledger(corpus: Corpus):
     policy, digest = load_policy(corpus.policy_path)
     before = snapshot(corpus.url)
     with pytest.raises(ConfigError) as info:
-        Ledger.init(corpus.url, policy, digest)
+        Ledger.init(corpus.url, policy, digest, key_path=corpus.dir / "ledger.key")
     assert info.value.code == Code.LEDGER_EXISTS
     assert snapshot(corpus.url) == before
 

@@ -102,7 +102,7 @@ def _receipt(verified: VerifiedAttestation, stored: ledger_store.StoredEntry) ->
 
 
 def _write(ledger: Ledger, batch: list[VerifiedAttestation], now: int) -> list[ledger_store.StoredEntry]:
-    with ledger.store.append() as appender:
+    with ledger.append(now) as appender:
         for verified in batch:
             appender.add("admit", now, lambda seq, v=verified: admit_entry(seq, now, v), _admission_row(verified))
     return appender.added

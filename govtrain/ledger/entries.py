@@ -20,7 +20,7 @@ ENTRY_VERSION = 1
 KINDS = ("header", "admit", "spend", "withdraw", "epoch", "summary", "run", "policy")
 
 _COMMON = {"v": int, "seq": int, "kind": str, "time": int}
-SPECS: dict[str, dict[str, type]] = {
+SPECS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "header": {**_COMMON, "policy": dict, "policy_source_sha256": bytes},
     "admit": {
         **_COMMON,
@@ -40,6 +40,37 @@ SPECS: dict[str, dict[str, type]] = {
         # The attestation as received, so that an auditor can re-verify the attester's signature.
         "attestation": bytes,
     },
+    # A contribution's privacy spend, written ahead for one ledger epoch (DESIGN §5-6).
+    "spend": {
+        **_COMMON,
+        "contribution_id": str,
+        "admit_leaf": bytes,
+        "epoch": int,
+        "steps": int,                   # steps of this epoch in which the contribution is eligible
+        "sampling_rate_u": int,         # q, micro-units
+        "noise_multiplier_u": int,      # sigma_eff, micro-units, rounded down (more conservative)
+        "accountant": str,
+        "delta_p": int,
+        "eps_u": int,                   # cumulative epsilon after this epoch, micro-units, rounded up
+    },
+    "withdraw": {**_COMMON, "contribution_id": str, "admit_leaf": bytes, "reason": str},
+    "epoch": {**_COMMON, "epoch": int},   # closes ledger epoch `epoch` (numbered from 0)
+    "summary": {
+        **_COMMON,
+        "data_class": str,
+        "before_epoch": int,
+        "first_seq": int,               # the summarized range [first_seq, last_seq]
+        "last_seq": int,
+        "entries": int,                 # entries of this class summarized
+        "admitted": int,
+        "withdrawn": int,
+        "spend_u": int,                 # sum over contributions of their latest cumulative eps_u
+        "entries_sha256": bytes,        # SHA-256 over this class's summarized entries' leaf hashes, in order
+        "range_sha256": bytes,          # SHA-256 over the leaf hashes of every entry this compaction redacts
+    },
+    "run": {**_COMMON, "run_id": str, "mechanism": str, "config_sha256": bytes, "base_model_sha256": bytes,
+            "adapter_sha256": (bytes, type(None))},
+    "policy": {**_COMMON, "policy": dict, "policy_source_sha256": bytes, "reason": str},
 }
 
 
@@ -72,6 +103,31 @@ def admit_entry(seq: int, time: int, verified: "VerifiedAttestation") -> bytes:
         not_after=d.not_after,
         attestation=verified.raw,
     )
+
+
+def withdraw_entry(seq: int, time: int, contribution_id: str, admit_leaf: bytes, reason: str) -> bytes:
+    return _entry(seq, "withdraw", time, contribution_id=contribution_id, admit_leaf=admit_leaf, reason=reason)
+
+
+def epoch_entry(seq: int, time: int, epoch: int) -> bytes:
+    return _entry(seq, "epoch", time, epoch=epoch)
+
+
+def summary_entry(seq: int, time: int, **fields: Any) -> bytes:
+    return _entry(seq, "summary", time, **fields)
+
+
+def spend_entry(seq: int, time: int, **fields: Any) -> bytes:
+    return _entry(seq, "spend", time, **fields)
+
+
+def run_entry(seq: int, time: int, **fields: Any) -> bytes:
+    return _entry(seq, "run", time, **fields)
+
+
+def policy_entry(seq: int, time: int, policy: "Policy", policy_source_sha256: bytes, reason: str) -> bytes:
+    return _entry(seq, "policy", time, policy=policy.to_record(), policy_source_sha256=policy_source_sha256,
+                  reason=reason)
 
 
 def decode_entry(body: bytes, *, seq: int, kind: str) -> dict:

@@ -1,22 +1,30 @@
-"""A govtrain ledger: the store plus the policy recorded in its header entry.
+"""A govtrain ledger: the store, the policy its header (or latest policy entry) records, and its key.
 
-This is the boundary between `ledger_store` (storage, its own exceptions) and the
-rest of govtrain (`GovtrainError` with stable codes).
+This is the boundary between `ledger_store` (storage, its own exceptions) and the rest of
+govtrain (`GovtrainError` with stable codes). Every write goes through `Ledger.append`, which
+signs a C2SP checkpoint of the resulting tree inside the same transaction: every state the
+ledger is ever in is signed, so an entry beyond the last checkpoint can only be a forgery.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time as _time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 import ledger_store
-from govtrain.errors import Code, ConfigError, IntegrityError
-from govtrain.ledger.entries import decode_entry, header_entry
+from govtrain.attest.keys import load_private_key, raw_public_key
+from govtrain.errors import Code, ConfigError, IntegrityError, RejectedError
+from govtrain.ledger.checkpoint import Checkpoint, NoteKey, sign_checkpoint
+from govtrain.ledger.entries import decode_entry, epoch_entry, header_entry, summary_entry, withdraw_entry
+from govtrain.ledger.merkle import MerkleTree
 from govtrain.policy.model import Policy
 
 LEDGER_KEY_SETTING = "ledger_key_path"
+KEY_ENV = "GOVTRAIN_LEDGER_KEY"
 
 
 @contextmanager
@@ -31,14 +39,23 @@ def store_errors() -> Iterator[None]:
         raise ConfigError(Code.LEDGER_EXISTS, f"{e}; a ledger is initialised once") from e
 
 
+def note_keys(policy: Policy) -> list[NoteKey]:
+    """The policy's ledger keys as checkpoint verifier keys."""
+    return [NoteKey(k.name, k.public_key) for k in policy.ledger_keys]
+
+
 class Ledger:
-    def __init__(self, store: ledger_store.LedgerStore, policy: Policy, header: dict) -> None:
+    def __init__(self, store: ledger_store.LedgerStore, policy: Policy, header: dict,
+                 key_path: str | os.PathLike | None = None) -> None:
         self.store = store
         self.policy = policy
         self.header = header
+        self._key_path = key_path
+        self._key = None
 
     @classmethod
-    def open(cls, url: str) -> "Ledger":
+    def open(cls, url: str, *, key: str | os.PathLike | None = None) -> "Ledger":
+        """Open a ledger. `key` (else $GOVTRAIN_LEDGER_KEY, else the path `init` recorded) signs checkpoints."""
         with store_errors():
             store = ledger_store.LedgerStore.open(url)
         try:
@@ -47,29 +64,33 @@ class Ledger:
                 raise IntegrityError(Code.BAD_LEDGER_HEADER, "entry 0 is not a header; the ledger is damaged")
             header = decode_entry(first.body, seq=0, kind="header")
             policy = Policy.from_record(header["policy"])
+            for stored in store.entries(kinds=("policy",)):
+                if stored.body is not None:
+                    policy = Policy.from_record(decode_entry(stored.body, seq=stored.seq, kind="policy")["policy"])
         except Exception:
             store.close()
             raise
-        return cls(store, policy, header)
+        return cls(store, policy, header, key)
 
     @classmethod
-    def init(cls, url: str, policy: Policy, policy_source_sha256: bytes, *, key_path: Path | None = None,
+    def init(cls, url: str, policy: Policy, policy_source_sha256: bytes, *, key_path: str | os.PathLike,
              now: int | None = None) -> "Ledger":
-        """Create a ledger whose first entry is the header recording `policy`."""
+        """Create a ledger whose first entry is the header recording `policy`, signed by `key_path`."""
         now = int(_time.time()) if now is None else now
+        key = _load_ledger_key(key_path, policy)
         with store_errors():
             store = ledger_store.LedgerStore.create(url)
         try:
-            with store.append() as appender:
-                if appender.next_seq != 0:
+            store.set_setting(LEDGER_KEY_SETTING, str(Path(key_path).resolve()))
+            ledger = cls(store, policy, {}, key_path)
+            ledger._key = key
+            with ledger.append(now) as appender:
+                if appender.first_seq != 0:
                     raise ConfigError(Code.LEDGER_EXISTS, f"{store.url} already holds a ledger")
                 appender.add("header", now, lambda seq: header_entry(seq, now, policy, policy_source_sha256))
-            if key_path is not None:
-                store.set_setting(LEDGER_KEY_SETTING, str(Path(key_path).resolve()))
-        except Exception:
+        finally:
             store.close()
-            raise
-        return cls.open(store.url)
+        return cls.open(url, key=key_path)
 
     def close(self) -> None:
         self.store.close()
@@ -79,6 +100,47 @@ class Ledger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # -- signing -----------------------------------------------------------------------
+
+    def signing_key(self):
+        """The ledger's private key; it must be one the policy lists."""
+        if self._key is None:
+            path = self._key_path or os.environ.get(KEY_ENV) or self.store.setting(LEDGER_KEY_SETTING)
+            if not path:
+                raise ConfigError(Code.KEY_MISSING, "no ledger key: pass --key or set GOVTRAIN_LEDGER_KEY")
+            self._key = _load_ledger_key(path, self.policy)
+        return self._key
+
+    @contextmanager
+    def append(self, now: int | None = None) -> Iterator[ledger_store.Appender]:
+        """A write transaction that ends by signing a checkpoint of the tree it leaves behind."""
+        now = int(_time.time()) if now is None else now
+        key = self.signing_key()
+        with self.store.append() as appender:
+            yield appender
+            appender.flush()
+            size = appender.next_seq
+            cache = ledger_store.NodeCache(lambda: appender.connection)
+            root = MerkleTree(appender.leaf_hashes, size, cache=cache,
+                              min_cached_height=ledger_store.PERSISTED_NODE_HEIGHT).root()
+            cache.flush(appender.connection)
+            checkpoint = sign_checkpoint(self.policy.origin, size, root, key, self._key_name(key))
+            appender.add_checkpoint(size, root, checkpoint.note, now)
+
+    def _key_name(self, key) -> str:
+        raw = raw_public_key(key.public_key())
+        return next(k.name for k in self.policy.ledger_keys if k.public_key == raw)
+
+    def checkpoint(self, now: int | None = None) -> Checkpoint:
+        """Sign and store a checkpoint of the ledger as it is now."""
+        with self.append(now):
+            pass
+        latest = self.store.latest_checkpoint()
+        assert latest is not None
+        return Checkpoint(self.policy.origin, latest.size, latest.root, latest.note)
+
+    # -- queries -----------------------------------------------------------------------
 
     def epoch(self) -> int:
         """The current ledger epoch: how many `epoch` entries precede now."""
@@ -93,3 +155,93 @@ class Ledger:
 
     def ledger_key_path(self) -> str | None:
         return self.store.setting(LEDGER_KEY_SETTING)
+
+    def tree(self) -> MerkleTree:
+        return MerkleTree(self.store.leaf_hashes, self.store.size(), cache=self.store.node_cache(),
+                          min_cached_height=ledger_store.PERSISTED_NODE_HEIGHT)
+
+    # -- writes --------------------------------------------------------------------------
+
+    def close_epoch(self, now: int | None = None) -> int:
+        """Append the `epoch` entry that closes the current epoch (and sign the checkpoint)."""
+        now = int(_time.time()) if now is None else now
+        epoch = self.epoch()
+        with self.append(now) as appender:
+            appender.add("epoch", now, lambda seq: epoch_entry(seq, now, epoch))
+        return epoch
+
+    def withdraw(self, contribution_id: str, reason: str, now: int | None = None) -> ledger_store.StoredEntry:
+        """Append a `withdraw` entry. Never removes or edits earlier entries, never refunds spend."""
+        now = int(_time.time()) if now is None else now
+        admission = self.store.admission(contribution_id)
+        if admission is None:
+            raise RejectedError(Code.UNKNOWN_CONTRIBUTION, f"no admitted contribution {contribution_id!r}")
+        if contribution_id in self.store.withdrawals():
+            raise RejectedError(Code.ALREADY_WITHDRAWN, f"{contribution_id!r} is already withdrawn")
+        admit = self.store.entry(admission.seq)
+        assert admit is not None
+        if not reason.strip() or len(reason) > 1024:
+            raise ConfigError(Code.BAD_ARGUMENT, "--reason must be 1-1024 characters")
+        try:
+            with self.append(now) as appender:
+                stored = appender.add(
+                    "withdraw", now, lambda seq: withdraw_entry(seq, now, contribution_id, admit.leaf_hash, reason),
+                    withdrawal={"contribution_id": contribution_id})
+        except ledger_store.Conflict as e:
+            raise RejectedError(Code.ALREADY_WITHDRAWN, f"{contribution_id!r} is already withdrawn") from e
+        return stored
+
+    def compact(self, before_epoch: int, now: int | None = None) -> list[ledger_store.StoredEntry]:
+        """Retention: summarize the admit, spend and withdraw entries of epochs < `before_epoch`, per class,
+        then drop their bodies (leaf hashes stay, so every root, checkpoint and proof still verifies)."""
+        now = int(_time.time()) if now is None else now
+        horizon = self.epoch() - self.policy.retention_epochs
+        if before_epoch < 1 or before_epoch > horizon:
+            raise RejectedError(Code.RETENTION_HORIZON,
+                                f"can compact only epochs before {max(horizon, 0)} (retention is "
+                                f"{self.policy.retention_epochs} epochs, current epoch {self.epoch()})")
+        boundary = next(e.seq for e in self.store.entries(kinds=("epoch",))
+                        if decode_entry(e.body, seq=e.seq, kind="epoch")["epoch"] == before_epoch - 1)
+        done = max((last for _, _, _, last in self.store.summaries()), default=0)
+        classes = {a.contribution_id: a.data_class for a in self.store.admissions()}
+        by_class: dict[str, list[tuple[ledger_store.StoredEntry, dict]]] = {}
+        for stored in self.store.entries(start=done + 1, kinds=("admit", "spend", "withdraw")):
+            if stored.seq > boundary:
+                break
+            if stored.body is None:
+                continue
+            entry = decode_entry(stored.body, seq=stored.seq, kind=stored.kind)
+            by_class.setdefault(classes[entry["contribution_id"]], []).append((stored, entry))
+        summarized = sorted((s for items in by_class.values() for s, _ in items), key=lambda s: s.seq)
+        if not summarized:
+            raise RejectedError(Code.RETENTION_HORIZON, f"nothing left to compact before epoch {before_epoch}")
+        first, last = summarized[0].seq, summarized[-1].seq
+        range_sha256 = hashlib.sha256(b"".join(s.leaf_hash for s in summarized)).digest()
+        with self.append(now) as appender:
+            for data_class in sorted(by_class):
+                items = by_class[data_class]
+                latest: dict[str, int] = {}
+                for _, entry in items:
+                    if entry["kind"] == "spend":
+                        latest[entry["contribution_id"]] = entry["eps_u"]
+                fields = {
+                    "data_class": data_class, "before_epoch": before_epoch, "first_seq": first, "last_seq": last,
+                    "entries": len(items),
+                    "admitted": sum(1 for _, e in items if e["kind"] == "admit"),
+                    "withdrawn": sum(1 for _, e in items if e["kind"] == "withdraw"),
+                    "spend_u": sum(latest.values()),
+                    "entries_sha256": hashlib.sha256(b"".join(s.leaf_hash for s, _ in items)).digest(),
+                    "range_sha256": range_sha256,
+                }
+                appender.add("summary", now, lambda seq, f=fields: summary_entry(seq, now, **f),
+                             summary={"data_class": data_class, "first_seq": first, "last_seq": last})
+            appender.redact([s.seq for s in summarized])
+        return summarized
+
+
+def _load_ledger_key(path: str | os.PathLike, policy: Policy):
+    key = load_private_key(path)
+    if raw_public_key(key.public_key()) not in {k.public_key for k in policy.ledger_keys}:
+        raise ConfigError(Code.KEY_MISMATCH,
+                          f"{path} is not one of the policy's ledger_keys; sign with a listed key or list it")
+    return key
