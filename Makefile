@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench schemas vectors clean
+.PHONY: demo test bench schemas vectors readme clean
 
 # torch first, pinned to the release whose CPU wheel lies on this machine's disk; a bare `torch`
 # requirement resolved later would pull a multi-GB CUDA build. The bundled model and data packages
@@ -29,6 +29,9 @@ bench: $(STAMP)
 
 schemas: $(STAMP)
 	$(PY) -m govtrain.policy.config --schema > schemas/policy.schema.json
+
+readme: $(STAMP)
+	$(PY) -m tests.readme_help
 
 vectors: $(STAMP)
 	$(PY) -m tests.vectors.generate

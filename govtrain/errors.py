@@ -88,6 +88,7 @@ class Code(str, Enum):
     ALREADY_WITHDRAWN = "already_withdrawn"
     RETENTION_HORIZON = "retention_horizon"
     NO_CHECKPOINT = "no_checkpoint"
+    REDACTED = "redacted"
 
     # -- ledger integrity (exit 4) --------------------------------------------------------
     INTEGRITY = "integrity"

@@ -241,6 +241,12 @@ class Appender:
         self.flush()
         return _leaf_hashes(self.connection, start, stop)
 
+    def count_kind(self, kind: str) -> int:
+        """Entries of `kind`, as this transaction (holding the write lock) sees them."""
+        self.flush()
+        return self.connection.execute(
+            select(func.count()).select_from(Entry).where(Entry.kind == kind)).scalar_one()
+
     def add_checkpoint(self, size: int, root: bytes, note: str, time: int) -> None:
         self.flush()
         _insert_rows(self.connection, Checkpoint.__table__,

@@ -29,7 +29,7 @@ delta = 1e-5
 accountant = "prv"
 sampling_rate = 0.01
 steps_per_epoch = 10
-retention_epochs = 5
+retention_epochs = 1
 max_validity_days = 30
 clock_skew_seconds = 60
 

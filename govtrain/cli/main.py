@@ -11,7 +11,7 @@ import click
 
 from govtrain import __version__
 from govtrain.cli.output import CONTEXT_SETTINGS, EXIT_OK, EXIT_REJECTED, Command, Group, emit_json, fail, reports_errors
-from govtrain.cli.verify import run_verify, verify_options
+from govtrain.cli.ledger import ledger as ledger_group
 from govtrain.errors import AttestationError, Code, ConfigError
 
 # Each command imports what it uses when it runs: SQLAlchemy and pydantic cost half a second to
@@ -168,10 +168,12 @@ def _batch_items(directory: Path) -> list[tuple[str, bytes, Path]]:
 @click.option("--batch", "batch_dir", type=click.Path(file_okay=False),
               help="Admit every DIR/X.cose with its data file DIR/X (batched commits).")
 @_ledger_option
+@click.option("--key", "key_path", type=click.Path(dir_okay=False), default=None,
+              help="Ledger signing key; default $GOVTRAIN_LEDGER_KEY, then the path init recorded.")
 @_json_option
 @reports_errors
 def admit_command(attestation: str | None, data_path: str | None, batch_dir: str | None, ledger_url: str,
-                  as_json: bool) -> None:
+                  key_path: str | None, as_json: bool) -> None:
     """Verify an attestation and its data at the gate; on success append an admit entry.
 
     Exit 0 when admitted, 3 when rejected (nothing is written).
@@ -187,8 +189,8 @@ def admit_command(attestation: str | None, data_path: str | None, batch_dir: str
         if attestation is None or data_path is None:
             raise ConfigError(Code.USAGE, "give ATTESTATION and --data DATA (or --batch DIR)")
         items = [(attestation, _read_attestation(Path(attestation)), Path(data_path))]
-    with Ledger.open(ledger_url) as ledger:
-        outcomes = admit_many(ledger, items, now=int(time.time()))
+    with Ledger.open(ledger_url, key=key_path) as opened:
+        outcomes = admit_many(opened, items, now=int(time.time()))
     rejected = [o for o in outcomes if o.error is not None]
     if batch_dir is None:
         (outcome,) = outcomes
@@ -215,19 +217,32 @@ def admit_command(attestation: str | None, data_path: str | None, batch_dir: str
         raise SystemExit(EXIT_REJECTED)
 
 
-# -- ledger -------------------------------------------------------------------------------
+# -- withdraw -----------------------------------------------------------------------------
 
 
-@cli.group(cls=Group, context_settings=CONTEXT_SETTINGS)
-def ledger() -> None:
-    """Inspect and audit a ledger."""
+@cli.command("withdraw", cls=Command, context_settings=CONTEXT_SETTINGS)
+@click.argument("contribution_id")
+@_ledger_option
+@click.option("--reason", required=True, help="Why (recorded in the ledger).")
+@click.option("--key", "key_path", type=click.Path(dir_okay=False), default=None,
+              help="Ledger signing key; default $GOVTRAIN_LEDGER_KEY, then the path init recorded.")
+@_json_option
+@reports_errors
+def withdraw_command(contribution_id: str, ledger_url: str, reason: str, key_path: str | None, as_json: bool) -> None:
+    """Withdraw a contribution: excluded from the next step on; earlier entries and spend stay. Exit 3 if
+    unknown or already withdrawn."""
+    from govtrain.ledger.ledger import Ledger
+
+    with Ledger.open(ledger_url, key=key_path) as opened:
+        stored = opened.withdraw(contribution_id, reason)
+    if as_json:
+        emit_json({"ok": True, "contribution_id": contribution_id, "seq": stored.seq,
+                   "leaf_hash": stored.leaf_hash.hex()})
+    else:
+        click.echo(f"withdrew {contribution_id} as ledger entry {stored.seq}")
 
 
-@ledger.command("verify", cls=Command, context_settings=CONTEXT_SETTINGS)
-@verify_options
-def ledger_verify(ledger_url: str, as_json: bool) -> None:
-    """Audit the whole ledger (same as govtrain-verify). Exit 0 ok, 4 integrity failure."""
-    run_verify(ledger_url, as_json)
+cli.add_command(ledger_group)
 
 
 def main() -> None:

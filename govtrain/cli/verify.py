@@ -9,31 +9,46 @@ from govtrain.cli.output import CONTEXT_SETTINGS, Command, emit_json, reports_er
 
 def verify_options(f):  # type: ignore[no-untyped-def]
     f = click.option("--json", "as_json", is_flag=True, help="Print the report as a JSON object on stdout.")(f)
+    f = click.option("--skip-attestations", is_flag=True,
+                     help="Do not re-verify the attestations recorded in admit entries (faster).")(f)
+    f = click.option("--trusted-checkpoint", "trusted", multiple=True, type=click.Path(dir_okay=False),
+                     help="A checkpoint note you already trust (repeatable): detects rollback and forks.")(f)
     f = click.option("--ledger", "ledger_url", envvar="GOVTRAIN_LEDGER", required=True, metavar="URL",
                      help="Ledger URL (sqlite:///PATH or a file path); default $GOVTRAIN_LEDGER.")(f)
     return reports_errors(f)
 
 
-def run_verify(ledger_url: str, as_json: bool) -> None:
+def run_verify(ledger_url: str, trusted: tuple[str, ...], skip_attestations: bool, as_json: bool) -> None:
+    from pathlib import Path
+
+    from govtrain.errors import Code, ConfigError
     from govtrain.verify.verifier import inspect_ledger
 
-    report = inspect_ledger(ledger_url)
+    try:
+        notes = [Path(p).read_text() for p in trusted]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(Code.BAD_ARGUMENT, f"cannot read a --trusted-checkpoint file: {e}") from e
+    report = inspect_ledger(ledger_url, trusted_checkpoints=notes, attestations=not skip_attestations)
     if as_json:
         emit_json(report.as_json())
     if report.error is not None:
-        click.echo(report.error.line(), err=True)
+        where = (f" (entry {report.bad_seq})" if report.bad_seq is not None else "") + (
+            f" (checkpoint {report.bad_checkpoint})" if report.bad_checkpoint is not None else "")
+        click.echo(report.error.line() + where, err=True)
         raise SystemExit(report.error.exit_code)
     if not as_json:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(report.by_kind.items()))
-        click.echo(f"ok: {report.entries} entries verified ({kinds}); {report.admissions} admissions")
+        click.echo(f"ok: {report.entries} entries verified ({kinds}); {report.checkpoints} checkpoints; "
+                   f"{report.admissions} admissions, {report.withdrawals} withdrawn; "
+                   f"{report.trusted_checkpoints} trusted checkpoint(s) consistent")
 
 
 @click.command("govtrain-verify", cls=Command, context_settings=CONTEXT_SETTINGS)
 @verify_options
-def verify_cli(ledger_url: str, as_json: bool) -> None:
+def verify_cli(ledger_url: str, trusted: tuple[str, ...], skip_attestations: bool, as_json: bool) -> None:
     """Audit a govtrain ledger without any training data. Exit 0 ok, 4 integrity failure (naming the
     first bad entry)."""
-    run_verify(ledger_url, as_json)
+    run_verify(ledger_url, trusted, skip_attestations, as_json)
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ import os
 import time as _time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import ledger_store
 from govtrain.attest.keys import load_private_key, raw_public_key
@@ -22,6 +22,9 @@ from govtrain.ledger.checkpoint import Checkpoint, NoteKey, sign_checkpoint
 from govtrain.ledger.entries import decode_entry, epoch_entry, header_entry, summary_entry, withdraw_entry
 from govtrain.ledger.merkle import MerkleTree
 from govtrain.policy.model import Policy
+
+if TYPE_CHECKING:
+    from govtrain.ledger.proof import InclusionProof
 
 LEDGER_KEY_SETTING = "ledger_key_path"
 KEY_ENV = "GOVTRAIN_LEDGER_KEY"
@@ -160,13 +163,38 @@ class Ledger:
         return MerkleTree(self.store.leaf_hashes, self.store.size(), cache=self.store.node_cache(),
                           min_cached_height=ledger_store.PERSISTED_NODE_HEIGHT)
 
+    def prove(self, contribution_id: str, checkpoint_note: str | None = None) -> "InclusionProof":
+        """An inclusion proof of the contribution's admit entry against the latest (or a given) checkpoint."""
+        from govtrain.ledger.checkpoint import verify_checkpoint
+        from govtrain.ledger.proof import InclusionProof
+
+        admission = self.store.admission(contribution_id)
+        if admission is None:
+            raise RejectedError(Code.UNKNOWN_CONTRIBUTION, f"no admitted contribution {contribution_id!r}")
+        if checkpoint_note is None:
+            latest = self.store.latest_checkpoint()
+            if latest is None:
+                raise RejectedError(Code.NO_CHECKPOINT, "the ledger has no checkpoint yet")
+            checkpoint_note, size = latest.note, latest.size
+        else:
+            size = verify_checkpoint(checkpoint_note, origin=self.policy.origin, keys=note_keys(self.policy)).size
+        if admission.seq >= size:
+            raise RejectedError(Code.NO_CHECKPOINT, f"the checkpoint (size {size}) predates entry {admission.seq}")
+        entry = self.store.entry(admission.seq)
+        assert entry is not None
+        if entry.body is None:
+            raise RejectedError(Code.REDACTED, f"entry {admission.seq} was summarized and its body dropped by "
+                                "retention; proofs exist only for entries still held")
+        return InclusionProof(entry.body, admission.seq, self.tree().inclusion_proof(admission.seq, size),
+                              checkpoint_note)
+
     # -- writes --------------------------------------------------------------------------
 
     def close_epoch(self, now: int | None = None) -> int:
         """Append the `epoch` entry that closes the current epoch (and sign the checkpoint)."""
         now = int(_time.time()) if now is None else now
-        epoch = self.epoch()
         with self.append(now) as appender:
+            epoch = appender.count_kind("epoch")  # under the write lock: racing closers cannot collide
             appender.add("epoch", now, lambda seq: epoch_entry(seq, now, epoch))
         return epoch
 
@@ -180,6 +208,8 @@ class Ledger:
             raise RejectedError(Code.ALREADY_WITHDRAWN, f"{contribution_id!r} is already withdrawn")
         admit = self.store.entry(admission.seq)
         assert admit is not None
+        if admit.body is None:
+            raise RejectedError(Code.REDACTED, f"{contribution_id!r} was summarized by retention and is retired")
         if not reason.strip() or len(reason) > 1024:
             raise ConfigError(Code.BAD_ARGUMENT, "--reason must be 1-1024 characters")
         try:
@@ -204,6 +234,10 @@ class Ledger:
                         if decode_entry(e.body, seq=e.seq, kind="epoch")["epoch"] == before_epoch - 1)
         done = max((last for _, _, _, last in self.store.summaries()), default=0)
         classes = {a.contribution_id: a.data_class for a in self.store.admissions()}
+        # A contribution that appears after the boundary is still active: keep all of its entries.
+        # Summarizing a contribution retires it: nothing may name it afterwards.
+        active = {decode_entry(e.body, seq=e.seq, kind=e.kind)["contribution_id"]
+                  for e in self.store.entries(start=boundary + 1, kinds=("spend", "withdraw")) if e.body is not None}
         by_class: dict[str, list[tuple[ledger_store.StoredEntry, dict]]] = {}
         for stored in self.store.entries(start=done + 1, kinds=("admit", "spend", "withdraw")):
             if stored.seq > boundary:
@@ -211,6 +245,8 @@ class Ledger:
             if stored.body is None:
                 continue
             entry = decode_entry(stored.body, seq=stored.seq, kind=stored.kind)
+            if entry["contribution_id"] in active:
+                continue
             by_class.setdefault(classes[entry["contribution_id"]], []).append((stored, entry))
         summarized = sorted((s for items in by_class.values() for s, _ in items), key=lambda s: s.seq)
         if not summarized:

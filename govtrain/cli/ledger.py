@@ -1,0 +1,164 @@
+"""`govtrain ledger …`: checkpoints, proofs, retention, status and verification."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from govtrain.cli.output import CONTEXT_SETTINGS, Command, Group, emit_json, reports_errors
+from govtrain.cli.verify import run_verify, verify_options
+from govtrain.errors import Code, ConfigError, IntegrityError
+
+LEDGER_HELP = "Ledger URL (sqlite:///PATH or a file path); default $GOVTRAIN_LEDGER."
+
+
+def _ledger_option(f):  # type: ignore[no-untyped-def]
+    return click.option("--ledger", "ledger_url", envvar="GOVTRAIN_LEDGER", required=True, metavar="URL",
+                        help=LEDGER_HELP)(f)
+
+
+def _key_option(f):  # type: ignore[no-untyped-def]
+    return click.option("--key", "key_path", type=click.Path(dir_okay=False), default=None,
+                        help="Ledger signing key; default $GOVTRAIN_LEDGER_KEY, then the path init recorded.")(f)
+
+
+def _json_option(f):  # type: ignore[no-untyped-def]
+    return click.option("--json", "as_json", is_flag=True, help="Print a JSON object on stdout.")(f)
+
+
+def _write_new(path: str, text: str) -> None:
+    target = Path(path)
+    if target.exists():
+        raise ConfigError(Code.BAD_ARGUMENT, f"{target} already exists; choose another --out")
+    target.write_text(text)
+
+
+@click.group(cls=Group, context_settings=CONTEXT_SETTINGS)
+def ledger() -> None:
+    """Inspect, prove, compact and audit a ledger."""
+
+
+@ledger.command("verify", cls=Command, context_settings=CONTEXT_SETTINGS)
+@verify_options
+def ledger_verify(ledger_url: str, trusted: tuple[str, ...], skip_attestations: bool, as_json: bool) -> None:
+    """Audit the whole ledger (same as govtrain-verify). Exit 0 ok, 4 integrity failure."""
+    run_verify(ledger_url, trusted, skip_attestations, as_json)
+
+
+@ledger.command("checkpoint", cls=Command, context_settings=CONTEXT_SETTINGS)
+@_ledger_option
+@_key_option
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), help="Also write the note to FILE.")
+@reports_errors
+def ledger_checkpoint(ledger_url: str, key_path: str | None, out_path: str | None) -> None:
+    """Sign and store a checkpoint of the ledger now; print the signed note."""
+    from govtrain.ledger.ledger import Ledger
+
+    with Ledger.open(ledger_url, key=key_path) as opened:
+        checkpoint = opened.checkpoint()
+    if out_path:
+        _write_new(out_path, checkpoint.note)
+    click.echo(checkpoint.note, nl=False)
+
+
+@ledger.command("prove", cls=Command, context_settings=CONTEXT_SETTINGS)
+@click.argument("contribution_id")
+@_ledger_option
+@click.option("--checkpoint", "checkpoint_path", type=click.Path(dir_okay=False),
+              help="Prove against this checkpoint note instead of the latest.")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), help="Also write the proof to FILE.")
+@reports_errors
+def ledger_prove(contribution_id: str, ledger_url: str, checkpoint_path: str | None, out_path: str | None) -> None:
+    """Print an inclusion proof (c2sp.org/tlog-proof@v1) of a contribution's admit entry. Exit 3 if unknown."""
+    from govtrain.ledger.ledger import Ledger
+
+    note = Path(checkpoint_path).read_text() if checkpoint_path else None
+    with Ledger.open(ledger_url) as opened:
+        text = opened.prove(contribution_id, note).text()
+    if out_path:
+        _write_new(out_path, text)
+    click.echo(text, nl=False)
+
+
+@ledger.command("verify-proof", cls=Command, context_settings=CONTEXT_SETTINGS)
+@click.argument("proof_path", type=click.Path(dir_okay=False))
+@click.option("--key", "key_path", required=True, type=click.Path(dir_okay=False),
+              help="The ledger's public key (PEM).")
+@click.option("--name", "key_name", default=None, help="The key's name in checkpoints; default: the origin.")
+@click.option("--attestation", "attestation_path", type=click.Path(dir_okay=False),
+              help="Also check that the proven entry records this .cose file.")
+@_json_option
+@reports_errors
+def ledger_verify_proof(proof_path: str, key_path: str, key_name: str | None, attestation_path: str | None,
+                        as_json: bool) -> None:
+    """Check an inclusion proof offline. Exit 0 ok, 4 if it does not verify."""
+    from govtrain.attest.keys import load_public_key
+    from govtrain.ledger.checkpoint import NoteKey
+    from govtrain.ledger.proof import parse_proof, verify_proof
+
+    try:
+        text = Path(proof_path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise IntegrityError(Code.BAD_PROOF, f"cannot read proof {proof_path}") from e
+    origin = parse_proof(text).checkpoint_note.split("\n", 1)[0]
+    key = NoteKey(key_name or origin, load_public_key(key_path))
+    attestation = Path(attestation_path).read_bytes() if attestation_path else None
+    verified = verify_proof(text, [key], attestation=attestation)
+    entry = verified.entry
+    if as_json:
+        emit_json({"ok": True, "contribution_id": entry["contribution_id"], "data_class": entry["data_class"],
+                   "index": verified.index, "checkpoint_size": verified.checkpoint.size,
+                   "origin": verified.checkpoint.origin})
+    else:
+        click.echo(f"ok: {entry['contribution_id']} (class {entry['data_class']}) is entry {verified.index} of "
+                   f"{verified.checkpoint.origin}, signed at size {verified.checkpoint.size}")
+
+
+@ledger.command("compact", cls=Command, context_settings=CONTEXT_SETTINGS)
+@_ledger_option
+@click.option("--before-epoch", required=True, type=int, help="Summarize entries of epochs before N.")
+@_key_option
+@_json_option
+@reports_errors
+def ledger_compact(ledger_url: str, before_epoch: int, key_path: str | None, as_json: bool) -> None:
+    """Retention: one summary entry per class, then drop the summarized bodies (leaf hashes stay)."""
+    from govtrain.ledger.ledger import Ledger
+
+    with Ledger.open(ledger_url, key=key_path) as opened:
+        summarized = opened.compact(before_epoch)
+    if as_json:
+        emit_json({"ok": True, "redacted": len(summarized), "first_seq": summarized[0].seq,
+                   "last_seq": summarized[-1].seq})
+    else:
+        click.echo(f"summarized and redacted {len(summarized)} entries ({summarized[0].seq}..{summarized[-1].seq})")
+
+
+@ledger.command("status", cls=Command, context_settings=CONTEXT_SETTINGS)
+@_ledger_option
+@click.option("--contribution", "contribution_id", default=None, help="Show one contribution's history.")
+@_json_option
+@reports_errors
+def ledger_status_command(ledger_url: str, contribution_id: str | None, as_json: bool) -> None:
+    """Entries, epochs, the last checkpoint and admissions per class (or one contribution's history)."""
+    from govtrain.ledger.ledger import Ledger
+    from govtrain.ledger.status import contribution_status, ledger_status
+
+    with Ledger.open(ledger_url) as opened:
+        status = contribution_status(opened, contribution_id) if contribution_id else ledger_status(opened)
+    if as_json:
+        emit_json({"ok": True, **status})
+    elif contribution_id:
+        withdrawn = f"withdrawn at entry {status['withdrawn_seq']}" if status["withdrawn_seq"] is not None else "active"
+        click.echo(f"{status['contribution_id']}: class {status['data_class']}, admitted at entry "
+                   f"{status['admit_seq']}, {withdrawn}; epsilon spent {status['eps_u'] / 1e6:.6f} over "
+                   f"{len(status['spend'])} epoch(s); in {status['checkpoints']['count']} checkpoint(s) from size "
+                   f"{status['checkpoints']['first']}; {len(status['runs'])} run(s)")
+    else:
+        last = status["last_checkpoint"]
+        click.echo(f"{status['origin']}: {status['entries']} entries, epoch {status['epoch']}, "
+                   f"{status['checkpoints']} checkpoints (last at size {last['size'] if last else '-'}), "
+                   f"{status['summaries']} summaries")
+        click.echo(f"{'class':<16}{'admitted':>10}{'withdrawn':>11}")
+        for name, counts in sorted(status["classes"].items()):
+            click.echo(f"{name:<16}{counts['admitted']:>10}{counts['withdrawn']:>11}")

@@ -1,0 +1,58 @@
+"""What the ledger says, for people: sizes, epochs, checkpoints, classes, one contribution's history."""
+
+from __future__ import annotations
+
+from govtrain.errors import Code, RejectedError
+from govtrain.ledger.entries import decode_entry
+from govtrain.ledger.ledger import Ledger
+
+
+def ledger_status(ledger: Ledger) -> dict:
+    store = ledger.store
+    latest = store.latest_checkpoint()
+    withdrawn = store.withdrawals()
+    classes: dict[str, dict[str, int]] = {name: {"admitted": 0, "withdrawn": 0} for name in ledger.policy.classes}
+    for row in store.admissions():
+        counts = classes.setdefault(row.data_class, {"admitted": 0, "withdrawn": 0})
+        counts["admitted"] += 1
+        counts["withdrawn"] += row.contribution_id in withdrawn
+    return {
+        "ledger": store.url,
+        "origin": ledger.policy.origin,
+        "entries": store.size(),
+        "epoch": ledger.epoch(),
+        "checkpoints": len(store.checkpoints()),
+        "last_checkpoint": None if latest is None else {"size": latest.size, "root": latest.root.hex(),
+                                                        "time": latest.time},
+        "summaries": len(store.summaries()),
+        "classes": classes,
+    }
+
+
+def contribution_status(ledger: Ledger, contribution_id: str) -> dict:
+    store = ledger.store
+    admission = store.admission(contribution_id)
+    if admission is None:
+        raise RejectedError(Code.UNKNOWN_CONTRIBUTION, f"no admitted contribution {contribution_id!r}")
+    withdrawn_at = store.withdrawals().get(contribution_id)
+    spend, runs = [], []
+    for stored in store.entries(start=admission.seq + 1, kinds=("spend", "run")):
+        if stored.body is None:
+            continue
+        entry = decode_entry(stored.body, seq=stored.seq, kind=stored.kind)
+        if stored.kind == "spend" and entry["contribution_id"] == contribution_id:
+            spend.append({"seq": stored.seq, "epoch": entry["epoch"], "steps": entry["steps"],
+                          "eps_u": entry["eps_u"]})
+        elif stored.kind == "run" and (withdrawn_at is None or stored.seq < withdrawn_at):
+            runs.append({"seq": stored.seq, "run_id": entry["run_id"]})
+    covering = [c for c in store.checkpoints() if c.size > admission.seq]
+    return {
+        "contribution_id": contribution_id,
+        "data_class": admission.data_class,
+        "admit_seq": admission.seq,
+        "withdrawn_seq": withdrawn_at,
+        "spend": spend,
+        "eps_u": spend[-1]["eps_u"] if spend else 0,
+        "runs": runs,
+        "checkpoints": {"count": len(covering), "first": None if not covering else covering[0].size},
+    }
