@@ -9,6 +9,7 @@ import pytest
 
 from govtrain.encoding import cbor
 from govtrain.ledger.ledger import Ledger
+from govtrain.verify.verifier import verify_ledger
 from tests.conftest import REPO, Corpus, sign_raw
 
 DESCRIPTOR = (REPO / "schemas" / "descriptor.cddl").read_text()
@@ -66,3 +67,32 @@ def test_ledger_entries_match_their_cddl(corpus: Corpus):
     broken = cbor.decode(entries[1].body)
     broken["kind"] = "admitted"
     _invalid(schema, cbor.encode(broken))
+
+
+def test_every_entry_kind_matches_its_cddl(corpus: Corpus):
+    from govtrain.gate.admission import admit
+    from govtrain.ledger.entries import SPECS, run_entry, spend_entry
+
+    data = corpus.data("k.jsonl")
+    with corpus.open() as ledger:
+        admit(ledger, corpus.attestation(data, contribution_id="k"), data, now=corpus.now)
+        leaf = ledger.store.entry(1).leaf_hash
+        with ledger.append(corpus.now) as appender:
+            appender.add("spend", 1, lambda seq: spend_entry(
+                seq, 1, contribution_id="k", admit_leaf=leaf, epoch=0, steps=5, sampling_rate_u=10_000,
+                noise_multiplier_u=1_000_000, accountant="prv", delta_p=10_000_000, eps_u=123))
+            appender.add("run", 1, lambda seq: run_entry(
+                seq, 1, run_id="r1", mechanism="dpsgd", config_sha256=bytes(32), base_model_sha256=bytes(32),
+                adapter_sha256=None))
+        ledger.withdraw("k", "test", now=corpus.now)
+        ledger.change_policy(ledger.policy, bytes(32), "same policy, restated", now=corpus.now)
+        ledger.close_epoch(now=corpus.now)
+        ledger.close_epoch(now=corpus.now)
+        before = list(ledger.store.entries())  # validated before compaction drops some bodies
+        ledger.compact(1, now=corpus.now)
+        after = list(ledger.store.entries())
+    schema = pycddl.Schema(LEDGER)
+    for entry in before + after[len(before):]:
+        schema.validate_cbor(entry.body)
+    assert {e.kind for e in before + after} == set(SPECS)
+    assert verify_ledger(corpus.url).redacted == 3

@@ -321,3 +321,99 @@ def test_status(real: Corpus):
     assert status["classes"]["sensitive"] == {"admitted": 1, "withdrawn": 0}
     text = CliRunner().invoke(cli, ["ledger", "status", "--ledger", real.url]).stdout
     assert "11 entries, epoch 3" in text and "public" in text
+
+
+# -- spend: the rules the verifier applies, and the accountant seam ----------------------
+
+
+def _spend(real: Corpus, contribution: str, *, eps_u: int, epoch: int | None = None, sigma_u: int = 1_000_000,
+           steps: int = 10, accountant: str = "prv", q_u: int = 10_000, delta_p: int = 10_000_000) -> None:
+    from govtrain.ledger.entries import spend_entry
+
+    with Ledger.open(real.url) as ledger:
+        admission = ledger.store.admission(contribution)
+        leaf = ledger.store.entry(admission.seq).leaf_hash
+        epoch = ledger.epoch() if epoch is None else epoch
+        with ledger.append(real.now) as appender:
+            appender.add("spend", real.now, lambda seq: spend_entry(
+                seq, real.now, contribution_id=contribution, admit_leaf=leaf, epoch=epoch, steps=steps,
+                sampling_rate_u=q_u, noise_multiplier_u=sigma_u, accountant=accountant, delta_p=delta_p,
+                eps_u=eps_u))
+
+
+def _fake_accountant(name: str, delta_p: int, history) -> int:
+    """A stand-in with the accountant's signature (issue 4 supplies the real ones): 1000 µε per step."""
+    return sum(steps for _, _, steps in history) * 1000
+
+
+def test_valid_spend_verifies_and_is_recomputed(real: Corpus):
+    _spend(real, "late-0", eps_u=10_000)
+    with Ledger.open(real.url) as ledger:
+        ledger.close_epoch(now=real.now)
+    _spend(real, "late-0", eps_u=25_000)
+    report = verify_ledger(real.url, accountant=_fake_accountant)
+    assert report.spend_recomputed and report.by_kind["spend"] == 2
+    status = json.loads(CliRunner().invoke(cli, ["ledger", "status", "--ledger", real.url, "--contribution",
+                                                 "late-0", "--json"]).stdout)
+    assert status["eps_u"] == 25_000 and [s["epoch"] for s in status["spend"]] == [3, 4]
+
+
+@pytest.mark.parametrize("case", [
+    "over_budget", "refund", "below_signed_sigma", "wrong_accountant", "wrong_delta", "wrong_rate",
+    "after_withdrawal", "wrong_epoch", "twice_in_epoch", "under_recomputed",
+])
+def test_bad_spend_is_named(real: Corpus, case: str):
+    if case == "over_budget":
+        _spend(real, "late-0", eps_u=5_000_001)
+    elif case == "refund":
+        _spend(real, "late-0", eps_u=20_000)
+        with Ledger.open(real.url) as ledger:
+            ledger.close_epoch(now=real.now)
+        _spend(real, "late-0", eps_u=10_000)
+    elif case == "below_signed_sigma":
+        _spend(real, "late-0", eps_u=1, sigma_u=999_999)
+    elif case == "wrong_accountant":
+        _spend(real, "late-0", eps_u=1, accountant="rdp")
+    elif case == "wrong_delta":
+        _spend(real, "late-0", eps_u=1, delta_p=20_000_000)
+    elif case == "wrong_rate":
+        _spend(real, "late-0", eps_u=1, q_u=20_000)
+    elif case == "after_withdrawal":
+        _spend(real, "early-1", eps_u=1)
+    elif case == "wrong_epoch":
+        _spend(real, "late-0", eps_u=1, epoch=7)
+    elif case == "twice_in_epoch":
+        _spend(real, "late-0", eps_u=10_000)
+        _spend(real, "late-0", eps_u=20_000)
+    elif case == "under_recomputed":
+        _spend(real, "late-0", eps_u=9_999, steps=10)
+    report = CliRunner().invoke(verify_cli, ["--ledger", real.url, "--json"]) if case != "under_recomputed" else None
+    if report is not None:
+        body = json.loads(report.stdout)
+        assert (report.exit_code, body["code"]) == (4, "bad_spend"), body
+        assert body["first_bad_entry"] == snapshot(real.url)[0] - 1
+    else:
+        from govtrain.errors import IntegrityError
+
+        verify_ledger(real.url)  # without an accountant the record is consistent
+        with pytest.raises(IntegrityError) as info:
+            verify_ledger(real.url, accountant=_fake_accountant)
+        assert info.value.code.value == "bad_spend"
+
+
+def test_key_rotation_through_a_policy_entry(real: Corpus, tmp_path: Path):
+    import dataclasses
+
+    from govtrain.attest.keys import generate_key_pair, load_public_key
+    from govtrain.policy.model import LedgerKey
+
+    generate_key_pair(tmp_path, "next")
+    with Ledger.open(real.url) as ledger:
+        rotated = dataclasses.replace(ledger.policy, ledger_keys=(
+            LedgerKey(name="test.invalid/govtrain/1", public_key=load_public_key(tmp_path / "next.pub")),))
+        ledger.change_policy(rotated, bytes(32), "key rotation", now=real.now, key=tmp_path / "next.key")
+    _admit(real, "after-rotation")  # signed with the new key, read from the recorded path
+    report = verify_ledger(real.url)
+    assert report.by_kind["policy"] == 1 and report.admissions == 7
+    with Ledger.open(real.url) as ledger:
+        assert ledger.policy.ledger_keys == rotated.ledger_keys

@@ -19,7 +19,14 @@ import ledger_store
 from govtrain.attest.keys import load_private_key, raw_public_key
 from govtrain.errors import Code, ConfigError, IntegrityError, RejectedError
 from govtrain.ledger.checkpoint import Checkpoint, NoteKey, sign_checkpoint
-from govtrain.ledger.entries import decode_entry, epoch_entry, header_entry, summary_entry, withdraw_entry
+from govtrain.ledger.entries import (
+    decode_entry,
+    epoch_entry,
+    header_entry,
+    policy_entry,
+    summary_entry,
+    withdraw_entry,
+)
 from govtrain.ledger.merkle import MerkleTree
 from govtrain.policy.model import Policy
 
@@ -197,6 +204,27 @@ class Ledger:
             epoch = appender.count_kind("epoch")  # under the write lock: racing closers cannot collide
             appender.add("epoch", now, lambda seq: epoch_entry(seq, now, epoch))
         return epoch
+
+    def change_policy(self, policy: Policy, policy_source_sha256: bytes, reason: str, *, now: int | None = None,
+                      key: str | os.PathLike | None = None) -> ledger_store.StoredEntry:
+        """Append a `policy` entry: `policy` governs every entry after it. The checkpoint that records the
+        change is signed by `key` (default: the current key), which must be one of the new policy's keys."""
+        now = int(_time.time()) if now is None else now
+        new_key = _load_ledger_key(key, policy) if key is not None else self.signing_key()
+        if raw_public_key(new_key.public_key()) not in {k.public_key for k in policy.ledger_keys}:
+            raise ConfigError(Code.KEY_MISMATCH, "the new policy does not list the key that would sign it")
+        old_policy, old_key = self.policy, self._key
+        self.policy, self._key = policy, new_key
+        try:
+            with self.append(now) as appender:
+                stored = appender.add("policy", now, lambda seq: policy_entry(seq, now, policy, policy_source_sha256,
+                                                                             reason))
+        except Exception:
+            self.policy, self._key = old_policy, old_key
+            raise
+        if key is not None:
+            self.store.set_setting(LEDGER_KEY_SETTING, str(Path(key).resolve()))
+        return stored
 
     def withdraw(self, contribution_id: str, reason: str, now: int | None = None) -> ledger_store.StoredEntry:
         """Append a `withdraw` entry. Never removes or edits earlier entries, never refunds spend."""
