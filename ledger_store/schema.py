@@ -29,3 +29,27 @@ def sqlite_triggers() -> list[str]:
                     BEGIN SELECT RAISE(ABORT, 'govtrain ledger: {table} are append-only'); END"""
             )
     return statements
+
+
+def postgresql_triggers() -> list[str]:
+    statements = [
+        f"""CREATE OR REPLACE FUNCTION govtrain_entries_guard() RETURNS trigger AS $$
+            BEGIN
+              IF TG_OP = 'UPDATE' AND {_REDACTION} THEN
+                RETURN NEW;
+              END IF;
+              RAISE EXCEPTION 'govtrain ledger: entries are append-only; only summarized bodies may be redacted';
+            END $$ LANGUAGE plpgsql""",
+        """CREATE OR REPLACE TRIGGER entries_guard BEFORE UPDATE OR DELETE ON entries
+            FOR EACH ROW EXECUTE FUNCTION govtrain_entries_guard()""",
+        """CREATE OR REPLACE FUNCTION govtrain_append_only() RETURNS trigger AS $$
+            BEGIN RAISE EXCEPTION 'govtrain ledger: %% are append-only', TG_TABLE_NAME; END $$ LANGUAGE plpgsql""",  # %% for psycopg
+    ]
+    for table in ("entries", *APPEND_ONLY_TABLES):
+        if table != "entries":
+            statements.append(f"""CREATE OR REPLACE TRIGGER {table}_append_only BEFORE UPDATE OR DELETE ON {table}
+                                  FOR EACH ROW EXECUTE FUNCTION govtrain_append_only()""")
+        # Row triggers do not see TRUNCATE; refuse it per statement.
+        statements.append(f"""CREATE OR REPLACE TRIGGER {table}_no_truncate BEFORE TRUNCATE ON {table}
+                              FOR EACH STATEMENT EXECUTE FUNCTION govtrain_append_only()""")
+    return statements

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, MutableMapping
 
-from sqlalchemy import create_engine, event, func, insert, select, update
+from sqlalchemy import create_engine, event, func, insert, inspect, select, update
 from sqlalchemy.engine import Connection, Engine, make_url
-from sqlalchemy.exc import ArgumentError, IntegrityError as SQLIntegrityError
+from sqlalchemy.exc import ArgumentError, OperationalError
+from sqlalchemy.exc import IntegrityError as SQLIntegrityError
 from sqlmodel import SQLModel
 
 from ledger_store.models import (
@@ -31,7 +32,7 @@ from ledger_store.models import (
     TreeNode,
     Withdrawal,
 )
-from ledger_store.schema import sqlite_triggers
+from ledger_store.schema import postgresql_triggers, sqlite_triggers
 
 LEAF_PREFIX = b"\x00"
 PERSISTED_NODE_HEIGHT = 8  # subtrees of 256 leaves and up are stored; smaller ones are cheap to recompute
@@ -97,19 +98,34 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def _sqlite_path(url: str) -> Path:
+ADVISORY_LOCK = 0x67766E74  # "gvnt": PostgreSQL writers serialize on this transaction-scoped lock
+
+
+def _backend(url: str) -> str:
+    """'sqlite' or 'postgresql'; anything else is refused with what to use instead."""
     try:
         parsed = make_url(url)
     except ArgumentError as e:
         raise UnsupportedURL(f"{url!r} is not a database URL (try sqlite:///ledger.db)") from e
-    if parsed.get_backend_name() != "sqlite":
-        raise UnsupportedURL(f"{parsed.get_backend_name()!r} ledgers are not supported yet; use sqlite:///PATH")
-    if not parsed.database or parsed.database == ":memory:":
-        raise UnsupportedURL("a ledger needs a SQLite file, not an in-memory database")
-    return Path(parsed.database)
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        if not parsed.database or parsed.database == ":memory:":
+            raise UnsupportedURL("a ledger needs a SQLite file, not an in-memory database")
+        return backend
+    if backend == "postgresql":
+        if parsed.get_driver_name() != "psycopg":
+            raise UnsupportedURL("PostgreSQL ledgers use psycopg 3: postgresql+psycopg://USER:PASS@HOST/DB")
+        return backend
+    raise UnsupportedURL(f"{backend!r} ledgers are not supported; use sqlite:///PATH or postgresql+psycopg://…")
 
 
-def _engine(url: str) -> Engine:
+def _sqlite_path(url: str) -> Path:
+    return Path(make_url(url).database)
+
+
+def _engine(url: str, backend: str) -> Engine:
+    if backend == "postgresql":
+        return create_engine(url, pool_pre_ping=True)
     engine = create_engine(url)
 
     @event.listens_for(engine, "connect")
@@ -124,7 +140,8 @@ def _engine(url: str) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection) -> None:
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        # Writers take the write lock before reading the next sequence number; readers do not wait.
+        connection.exec_driver_sql("BEGIN IMMEDIATE" if connection.info.get("writer") else "BEGIN")
 
     return engine
 
@@ -261,9 +278,10 @@ class Appender:
 
 
 class LedgerStore:
-    def __init__(self, url: str, engine: Engine) -> None:
+    def __init__(self, url: str, engine: Engine, backend: str = "sqlite") -> None:
         self.url = url
         self.engine = engine
+        self.backend = backend
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -271,33 +289,44 @@ class LedgerStore:
     def create(cls, url: str) -> "LedgerStore":
         """Create the schema (idempotent); refuse a ledger that already has entries."""
         url = normalize_url(url)
-        path = _sqlite_path(url)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        store = cls(url, _engine(url))
-        with store.engine.begin() as connection:
-            SQLModel.metadata.create_all(connection, tables=ALL_TABLES)
-            for statement in sqlite_triggers():
-                connection.exec_driver_sql(statement)
+        backend = _backend(url)
+        if backend == "sqlite":
+            _sqlite_path(url).parent.mkdir(parents=True, exist_ok=True)
+        store = cls(url, _engine(url, backend), backend)
+        try:
+            with store._write() as connection:
+                SQLModel.metadata.create_all(connection, tables=ALL_TABLES)
+                triggers = sqlite_triggers() if backend == "sqlite" else postgresql_triggers()
+                for statement in triggers:
+                    connection.exec_driver_sql(statement)
+        except OperationalError as e:
+            store.close()
+            raise LedgerMissing(f"cannot reach {make_url(url).render_as_string(hide_password=True)}: "
+                                f"{str(e.orig).splitlines()[0]}") from e
         if store.size() > 0:
             store.close()
             raise LedgerExists(f"{url} already holds a ledger")
-        os.chmod(path, 0o600)
+        if backend == "sqlite":
+            os.chmod(_sqlite_path(url), 0o600)
         return store
 
     @classmethod
     def open(cls, url: str) -> "LedgerStore":
-        """Open an existing ledger; never creates a file."""
+        """Open an existing ledger; never creates a file or a table."""
         url = normalize_url(url)
-        path = _sqlite_path(url)
-        if not path.is_file():
+        backend = _backend(url)
+        if backend == "sqlite" and not _sqlite_path(url).is_file():
             raise LedgerMissing(f"no ledger at {url}; create one with `govtrain init`")
-        store = cls(url, _engine(url))
-        with store.engine.connect() as connection:
-            tables = {row[0] for row in connection.exec_driver_sql(
-                "SELECT name FROM sqlite_master WHERE type = 'table'")}
-        if "entries" not in tables:
+        store = cls(url, _engine(url, backend), backend)
+        try:
+            present = inspect(store.engine).has_table("entries")
+        except OperationalError as e:
             store.close()
-            raise LedgerMissing(f"{url} is not a govtrain ledger")
+            raise LedgerMissing(f"cannot reach {make_url(url).render_as_string(hide_password=True)}: "
+                                f"{str(e.orig).splitlines()[0]}") from e
+        if not present:
+            store.close()
+            raise LedgerMissing(f"{url} is not a govtrain ledger; create one with `govtrain init`")
         return store
 
     def close(self) -> None:
@@ -306,10 +335,23 @@ class LedgerStore:
     # -- writing -------------------------------------------------------------------------
 
     @contextmanager
+    def _write(self) -> Iterator[Connection]:
+        """A write transaction holding the database's write lock from its first statement."""
+        with self.engine.connect() as connection:
+            connection.info["writer"] = True
+            try:
+                with connection.begin():
+                    if self.backend == "postgresql":
+                        connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({ADVISORY_LOCK})")
+                    yield connection
+            finally:
+                connection.info["writer"] = False
+
+    @contextmanager
     def append(self) -> Iterator[Appender]:
         """One write transaction. Raises `Conflict` (and writes nothing) if a unique constraint refuses it."""
         try:
-            with self.engine.begin() as connection:
+            with self._write() as connection:
                 next_seq = connection.execute(select(func.coalesce(func.max(Entry.seq) + 1, 0))).scalar_one()
                 appender = Appender(connection, next_seq)
                 yield appender
@@ -318,7 +360,7 @@ class LedgerStore:
             raise Conflict(str(e.orig)) from e
 
     def set_setting(self, name: str, value: str) -> None:
-        with self.engine.begin() as connection:
+        with self._write() as connection:
             connection.execute(Setting.__table__.delete().where(Setting.name == name))
             connection.execute(insert(Setting.__table__), {"name": name, "value": value})
 

@@ -154,13 +154,11 @@ def copy_demo_keys(target: Path) -> Path:
     return target
 
 
-@pytest.fixture
-def corpus(tmp_path: Path) -> Corpus:
+def make_corpus(tmp_path: Path, url: str) -> Corpus:
     keys = copy_demo_keys(tmp_path / "keys")
     generate_key_pair(keys, "limited")
     policy_path = keys / "test-policy.toml"
     policy_path.write_text(TEST_POLICY)
-    url = f"sqlite:///{tmp_path / 'ledger.db'}"
     policy, digest = load_policy(policy_path)
     Ledger.init(url, policy, digest, key_path=keys / "ledger.key").close()
     return Corpus(
@@ -171,3 +169,45 @@ def corpus(tmp_path: Path) -> Corpus:
         limited=load_private_key(keys / "limited.key"),
         now=int(time.time()),
     )
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Corpus:
+    return make_corpus(tmp_path, f"sqlite:///{tmp_path / 'ledger.db'}")
+
+
+@pytest.fixture
+def pg_url():
+    """A fresh PostgreSQL database per test. Skips loudly without a server; under CI, fails instead."""
+    import os
+    import uuid
+
+    from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import OperationalError
+
+    def unavailable(reason: str):
+        if os.environ.get("CI"):
+            pytest.fail(f"PostgreSQL is required under CI: {reason}")
+        pytest.skip(f"POSTGRESQL TESTS SKIPPED: {reason} (start one with: export "
+                    "GOVTRAIN_TEST_PG_URL=$(bash .ci/postgres.sh))")
+
+    admin = os.environ.get("GOVTRAIN_TEST_PG_URL")
+    if not admin:
+        unavailable("GOVTRAIN_TEST_PG_URL is not set")
+    engine = create_engine(admin, isolation_level="AUTOCOMMIT")
+    name = f"govtrain_test_{uuid.uuid4().hex[:12]}"
+    try:
+        with engine.connect() as connection:
+            connection.exec_driver_sql(f"CREATE DATABASE {name}")
+    except OperationalError as e:
+        unavailable(f"cannot reach the server: {str(e.orig).splitlines()[0]}")
+    yield make_url(admin).set(database=name).render_as_string(hide_password=False)
+    with engine.connect() as connection:
+        connection.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    engine.dispose()
+
+
+@pytest.fixture
+def pg_corpus(tmp_path: Path, pg_url: str) -> Corpus:
+    return make_corpus(tmp_path, pg_url)

@@ -75,9 +75,10 @@ def test_open_never_creates_a_file(tmp_path):
     with pytest.raises(ConfigError) as info:
         Ledger.open(f"sqlite:///{tmp_path / 'none.db'}")
     assert info.value.code == Code.LEDGER_MISSING and not (tmp_path / "none.db").exists()
-    with pytest.raises(ConfigError) as info:
-        Ledger.open("postgresql+psycopg://localhost/ledger")
-    assert info.value.code == Code.LEDGER_URL
+    for unsupported in ("mysql://localhost/ledger", "postgresql+psycopg2://localhost/ledger", "sqlite://"):
+        with pytest.raises(ConfigError) as info:
+            Ledger.open(unsupported)
+        assert info.value.code == Code.LEDGER_URL
 
 
 def _append_many(url: str, worker: int, count: int) -> None:
