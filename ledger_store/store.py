@@ -165,30 +165,32 @@ def _leaf_hashes(connection: Connection, start: int, stop: int) -> list[bytes]:
     return [row[0] for row in rows]
 
 
+def _node(connection: Connection, height: int, idx: int) -> bytes | None:
+    row = connection.execute(select(TreeNode.hash).where(TreeNode.height == height, TreeNode.idx == idx)).first()
+    return row[0] if row is not None else None
+
+
 class NodeCache(MutableMapping):
     """Perfect-subtree hashes for `govtrain.ledger.merkle.MerkleTree`, persisted in `tree_nodes`.
 
-    Reads go to memory, then the table; writes are kept in memory until `flush` (inside a write
-    transaction) stores the new ones. Only heights >= PERSISTED_NODE_HEIGHT reach the table.
+    Reads go to memory, then `lookup` (the table); writes are kept in memory until `flush` (inside a
+    write transaction) stores the new ones. Only heights >= PERSISTED_NODE_HEIGHT reach the table.
     """
 
-    def __init__(self, connection_factory: Callable[[], Connection]) -> None:
-        self._connection = connection_factory
+    def __init__(self, lookup: Callable[[int, int], bytes | None]) -> None:
+        self._lookup = lookup
         self._memory: dict[tuple[int, int], bytes] = {}
         self._new: dict[tuple[int, int], bytes] = {}
 
     def __getitem__(self, key: tuple[int, int]) -> bytes:
         found = self._memory.get(key)
-        if found is not None:
-            return found
-        if key[0] >= PERSISTED_NODE_HEIGHT:
-            row = self._connection().execute(
-                select(TreeNode.hash).where(TreeNode.height == key[0], TreeNode.idx == key[1])
-            ).first()
-            if row is not None:
-                self._memory[key] = row[0]
-                return row[0]
-        raise KeyError(key)
+        if found is None and key[0] >= PERSISTED_NODE_HEIGHT:
+            found = self._lookup(*key)
+            if found is not None:
+                self._memory[key] = found
+        if found is None:
+            raise KeyError(key)
+        return found
 
     def get(self, key, default=None):  # type: ignore[override]
         try:
@@ -211,12 +213,7 @@ class NodeCache(MutableMapping):
         return len(self._memory)
 
     def flush(self, connection: Connection) -> None:
-        if not self._new:
-            return
-        existing = {(h, i) for h, i in connection.execute(
-            select(TreeNode.height, TreeNode.idx).where(
-                TreeNode.height.in_({h for h, _ in self._new}), TreeNode.idx.in_({i for _, i in self._new})))}
-        rows = [{"height": h, "idx": i, "hash": v} for (h, i), v in self._new.items() if (h, i) not in existing]
+        rows = [{"height": h, "idx": i, "hash": v} for (h, i), v in self._new.items() if _node(connection, h, i) is None]
         _insert_rows(connection, TreeNode.__table__, rows)
         self._new.clear()
 
@@ -257,6 +254,10 @@ class Appender:
         """Leaf hashes as this transaction sees them (what it added included, once flushed)."""
         self.flush()
         return _leaf_hashes(self.connection, start, stop)
+
+    def node(self, height: int, idx: int) -> bytes | None:
+        """A stored subtree hash, as this transaction sees it."""
+        return _node(self.connection, height, idx)
 
     def count_kind(self, kind: str) -> int:
         """Entries of `kind`, as this transaction (holding the write lock) sees them."""
@@ -404,15 +405,20 @@ class LedgerStore:
         with self.engine.connect() as connection:
             return _leaf_hashes(connection, start, stop)
 
+    def leaf_rows(self, batch: int = 50_000) -> Iterator[tuple[int, bytes, bytes | None]]:
+        """(seq, leaf hash, body) of every entry in order, through the driver's cursor: the bulk path."""
+        with self.engine.connect() as connection:
+            result = connection.execution_options(stream_results=True).execute(
+                select(Entry.seq, Entry.leaf_hash, Entry.body).order_by(Entry.seq))
+            while rows := result.fetchmany(batch):
+                yield from rows
+
     def node_cache(self) -> NodeCache:
-        connection_holder: list[Connection] = []
+        def lookup(height: int, idx: int) -> bytes | None:
+            with self.engine.connect() as connection:
+                return _node(connection, height, idx)
 
-        def connection() -> Connection:
-            if not connection_holder:
-                connection_holder.append(self.engine.connect())
-            return connection_holder[0]
-
-        return NodeCache(connection)
+        return NodeCache(lookup)
 
     def count_kind(self, kind: str) -> int:
         with self.engine.connect() as connection:

@@ -417,3 +417,35 @@ def test_key_rotation_through_a_policy_entry(real: Corpus, tmp_path: Path):
     assert report.by_kind["policy"] == 1 and report.admissions == 7
     with Ledger.open(real.url) as ledger:
         assert ledger.policy.ledger_keys == rotated.ledger_keys
+
+
+INTEGRITY_ONLY = {  # the same tampering, caught without decoding a single entry
+    "body_byte_changed": ("leaf_hash_mismatch", 4),
+    "entry_deleted": ("sequence_gap", 5),
+    "entries_swapped": ("bad_checkpoint", 5),  # leaf hashes moved with their bodies: the roots break
+    "tail_truncated": ("truncated", 9),
+    "forged_entry_appended": ("unsigned_tail", 11),
+    "checkpoint_root_replaced": ("bad_checkpoint", 5),
+    "checkpoint_signed_by_other_key": ("bad_checkpoint", 7),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INTEGRITY_ONLY))
+def test_tamper_matrix_integrity_only(real: Corpus, tmp_path: Path, name: str):
+    code, seq = INTEGRITY_ONLY[name]
+    url = _copy(real.url, tmp_path / "copy.db")
+    TAMPERS[name][0](_db(url))
+    exit_code, report, _ = _verify_cli(url, "--integrity-only")
+    assert (exit_code, report["code"], report["first_bad_entry"]) == (4, code, seq), report
+
+
+def test_integrity_only_passes_and_catches_rollback_and_fork(real: Corpus, tmp_path: Path):
+    assert _verify_cli(real.url, "--integrity-only")[0] == 0
+    older = _copy(real.url, tmp_path / "older.db")
+    _admit(real, "newer")
+    trusted = tmp_path / "t.note"
+    trusted.write_text(_latest_note(real.url))
+    assert _verify_cli(older, "--integrity-only", "--trusted-checkpoint", str(trusted))[1]["code"] == "rollback"
+    fork = Corpus(real.dir, real.policy_path, older, real.attester, real.limited, real.now)
+    _admit(fork, "other")
+    assert _verify_cli(older, "--integrity-only", "--trusted-checkpoint", str(trusted))[1]["code"] == "fork"

@@ -41,9 +41,10 @@ def ledger() -> None:
 
 @ledger.command("verify", cls=Command, context_settings=CONTEXT_SETTINGS)
 @verify_options
-def ledger_verify(ledger_url: str, trusted: tuple[str, ...], skip_attestations: bool, as_json: bool) -> None:
+def ledger_verify(ledger_url: str, trusted: tuple[str, ...], skip_attestations: bool, integrity_only: bool,
+                  as_json: bool) -> None:
     """Audit the whole ledger (same as govtrain-verify). Exit 0 ok, 4 integrity failure."""
-    run_verify(ledger_url, trusted, skip_attestations, as_json)
+    run_verify(ledger_url, trusted, skip_attestations, integrity_only, as_json)
 
 
 @ledger.command("checkpoint", cls=Command, context_settings=CONTEXT_SETTINGS)

@@ -131,7 +131,7 @@ class Ledger:
             yield appender
             appender.flush()
             size = appender.next_seq
-            cache = ledger_store.NodeCache(lambda: appender.connection)
+            cache = ledger_store.NodeCache(appender.node)
             root = MerkleTree(appender.leaf_hashes, size, cache=cache,
                               min_cached_height=ledger_store.PERSISTED_NODE_HEIGHT).root()
             cache.flush(appender.connection)

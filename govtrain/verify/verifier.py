@@ -35,8 +35,8 @@ from govtrain.gate.gate import Gate
 from govtrain.ledger.checkpoint import Checkpoint, NoteError, verify_checkpoint
 from govtrain.ledger.entries import decode_entry
 from govtrain.ledger.ledger import note_keys, store_errors
-from govtrain.ledger.merkle import node_hash
 from govtrain.policy.model import Policy
+from govtrain.verify.integrity import _CompactRange, _Failure, _integrity
 
 # (accountant name, delta_p, [(sampling_rate_u, noise_multiplier_u, steps), ...]) -> epsilon in
 # micro-units, rounded up. Issue 4's accountants plug in here.
@@ -80,36 +80,6 @@ class VerificationReport:
         return report
 
 
-class _Failure(IntegrityError):
-    def __init__(self, code: Code, detail: str, *, seq: int | None = None, checkpoint: int | None = None) -> None:
-        super().__init__(code, detail)
-        self.seq = seq
-        self.checkpoint = checkpoint
-
-
-class _CompactRange:
-    """Roots of every prefix of a log, one leaf at a time: a stack of perfect subtrees (RFC 9162)."""
-
-    def __init__(self) -> None:
-        self.stack: list[bytes] = []
-        self.size = 0
-
-    def append(self, leaf: bytes) -> None:
-        self.stack.append(leaf)
-        self.size += 1
-        for _ in range((self.size & -self.size).bit_length() - 1):
-            right = self.stack.pop()
-            self.stack[-1] = node_hash(self.stack[-1], right)
-
-    def root(self) -> bytes:
-        if not self.stack:
-            return hashlib.sha256(b"").digest()
-        root = self.stack[-1]
-        for left in reversed(self.stack[:-1]):
-            root = node_hash(left, root)
-        return root
-
-
 @dataclass
 class _Contribution:
     seq: int
@@ -132,14 +102,22 @@ def verify_ledger(url: str, **options) -> VerificationReport:
 
 
 def inspect_ledger(url: str, *, trusted_checkpoints: Sequence[str] = (), attestations: bool = True,
-                   accountant: SpendAccountant | None = None) -> VerificationReport:
-    """Audit the ledger at `url` and return a report for display (the error, if any, inside it)."""
+                   accountant: SpendAccountant | None = None, integrity_only: bool = False) -> VerificationReport:
+    """Audit the ledger at `url` and return a report for display (the error, if any, inside it).
+
+    `integrity_only` checks steps 1, 2, 6, 7 and 8 (sequence, leaf hashes, roots, checkpoint signatures,
+    truncation, unsigned tails, trusted checkpoints) without decoding entries: the structure an auditor
+    can check for millions of entries in seconds. Content rules need the full pass.
+    """
     with store_errors():
         store = ledger_store.LedgerStore.open(url)
-    report = VerificationReport(url=store.url, attestations_verified=attestations,
-                                spend_recomputed=accountant is not None)
+    report = VerificationReport(url=store.url, attestations_verified=attestations and not integrity_only,
+                                spend_recomputed=accountant is not None and not integrity_only)
     try:
-        _Audit(store, report, attestations, accountant).run(trusted_checkpoints)
+        if integrity_only:
+            _integrity(store, report, trusted_checkpoints)
+        else:
+            _Audit(store, report, attestations, accountant).run(trusted_checkpoints)
     except _Failure as e:
         report.error, report.bad_seq, report.bad_checkpoint = e, e.seq, e.checkpoint
     except IntegrityError as e:
