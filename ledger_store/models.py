@@ -25,7 +25,7 @@ class Entry(SQLModel, table=True):
     seq: int = Field(primary_key=True, sa_column_kwargs={"autoincrement": False})
     kind: str = Field(index=True, max_length=16)
     time: int
-    leaf_hash: bytes = Field(sa_column=Column(LargeBinary(32), nullable=False, unique=True))
+    leaf_hash: bytes = Field(sa_column=Column(LargeBinary(32), nullable=False))
     # Null only after retention redacts a summarized entry; its leaf hash stays.
     body: bytes | None = Field(default=None, sa_column=Column(LargeBinary, nullable=True))
 

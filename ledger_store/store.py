@@ -146,14 +146,19 @@ def _engine(url: str, backend: str) -> Engine:
     return engine
 
 
-def _insert_rows(connection: Connection, table, rows: list[dict]) -> None:
+def _insert_rows(connection: Connection, table, rows: list[dict], *, ignore_existing: bool = False) -> None:
     if not rows:
         return
     if connection.dialect.paramstyle == "qmark":
         # SQLite: plain tuples to the driver; SQLAlchemy's per-value processing costs more than the insert.
         columns = list(rows[0])
-        statement = f"INSERT INTO {table.name} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
+        verb = "INSERT OR IGNORE" if ignore_existing else "INSERT"
+        statement = f"{verb} INTO {table.name} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
         connection.exec_driver_sql(statement, [tuple(row[c] for c in columns) for row in rows])
+    elif ignore_existing:
+        from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+        connection.execute(pg_insert(table).on_conflict_do_nothing(), rows)
     else:
         connection.execute(insert(table), rows)
 
@@ -173,19 +178,21 @@ def _node(connection: Connection, height: int, idx: int) -> bytes | None:
 class NodeCache(MutableMapping):
     """Perfect-subtree hashes for `govtrain.ledger.merkle.MerkleTree`, persisted in `tree_nodes`.
 
-    Reads go to memory, then `lookup` (the table); writes are kept in memory until `flush` (inside a
-    write transaction) stores the new ones. Only heights >= PERSISTED_NODE_HEIGHT reach the table.
+    Reads go to memory, then `lookup` (the table). Hashes computed inside a write transaction stay
+    pending until `flush` stores them and `commit` (after the transaction committed) makes them
+    readable from memory; `rollback` forgets them, so a failed append can never leave behind the hash
+    of leaves that do not exist. Only heights >= PERSISTED_NODE_HEIGHT reach the table.
     """
 
     def __init__(self, lookup: Callable[[int, int], bytes | None]) -> None:
-        self._lookup = lookup
+        self.lookup = lookup
         self._memory: dict[tuple[int, int], bytes] = {}
-        self._new: dict[tuple[int, int], bytes] = {}
+        self._pending: dict[tuple[int, int], bytes] = {}
 
     def __getitem__(self, key: tuple[int, int]) -> bytes:
-        found = self._memory.get(key)
+        found = self._memory.get(key) or self._pending.get(key)
         if found is None and key[0] >= PERSISTED_NODE_HEIGHT:
-            found = self._lookup(*key)
+            found = self.lookup(*key)
             if found is not None:
                 self._memory[key] = found
         if found is None:
@@ -199,9 +206,7 @@ class NodeCache(MutableMapping):
             return default
 
     def __setitem__(self, key: tuple[int, int], value: bytes) -> None:
-        self._memory[key] = value
-        if key[0] >= PERSISTED_NODE_HEIGHT:
-            self._new[key] = value
+        self._pending[key] = value
 
     def __delitem__(self, key: tuple[int, int]) -> None:
         raise TypeError("Merkle subtree hashes are immutable")
@@ -213,19 +218,30 @@ class NodeCache(MutableMapping):
         return len(self._memory)
 
     def flush(self, connection: Connection) -> None:
-        rows = [{"height": h, "idx": i, "hash": v} for (h, i), v in self._new.items() if _node(connection, h, i) is None]
-        _insert_rows(connection, TreeNode.__table__, rows)
-        self._new.clear()
+        """Store the pending hashes (inside the caller's write transaction)."""
+        rows = [{"height": h, "idx": i, "hash": v} for (h, i), v in self._pending.items()
+                if h >= PERSISTED_NODE_HEIGHT]
+        _insert_rows(connection, TreeNode.__table__, rows, ignore_existing=True)
+
+    def commit(self) -> None:
+        self._memory.update(self._pending)
+        self._pending.clear()
+
+    def rollback(self) -> None:
+        self._pending.clear()
 
 
 class Appender:
     """Adds entries (and the index rows and checkpoint that go with them) inside one write transaction."""
 
+    _ENTRY_COLUMNS = ("seq", "kind", "time", "leaf_hash", "body")
+
     def __init__(self, connection: Connection, next_seq: int) -> None:
         self.connection = connection
         self.first_seq = next_seq
         self.next_seq = next_seq
-        self._entries: list[dict] = []
+        self._rows: list[tuple] = []  # entry rows not yet inserted, as (seq, kind, time, leaf, body)
+        self._leaves: list[bytes] = []  # leaf hashes of everything this transaction added, in order
         self._index: dict[str, list[dict]] = {"admissions": [], "withdrawals": [], "summaries": []}
         self.added: list[StoredEntry] = []
 
@@ -234,26 +250,40 @@ class Appender:
         """Append the entry `build(seq)` returns, with the index rows that describe it."""
         seq = self.next_seq
         body = build(seq)
-        stored = StoredEntry(seq, kind, time, leaf_hash(body), body)
-        self._entries.append({"seq": seq, "kind": kind, "time": time, "leaf_hash": stored.leaf_hash, "body": body})
-        for name, row in (("admissions", admission), ("withdrawals", withdrawal), ("summaries", summary)):
-            if row is not None:
-                self._index[name].append({**row, "seq": seq})
+        leaf = hashlib.sha256(LEAF_PREFIX + body).digest()
+        self._rows.append((seq, kind, time, leaf, body))
+        self._leaves.append(leaf)
+        if admission is not None or withdrawal is not None or summary is not None:
+            for name, row in (("admissions", admission), ("withdrawals", withdrawal), ("summaries", summary)):
+                if row is not None:
+                    self._index[name].append({**row, "seq": seq})
+        stored = StoredEntry(seq, kind, time, leaf, body)
         self.added.append(stored)
-        self.next_seq += 1
+        self.next_seq = seq + 1
         return stored
 
     def flush(self) -> None:
-        _insert_rows(self.connection, Entry.__table__, self._entries)
+        if self._rows:
+            if self.connection.dialect.paramstyle == "qmark":
+                self.connection.exec_driver_sql(
+                    "INSERT INTO entries (seq, kind, time, leaf_hash, body) VALUES (?, ?, ?, ?, ?)", self._rows)
+            else:
+                self.connection.execute(insert(Entry.__table__),
+                                        [dict(zip(self._ENTRY_COLUMNS, row)) for row in self._rows])
+            self._rows = []
         for table in (Admission.__table__, Withdrawal.__table__, Summary.__table__):
             _insert_rows(self.connection, table, self._index[table.name])
-        self._entries = []
         self._index = {name: [] for name in self._index}
 
     def leaf_hashes(self, start: int, stop: int) -> list[bytes]:
-        """Leaf hashes as this transaction sees them (what it added included, once flushed)."""
+        """Leaf hashes as this transaction sees them: its own from memory, earlier ones from the table."""
+        first = self.first_seq
+        if start >= first:
+            return self._leaves[start - first : stop - first]
         self.flush()
-        return _leaf_hashes(self.connection, start, stop)
+        if stop <= first:
+            return _leaf_hashes(self.connection, start, stop)
+        return _leaf_hashes(self.connection, start, first) + self._leaves[: stop - first]
 
     def node(self, height: int, idx: int) -> bytes | None:
         """A stored subtree hash, as this transaction sees it."""

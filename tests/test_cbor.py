@@ -156,3 +156,17 @@ def test_allowed_tags_are_per_call():
     with pytest.raises(EncodingError) as info:
         cbor.decode(encoded)
     assert info.value.code == Code.FORBIDDEN_TAG
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.text(max_size=25), values, min_size=1, max_size=15))
+def test_map_template_equals_the_encoder(value):
+    assert cbor.MapTemplate(value.keys()).encode(value) == cbor.encode(value)
+
+
+def test_map_template_refuses_other_fields_and_floats():
+    template = cbor.MapTemplate(["a", "b"])
+    with pytest.raises(TypeError):
+        template.encode({"a": 1})
+    with pytest.raises(TypeError):
+        template.encode({"a": 1, "b": 2.5})

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import AbstractSet, Any
+from typing import AbstractSet, Any, Iterable
 
 from govtrain.errors import Code, EncodingError
 
@@ -111,7 +111,25 @@ def _encode_into(out: bytearray, obj: Any) -> None:
         out += _head(5, len(obj))
         for encoded, key in _sorted_keys(obj):
             out += encoded
-            _encode_into(out, obj[key])
+            value = obj[key]
+            # Inline the scalars that flat entries are made of; everything else recurses.
+            value_kind = type(value)
+            if value_kind is int and 0 <= value <= 0xFFFFFFFF:
+                if value < 24:
+                    out.append(value)
+                elif value < 0x100:
+                    out += b"\x18" + value.to_bytes(1, "big")
+                elif value < 0x10000:
+                    out += b"\x19" + value.to_bytes(2, "big")
+                else:
+                    out += b"\x1a" + value.to_bytes(4, "big")
+            elif value_kind is bytes and len(value) < 0x100:
+                out += (bytes((0x40 | len(value),)) if len(value) < 24 else b"\x58" + bytes((len(value),))) + value
+            elif value_kind is str and value.isascii() and len(value) < 0x100:
+                raw = value.encode("ascii")
+                out += (bytes((0x60 | len(raw),)) if len(raw) < 24 else b"\x78" + bytes((len(raw),))) + raw
+            else:
+                _encode_into(out, value)
     elif kind is list or kind is tuple:
         out += _head(4, len(obj))
         for item in obj:
@@ -395,3 +413,44 @@ class FixedMap:
                     return None
             result[name] = content
         return result
+
+
+_SMALL_UINTS = [bytes((i,)) for i in range(24)]
+
+
+def _uint_bytes(value: int) -> bytes:
+    if value < 24:
+        return _SMALL_UINTS[value]
+    return _head(0, value)
+
+
+class MapTemplate:
+    """Encoder for maps with a fixed set of text keys (ledger entries): the key order and key bytes are
+    computed once. Output is byte-identical to `encode` (tests/test_cbor.py checks it)."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._fields = sorted((encode(key), key) for key in keys)
+        self._names = frozenset(key for _, key in self._fields)
+        self._head = _head(5, len(self._fields))
+
+    def encode(self, values: dict) -> bytes:
+        if values.keys() != self._names:
+            raise TypeError(f"fields {sorted(values)} do not match the template {sorted(self._names)}")
+        parts = [self._head]
+        append = parts.append
+        for key_bytes, name in self._fields:
+            append(key_bytes)
+            value = values[name]
+            kind = type(value)
+            if kind is int and 0 <= value <= _UINT64_MAX:
+                append(_uint_bytes(value))
+            elif kind is bytes:
+                append(_head(2, len(value)))
+                append(value)
+            elif kind is str:
+                raw = value.encode("utf-8")
+                append(_head(3, len(raw)))
+                append(raw)
+            else:
+                append(encode(value))
+        return b"".join(parts)

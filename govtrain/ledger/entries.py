@@ -74,8 +74,11 @@ SPECS: dict[str, dict[str, type | tuple[type, ...]]] = {
 }
 
 
+_TEMPLATES = {kind: cbor.MapTemplate(spec) for kind, spec in SPECS.items()}
+
+
 def _entry(seq: int, kind: str, time: int, **fields: Any) -> bytes:
-    return cbor.encode({"v": ENTRY_VERSION, "seq": seq, "kind": kind, "time": time, **fields})
+    return _TEMPLATES[kind].encode({"v": ENTRY_VERSION, "seq": seq, "kind": kind, "time": time, **fields})
 
 
 def header_entry(seq: int, time: int, policy: "Policy", policy_source_sha256: bytes) -> bytes:

@@ -62,6 +62,7 @@ class Ledger:
         self.header = header
         self._key_path = key_path
         self._key = None
+        self._nodes = store.node_cache()  # subtree hashes, kept for the life of this Ledger
 
     @classmethod
     def open(cls, url: str, *, key: str | os.PathLike | None = None) -> "Ledger":
@@ -127,16 +128,22 @@ class Ledger:
         """A write transaction that ends by signing a checkpoint of the tree it leaves behind."""
         now = int(_time.time()) if now is None else now
         key = self.signing_key()
-        with self.store.append() as appender:
-            yield appender
-            appender.flush()
-            size = appender.next_seq
-            cache = ledger_store.NodeCache(appender.node)
-            root = MerkleTree(appender.leaf_hashes, size, cache=cache,
-                              min_cached_height=ledger_store.PERSISTED_NODE_HEIGHT).root()
-            cache.flush(appender.connection)
-            checkpoint = sign_checkpoint(self.policy.origin, size, root, key, self._key_name(key))
-            appender.add_checkpoint(size, root, checkpoint.note, now)
+        cache = self._nodes
+        try:
+            with self.store.append() as appender:
+                yield appender
+                appender.flush()
+                size = appender.next_seq
+                cache.lookup = appender.node  # inside the transaction: sees only committed subtrees
+                root = MerkleTree(appender.leaf_hashes, size, cache=cache,
+                                  min_cached_height=ledger_store.PERSISTED_NODE_HEIGHT).root()
+                cache.flush(appender.connection)
+                checkpoint = sign_checkpoint(self.policy.origin, size, root, key, self._key_name(key))
+                appender.add_checkpoint(size, root, checkpoint.note, now)
+        except BaseException:
+            cache.rollback()
+            raise
+        cache.commit()
 
     def _key_name(self, key) -> str:
         raw = raw_public_key(key.public_key())
@@ -167,7 +174,8 @@ class Ledger:
         return self.store.setting(LEDGER_KEY_SETTING)
 
     def tree(self) -> MerkleTree:
-        return MerkleTree(self.store.leaf_hashes, self.store.size(), cache=self.store.node_cache(),
+        self._nodes.lookup = self.store.node_cache().lookup
+        return MerkleTree(self.store.leaf_hashes, self.store.size(), cache=self._nodes,
                           min_cached_height=ledger_store.PERSISTED_NODE_HEIGHT)
 
     def prove(self, contribution_id: str, checkpoint_note: str | None = None) -> "InclusionProof":

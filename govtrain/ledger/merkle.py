@@ -82,6 +82,7 @@ class MerkleTree:
         self.size = size
         self.cache: MutableMapping[tuple[int, int], bytes] = {} if cache is None else cache
         self.min_cached_height = min_cached_height
+        self._blocks: dict[int, Sequence[bytes]] = {}  # leaf blocks of 2^min_cached_height, read once
 
     # -- hashes -----------------------------------------------------------------------------
 
@@ -93,13 +94,27 @@ class MerkleTree:
             return found
         if height <= self.min_cached_height:
             start = index << height
-            value = root_of(self._leaves(start, start + (1 << height)))
+            value = root_of(self._block_leaves(start, start + (1 << height)))
             if height == self.min_cached_height:
                 self.cache[key] = value
             return value
         value = node_hash(self._perfect(height - 1, 2 * index), self._perfect(height - 1, 2 * index + 1))
         self.cache[key] = value
         return value
+
+    def _block_leaves(self, start: int, stop: int) -> Sequence[bytes]:
+        """Leaves [start, stop) of one aligned block, reading the whole block once (proofs need several
+        subtrees of the same block)."""
+        width = 1 << self.min_cached_height
+        block = start // width
+        if block != (stop - 1) // width or (block + 1) * width > self.size:
+            return self._leaves(start, stop)
+        leaves = self._blocks.get(block)
+        if leaves is None:
+            if len(self._blocks) > 64:
+                self._blocks.clear()
+            leaves = self._blocks[block] = self._leaves(block * width, (block + 1) * width)
+        return leaves[start - block * width : stop - block * width]
 
     def range_hash(self, start: int, end: int) -> bytes:
         """MTH(D[start:end]) for a range that RFC 9162's recursion produces (start aligned to the

@@ -1,0 +1,147 @@
+"""Ledger throughput: batched appends, verification of a million entries, proofs at a million.
+
+    .venv/bin/python bench/ledger.py [--entries 1000000] [--batch 10000] [--pg URL]
+
+Prints, from one run on this machine:
+  1. batched append rate into SQLite (entries per second; each batch is one transaction that also
+     signs a checkpoint of the new tree)                                 [target >= 40,000/s]
+     and into PostgreSQL when --pg (or $GOVTRAIN_TEST_PG_URL) names a server;
+  2. verification of the whole ledger, integrity only (sequence, leaf hashes, every checkpoint's root
+     and signature: no entry decoded, no attestation re-verified)         [target <= 4 s]
+     next to the hashing-only lower bound (leaf and interior hashes of the same bodies, in memory);
+  3. inclusion proof generation and verification at the full size       [target <= 5 ms each].
+Entries are spend-shaped (the bulk of a real ledger: one per contribution per epoch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from govtrain.ledger.entries import spend_entry  # noqa: E402
+from govtrain.ledger.ledger import Ledger  # noqa: E402
+from govtrain.ledger.merkle import leaf_hash, verify_inclusion  # noqa: E402
+from govtrain.ledger.checkpoint import verify_checkpoint  # noqa: E402
+from govtrain.ledger.ledger import note_keys  # noqa: E402
+from govtrain.policy.config import load_policy  # noqa: E402
+from govtrain.verify.verifier import inspect_ledger  # noqa: E402
+from tests.conftest import TEST_POLICY, copy_demo_keys  # noqa: E402
+
+
+def build(url: str, keys: Path, entries: int, batch: int) -> tuple[float, list[bytes]]:
+    """Create a ledger and append `entries` spend entries in batches; return the append rate and bodies."""
+    (keys / "policy.toml").write_text(TEST_POLICY)
+    policy, digest = load_policy(keys / "policy.toml")
+    ledger = Ledger.init(url, policy, digest, key_path=keys / "ledger.key", now=1)
+    leaf = hashlib.sha256(b"admit").digest()
+    elapsed = 0.0
+    appended = 0
+    while appended < entries - 1:
+        count = min(batch, entries - 1 - appended)
+        start = time.perf_counter()
+        with ledger.append(now=2) as appender:
+            for i in range(appended, appended + count):
+                appender.add("spend", 2, lambda seq, i=i: spend_entry(
+                    seq, 2, contribution_id=f"c{i % 100_000:06d}", admit_leaf=leaf, epoch=i // 100_000, steps=50,
+                    sampling_rate_u=10_000, noise_multiplier_u=1_000_000, accountant="prv", delta_p=10_000_000,
+                    eps_u=1_000 * (i // 100_000 + 1)))
+        elapsed += time.perf_counter() - start
+        appended += count
+    bodies = [row[2] for row in ledger.store.leaf_rows()]
+    ledger.close()
+    return appended / elapsed, bodies
+
+
+def hashing_lower_bound(bodies: list[bytes]) -> float:
+    start = time.perf_counter()
+    sha256 = hashlib.sha256
+    level = [sha256(b"\x00" + body).digest() for body in bodies]
+    while len(level) > 1:
+        paired = [sha256(b"\x01" + level[i] + level[i + 1]).digest() for i in range(0, len(level) - 1, 2)]
+        level = paired + ([level[-1]] if len(level) % 2 else [])
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--entries", type=int, default=1_000_000)
+    parser.add_argument("--batch", type=int, default=10_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pg", default=os.environ.get("GOVTRAIN_TEST_PG_URL"))
+    parser.add_argument("--pg-entries", type=int, default=100_000)
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="govtrain-ledger-bench-"))
+    try:
+        keys = copy_demo_keys(root / "keys")
+        from govtrain.attest.keys import generate_key_pair
+
+        generate_key_pair(keys, "limited")
+        url = f"sqlite:///{root / 'ledger.db'}"
+        print(f"govtrain ledger bench: {args.entries:,} entries, batches of {args.batch:,}, {os.cpu_count()} cores")
+        rate, bodies = build(url, keys, args.entries, args.batch)
+        print(f"append, SQLite, batched:             {rate:10,.0f} entries/s  (target >= 40,000)")
+
+        verify_times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            report = inspect_ledger(url, integrity_only=True)
+            verify_times.append(time.perf_counter() - start)
+            assert report.ok, report.as_json()
+        lower = statistics.median(hashing_lower_bound(bodies) for _ in range(args.repeats))
+        print(f"verify {report.entries:,} entries, integrity only ({report.checkpoints} checkpoints): "
+              f"{statistics.median(verify_times):6.2f} s  (target <= 4 s); hashing-only lower bound {lower:.2f} s")
+
+        ledger = Ledger.open(url)
+        size = ledger.size()
+        checkpoint_note = ledger.store.latest_checkpoint().note
+        keys_ = note_keys(ledger.policy)
+        make, check = [], []
+        for index in (1, size // 3, size // 2 + 7, size - 2):
+            contribution_leaf = leaf_hash(bodies[index])
+            start = time.perf_counter()
+            proof = ledger.tree().inclusion_proof(index, size)
+            make.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            checkpoint = verify_checkpoint(checkpoint_note, origin=ledger.policy.origin, keys=keys_)
+            verify_inclusion(index, checkpoint.size, contribution_leaf, proof, checkpoint.root)
+            check.append(time.perf_counter() - start)
+        ledger.close()
+        print(f"inclusion proof at {size:,}: generate {statistics.median(make) * 1e3:.2f} ms, verify (with the "
+              f"checkpoint signature) {statistics.median(check) * 1e3:.2f} ms  (target <= 5 ms each)")
+
+        if args.pg:
+            import uuid
+
+            from sqlalchemy import create_engine
+            from sqlalchemy.engine import make_url
+
+            name = f"govtrain_bench_{uuid.uuid4().hex[:8]}"
+            admin = create_engine(args.pg, isolation_level="AUTOCOMMIT")
+            with admin.connect() as connection:
+                connection.exec_driver_sql(f"CREATE DATABASE {name}")
+            try:
+                pg_url = make_url(args.pg).set(database=name).render_as_string(hide_password=False)
+                pg_rate, _ = build(pg_url, keys, args.pg_entries, args.batch)
+                print(f"append, PostgreSQL, batched:         {pg_rate:10,.0f} entries/s  ({args.pg_entries:,} entries)")
+            finally:
+                with admin.connect() as connection:
+                    connection.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+                admin.dispose()
+        else:
+            print("append, PostgreSQL: not measured (no --pg URL and no $GOVTRAIN_TEST_PG_URL)")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
