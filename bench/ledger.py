@@ -57,7 +57,7 @@ def build(url: str, keys: Path, entries: int, batch: int) -> tuple[float, list[b
                     eps_u=1_000 * (i // 100_000 + 1)))
         elapsed += time.perf_counter() - start
         appended += count
-    bodies = [row[2] for row in ledger.store.leaf_rows()]
+    bodies = [row[2] for rows in ledger.store.leaf_rows() for row in rows]
     ledger.close()
     return appended / elapsed, bodies
 

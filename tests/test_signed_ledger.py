@@ -449,3 +449,32 @@ def test_integrity_only_passes_and_catches_rollback_and_fork(real: Corpus, tmp_p
     fork = Corpus(real.dir, real.policy_path, older, real.attester, real.limited, real.now)
     _admit(fork, "other")
     assert _verify_cli(older, "--integrity-only", "--trusted-checkpoint", str(trusted))[1]["code"] == "fork"
+
+
+def test_parallel_integrity_pass_on_a_large_ledger(corpus: Corpus, tmp_path: Path):
+    from govtrain.ledger.entries import run_entry
+    from govtrain.verify import integrity
+
+    with corpus.open() as ledger:
+        with ledger.append(corpus.now) as appender:
+            for i in range(70_000):
+                appender.add("run", 1, lambda seq, i=i: run_entry(
+                    seq, 1, run_id=f"r{i}", mechanism="dpsgd", config_sha256=bytes(32), base_model_sha256=bytes(32),
+                    adapter_sha256=None))
+        store = ledger.store
+        total = store.size()
+        wanted = sorted({p for size in (total, 65_536, 65_537, 12_345, 1) for p in integrity.prefix_parts(size)})
+        nodes = integrity._tree_nodes(store, total, wanted)  # two processes: total >= 2^16
+        leaves = [leaf for rows in store.leaf_rows() for _, leaf, _ in rows]
+        assert nodes == integrity._extract(integrity._build_levels(leaves), 0, wanted)
+        assert integrity._fold([nodes[p] for p in integrity.prefix_parts(total)]) == ledger.tree().root()
+    assert verify_ledger(corpus.url, integrity_only=True).entries == 70_001
+    for seq, tamper, code in ((60_000, "flip", "leaf_hash_mismatch"), (1_234, "delete", "sequence_gap")):
+        url = _copy(corpus.url, tmp_path / f"{tamper}.db")
+        if tamper == "flip":
+            body, _ = _row(_db(url), seq)
+            _sql(_db(url), "UPDATE entries SET body = ? WHERE seq = ?", params=(body[:-1] + bytes([body[-1] ^ 1]), seq))
+        else:
+            _sql(_db(url), f"DELETE FROM entries WHERE seq = {seq}")
+        exit_code, report, _ = _verify_cli(url, "--integrity-only")
+        assert (exit_code, report["code"], report["first_bad_entry"]) == (4, code, seq), report

@@ -174,7 +174,8 @@ class Ledger:
         return self.store.setting(LEDGER_KEY_SETTING)
 
     def tree(self) -> MerkleTree:
-        self._nodes.lookup = self.store.node_cache().lookup
+        reader = self.store.node_cache()
+        self._nodes.lookup, self._nodes.lookup_many = reader.lookup, reader.lookup_many
         return MerkleTree(self.store.leaf_hashes, self.store.size(), cache=self._nodes,
                           min_cached_height=ledger_store.PERSISTED_NODE_HEIGHT)
 

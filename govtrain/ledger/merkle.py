@@ -107,13 +107,14 @@ class MerkleTree:
         subtrees of the same block)."""
         width = 1 << self.min_cached_height
         block = start // width
-        if block != (stop - 1) // width or (block + 1) * width > self.size:
+        if block != (stop - 1) // width:
             return self._leaves(start, stop)
         leaves = self._blocks.get(block)
         if leaves is None:
             if len(self._blocks) > 64:
                 self._blocks.clear()
-            leaves = self._blocks[block] = self._leaves(block * width, (block + 1) * width)
+            # The last block may be partial: read what exists of it.
+            leaves = self._blocks[block] = self._leaves(block * width, min((block + 1) * width, self.size))
         return leaves[start - block * width : stop - block * width]
 
     def range_hash(self, start: int, end: int) -> bytes:
@@ -140,18 +141,36 @@ class MerkleTree:
         size = self.size if size is None else size
         if not 0 <= index < size <= self.size:
             raise ValueError(f"no leaf {index} in a tree of size {size}")
-        path: list[bytes] = []
+        ranges: list[tuple[int, int]] = []
         start, end = 0, size
         while end - start > 1:
             k = split_point(end - start)
             if index - start < k:
-                path.append(self.range_hash(start + k, end))
+                ranges.append((start + k, end))
                 end = start + k
             else:
-                path.append(self.range_hash(start, start + k))
+                ranges.append((start, start + k))
                 start += k
-        path.reverse()
-        return path
+        self._prefetch(ranges)
+        return [self.range_hash(a, b) for a, b in reversed(ranges)]
+
+    def _prefetch(self, ranges: list[tuple[int, int]]) -> None:
+        """Tell a cache that can load many hashes at once which perfect subtrees these ranges need."""
+        prefetch = getattr(self.cache, "prefetch", None)
+        if prefetch is None:
+            return
+        keys: list[tuple[int, int]] = []
+        stack = list(ranges)
+        while stack:
+            a, b = stack.pop()
+            n = b - a
+            if n & (n - 1) == 0 and a % n == 0:
+                if n.bit_length() - 1 >= self.min_cached_height:
+                    keys.append((n.bit_length() - 1, a // n))
+            elif n > 1:
+                k = split_point(n)
+                stack += [(a, a + k), (a + k, b)]
+        prefetch(keys)
 
     def consistency_proof(self, first: int, second: int | None = None) -> list[bytes]:
         """PROOF(first, D[0:second]); empty when first is 0 or equals second."""
