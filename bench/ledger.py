@@ -109,7 +109,7 @@ def main() -> None:
         for index in (1, size // 3, size // 2 + 7, size - 2):
             contribution_leaf = leaf_hash(bodies[index])
             start = time.perf_counter()
-            proof = ledger.tree().inclusion_proof(index, size)
+            proof = ledger.tree(size).inclusion_proof(index, size)
             make.append(time.perf_counter() - start)
             start = time.perf_counter()
             checkpoint = verify_checkpoint(checkpoint_note, origin=ledger.policy.origin, keys=keys_)

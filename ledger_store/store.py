@@ -14,7 +14,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, MutableMapping
+from typing import Callable, Iterator, MutableMapping, NamedTuple
 
 from sqlalchemy import create_engine, event, func, insert, inspect, select, tuple_, update
 from sqlalchemy.engine import Connection, Engine, make_url
@@ -63,8 +63,9 @@ def leaf_hash(body: bytes) -> bytes:
     return hashlib.sha256(LEAF_PREFIX + body).digest()
 
 
-@dataclass(frozen=True, slots=True)
-class StoredEntry:
+class StoredEntry(NamedTuple):
+    """One row of the log (a tuple: millions are made when a ledger is read or written in bulk)."""
+
     seq: int
     kind: str
     time: int
@@ -410,8 +411,14 @@ class LedgerStore:
     # -- reading -------------------------------------------------------------------------
 
     def size(self) -> int:
+        """How many entries the table holds (a full count: what a verifier compares against)."""
         with self.engine.connect() as connection:
             return connection.execute(select(func.count()).select_from(Entry)).scalar_one()
+
+    def next_seq(self) -> int:
+        """One past the highest sequence number: the tree size of an intact ledger, by primary key."""
+        with self.engine.connect() as connection:
+            return connection.execute(select(func.coalesce(func.max(Entry.seq) + 1, 0))).scalar_one()
 
     def head(self) -> StoredEntry | None:
         with self.engine.connect() as connection:

@@ -78,7 +78,8 @@ _TEMPLATES = {kind: cbor.MapTemplate(spec) for kind, spec in SPECS.items()}
 
 
 def _entry(seq: int, kind: str, time: int, **fields: Any) -> bytes:
-    return _TEMPLATES[kind].encode({"v": ENTRY_VERSION, "seq": seq, "kind": kind, "time": time, **fields})
+    fields.update(v=ENTRY_VERSION, seq=seq, kind=kind, time=time)  # kwargs is already a fresh dict
+    return _TEMPLATES[kind].encode(fields)
 
 
 def header_entry(seq: int, time: int, policy: "Policy", policy_source_sha256: bytes) -> bytes:

@@ -173,11 +173,12 @@ class Ledger:
     def ledger_key_path(self) -> str | None:
         return self.store.setting(LEDGER_KEY_SETTING)
 
-    def tree(self) -> MerkleTree:
+    def tree(self, size: int | None = None) -> MerkleTree:
+        """The Merkle tree over the first `size` entries (default: all of them)."""
         reader = self.store.node_cache()
         self._nodes.lookup, self._nodes.lookup_many = reader.lookup, reader.lookup_many
-        return MerkleTree(self.store.leaf_hashes, self.store.size(), cache=self._nodes,
-                          min_cached_height=ledger_store.PERSISTED_NODE_HEIGHT)
+        return MerkleTree(self.store.leaf_hashes, self.store.next_seq() if size is None else size,
+                          cache=self._nodes, min_cached_height=ledger_store.PERSISTED_NODE_HEIGHT)
 
     def prove(self, contribution_id: str, checkpoint_note: str | None = None) -> "InclusionProof":
         """An inclusion proof of the contribution's admit entry against the latest (or a given) checkpoint."""
@@ -201,7 +202,7 @@ class Ledger:
         if entry.body is None:
             raise RejectedError(Code.REDACTED, f"entry {admission.seq} was summarized and its body dropped by "
                                 "retention; proofs exist only for entries still held")
-        return InclusionProof(entry.body, admission.seq, self.tree().inclusion_proof(admission.seq, size),
+        return InclusionProof(entry.body, admission.seq, self.tree(size).inclusion_proof(admission.seq, size),
                               checkpoint_note)
 
     # -- writes --------------------------------------------------------------------------
