@@ -26,6 +26,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	$(PY) bench/admission.py
+	$(PY) bench/ledger.py
 
 schemas: $(STAMP)
 	$(PY) -m govtrain.policy.config --schema > schemas/policy.schema.json

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# govtrain demo: keys -> attest -> admit (admitted and rejected contributions) -> verify.
+# govtrain demo: keys -> attest -> admit (admitted and rejected) -> checkpoint -> proof -> withdraw -> verify.
 # Run it with `make demo`, which creates .venv first. Everything lands in demo-out/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +57,23 @@ echo '{"text": "a line slipped in after signing", "label": 1}' >> "$OUT/rejected
 expect_rejection "$BIN/govtrain" admit "$OUT/data/contrib-00.jsonl.cose" --data "$OUT/rejected/altered.jsonl" --ledger "$LEDGER"
 expect_rejection "$BIN/govtrain" admit "$OUT/data/contrib-01.jsonl.cose" --data "$OUT/data/contrib-01.jsonl" --ledger "$LEDGER"
 
-step "Auditor: verify the ledger without any data"
-show "$BIN/govtrain-verify" --ledger "$LEDGER"
+step "Operator: sign a checkpoint (C2SP signed note); the auditor keeps a copy"
+show "$BIN/govtrain" ledger checkpoint --ledger "$LEDGER" --out "$OUT/trusted.checkpoint"
+
+step "Contributor: get an inclusion proof and check it offline with the ledger's public key"
+show "$BIN/govtrain" ledger prove contrib-03 --ledger "$LEDGER" --out "$OUT/contrib-03.tlog-proof" > /dev/null
+head -n 3 "$OUT/contrib-03.tlog-proof" | cut -c1-60
+show "$BIN/govtrain" ledger verify-proof "$OUT/contrib-03.tlog-proof" --key "$OUT/keys/ledger.pub" \
+  --attestation "$OUT/data/contrib-03.jsonl.cose"
+
+step "Contributor: withdraw (appended, never erased; spend is never refunded)"
+show "$BIN/govtrain" withdraw contrib-07 --ledger "$LEDGER" --reason "consent withdrawn"
+expect_rejection "$BIN/govtrain" withdraw contrib-07 --ledger "$LEDGER" --reason "again"
+
+step "Status"
+show "$BIN/govtrain" ledger status --ledger "$LEDGER"
+show "$BIN/govtrain" ledger status --ledger "$LEDGER" --contribution contrib-07
+
+step "Auditor: verify the ledger without any data, against the checkpoint kept earlier"
+show "$BIN/govtrain-verify" --ledger "$LEDGER" --trusted-checkpoint "$OUT/trusted.checkpoint"
 printf '\ndemo finished: ledger at %s\n' "$OUT/ledger.db"
