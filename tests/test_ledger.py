@@ -202,6 +202,8 @@ TAMPERS = {
                                          "DELETE FROM entries WHERE seq = 3"), "sequence_gap", 3),
     "budget_raised_and_rehashed": (_rehashed_body(2, lambda e: e.update(eps_budget_u=9_999_999)), "bad_admission", 2),
     "class_changed_and_rehashed": (_rehashed_body(4, lambda e: e.update(data_class="sensitive")), "bad_admission", 4),
+    "noise_lowered_and_rehashed": (_rehashed_body(3, lambda e: e.update(noise_multiplier_u=100_000)),
+                                   "bad_admission", 3),
     # A class loosened past the corpus floor. (A rewrite that stays self-consistent, with every leaf
     # hash recomputed, needs the signed checkpoints of the next issue to be caught.)
     "policy_loosened_and_rehashed": (
@@ -238,3 +240,15 @@ def test_verifier_does_not_import_torch(populated: Corpus):
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "clean" in result.stdout, result.stderr
+
+
+def test_floors_are_checked_without_reverifying_attestations(populated: Corpus, tmp_path: Path):
+    copy = tmp_path / "floors.db"
+    source, target = sqlite3.connect(_db(populated.url)), sqlite3.connect(copy)
+    source.backup(target)
+    source.close(), target.close()
+    _rehashed_body(2, lambda e: e.update(eps_budget_u=99_000_000))(copy)
+    result = CliRunner().invoke(verify_cli, ["--ledger", f"sqlite:///{copy}", "--json", "--skip-attestations"])
+    report = json.loads(result.stdout)
+    assert (result.exit_code, report["code"], report["first_bad_entry"]) == (4, "bad_admission", 2)
+    assert report["attestations_verified"] is False

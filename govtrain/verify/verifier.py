@@ -225,7 +225,14 @@ class _Audit:
         self._set_policy(seq, entry["policy"])
 
     def _admit(self, seq: int, entry: dict, leaf: bytes) -> None:
-        assert self.gate is not None
+        assert self.gate is not None and self.policy is not None
+        # Floors and class bounds from the recorded fields, whether or not attestations are re-verified.
+        policy, cls = self.policy, self.policy.classes.get(entry["data_class"])
+        if (cls is None or not entry["clip_norm_u"] <= cls.clip_norm_u <= policy.floor_max_clip_norm_u
+                or not entry["noise_multiplier_u"] >= cls.min_noise_multiplier_u >= policy.floor_min_noise_multiplier_u
+                or entry["eps_budget_u"] > cls.max_eps_budget_u):
+            raise _Failure(Code.BAD_ADMISSION, f"entry {seq}: recorded bounds are looser than its class and the "
+                           "corpus floors allow", seq=seq)
         if self.attestations:
             try:
                 verified = self.gate.verify(entry["attestation"], now=entry["time"])
