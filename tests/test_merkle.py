@@ -19,6 +19,7 @@ from govtrain.ledger.merkle import (
     root_of,
     verify_consistency,
     verify_inclusion,
+    verify_subtree_inclusion,
 )
 
 VECTORS = Path(__file__).parent / "vectors" / "merkle"
@@ -99,8 +100,32 @@ def test_consistency_probe(probe):
         verify_consistency(*args)
 
 
+@pytest.mark.parametrize("probe", _probes("subtreeinclusion"))
+def test_subtree_inclusion_probe(probe):
+    leaf, root = _b64(probe["leafHash"]), _b64(probe["root"])
+    proof = _b64(probe["proof"]) or []
+    args = (probe["leafIdx"], probe["start"], probe["end"], leaf, proof, root)
+    if probe["wantErr"] or _malformed(leaf, root, *proof):
+        with pytest.raises(ProofError):
+            verify_subtree_inclusion(*args)
+    else:
+        verify_subtree_inclusion(*args)
+
+
+def test_subtree_inclusion_generated():
+    tree = MerkleTree(HASHES, 64)
+    for start, end in ((0, 8), (8, 16), (16, 20), (32, 64), (48, 51), (60, 61)):
+        sub = MerkleTree(HASHES[start:end], end - start)
+        for index in range(start, end):
+            verify_subtree_inclusion(index, start, end, HASHES[index], sub.inclusion_proof(index - start),
+                                     tree.range_hash(start, end))
+    with pytest.raises(ProofError):
+        verify_subtree_inclusion(5, 4, 10, HASHES[5], [], HASHES[5])  # [4, 10) is not aligned
+
+
 def test_probe_counts():
     assert len(_probes("inclusion")) == 98 and len(_probes("consistency")) == 98
+    assert len(_probes("subtreeinclusion")) == 204
 
 
 def test_strictness_departs_from_the_reference_only_on_malformed_hashes():

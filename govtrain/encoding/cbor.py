@@ -416,11 +416,20 @@ class FixedMap:
 
 
 _SMALL_UINTS = [bytes((i,)) for i in range(24)]
+_UINT8 = [b"\x18" + bytes((i,)) for i in range(256)]
+_BSTR_HEADS = [_head(2, n) for n in range(256)]
+_TSTR_HEADS = [_head(3, n) for n in range(256)]
 
 
 def _uint_bytes(value: int) -> bytes:
     if value < 24:
         return _SMALL_UINTS[value]
+    if value < 0x100:
+        return _UINT8[value]
+    if value < 0x10000:
+        return b"\x19" + value.to_bytes(2, "big")
+    if value < 0x100000000:
+        return b"\x1a" + value.to_bytes(4, "big")
     return _head(0, value)
 
 
@@ -443,13 +452,15 @@ class MapTemplate:
             value = values[name]
             kind = type(value)
             if kind is int and 0 <= value <= _UINT64_MAX:
-                append(_uint_bytes(value))
+                append(_SMALL_UINTS[value] if value < 24 else _uint_bytes(value))
             elif kind is bytes:
-                append(_head(2, len(value)))
+                length = len(value)
+                append(_BSTR_HEADS[length] if length < 256 else _head(2, length))
                 append(value)
             elif kind is str:
                 raw = value.encode("utf-8")
-                append(_head(3, len(raw)))
+                length = len(raw)
+                append(_TSTR_HEADS[length] if length < 256 else _head(3, length))
                 append(raw)
             else:
                 append(encode(value))

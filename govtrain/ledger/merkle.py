@@ -302,3 +302,20 @@ def verify_consistency(first: int, second: int, first_root: bytes, second_root: 
         raise ProofError(f"consistency proof does not reproduce the root of size {first}")
     if sr != second_root:
         raise ProofError(f"consistency proof does not reproduce the root of size {second}")
+
+
+def verify_subtree_inclusion(index: int, start: int, end: int, leaf: bytes, proof: Sequence[bytes],
+                             subtree_root: bytes) -> None:
+    """Inclusion of leaf `index` in the subtree of leaves [start, end) with hash `subtree_root`.
+
+    A subtree is valid when `start` is a multiple of the smallest power of two not below end - start
+    (it is then a node, or the right edge, of every tree that contains it); inside it, the proof is an
+    RFC 9162 §2.1.3 inclusion proof with indices counted from `start`."""
+    if not 0 <= start < end:
+        raise ProofError(f"[{start}, {end}) is not a subtree")
+    width = 1 << (end - start - 1).bit_length()
+    if start % width:
+        raise ProofError(f"[{start}, {end}) is not an aligned subtree")
+    if not start <= index < end:
+        raise ProofError(f"leaf {index} is outside the subtree [{start}, {end})")
+    verify_inclusion(index - start, end - start, leaf, proof, subtree_root)
