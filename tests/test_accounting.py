@@ -1,0 +1,99 @@
+"""Accountants: golden epsilons pinned from dp-accounting's PLD accountant and cross-checked."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from govtrain.accounting import Bucket, PLDAccountant, PRVAccountant, RDPAccountant, spend_epsilon_u
+
+DELTA = 1e-5
+# dp-accounting 0.6.0 PLD accountant (value_discretization_interval 1e-4), delta 1e-5, printed this session.
+GOLDEN = {
+    (0.001, 0.6, 100): 0.779594072, (0.001, 0.6, 1000): 1.425263733, (0.001, 0.6, 10000): 2.456182619,
+    (0.001, 1.0, 100): 0.055174691, (0.001, 1.0, 1000): 0.148955844, (0.001, 1.0, 10000): 0.475987014,
+    (0.001, 2.0, 100): 0.014668462, (0.001, 2.0, 1000): 0.050137038, (0.001, 2.0, 10000): 0.173846977,
+    (0.01, 0.6, 100): 3.815599215, (0.01, 0.6, 1000): 7.433616103, (0.01, 0.6, 10000): 23.017587249,
+    (0.01, 1.0, 100): 0.718036710, (0.01, 1.0, 1000): 1.828243646, (0.01, 1.0, 10000): 6.187744997,
+    (0.01, 2.0, 100): 0.189799062, (0.01, 2.0, 1000): 0.622048525, (0.01, 2.0, 10000): 2.162773645,
+    (0.1, 0.6, 100): 20.573804349, (0.1, 0.6, 1000): 78.648523320, (0.1, 0.6, 10000): 461.266372016,
+    (0.1, 1.0, 100): 7.046602877, (0.1, 1.0, 1000): 25.204555193, (0.1, 1.0, 10000): 127.878977678,
+    (0.1, 2.0, 100): 2.337400192, (0.1, 2.0, 1000): 8.279293380, (0.1, 2.0, 10000): 36.003697929,
+}
+# prv-accountant 0.2.0 raises ("discrete mean differs from continuous mean") for q = 0.1, sigma = 0.6.
+PRV_RAISES = {(0.1, 0.6, 100), (0.1, 0.6, 1000), (0.1, 0.6, 10000)}
+
+
+@pytest.mark.parametrize("point", sorted(GOLDEN), ids=str)
+def test_golden_grid(point):
+    q, sigma, steps = point
+    buckets = [Bucket(q, sigma, steps)]
+    pld = PLDAccountant().epsilon(buckets, DELTA)
+    assert abs(pld.epsilon - GOLDEN[point]) <= 2e-6  # the pinned value, rounded up to micro-units
+    assert pld.epsilon_u == math.ceil(GOLDEN[point] * 1e6) or abs(pld.epsilon_u - GOLDEN[point] * 1e6) <= 2
+    assert RDPAccountant().epsilon(buckets, DELTA).epsilon >= pld.epsilon  # RDP is never tighter than PLD
+    if point in PRV_RAISES:
+        return
+    prv = PRVAccountant().epsilon(buckets, DELTA)
+    assert prv.fallback is None and prv.lower <= prv.estimate <= prv.epsilon
+    assert abs(prv.estimate - GOLDEN[point]) <= 0.01 * GOLDEN[point]
+
+
+@pytest.mark.parametrize("steps", [100, 1000])
+def test_prv_falls_back_to_pld_where_it_raises(steps):
+    result = PRVAccountant().epsilon([Bucket(0.1, 0.6, steps)], DELTA)
+    assert result.fallback is not None and result.fallback.startswith("pld")
+    assert abs(result.epsilon - GOLDEN[(0.1, 0.6, steps)]) <= 2e-6
+
+
+def test_heterogeneous_composition_matches_the_library():
+    from dp_accounting import dp_event, pld
+
+    history = [Bucket(0.01, 1.0, 500), Bucket(0.01, 2.0, 300)]
+    event = dp_event.ComposedDpEvent([
+        dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.01, dp_event.GaussianDpEvent(1.0)), 500),
+        dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.01, dp_event.GaussianDpEvent(2.0)), 300),
+    ])
+    library = pld.PLDAccountant(value_discretization_interval=1e-4)
+    library.compose(event)
+    expected = library.get_epsilon(DELTA)
+    ours = PLDAccountant().epsilon(history, DELTA)
+    assert ours.epsilon_u == math.ceil(expected * 1e6)
+    prv = PRVAccountant().epsilon(history, DELTA)
+    assert abs(prv.estimate - expected) <= 0.01 * expected
+    # Order of buckets and splitting a bucket do not change the answer.
+    split = [Bucket(0.01, 2.0, 100), Bucket(0.01, 1.0, 500), Bucket(0.01, 2.0, 200)]
+    assert PLDAccountant().epsilon(split, DELTA).epsilon_u == ours.epsilon_u
+
+
+def test_q_zero_buckets_cost_nothing():
+    history = [Bucket(0.01, 1.0, 1000)]
+    with_free = history + [Bucket(0.0, 1.0, 5000), Bucket(0.5, 1.0, 0)]
+    for accountant in (PLDAccountant(), RDPAccountant(), PRVAccountant()):
+        assert accountant.epsilon(with_free, DELTA).epsilon_u == accountant.epsilon(history, DELTA).epsilon_u
+        assert accountant.epsilon([Bucket(0.0, 1.0, 10)], DELTA).epsilon_u == 0
+
+
+def test_spend_seam_rounds_up_in_micro_units():
+    value = spend_epsilon_u("pld", 10_000_000, [(10_000, 1_000_000, 1000)])
+    assert value == math.ceil(GOLDEN[(0.01, 1.0, 1000)] * 1e6)
+    with pytest.raises(ValueError):
+        spend_epsilon_u("moments", 10_000_000, [(10_000, 1_000_000, 1000)])
+
+
+def test_verifier_recomputes_spend_with_a_real_accountant(corpus):
+    from govtrain.errors import IntegrityError
+    from govtrain.verify.verifier import verify_ledger
+    from tests.test_signed_ledger import _admit, _spend
+
+    _admit(corpus, "acct")
+    implied = spend_epsilon_u("prv", 10_000_000, [(10_000, 1_000_000, 10)])
+    _spend(corpus, "acct", eps_u=implied, steps=10)
+    assert verify_ledger(corpus.url, accountant=spend_epsilon_u).spend_recomputed
+    with corpus.open() as ledger:
+        ledger.close_epoch(now=corpus.now)
+    _spend(corpus, "acct", eps_u=implied, steps=10)  # a second epoch of steps recorded as free
+    with pytest.raises(IntegrityError) as info:
+        verify_ledger(corpus.url, accountant=spend_epsilon_u)
+    assert info.value.code.value == "bad_spend"
