@@ -185,9 +185,10 @@ class NodeCache(MutableMapping):
     of leaves that do not exist. Only heights >= PERSISTED_NODE_HEIGHT reach the table.
     """
 
-    def __init__(self, lookup: Callable[[int, int], bytes | None]) -> None:
+    def __init__(self, lookup: Callable[[int, int], bytes | None],
+                 lookup_many: Callable[[list[tuple[int, int]]], dict[tuple[int, int], bytes]] | None = None) -> None:
         self.lookup = lookup
-        self.lookup_many: Callable[[list[tuple[int, int]]], dict[tuple[int, int], bytes]] | None = None
+        self.lookup_many = lookup_many
         self._memory: dict[tuple[int, int], bytes] = {}
         self._pending: dict[tuple[int, int], bytes] = {}
 
@@ -476,9 +477,7 @@ class LedgerStore:
                     tuple_(TreeNode.height, TreeNode.idx).in_(keys))).all()
             return {(h, i): v for h, i, v in rows}
 
-        cache = NodeCache(lookup)
-        cache.lookup_many = lookup_many
-        return cache
+        return NodeCache(lookup, lookup_many)
 
     def count_kind(self, kind: str) -> int:
         with self.engine.connect() as connection:

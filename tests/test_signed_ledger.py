@@ -453,6 +453,7 @@ def test_integrity_only_passes_and_catches_rollback_and_fork(real: Corpus, tmp_p
 
 def test_parallel_integrity_pass_on_a_large_ledger(corpus: Corpus, tmp_path: Path):
     from govtrain.ledger.entries import run_entry
+    from govtrain.ledger.merkle import fold_right
     from govtrain.verify import integrity
 
     with corpus.open() as ledger:
@@ -467,7 +468,7 @@ def test_parallel_integrity_pass_on_a_large_ledger(corpus: Corpus, tmp_path: Pat
         nodes = integrity._tree_nodes(store, total, wanted)  # two processes: total >= 2^16
         leaves = [leaf for rows in store.leaf_rows() for _, leaf, _ in rows]
         assert nodes == integrity._extract(integrity._build_levels(leaves), 0, wanted)
-        assert integrity._fold([nodes[p] for p in integrity.prefix_parts(total)]) == ledger.tree().root()
+        assert fold_right([nodes[p] for p in integrity.prefix_parts(total)]) == ledger.tree().root()
     assert verify_ledger(corpus.url, integrity_only=True).entries == 70_001
     for seq, tamper, code in ((60_000, "flip", "leaf_hash_mismatch"), (1_234, "delete", "sequence_gap")):
         url = _copy(corpus.url, tmp_path / f"{tamper}.db")

@@ -6,26 +6,18 @@ from pathlib import Path
 
 import click
 
-from govtrain.cli.output import CONTEXT_SETTINGS, Command, Group, emit_json, reports_errors
+from govtrain.cli.output import (
+    CONTEXT_SETTINGS,
+    Command,
+    Group,
+    emit_json,
+    json_option,
+    ledger_option,
+    reports_errors,
+    signing_key_option,
+)
 from govtrain.cli.verify import run_verify, verify_options
 from govtrain.errors import Code, ConfigError, IntegrityError
-
-LEDGER_HELP = "Ledger URL (sqlite:///PATH or a file path); default $GOVTRAIN_LEDGER."
-
-
-def _ledger_option(f):  # type: ignore[no-untyped-def]
-    return click.option("--ledger", "ledger_url", envvar="GOVTRAIN_LEDGER", required=True, metavar="URL",
-                        help=LEDGER_HELP)(f)
-
-
-def _key_option(f):  # type: ignore[no-untyped-def]
-    return click.option("--key", "key_path", type=click.Path(dir_okay=False), default=None,
-                        help="Ledger signing key; default $GOVTRAIN_LEDGER_KEY, then the path init recorded.")(f)
-
-
-def _json_option(f):  # type: ignore[no-untyped-def]
-    return click.option("--json", "as_json", is_flag=True, help="Print a JSON object on stdout.")(f)
-
 
 def _write_new(path: str, text: str) -> None:
     target = Path(path)
@@ -48,8 +40,8 @@ def ledger_verify(ledger_url: str, trusted: tuple[str, ...], skip_attestations: 
 
 
 @ledger.command("checkpoint", cls=Command, context_settings=CONTEXT_SETTINGS)
-@_ledger_option
-@_key_option
+@ledger_option
+@signing_key_option
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), help="Also write the note to FILE.")
 @reports_errors
 def ledger_checkpoint(ledger_url: str, key_path: str | None, out_path: str | None) -> None:
@@ -65,7 +57,7 @@ def ledger_checkpoint(ledger_url: str, key_path: str | None, out_path: str | Non
 
 @ledger.command("prove", cls=Command, context_settings=CONTEXT_SETTINGS)
 @click.argument("contribution_id")
-@_ledger_option
+@ledger_option
 @click.option("--checkpoint", "checkpoint_path", type=click.Path(dir_okay=False),
               help="Prove against this checkpoint note instead of the latest.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), help="Also write the proof to FILE.")
@@ -89,7 +81,7 @@ def ledger_prove(contribution_id: str, ledger_url: str, checkpoint_path: str | N
 @click.option("--name", "key_name", default=None, help="The key's name in checkpoints; default: the origin.")
 @click.option("--attestation", "attestation_path", type=click.Path(dir_okay=False),
               help="Also check that the proven entry records this .cose file.")
-@_json_option
+@json_option
 @reports_errors
 def ledger_verify_proof(proof_path: str, key_path: str, key_name: str | None, attestation_path: str | None,
                         as_json: bool) -> None:
@@ -117,10 +109,10 @@ def ledger_verify_proof(proof_path: str, key_path: str, key_name: str | None, at
 
 
 @ledger.command("compact", cls=Command, context_settings=CONTEXT_SETTINGS)
-@_ledger_option
+@ledger_option
 @click.option("--before-epoch", required=True, type=int, help="Summarize entries of epochs before N.")
-@_key_option
-@_json_option
+@signing_key_option
+@json_option
 @reports_errors
 def ledger_compact(ledger_url: str, before_epoch: int, key_path: str | None, as_json: bool) -> None:
     """Retention: one summary entry per class, then drop the summarized bodies (leaf hashes stay)."""
@@ -136,9 +128,9 @@ def ledger_compact(ledger_url: str, before_epoch: int, key_path: str | None, as_
 
 
 @ledger.command("status", cls=Command, context_settings=CONTEXT_SETTINGS)
-@_ledger_option
+@ledger_option
 @click.option("--contribution", "contribution_id", default=None, help="Show one contribution's history.")
-@_json_option
+@json_option
 @reports_errors
 def ledger_status_command(ledger_url: str, contribution_id: str | None, as_json: bool) -> None:
     """Entries, epochs, the last checkpoint and admissions per class (or one contribution's history)."""

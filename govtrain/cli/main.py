@@ -10,7 +10,19 @@ from pathlib import Path
 import click
 
 from govtrain import __version__
-from govtrain.cli.output import CONTEXT_SETTINGS, EXIT_OK, EXIT_REJECTED, Command, Group, emit_json, fail, reports_errors
+from govtrain.cli.output import (
+    CONTEXT_SETTINGS,
+    EXIT_OK,
+    EXIT_REJECTED,
+    Command,
+    Group,
+    emit_json,
+    fail,
+    json_option,
+    ledger_option,
+    reports_errors,
+    signing_key_option,
+)
 from govtrain.cli.ledger import ledger as ledger_group
 from govtrain.errors import AttestationError, Code, ConfigError
 
@@ -18,17 +30,7 @@ from govtrain.errors import AttestationError, Code, ConfigError
 # import, and `keys`, `attest` and --help need neither.
 DEFAULT_VALID_DAYS = 90
 
-LEDGER_HELP = "Ledger URL (sqlite:///PATH or a file path); default $GOVTRAIN_LEDGER."
 MAX_ATTESTATION_BYTES = 64 * 1024
-
-
-def _ledger_option(f):  # type: ignore[no-untyped-def]
-    return click.option("--ledger", "ledger_url", envvar="GOVTRAIN_LEDGER", required=True, metavar="URL",
-                        help=LEDGER_HELP)(f)
-
-
-def _json_option(f):  # type: ignore[no-untyped-def]
-    return click.option("--json", "as_json", is_flag=True, help="Print a JSON object on stdout.")(f)
 
 
 @click.group(cls=Group, context_settings=CONTEXT_SETTINGS)
@@ -52,7 +54,7 @@ def keys() -> None:
 @keys.command("generate", cls=Command, context_settings=CONTEXT_SETTINGS)
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Directory to write into.")
 @click.option("--name", required=True, help="Writes NAME.key (PKCS#8 PEM, mode 0600) and NAME.pub (PEM).")
-@_json_option
+@json_option
 @reports_errors
 def keys_generate(out_dir: str, name: str, as_json: bool) -> None:
     """Generate an Ed25519 key pair; never overwrites an existing file."""
@@ -73,10 +75,10 @@ def keys_generate(out_dir: str, name: str, as_json: bool) -> None:
 @cli.command("init", cls=Command, context_settings=CONTEXT_SETTINGS)
 @click.option("--policy", "policy_path", required=True, type=click.Path(dir_okay=False),
               help="Corpus policy (TOML).")
-@_ledger_option
+@ledger_option
 @click.option("--key", "key_path", required=True, type=click.Path(dir_okay=False),
               help="The ledger's Ed25519 signing key; its path (never the key) is remembered.")
-@_json_option
+@json_option
 @reports_errors
 def init(policy_path: str, ledger_url: str, key_path: str, as_json: bool) -> None:
     """Create a ledger whose first entry records the policy."""
@@ -111,7 +113,7 @@ def init(policy_path: str, ledger_url: str, key_path: str, as_json: bool) -> Non
 @click.option("--id", "contribution_id", default=None,
               help="Contribution id [A-Za-z0-9._:-]{1,128}; default derived from the data's SHA-256.")
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Where to write FILE.cose.")
-@_json_option
+@json_option
 @reports_errors
 def attest_command(data: str, key_path: str, contributor: str, data_class: str, clip_norm: str,
                    noise_multiplier: str, eps_budget: str, valid_days: int, contribution_id: str | None,
@@ -167,10 +169,9 @@ def _batch_items(directory: Path) -> list[tuple[str, bytes, Path]]:
 @click.option("--data", "data_path", type=click.Path(dir_okay=False), help="The data file the attestation binds.")
 @click.option("--batch", "batch_dir", type=click.Path(file_okay=False),
               help="Admit every DIR/X.cose with its data file DIR/X (batched commits).")
-@_ledger_option
-@click.option("--key", "key_path", type=click.Path(dir_okay=False), default=None,
-              help="Ledger signing key; default $GOVTRAIN_LEDGER_KEY, then the path init recorded.")
-@_json_option
+@ledger_option
+@signing_key_option
+@json_option
 @reports_errors
 def admit_command(attestation: str | None, data_path: str | None, batch_dir: str | None, ledger_url: str,
                   key_path: str | None, as_json: bool) -> None:
@@ -222,11 +223,10 @@ def admit_command(attestation: str | None, data_path: str | None, batch_dir: str
 
 @cli.command("withdraw", cls=Command, context_settings=CONTEXT_SETTINGS)
 @click.argument("contribution_id")
-@_ledger_option
+@ledger_option
 @click.option("--reason", required=True, help="Why (recorded in the ledger).")
-@click.option("--key", "key_path", type=click.Path(dir_okay=False), default=None,
-              help="Ledger signing key; default $GOVTRAIN_LEDGER_KEY, then the path init recorded.")
-@_json_option
+@signing_key_option
+@json_option
 @reports_errors
 def withdraw_command(contribution_id: str, ledger_url: str, reason: str, key_path: str | None, as_json: bool) -> None:
     """Withdraw a contribution: excluded from the next step on; earlier entries and spend stay. Exit 3 if

@@ -18,6 +18,20 @@ CONTEXT_SETTINGS = {"max_content_width": 100, "terminal_width": 100, "help_optio
 EXIT_OK, EXIT_UNEXPECTED, EXIT_USAGE, EXIT_REJECTED, EXIT_INTEGRITY, EXIT_BUDGET = 0, 1, 2, 3, 4, 5
 
 
+def ledger_option(f):  # type: ignore[no-untyped-def]
+    return click.option("--ledger", "ledger_url", envvar="GOVTRAIN_LEDGER", required=True, metavar="URL",
+                        help="Ledger URL (sqlite:///PATH or a file path); default $GOVTRAIN_LEDGER.")(f)
+
+
+def signing_key_option(f):  # type: ignore[no-untyped-def]
+    return click.option("--key", "key_path", type=click.Path(dir_okay=False), default=None,
+                        help="Ledger signing key; default $GOVTRAIN_LEDGER_KEY, then the path init recorded.")(f)
+
+
+def json_option(f):  # type: ignore[no-untyped-def]
+    return click.option("--json", "as_json", is_flag=True, help="Print a JSON object on stdout.")(f)
+
+
 def emit_json(payload: dict) -> None:
     click.echo(json.dumps(payload, sort_keys=True))
 

@@ -45,6 +45,33 @@ def split_point(n: int) -> int:
     return 1 << ((n - 1).bit_length() - 1)
 
 
+def fold_right(subtrees: Sequence[bytes]) -> bytes:
+    """The root over perfect subtrees listed left to right, largest first (RFC 9162's split)."""
+    root = subtrees[-1]
+    for left in reversed(subtrees[:-1]):
+        root = node_hash(left, root)
+    return root
+
+
+class CompactRange:
+    """Roots of every prefix of a log, one leaf at a time: a stack of perfect subtrees."""
+
+    def __init__(self) -> None:
+        self.stack: list[bytes] = []
+        self.size = 0
+
+    def append(self, leaf: bytes) -> None:
+        self.stack.append(leaf)
+        self.size += 1
+        # Leaf number `size` completes one perfect subtree per trailing zero bit of `size`.
+        for _ in range((self.size & -self.size).bit_length() - 1):
+            right = self.stack.pop()
+            self.stack[-1] = node_hash(self.stack[-1], right)
+
+    def root(self) -> bytes:
+        return fold_right(self.stack) if self.stack else EMPTY_ROOT
+
+
 def root_of(leaf_hashes: Sequence[bytes]) -> bytes:
     """MTH over a list of leaf hashes, in one left-to-right pass with a stack of perfect subtrees."""
     if not leaf_hashes:
@@ -57,10 +84,7 @@ def root_of(leaf_hashes: Sequence[bytes]) -> bytes:
         for _ in range(merges):
             right = stack.pop()
             stack[-1] = node_hash(stack[-1], right)
-    root = stack.pop()
-    while stack:
-        root = node_hash(stack.pop(), root)
-    return root
+    return fold_right(stack)
 
 
 class MerkleTree:

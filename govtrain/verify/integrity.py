@@ -15,7 +15,7 @@ from govtrain.errors import Code, IntegrityError
 from govtrain.ledger.checkpoint import NoteError, verify_checkpoint
 from govtrain.ledger.entries import decode_entry
 from govtrain.ledger.ledger import note_keys
-from govtrain.ledger.merkle import node_hash
+from govtrain.ledger.merkle import fold_right
 from govtrain.policy.model import Policy
 
 if TYPE_CHECKING:
@@ -27,29 +27,6 @@ class _Failure(IntegrityError):
         super().__init__(code, detail)
         self.seq = seq
         self.checkpoint = checkpoint
-
-
-class _CompactRange:
-    """Roots of every prefix of a log, one leaf at a time: a stack of perfect subtrees (RFC 9162)."""
-
-    def __init__(self) -> None:
-        self.stack: list[bytes] = []
-        self.size = 0
-
-    def append(self, leaf: bytes) -> None:
-        self.stack.append(leaf)
-        self.size += 1
-        for _ in range((self.size & -self.size).bit_length() - 1):
-            right = self.stack.pop()
-            self.stack[-1] = node_hash(self.stack[-1], right)
-
-    def root(self) -> bytes:
-        if not self.stack:
-            return hashlib.sha256(b"").digest()
-        root = self.stack[-1]
-        for left in reversed(self.stack[:-1]):
-            root = node_hash(left, root)
-        return root
 
 
 def _build_levels(leaves: list[bytes]) -> list[list[bytes]]:
@@ -84,13 +61,6 @@ def prefix_parts(size: int) -> list[tuple[int, int]]:
             parts.append((height, start >> height))
             start += 1 << height
     return parts
-
-
-def _fold(parts: list[bytes]) -> bytes:
-    root = parts[-1]
-    for left in reversed(parts[:-1]):
-        root = node_hash(left, root)
-    return root
 
 
 def _extract(levels: list[list[bytes]], offset: int, wanted: Sequence[tuple[int, int]]) -> dict:
@@ -200,7 +170,7 @@ def _integrity(store: ledger_store.LedgerStore, report: VerificationReport, trus
     nodes = _tree_nodes(store, total, wanted)
 
     def root(size: int) -> bytes:
-        return _fold([nodes[part] for part in prefix_parts(size)])
+        return fold_right([nodes[part] for part in prefix_parts(size)])
 
     # 6-7. Roots, truncation, unsigned tail.
     good = 0

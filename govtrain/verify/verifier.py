@@ -36,7 +36,8 @@ from govtrain.ledger.checkpoint import Checkpoint, NoteError, verify_checkpoint
 from govtrain.ledger.entries import decode_entry
 from govtrain.ledger.ledger import note_keys, store_errors
 from govtrain.policy.model import Policy
-from govtrain.verify.integrity import _CompactRange, _Failure, _integrity
+from govtrain.ledger.merkle import CompactRange, root_of
+from govtrain.verify.integrity import _Failure, _integrity
 
 # (accountant name, delta_p, [(sampling_rate_u, noise_multiplier_u, steps), ...]) -> epsilon in
 # micro-units, rounded up. Issue 4's accountants plug in here.
@@ -140,7 +141,7 @@ class _Audit:
         self.epoch = 0
         self.summaries: dict[tuple[int, int], list[dict]] = {}
         self.redacted: list[tuple[int, str, bytes]] = []
-        self.tree = _CompactRange()
+        self.tree = CompactRange()
         self.verified_checkpoints: list[tuple[int, bytes]] = []  # (size, root) that matched
 
     def run(self, trusted: Sequence[str]) -> None:
@@ -352,7 +353,7 @@ class _Audit:
                                f"ledger holds {total}: it was rolled back", seq=total)
             root = roots.get(checkpoint.size)
             if root is None:
-                root = _prefix_root(self.store, checkpoint.size)
+                root = root_of(self.store.leaf_hashes(0, checkpoint.size))
             if root != checkpoint.root:
                 raise _Failure(Code.FORK, f"the first {checkpoint.size} entries are not the ones the trusted "
                                f"checkpoint signed: the ledger forked after entry {agreed - 1}", seq=agreed)
@@ -391,10 +392,3 @@ class _Audit:
         if summaries != {(s["seq"], s["data_class"], s["first_seq"], s["last_seq"])
                          for group in self.summaries.values() for s in group}:
             raise _Failure(Code.INDEX_MISMATCH, "the summaries index disagrees with the summary entries")
-
-
-def _prefix_root(store: ledger_store.LedgerStore, size: int) -> bytes:
-    tree = _CompactRange()
-    for leaf in store.leaf_hashes(0, size):
-        tree.append(leaf)
-    return tree.root()
