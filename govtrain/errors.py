@@ -27,6 +27,10 @@ class Code(str, Enum):
     LEDGER_EXISTS = "ledger_exists"
     LEDGER_MISSING = "ledger_missing"
     BAD_ARGUMENT = "bad_argument"
+    MODEL_UNREADABLE = "model_unreadable"
+    PROFILE_UNRESOLVABLE = "profile_unresolvable"  # the model's layout does not support the profile
+    PROFILE_OUT_OF_RANGE = "profile_out_of_range"  # a layer or head the model does not have
+    PROFILE_UNMATCHED = "profile_unmatched"  # a class whose profile reaches no trainable parameter
 
     # -- encoding: the strict deterministic-CBOR decoder (DESIGN §2) ----------------------
     TOO_LARGE = "too_large"

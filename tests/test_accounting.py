@@ -1,4 +1,8 @@
-"""Accountants: golden epsilons pinned from dp-accounting's PLD accountant and cross-checked."""
+"""Accountants: golden epsilons pinned from dp-accounting's PLD accountant and cross-checked.
+
+govtrain's `pld` discretizes at 1e-3 (see accountants.py); the goldens are the library's default 1e-4
+answers, so `pld` must sit at or above them (it is an upper bound) and within 0.5%.
+"""
 
 from __future__ import annotations
 
@@ -30,8 +34,9 @@ def test_golden_grid(point):
     q, sigma, steps = point
     buckets = [Bucket(q, sigma, steps)]
     pld = PLDAccountant().epsilon(buckets, DELTA)
-    assert abs(pld.epsilon - GOLDEN[point]) <= 2e-6  # the pinned value, rounded up to micro-units
-    assert pld.epsilon_u == math.ceil(GOLDEN[point] * 1e6) or abs(pld.epsilon_u - GOLDEN[point] * 1e6) <= 2
+    assert GOLDEN[point] <= pld.epsilon <= GOLDEN[point] * 1.005 + 1e-6
+    fine = PLDAccountant(value_discretization_interval=1e-4).epsilon(buckets, DELTA)
+    assert fine.epsilon_u == math.ceil(GOLDEN[point] * 1e6) or abs(fine.epsilon_u - GOLDEN[point] * 1e6) <= 2
     assert RDPAccountant().epsilon(buckets, DELTA).epsilon >= pld.epsilon  # RDP is never tighter than PLD
     if point in PRV_RAISES:
         return
@@ -44,27 +49,35 @@ def test_golden_grid(point):
 def test_prv_falls_back_to_pld_where_it_raises(steps):
     result = PRVAccountant().epsilon([Bucket(0.1, 0.6, steps)], DELTA)
     assert result.fallback is not None and result.fallback.startswith("pld")
-    assert abs(result.epsilon - GOLDEN[(0.1, 0.6, steps)]) <= 2e-6
+    assert result.epsilon_u == PLDAccountant().epsilon([Bucket(0.1, 0.6, steps)], DELTA).epsilon_u
 
 
 def test_heterogeneous_composition_matches_the_library():
-    from dp_accounting import dp_event, pld
+    from dp_accounting import dp_event, pld, rdp
 
     history = [Bucket(0.01, 1.0, 500), Bucket(0.01, 2.0, 300)]
     event = dp_event.ComposedDpEvent([
         dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.01, dp_event.GaussianDpEvent(1.0)), 500),
         dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.01, dp_event.GaussianDpEvent(2.0)), 300),
     ])
-    library = pld.PLDAccountant(value_discretization_interval=1e-4)
-    library.compose(event)
-    expected = library.get_epsilon(DELTA)
+    for interval in (1e-3, 1e-4):  # ours at the library's default interval, too
+        library = pld.PLDAccountant(value_discretization_interval=interval)
+        library.compose(event)
+        expected = library.get_epsilon(DELTA)
+        ours = PLDAccountant(value_discretization_interval=interval).epsilon(history, DELTA)
+        assert ours.epsilon_u == math.ceil(expected * 1e6)
+    fine = expected
     ours = PLDAccountant().epsilon(history, DELTA)
-    assert ours.epsilon_u == math.ceil(expected * 1e6)
+    assert fine <= ours.epsilon <= fine * 1.005
+    rdp_library = rdp.RdpAccountant()
+    rdp_library.compose(event)
+    assert RDPAccountant().epsilon(history, DELTA).epsilon_u == math.ceil(rdp_library.get_epsilon(DELTA) * 1e6)
     prv = PRVAccountant().epsilon(history, DELTA)
-    assert abs(prv.estimate - expected) <= 0.01 * expected
-    # Order of buckets and splitting a bucket do not change the answer.
+    assert abs(prv.estimate - fine) <= 0.01 * fine
+    # Order and splitting change PLD's float rounding only; prv and rdp merge buckets, so not at all.
     split = [Bucket(0.01, 2.0, 100), Bucket(0.01, 1.0, 500), Bucket(0.01, 2.0, 200)]
-    assert PLDAccountant().epsilon(split, DELTA).epsilon_u == ours.epsilon_u
+    assert abs(PLDAccountant().epsilon(split, DELTA).epsilon - ours.epsilon) <= 1e-4 * ours.epsilon
+    assert RDPAccountant().epsilon(split, DELTA) == RDPAccountant().epsilon(history, DELTA)
 
 
 def test_q_zero_buckets_cost_nothing():
@@ -77,7 +90,9 @@ def test_q_zero_buckets_cost_nothing():
 
 def test_spend_seam_rounds_up_in_micro_units():
     value = spend_epsilon_u("pld", 10_000_000, [(10_000, 1_000_000, 1000)])
-    assert value == math.ceil(GOLDEN[(0.01, 1.0, 1000)] * 1e6)
+    assert value == math.ceil(PLDAccountant().epsilon([Bucket(0.01, 1.0, 1000)], DELTA).epsilon * 1e6)
+    exact = PLDAccountant()._bucket((0.01, 1.0, 1000)).get_epsilon_for_delta(DELTA)
+    assert value == math.ceil(exact * 1e6) and value - 1 < exact * 1e6 <= value
     with pytest.raises(ValueError):
         spend_epsilon_u("moments", 10_000_000, [(10_000, 1_000_000, 1000)])
 

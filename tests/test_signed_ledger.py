@@ -365,11 +365,11 @@ def test_valid_spend_verifies_and_is_recomputed(real: Corpus):
 def test_bad_spend_is_named(real: Corpus, case: str):
     if case == "over_budget":
         _spend(real, "late-0", eps_u=5_000_001)
-    elif case == "refund":
-        _spend(real, "late-0", eps_u=20_000)
+    elif case == "refund":  # the first record over-charges (allowed), the second refunds (not)
+        _spend(real, "late-0", eps_u=1_000_000)
         with Ledger.open(real.url) as ledger:
             ledger.close_epoch(now=real.now)
-        _spend(real, "late-0", eps_u=10_000)
+        _spend(real, "late-0", eps_u=900_000)
     elif case == "below_signed_sigma":
         _spend(real, "late-0", eps_u=1, sigma_u=999_999)
     elif case == "wrong_accountant":
@@ -383,8 +383,8 @@ def test_bad_spend_is_named(real: Corpus, case: str):
     elif case == "wrong_epoch":
         _spend(real, "late-0", eps_u=1, epoch=7)
     elif case == "twice_in_epoch":
-        _spend(real, "late-0", eps_u=10_000)
-        _spend(real, "late-0", eps_u=20_000)
+        _spend(real, "late-0", eps_u=1_000_000)
+        _spend(real, "late-0", eps_u=2_000_000)
     elif case == "under_recomputed":
         _spend(real, "late-0", eps_u=9_999, steps=10)
     report = CliRunner().invoke(verify_cli, ["--ledger", real.url, "--json"]) if case != "under_recomputed" else None
@@ -395,7 +395,7 @@ def test_bad_spend_is_named(real: Corpus, case: str):
     else:
         from govtrain.errors import IntegrityError
 
-        verify_ledger(real.url)  # without an accountant the record is consistent
+        verify_ledger(real.url, accountant=None)  # without recomputation the record is consistent
         with pytest.raises(IntegrityError) as info:
             verify_ledger(real.url, accountant=_fake_accountant)
         assert info.value.code.value == "bad_spend"

@@ -33,10 +33,11 @@ def ledger() -> None:
 
 @ledger.command("verify", cls=Command, context_settings=CONTEXT_SETTINGS)
 @verify_options
-def ledger_verify(ledger_url: str, trusted: tuple[str, ...], skip_attestations: bool, integrity_only: bool,
+def ledger_verify(ledger_url: str, trusted: tuple[str, ...], skip_attestations: bool, skip_spend: bool,
+                  integrity_only: bool,
                   as_json: bool) -> None:
     """Audit the whole ledger (same as govtrain-verify). Exit 0 ok, 4 integrity failure."""
-    run_verify(ledger_url, trusted, skip_attestations, integrity_only, as_json)
+    run_verify(ledger_url, trusted, skip_attestations, skip_spend, integrity_only, as_json)
 
 
 @ledger.command("checkpoint", cls=Command, context_settings=CONTEXT_SETTINGS)

@@ -24,6 +24,8 @@ from govtrain.cli.output import (
     signing_key_option,
 )
 from govtrain.cli.ledger import ledger as ledger_group
+from govtrain.cli.privacy import plan_command
+from govtrain.cli.privacy import privacy as privacy_group
 from govtrain.errors import AttestationError, Code, ConfigError
 
 # Each command imports what it uses when it runs: SQLAlchemy and pydantic cost half a second to
@@ -243,6 +245,8 @@ def withdraw_command(contribution_id: str, ledger_url: str, reason: str, key_pat
 
 
 cli.add_command(ledger_group)
+cli.add_command(privacy_group)
+cli.add_command(plan_command)
 
 
 def main() -> None:

@@ -11,6 +11,8 @@ def verify_options(f):  # type: ignore[no-untyped-def]
     f = click.option("--json", "as_json", is_flag=True, help="Print the report as a JSON object on stdout.")(f)
     f = click.option("--skip-attestations", is_flag=True,
                      help="Do not re-verify the attestations recorded in admit entries (faster).")(f)
+    f = click.option("--skip-spend", is_flag=True,
+                     help="Do not recompute each recorded spend with the recorded accountant (faster).")(f)
     f = click.option("--integrity-only", is_flag=True,
                      help="Only sequence, leaf hashes, roots and checkpoint signatures; no entry is decoded.")(f)
     f = click.option("--trusted-checkpoint", "trusted", multiple=True, type=click.Path(dir_okay=False),
@@ -20,19 +22,19 @@ def verify_options(f):  # type: ignore[no-untyped-def]
     return reports_errors(f)
 
 
-def run_verify(ledger_url: str, trusted: tuple[str, ...], skip_attestations: bool, integrity_only: bool,
-               as_json: bool) -> None:
+def run_verify(ledger_url: str, trusted: tuple[str, ...], skip_attestations: bool, skip_spend: bool,
+               integrity_only: bool, as_json: bool) -> None:
     from pathlib import Path
 
     from govtrain.errors import Code, ConfigError
-    from govtrain.verify.verifier import inspect_ledger
+    from govtrain.verify.verifier import inspect_ledger, recorded_accountant
 
     try:
         notes = [Path(p).read_text() for p in trusted]
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(Code.BAD_ARGUMENT, f"cannot read a --trusted-checkpoint file: {e}") from e
     report = inspect_ledger(ledger_url, trusted_checkpoints=notes, attestations=not skip_attestations,
-                            integrity_only=integrity_only)
+                            accountant=None if skip_spend else recorded_accountant, integrity_only=integrity_only)
     if as_json:
         emit_json(report.as_json())
     if report.error is not None:
@@ -49,11 +51,11 @@ def run_verify(ledger_url: str, trusted: tuple[str, ...], skip_attestations: boo
 
 @click.command("govtrain-verify", cls=Command, context_settings=CONTEXT_SETTINGS)
 @verify_options
-def verify_cli(ledger_url: str, trusted: tuple[str, ...], skip_attestations: bool, integrity_only: bool,
-               as_json: bool) -> None:
+def verify_cli(ledger_url: str, trusted: tuple[str, ...], skip_attestations: bool, skip_spend: bool,
+               integrity_only: bool, as_json: bool) -> None:
     """Audit a govtrain ledger without any training data. Exit 0 ok, 4 integrity failure (naming the
     first bad entry)."""
-    run_verify(ledger_url, trusted, skip_attestations, integrity_only, as_json)
+    run_verify(ledger_url, trusted, skip_attestations, skip_spend, integrity_only, as_json)
 
 
 def main() -> None:

@@ -102,9 +102,20 @@ def verify_ledger(url: str, **options) -> VerificationReport:
     return report
 
 
+def recorded_accountant(accountant: str, delta_p: int, history: Sequence[tuple[int, int, int]]) -> int:
+    """The default `SpendAccountant`: govtrain's own accountants, cached across contributions."""
+    from govtrain.accounting.accountants import spend_epsilon_u
+
+    return spend_epsilon_u(accountant, delta_p, history)
+
+
 def inspect_ledger(url: str, *, trusted_checkpoints: Sequence[str] = (), attestations: bool = True,
-                   accountant: SpendAccountant | None = None, integrity_only: bool = False) -> VerificationReport:
+                   accountant: SpendAccountant | None = recorded_accountant,
+                   integrity_only: bool = False) -> VerificationReport:
     """Audit the ledger at `url` and return a report for display (the error, if any, inside it).
+
+    Every recorded spend is recomputed from its recorded parameters with the recorded accountant
+    (`accountant`; pass None to skip that, the one step that costs accountant time).
 
     `integrity_only` checks steps 1, 2, 6, 7 and 8 (sequence, leaf hashes, roots, checkpoint signatures,
     truncation, unsigned tails, trusted checkpoints) without decoding entries: the structure an auditor

@@ -1,0 +1,164 @@
+"""`govtrain privacy epsilon|sigma` (what-if accounting) and `govtrain plan` (per-class projection)."""
+
+from __future__ import annotations
+
+import click
+
+from govtrain.cli.output import CONTEXT_SETTINGS, Command, Group, emit_json, json_option, ledger_option, reports_errors
+from govtrain.errors import Code, ConfigError
+
+ACCOUNTANT_CHOICES = click.Choice(["pld", "prv", "rdp"])
+
+
+def _probability(*, one: bool):  # type: ignore[no-untyped-def]
+    """A click callback: values in (0, 1], or (0, 1) when `one` is False."""
+
+    def check(ctx, param, value):  # type: ignore[no-untyped-def]
+        if value is not None and not (0 < value <= 1 if one else 0 < value < 1):
+            raise click.BadParameter(f"must be in (0, 1{']' if one else ')'}, got {value:g}")
+        return value
+
+    return check
+
+
+def _positive(ctx, param, value):  # type: ignore[no-untyped-def]
+    if value is not None and not 0 < value < float("inf"):
+        raise click.BadParameter(f"must be a finite number greater than 0, got {value:g}")
+    return value
+
+
+@click.group(cls=Group, context_settings=CONTEXT_SETTINGS)
+def privacy() -> None:
+    """What-if accounting: epsilon for a noise multiplier, or the noise multiplier for an epsilon."""
+
+
+@privacy.command("epsilon", cls=Command, context_settings=CONTEXT_SETTINGS)
+@click.option("--q", "sampling_rate", type=float, required=True, callback=_probability(one=True),
+              help="Poisson sampling rate per step.")
+@click.option("--sigma", type=float, required=True, callback=_positive, help="Noise multiplier.")
+@click.option("--steps", type=click.IntRange(min=1), required=True, help="Number of steps T.")
+@click.option("--delta", type=float, required=True, callback=_probability(one=False), help="Target delta.")
+@click.option("--accountant", type=ACCOUNTANT_CHOICES, default="pld", show_default=True)
+@json_option
+@reports_errors
+def privacy_epsilon(sampling_rate: float, sigma: float, steps: int, delta: float, accountant: str, as_json: bool) -> None:
+    """Epsilon (an upper bound, rounded up to 1e-6) of T steps of the Poisson-subsampled Gaussian."""
+    from govtrain.accounting import Bucket, get_accountant
+
+    result = get_accountant(accountant).epsilon([Bucket(sampling_rate, sigma, steps)], delta)
+    if as_json:
+        emit_json({"ok": True, "accountant": accountant, "epsilon": result.epsilon, "epsilon_u": result.epsilon_u,
+                   "estimate": result.estimate, "lower": result.lower, "fallback": result.fallback,
+                   "q": sampling_rate, "sigma": sigma, "steps": steps, "delta": delta})
+        return
+    line = f"epsilon <= {result.epsilon:.6f} at delta = {delta:g} ({accountant}"
+    if result.estimate is not None:
+        line += f"; estimate {result.estimate:.6f}, lower bound {result.lower:.6f}"
+    click.echo(line + ")")
+    if result.fallback:
+        click.echo(f"note: answered by {result.fallback}")
+
+
+@privacy.command("sigma", cls=Command, context_settings=CONTEXT_SETTINGS)
+@click.option("--epsilon", type=float, required=True, callback=_positive, help="Target epsilon.")
+@click.option("--delta", type=float, required=True, callback=_probability(one=False), help="Target delta.")
+@click.option("--q", "sampling_rate", type=float, default=None, callback=_probability(one=True),
+              help="Sampling rate; with --steps, calibrate T subsampled steps. Omit both for one release.")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Number of steps T.")
+@click.option("--accountant", type=ACCOUNTANT_CHOICES, default="pld", show_default=True)
+@click.option("--sensitivity", type=float, default=1.0, show_default=True, callback=_positive,
+              help="L2 sensitivity of a single release.")
+@json_option
+@reports_errors
+def privacy_sigma(epsilon: float, delta: float, sampling_rate: float | None, steps: int | None, accountant: str,
+                  sensitivity: float, as_json: bool) -> None:
+    """The smallest noise multiplier (rounded up) that meets epsilon at delta.
+
+    With --q and --steps: bisection on the accountant over T steps of the Poisson-subsampled Gaussian.
+    Without them: one Gaussian release, by the analytic Gaussian mechanism (Balle & Wang 2018) next to
+    the classical sqrt(2 ln(1.25/delta))/epsilon, which only holds for epsilon < 1.
+    """
+    from govtrain.accounting import calibrate
+
+    if (sampling_rate is None) != (steps is None):
+        raise ConfigError(Code.BAD_ARGUMENT, "give --q and --steps together (or neither, for a single release)")
+    if sampling_rate is not None:
+        result = calibrate.noise_multiplier_for(epsilon, delta, sampling_rate, steps, accountant)
+        if as_json:
+            emit_json({"ok": True, "accountant": accountant, "sigma": result.noise_multiplier,
+                       "sigma_u": result.noise_multiplier_u, "epsilon_at_sigma": result.epsilon_u / 1e6,
+                       "evaluations": result.evaluations, "fallback": result.fallback, "q": sampling_rate,
+                       "steps": steps, "delta": delta, "target_epsilon": epsilon})
+            return
+        click.echo(f"sigma >= {result.noise_multiplier:.6f} for epsilon <= {epsilon:g} at delta = {delta:g} over "
+                   f"{steps} steps at q = {sampling_rate:g} ({accountant}: epsilon {result.epsilon_u / 1e6:.6f} there)")
+        return
+    analytic = calibrate.analytic_gaussian_sigma(epsilon, delta, sensitivity)
+    classical = calibrate.classical_gaussian_sigma(epsilon, delta, sensitivity)
+    if as_json:
+        emit_json({"ok": True, "analytic_sigma": analytic, "classical_sigma": classical,
+                   "classical_valid": epsilon < 1, "epsilon": epsilon, "delta": delta, "sensitivity": sensitivity})
+        return
+    click.echo(f"one Gaussian release, sensitivity {sensitivity:g}, epsilon {epsilon:g}, delta {delta:g}:")
+    click.echo(f"  analytic (Balle & Wang 2018)  sigma >= {analytic:.6f}")
+    click.echo(f"  classical (Dwork & Roth A.1)  sigma >= {classical:.6f}"
+               + ("" if epsilon < 1 else "  (not a guarantee: the theorem needs epsilon < 1)"))
+
+
+@click.command("plan", cls=Command, context_settings=CONTEXT_SETTINGS)
+@ledger_option
+@click.option("--steps", type=click.IntRange(min=1), required=True, help="Steps the run would take.")
+@click.option("--expected-batch-size", type=click.IntRange(min=1), default=None,
+              help="Expected batch size B; q = B / eligible examples, rounded up. Default: the policy's.")
+@click.option("--model", "model", default=None, metavar="DIR",
+              help="A local Hugging Face model directory, or 'minilm', to resolve each profile's parameters.")
+@json_option
+@reports_errors
+def plan_command(ledger_url: str, steps: int, expected_batch_size: int | None, model: str | None,
+                 as_json: bool) -> None:
+    """Project a run: per class and per contribution, sigma_eff, epsilon at the end and retirement."""
+    from govtrain.ledger.ledger import Ledger
+    from govtrain.resolver.plan import plan_run
+
+    layout = None
+    if model is not None:
+        from govtrain.resolver.load import load_layout
+
+        layout = load_layout(model)
+    with Ledger.open(ledger_url) as opened:
+        plan = plan_run(opened, steps, expected_batch_size, layout)
+    if as_json:
+        emit_json(plan)
+        return
+    _print_plan(plan)
+
+
+def _print_plan(plan: dict) -> None:
+    click.echo(f"{plan['steps']} steps from ledger epoch {plan['first_epoch']} ({plan['steps_per_epoch']} steps each), "
+               f"q = {plan['sampling_rate']:g} (expected batch {plan['expected_batch_size']:g} of "
+               f"{plan['eligible_records']} eligible examples), {plan['accountant']} at delta = {plan['delta']:g}")
+    if plan["compacted"]:
+        click.echo(f"note: {plan['compacted']} compacted admission(s) cannot be planned")
+    if plan["model"] is None:
+        click.echo("no --model: each class counted as reaching only its own parameters (a conservative sigma_eff)")
+    for group in plan["groups"]:
+        click.echo(f"group {'+'.join(group['classes'])}: noise std {group['noise_std']:.6f} (first epoch)")
+    click.echo(f"{'class':<14}{'profile':<28}{'n':>6}{'sigma_eff':>14}{'max eps':>10}{'retire':>8}  reaches")
+    for name, row in plan["classes"].items():
+        sigmas = ",".join(f"{s:g}" for s in row["sigma_eff"]) or "-"
+        if "reaches" in row:
+            reach = row["reaches"]
+        elif "layers" in row:
+            reach = f"layers {row['layers'] or '-'}: {row['parameters']} tensors, {row['scalars']:,} values"
+        else:
+            reach = "-"
+        click.echo(f"{name:<14}{row['profile']:<28}{row['contributions']:>6}{sigmas:>14}"
+                   f"{row['eps_projected_max']:>10.4f}{row['retiring']:>8}  {reach}")
+    if plan["contributions"]:
+        click.echo(f"\n{'contribution':<24}{'class':<14}{'sigma_eff':>10}{'eps now':>10}{'eps end':>10}"
+                   f"{'budget':>9}{'retires at':>12}")
+    for row in plan["contributions"]:
+        sigma = f"{row['sigma_eff']:g}" if row["sigma_eff"] is not None else "-"
+        retire = "-" if row["retires_at_step"] is None else str(row["retires_at_step"])
+        click.echo(f"{row['contribution_id']:<24}{row['data_class']:<14}{sigma:>10}{row['eps_now']:>10.4f}"
+                   f"{row['eps_projected']:>10.4f}{row['eps_budget']:>9g}{retire:>12}")

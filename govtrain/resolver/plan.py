@@ -1,0 +1,164 @@
+"""`govtrain plan`: what a run of T steps would charge every admitted contribution, before it runs.
+
+Reads the ledger (admissions, withdrawals, recorded spend), derives q from the expected batch size
+over the eligible examples (rounded **up**: a larger q charges more), resolves each class's profile
+against the model when one is given, and projects the noise schedule epoch by epoch with the
+ledger's accountant: sigma_eff, the cumulative epsilon at the end of the run and the retirement
+step of every contribution. Without a model each class is treated as reaching a group of its own,
+which can only under-state sigma_eff (see `schedule.disjoint_groups`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from govtrain import units
+from govtrain.accounting.spend import SpendCalculator
+from govtrain.errors import Code, ConfigError
+from govtrain.ledger.entries import decode_entry
+from govtrain.ledger.ledger import Ledger
+from govtrain.resolver.model import ModelLayout
+from govtrain.resolver.profile import _profile_text, _ranges, resolve
+from govtrain.resolver.schedule import Cohort, Member, Scheduler, cohorts_of, disjoint_groups
+
+
+@dataclass
+class _Admitted:
+    member: Member
+    records: int
+    history: list[tuple[int, int, int]]
+    eps_u: int = 0
+    last_epoch: int = -1
+
+
+def read_corpus(ledger: Ledger) -> tuple[dict[str, _Admitted], set[str], int]:
+    """Admitted contributions with their recorded spend, the withdrawn ids, and how many admissions
+    were compacted (bodies redacted after a retention summary) and so cannot be planned."""
+    admitted: dict[str, _Admitted] = {}
+    withdrawn: set[str] = set()
+    compacted = 0
+    for stored in ledger.store.entries(start=1, kinds=("admit", "spend", "withdraw")):
+        if stored.body is None:
+            compacted += stored.kind == "admit"
+            continue
+        entry = decode_entry(stored.body, seq=stored.seq, kind=stored.kind)
+        cid = entry["contribution_id"]
+        if stored.kind == "admit":
+            admitted[cid] = _Admitted(Member(cid, entry["data_class"], entry["clip_norm_u"],
+                                             entry["noise_multiplier_u"], entry["eps_budget_u"]), entry["records"], [])
+        elif stored.kind == "withdraw":
+            withdrawn.add(cid)
+        elif cid in admitted:
+            spent = admitted[cid]
+            spent.history.append((entry["sampling_rate_u"], entry["noise_multiplier_u"], entry["steps"]))
+            spent.eps_u, spent.last_epoch = entry["eps_u"], entry["epoch"]
+    return admitted, withdrawn, compacted
+
+
+def plan_run(ledger: Ledger, steps: int, expected_batch_size: int | None = None,
+             layout: ModelLayout | None = None, *, workers: int = 1) -> dict[str, Any]:
+    policy = ledger.policy
+    if steps < 1:
+        raise ConfigError(Code.BAD_ARGUMENT, "--steps must be at least 1")
+    admitted, withdrawn, compacted = read_corpus(ledger)
+    eligible = {cid: a for cid, a in admitted.items() if cid not in withdrawn}
+    records = sum(a.records for a in eligible.values())
+    q_u, batch = _sampling_rate(policy, expected_batch_size, records)
+
+    classes = dict(policy.classes)
+    resolution = None
+    class_groups = disjoint_groups(classes)
+    if layout is not None:
+        layered = {n: c for n, c in classes.items() if c.profile.kind != "adapter"}
+        resolution = resolve(layered, layout) if layered else None
+        if resolution is not None:
+            class_groups = {**class_groups, **resolution.class_groups()}
+
+    epoch = ledger.epoch()
+    if any(a.last_epoch == epoch for a in eligible.values()):
+        epoch += 1  # this epoch's spend is already written ahead: the run's steps start at the next one
+    cohorts = cohorts_of([a.member for a in eligible.values()],
+                         {cid: (tuple(a.history), a.eps_u) for cid, a in eligible.items()})
+    start = {id(c): c.eps_u for c in cohorts}
+    with SpendCalculator(policy.accountant, policy.delta_p, workers=workers) as calculator:
+        scheduler = Scheduler(calculator, class_groups, sampling_rate_u=q_u, steps_per_epoch=policy.steps_per_epoch)
+        plans = scheduler.project(cohorts, first_epoch=epoch, total_steps=steps) if q_u else []
+    sigmas: dict[int, list[int]] = {}
+    for plan in plans:
+        for spend in plan.spends:
+            sigmas.setdefault(id(spend.cohort), []).append(spend.sigma_eff_u)
+
+    rows = []
+    for cohort in cohorts:
+        for cid in sorted(cohort.members):
+            rows.append(_row(cid, cohort, start[id(cohort)], sigmas.get(id(cohort), [])))
+    rows.sort(key=lambda r: (r["data_class"], r["contribution_id"]))
+    return {
+        "ok": True,
+        "ledger": ledger.store.url,
+        "accountant": policy.accountant,
+        "delta": policy.delta_p / units.PICO,
+        "steps": steps,
+        "first_epoch": epoch,
+        "steps_per_epoch": policy.steps_per_epoch,
+        "sampling_rate": q_u / units.MICRO,
+        "expected_batch_size": batch,
+        "eligible_records": records,
+        "withdrawn": len(withdrawn),
+        "compacted": compacted,
+        "model": None if layout is None else layout.name,
+        "groups": [] if not plans else [
+            {"classes": sorted(signature), "noise_std": plans[0].group_std(signature)}
+            for signature in sorted(plans[0].group_noise_pu, key=sorted)],
+        "classes": {name: _class_row(name, cls, rows, resolution) for name, cls in sorted(classes.items())},
+        "contributions": rows,
+    }
+
+
+def _sampling_rate(policy, expected_batch_size: int | None, records: int) -> tuple[int, float]:
+    if policy.sampling_rate_u is not None:
+        if expected_batch_size is not None:
+            raise ConfigError(Code.BAD_ARGUMENT,
+                              f"this policy fixes sampling_rate = {units.format_micro(policy.sampling_rate_u)}; "
+                              "drop --expected-batch-size")
+        return policy.sampling_rate_u, policy.sampling_rate_u * records / units.MICRO
+    batch = expected_batch_size or policy.expected_batch_size
+    if records == 0:
+        return 0, batch
+    if batch > records:
+        raise ConfigError(Code.BAD_ARGUMENT, f"expected batch size {batch} exceeds the {records} eligible examples")
+    return -(-batch * units.MICRO // records), batch  # q rounded up
+
+
+def _row(cid: str, cohort: Cohort, eps_before: int, sigmas: list[int]) -> dict[str, Any]:
+    return {
+        "contribution_id": cid,
+        "data_class": cohort.data_class,
+        "clip_norm": cohort.clip_norm_u / units.MICRO,
+        "noise_multiplier": cohort.noise_multiplier_u / units.MICRO,
+        "sigma_eff": sigmas[0] / units.MICRO if sigmas else None,
+        "sigma_eff_min": min(sigmas) / units.MICRO if sigmas else None,
+        "eps_now": eps_before / units.MICRO,
+        "eps_projected": cohort.eps_u / units.MICRO,
+        "eps_budget": cohort.eps_budget_u / units.MICRO,
+        "retires_at_step": cohort.retired_at,
+    }
+
+
+def _class_row(name: str, cls, rows: list[dict], resolution) -> dict[str, Any]:
+    mine = [r for r in rows if r["data_class"] == name]
+    out: dict[str, Any] = {
+        "profile": _profile_text(cls.profile),
+        "contributions": len(mine),
+        "retiring": sum(r["retires_at_step"] is not None for r in mine),
+        "sigma_eff": sorted({r["sigma_eff"] for r in mine if r["sigma_eff"] is not None}),
+        "eps_projected_max": max((r["eps_projected"] for r in mine), default=0.0),
+    }
+    if cls.profile.kind == "adapter":
+        out["reaches"] = f"only its own LoRA adapter {cls.profile.adapter!r}, created by the run"
+    elif resolution is not None:
+        out["layers"] = _ranges(resolution.layers[name])
+        out["parameters"] = len(resolution.reach[name])
+        out["scalars"] = resolution.numel(name)
+    return out

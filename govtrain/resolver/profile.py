@@ -1,0 +1,249 @@
+"""Class -> depth profile -> the exact trainable parameters (or parts of them) of a model it may reach.
+
+Rules (DESIGN §4-5), each chosen so that an unclear case reaches *less*:
+
+- `band = [a, b]` reaches layers a..b; `layers = [...]` exactly those; an index the model does not
+  have is an error, not a silent clip.
+- `fraction = [lo, hi]` gives layer i (of L) the depth interval [i/L, (i+1)/L] and reaches it only if
+  that interval lies inside [lo, hi]: layers ceil(lo*L) .. floor(hi*L) - 1, computed in exact integer
+  arithmetic on the policy's micro-units (the policy already narrowed lo up and hi down). On 6 layers,
+  [0.5, 1.0] is layers 3-5 and [0.7, 1.0] is layer 5 alone (4.2 rounds up to 5).
+- `heads = {layer: [h, ...]}` restricts a named layer to those attention heads: the output rows of the
+  q/k/v projections (weight, bias, and peft's `lora_B`) and the input columns of the output projection
+  (weight and `lora_A`) that belong to them. Nothing else in that layer is reached: the MLP, the layer
+  norms, the output projection's bias and the LoRA factors that mix heads (`lora_A` of q/k/v, `lora_B` of
+  the output projection). With grouped-query attention a key/value head is reached only if every query
+  head that shares it is permitted. Fused qkv projections cannot be split this way and are refused.
+- `adapter = "name"` reaches exactly the trainable parameters of that peft adapter (its LoRA factors
+  and its `modules_to_save` copies); no other class reaches them.
+- Trainable parameters outside the layer stack (embeddings, pooler, final norm, the classifier head)
+  are reached only by classes with `head = true`.
+- A class whose profile reaches no trainable parameter is an error. A trainable parameter that no class
+  reaches is reported as frozen: it gets neither gradient nor noise.
+
+Noise groups: coordinates reached by the same set of classes form one group (its signature); the
+noise schedule gives each group one standard deviation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from govtrain import units
+from govtrain.errors import Code, ConfigError
+from govtrain.policy.model import DataClass, DepthProfile
+from govtrain.resolver.model import FUSED, OUT, QKV, ModelLayout, Param, role
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """A parameter, or the indices `index` along dimension `dim` of it (None: the whole parameter)."""
+
+    name: str
+    dim: int | None = None
+    index: tuple[int, ...] | None = None
+
+    def numel(self, param: Param) -> int:
+        if self.dim is None:
+            return param.numel
+        return param.numel // param.shape[self.dim] * len(self.index)
+
+    def describe(self) -> str:
+        if self.dim is None:
+            return self.name
+        return f"{self.name}[{'rows' if self.dim == 0 else 'columns'} {_ranges(self.index)}]"
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    classes: frozenset[str]  # who reaches these coordinates; empty: frozen
+    parts: tuple[Part, ...]
+    numel: int
+
+
+@dataclass(frozen=True)
+class Resolution:
+    layout: ModelLayout
+    reach: Mapping[str, tuple[Part, ...]]  # class -> parts it reaches
+    layers: Mapping[str, tuple[int, ...]]  # class -> layers it reaches (empty for adapter profiles)
+    groups: tuple[Group, ...]  # every trainable coordinate in exactly one group; frozen ones included
+    _params: Mapping[str, Param] = field(repr=False, default_factory=dict)
+
+    def class_groups(self) -> dict[str, list[frozenset[str]]]:
+        """Class -> the signatures of the groups it reaches (the g in P(i) of DESIGN §5)."""
+        out: dict[str, list[frozenset[str]]] = {name: [] for name in self.reach}
+        for group in self.groups:
+            for name in group.classes:
+                out[name].append(group.classes)
+        return out
+
+    def frozen(self) -> list[Part]:
+        return [part for group in self.groups if not group.classes for part in group.parts]
+
+    def numel(self, data_class: str) -> int:
+        return sum(part.numel(self._params[part.name]) for part in self.reach[data_class])
+
+
+def profile_layers(profile: DepthProfile, num_layers: int, where: str = "profile") -> tuple[int, ...]:
+    """The absolute layer indices a band, fraction or layers profile names on a model of `num_layers`."""
+    if profile.kind == "adapter":
+        return ()
+    if profile.kind == "fraction":
+        low_u, high_u = profile.fraction_u
+        first = -(-low_u * num_layers // units.MICRO)  # ceil
+        stop = high_u * num_layers // units.MICRO  # floor: layer i needs i + 1 <= hi * L
+        if first >= stop:
+            raise ConfigError(Code.PROFILE_UNMATCHED,
+                              f"{where}: fraction [{units.format_micro(low_u)}, {units.format_micro(high_u)}] "
+                              f"contains no whole layer of a {num_layers}-layer model")
+        return tuple(range(first, stop))
+    indices = tuple(range(profile.band[0], profile.band[1] + 1)) if profile.kind == "band" else profile.layers
+    outside = [i for i in indices if i >= num_layers]
+    if outside:
+        raise ConfigError(Code.PROFILE_OUT_OF_RANGE,
+                          f"{where}: names layer {outside[0]} but the model has {num_layers} layers (0-{num_layers - 1})")
+    return tuple(indices)
+
+
+def resolve(classes: Mapping[str, DataClass], layout: ModelLayout) -> Resolution:
+    params = {p.name: p for p in layout.trainable()}
+    claimed = {cls.profile.adapter for cls in classes.values() if cls.profile.kind == "adapter"}
+    adapters = {role(n).adapter for n in params} - {None}
+    reach: dict[str, tuple[Part, ...]] = {}
+    layers: dict[str, tuple[int, ...]] = {}
+    for name, cls in classes.items():
+        where = f"class {name!r} ({_profile_text(cls.profile)})"
+        profile = cls.profile
+        if profile.kind == "adapter":
+            parts = tuple(Part(n) for n in params if role(n).adapter == profile.adapter)
+            if not parts:
+                known = ", ".join(sorted(adapters)) or "none"
+                raise ConfigError(Code.PROFILE_UNMATCHED,
+                                  f"{where}: {layout.name} has no trainable parameter of adapter "
+                                  f"{profile.adapter!r} (its adapters: {known})")
+            reach[name], layers[name] = parts, ()
+            continue
+        chosen = profile_layers(profile, layout.num_layers, where)
+        heads = dict(profile.heads or ())
+        parts_list: list[Part] = []
+        for pname, param in params.items():
+            r = role(pname)
+            if r.adapter in claimed:
+                continue
+            if r.layer is None:
+                if profile.head:
+                    parts_list.append(Part(pname))
+            elif r.layer in chosen:
+                if r.layer in heads:
+                    part = _head_part(pname, param, heads[r.layer], layout, where)
+                    if part is not None:
+                        parts_list.append(part)
+                else:
+                    parts_list.append(Part(pname))
+        if not parts_list:
+            holding = sorted({role(n).layer for n in params} - {None})
+            raise ConfigError(Code.PROFILE_UNMATCHED,
+                              f"{where}: reaches no trainable parameter of {layout.name} (layers {list(chosen)}"
+                              f"{', heads restricted' if heads else ''}; trainable parameters sit in layers "
+                              f"{_ranges(holding) or 'none'}{' and outside the stack' if _outside(params) else ''})")
+        reach[name], layers[name] = tuple(parts_list), chosen
+    return Resolution(layout, reach, layers, _groups(params, reach), params)
+
+
+def _head_part(name: str, param: Param, heads: tuple[int, ...], layout: ModelLayout, where: str) -> Part | None:
+    r = role(name)
+    if FUSED.search(r.module):
+        raise ConfigError(Code.PROFILE_UNRESOLVABLE,
+                          f"{where}: heads cannot be separated in the fused attention projection {r.module}")
+    if layout.num_heads is None or layout.head_dim is None:
+        raise ConfigError(Code.PROFILE_UNRESOLVABLE, f"{where}: heads need the model's attention geometry "
+                                                     "(num_attention_heads, head_dim), which it does not declare")
+    too_big = [h for h in heads if h >= layout.num_heads]
+    if too_big:
+        raise ConfigError(Code.PROFILE_OUT_OF_RANGE,
+                          f"{where}: names head {too_big[0]} but the model has {layout.num_heads} heads")
+    d = layout.head_dim
+    qkv = QKV.search(r.module)
+    if qkv is not None:
+        if r.peft_part in ("lora_A", "lora_embedding_A", "lora_embedding_B"):
+            return None  # lora_A of q/k/v feeds every head's output
+        # weight, bias, lora_B and a DoRA magnitude are all laid out by output row
+        kind = qkv.group(1)
+        if kind in ("key", "value", "k_proj", "v_proj") and layout.num_kv_heads != layout.num_heads:
+            size = layout.num_heads // layout.num_kv_heads
+            units_ = [j for j in range(layout.num_kv_heads) if all(h in heads for h in range(j * size, (j + 1) * size))]
+            expected = layout.num_kv_heads * d
+        else:
+            units_, expected = list(heads), layout.num_heads * d
+        if param.shape[0] != expected:
+            raise ConfigError(Code.PROFILE_UNRESOLVABLE,
+                              f"{where}: {name} has {param.shape[0]} output rows, not the {expected} its heads imply")
+        rows = tuple(i for j in units_ for i in range(j * d, (j + 1) * d))
+        return Part(name, 0, rows) if rows else None
+    if OUT.search(r.module):
+        if not (r.peft_part == "lora_A" or r.peft_part in (None, "modules_to_save") and r.leaf == "weight"):
+            return None  # its bias, lora_B and magnitude mix every head's input
+        if len(param.shape) != 2 or param.shape[1] != layout.num_heads * d:
+            raise ConfigError(Code.PROFILE_UNRESOLVABLE,
+                              f"{where}: {name} does not have the {layout.num_heads * d} input columns its heads imply")
+        return Part(name, 1, tuple(i for h in heads for i in range(h * d, (h + 1) * d)))
+    return None  # MLP, norms and anything else in a head-restricted layer
+
+
+def _groups(params: Mapping[str, Param], reach: Mapping[str, tuple[Part, ...]]) -> tuple[Group, ...]:
+    by_param: dict[str, dict[str, Part]] = {}
+    for cls, parts in reach.items():
+        for part in parts:
+            by_param.setdefault(part.name, {})[cls] = part
+    grouped: dict[frozenset[str], list[Part]] = {}
+    numel: dict[frozenset[str], int] = {}
+    for pname, param in params.items():
+        reached = by_param.get(pname, {})
+        dims = {part.dim for part in reached.values() if part.dim is not None}
+        if not dims:
+            pieces = [(frozenset(reached), Part(pname))]
+        else:
+            (dim,) = dims  # a parameter's head layout fixes the one dimension it is sliced along
+            signature_of: dict[int, frozenset[str]] = {}
+            for i in range(param.shape[dim]):
+                signature_of[i] = frozenset(c for c, part in reached.items() if part.dim is None or i in part.index)
+            by_signature: dict[frozenset[str], list[int]] = {}
+            for i, signature in signature_of.items():
+                by_signature.setdefault(signature, []).append(i)
+            pieces = [(s, Part(pname, dim, tuple(idx))) for s, idx in by_signature.items()]
+        for signature, part in pieces:
+            grouped.setdefault(signature, []).append(part)
+            numel[signature] = numel.get(signature, 0) + part.numel(param)
+    order = sorted(grouped, key=lambda s: (not s, sorted(s)))
+    return tuple(Group(s, tuple(grouped[s]), numel[s]) for s in order)
+
+
+def _profile_text(profile: DepthProfile) -> str:
+    if profile.kind == "band":
+        text = f"band {list(profile.band)}"
+    elif profile.kind == "fraction":
+        text = f"fraction [{units.format_micro(profile.fraction_u[0])}, {units.format_micro(profile.fraction_u[1])}]"
+    elif profile.kind == "layers":
+        text = f"layers {list(profile.layers)}"
+    else:
+        return f"adapter {profile.adapter!r}"
+    if profile.heads:
+        text += f", heads {{{', '.join(f'{layer}: {list(h)}' for layer, h in profile.heads)}}}"
+    return text + (", head" if profile.head else "")
+
+
+def _outside(params: Mapping[str, Param]) -> bool:
+    return any(role(n).layer is None for n in params)
+
+
+def _ranges(indices) -> str:
+    indices = sorted(indices)
+    out, start = [], None
+    for i, value in enumerate(indices):
+        if start is None:
+            start = value
+        if i + 1 == len(indices) or indices[i + 1] != value + 1:
+            out.append(str(start) if start == value else f"{start}-{value}")
+            start = None
+    return ",".join(out)
