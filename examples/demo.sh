@@ -74,6 +74,11 @@ step "Status"
 show "$BIN/govtrain" ledger status --ledger "$LEDGER"
 show "$BIN/govtrain" ledger status --ledger "$LEDGER" --contribution contrib-07
 
+step "Operator: what would 300 steps cost? (the policy's accountant; profiles resolved on MiniLM)"
+show "$BIN/govtrain" privacy epsilon --q 0.005 --sigma 0.8 --steps 300 --delta 1e-5
+show "$BIN/govtrain" privacy sigma --epsilon 3 --delta 1e-5 --q 0.005 --steps 300
+"$BIN/govtrain" plan --ledger "$LEDGER" --steps 300 --model minilm | head -n 12
+
 step "Auditor: verify the ledger without any data, against the checkpoint kept earlier"
 show "$BIN/govtrain-verify" --ledger "$LEDGER" --trusted-checkpoint "$OUT/trusted.checkpoint"
 printf '\ndemo finished: ledger at %s\n' "$OUT/ledger.db"
