@@ -10,12 +10,9 @@ bracket its estimate, the PLD accountant answers instead and the result says so 
 Each accountant defines the canonical `key` of a history, and its answer is a pure function of
 that key, so the verifier, recomputing from the ledger, gets bit-for-bit what the writer got:
 
-- `pld` is dp-accounting's PLD accountant with privacy loss discretized at 1e-3 (the library's
-  default is 1e-4). Its pessimistic discretization keeps every answer an upper bound; on issue 4's
-  27-point grid the coarser step costs at most 0.3% more epsilon (typically 0.05%) and makes each
-  composition about 7x faster. It composes the buckets **in the order given** (epoch order),
-  exactly as dp-accounting's `PLDAccountant` composes a `ComposedDpEvent`: identity, then each
-  bucket's self-composition.
+- `pld` is dp-accounting's PLD accountant at its default discretization (1e-4). It composes the
+  buckets **in the order given** (epoch order), exactly as dp-accounting's `PLDAccountant` composes a
+  `ComposedDpEvent`: identity, then each bucket's self-composition.
   Floating-point convolution is commutative only up to rounding, so the order is part of the key.
   That makes histories prefixes of one another, and each composed prefix is cached: extending a
   contribution's history by one epoch costs one convolution, not a recomputation.

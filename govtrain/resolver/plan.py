@@ -19,7 +19,7 @@ from govtrain.errors import Code, ConfigError
 from govtrain.ledger.entries import decode_entry
 from govtrain.ledger.ledger import Ledger
 from govtrain.resolver.model import ModelLayout
-from govtrain.resolver.profile import _profile_text, _ranges, resolve
+from govtrain.resolver.profile import describe_profile, format_ranges, resolve
 from govtrain.resolver.schedule import Cohort, Member, Scheduler, cohorts_of, disjoint_groups
 
 
@@ -149,7 +149,7 @@ def _row(cid: str, cohort: Cohort, eps_before: int, sigmas: list[int]) -> dict[s
 def _class_row(name: str, cls, rows: list[dict], resolution) -> dict[str, Any]:
     mine = [r for r in rows if r["data_class"] == name]
     out: dict[str, Any] = {
-        "profile": _profile_text(cls.profile),
+        "profile": describe_profile(cls.profile),
         "contributions": len(mine),
         "retiring": sum(r["retires_at_step"] is not None for r in mine),
         "sigma_eff": sorted({r["sigma_eff"] for r in mine if r["sigma_eff"] is not None}),
@@ -158,7 +158,7 @@ def _class_row(name: str, cls, rows: list[dict], resolution) -> dict[str, Any]:
     if cls.profile.kind == "adapter":
         out["reaches"] = f"only its own LoRA adapter {cls.profile.adapter!r}, created by the run"
     elif resolution is not None:
-        out["layers"] = _ranges(resolution.layers[name])
+        out["layers"] = format_ranges(resolution.layers[name])
         out["parameters"] = len(resolution.reach[name])
         out["scalars"] = resolution.numel(name)
     return out

@@ -52,7 +52,7 @@ class Part:
     def describe(self) -> str:
         if self.dim is None:
             return self.name
-        return f"{self.name}[{'rows' if self.dim == 0 else 'columns'} {_ranges(self.index)}]"
+        return f"{self.name}[{'rows' if self.dim == 0 else 'columns'} {format_ranges(self.index)}]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +113,7 @@ def resolve(classes: Mapping[str, DataClass], layout: ModelLayout) -> Resolution
     reach: dict[str, tuple[Part, ...]] = {}
     layers: dict[str, tuple[int, ...]] = {}
     for name, cls in classes.items():
-        where = f"class {name!r} ({_profile_text(cls.profile)})"
+        where = f"class {name!r} ({describe_profile(cls.profile)})"
         profile = cls.profile
         if profile.kind == "adapter":
             parts = tuple(Part(n) for n in params if role(n).adapter == profile.adapter)
@@ -146,7 +146,7 @@ def resolve(classes: Mapping[str, DataClass], layout: ModelLayout) -> Resolution
             raise ConfigError(Code.PROFILE_UNMATCHED,
                               f"{where}: reaches no trainable parameter of {layout.name} (layers {list(chosen)}"
                               f"{', heads restricted' if heads else ''}; trainable parameters sit in layers "
-                              f"{_ranges(holding) or 'none'}{' and outside the stack' if _outside(params) else ''})")
+                              f"{format_ranges(holding) or 'none'}{' and outside the stack' if _outside(params) else ''})")
         reach[name], layers[name] = tuple(parts_list), chosen
     return Resolution(layout, reach, layers, _groups(params, reach), params)
 
@@ -219,7 +219,7 @@ def _groups(params: Mapping[str, Param], reach: Mapping[str, tuple[Part, ...]]) 
     return tuple(Group(s, tuple(grouped[s]), numel[s]) for s in order)
 
 
-def _profile_text(profile: DepthProfile) -> str:
+def describe_profile(profile: DepthProfile) -> str:
     if profile.kind == "band":
         text = f"band {list(profile.band)}"
     elif profile.kind == "fraction":
@@ -237,7 +237,7 @@ def _outside(params: Mapping[str, Param]) -> bool:
     return any(role(n).layer is None for n in params)
 
 
-def _ranges(indices) -> str:
+def format_ranges(indices) -> str:
     indices = sorted(indices)
     out, start = [], None
     for i, value in enumerate(indices):
