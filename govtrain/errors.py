@@ -31,6 +31,7 @@ class Code(str, Enum):
     PROFILE_UNRESOLVABLE = "profile_unresolvable"  # the model's layout does not support the profile
     PROFILE_OUT_OF_RANGE = "profile_out_of_range"  # a layer or head the model does not have
     PROFILE_UNMATCHED = "profile_unmatched"  # a class whose profile reaches no trainable parameter
+    ROUTING_UNCOVERED = "routing_uncovered"  # a trainable parameter no routing hook can privatize
 
     # -- encoding: the strict deterministic-CBOR decoder (DESIGN §2) ----------------------
     TOO_LARGE = "too_large"

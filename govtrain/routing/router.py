@@ -1,0 +1,234 @@
+"""The routing layer (DESIGN §5): per-sample gradients restricted to each sample's depth profile,
+clipped jointly to its own C_i, summed, noised per parameter group, divided by the expected batch size.
+
+    router = Router(model, resolution)               # refuses a trainable parameter no hook covers
+    with router.capture():
+        logits = model(**batch).logits
+    losses = F.cross_entropy(logits, labels, reduction="none")   # one loss per example
+    router.privatize(losses, classes, clip_norms, group_std, expected_batch_size)
+    optimizer.step()
+
+`privatize` never calls `loss.backward()`: it asks autograd for the gradients of the tapped modules'
+*outputs* (`torch.autograd.grad`), so no parameter's `.grad` is written by anyone else. When it
+returns, each reachable parameter's `.grad` holds the privatized gradient and nothing per-sample is
+kept. A parameter that no class reaches gets `.grad = None`, so SGD, Adam and AdamW leave it and its
+optimizer state untouched. Noise is drawn from a generator seeded from the operating system's
+entropy; a fixed seed exists only as `insecure_seed`.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from govtrain.errors import Code, ConfigError
+from govtrain.resolver.profile import Resolution
+from govtrain.routing import persample
+
+TAPPED = (nn.Linear, nn.Embedding, nn.LayerNorm)
+
+
+class _Tap:
+    def __init__(self, name: str, module: nn.Module, leaves: dict[str, str]) -> None:
+        self.name, self.module = name, module
+        self.leaves = leaves  # leaf ("weight") -> full parameter name
+        self.inputs: list[Tensor] = []
+        self.outputs: list[Tensor] = []
+
+    def clear(self) -> None:
+        self.inputs.clear()
+        self.outputs.clear()
+
+
+@dataclass(frozen=True)
+class StepReport:
+    batch_size: int
+    clipped: int  # samples whose gradient norm exceeded their C_i
+    max_norm: float  # largest per-sample norm before clipping (not released: for diagnostics in tests)
+
+
+class Router:
+    def __init__(self, model: nn.Module, resolution: Resolution, *, insecure_seed: int | None = None) -> None:
+        self.model = model
+        self.resolution = resolution
+        params = dict(model.named_parameters())
+        owner: dict[str, tuple[str, nn.Module, str]] = {}
+        for module_name, module in model.named_modules():
+            for leaf, param in module.named_parameters(recurse=False):
+                if param.requires_grad:
+                    owner[f"{module_name}.{leaf}" if module_name else leaf] = (module_name, module, leaf)
+        trainable = [n for n, p in params.items() if p.requires_grad]
+        self.taps: dict[str, _Tap] = {}
+        for name in trainable:
+            module_name, module, leaf = owner[name]
+            if not isinstance(module, TAPPED):
+                raise ConfigError(Code.ROUTING_UNCOVERED,
+                                  f"trainable parameter {name} belongs to a {type(module).__name__}, which no routing "
+                                  "hook covers: freeze it or use Linear, Embedding and LayerNorm modules")
+            if isinstance(module, nn.Embedding):
+                persample.check_embedding(module, name)
+            tap = self.taps.setdefault(module_name, _Tap(module_name, module, {}))
+            tap.leaves[leaf] = name
+        layout_names = {p.name for p in resolution.layout.trainable()}
+        if set(trainable) != layout_names:
+            raise ConfigError(Code.ROUTING_UNCOVERED, "the resolution was made for other trainable parameters "
+                                                      f"({len(layout_names)} there, {len(trainable)} here): resolve again")
+        self.params = {n: params[n] for n in trainable}
+        # class -> parameter -> None (all of it) or (dim, index)
+        self.masks: dict[str, dict[str, tuple[int, Tensor] | None]] = {}
+        for data_class, parts in resolution.reach.items():
+            self.masks[data_class] = {
+                part.name: None if part.dim is None else
+                (part.dim, torch.tensor(part.index, dtype=torch.long, device=self.params[part.name].device))
+                for part in parts}
+        self.generator = torch.Generator(device=next(iter(self.params.values())).device if self.params else "cpu")
+        self.generator.manual_seed(insecure_seed if insecure_seed is not None else int.from_bytes(os.urandom(8), "big"))
+        self._recording = False
+        self._handles = [tap.module.register_forward_hook(self._hook(tap)) for tap in self.taps.values()]
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, tap: _Tap):  # type: ignore[no-untyped-def]
+        def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
+            if self._recording:
+                tap.inputs.append(args[0].detach())
+                tap.outputs.append(output)
+
+        return hook
+
+    @contextmanager
+    def capture(self) -> Iterator[None]:
+        """Record the tapped modules' inputs and outputs during a forward pass."""
+        for tap in self.taps.values():
+            tap.clear()
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def privatize(self, losses: Tensor, classes: Sequence[str], clip_norms: Tensor | Sequence[float],
+                  group_std: Mapping[frozenset, float], expected_batch_size: float) -> StepReport:
+        """Replace every reachable parameter's `.grad` with the privatized gradient of sum(losses)."""
+        try:
+            return self._privatize(losses, classes, clip_norms, group_std, expected_batch_size)
+        finally:
+            for tap in self.taps.values():
+                tap.clear()
+
+    def noise_only(self, group_std: Mapping[frozenset, float], expected_batch_size: float) -> StepReport:
+        """The step of an empty Poisson batch: noise alone, divided by the expected batch size."""
+        totals = {name: torch.zeros_like(p) for name, p in self.params.items()}
+        self._finish(totals, group_std, expected_batch_size)
+        return StepReport(0, 0, 0.0)
+
+    def _privatize(self, losses: Tensor, classes: Sequence[str], clip_norms, group_std, expected_batch_size):
+        batch = len(classes)
+        if losses.dim() != 1 or losses.shape[0] != batch:
+            raise ValueError(f"need one loss per example: got shape {tuple(losses.shape)} for {batch} examples")
+        unknown = sorted(set(classes) - self.masks.keys())
+        if unknown:
+            raise ValueError(f"class {unknown[0]!r} has no resolved profile")
+        clip = torch.as_tensor(clip_norms, dtype=losses.dtype, device=losses.device)
+        if clip.shape != (batch,) or not bool((clip > 0).all()):
+            raise ValueError("need one positive clipping norm per example")
+        taps = [t for t in self.taps.values() if t.outputs]
+        outputs = [o for t in taps for o in t.outputs]
+        grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True) if outputs else []
+        rows = {c: torch.tensor([i for i, k in enumerate(classes) if k == c], dtype=torch.long, device=losses.device)
+                for c in sorted(set(classes))}
+
+        dense: dict[str, Tensor] = {}  # parameter -> per-sample gradient [B, *shape]
+        sparse: dict[str, list[tuple[Tensor, Tensor]]] = {}  # embedding parameter -> [(ids, g)]
+        position = 0
+        for tap in taps:
+            for a, o in zip(tap.inputs, tap.outputs):
+                g = grads[position]
+                position += 1
+                if g is None:
+                    continue
+                if isinstance(tap.module, nn.Embedding):
+                    sparse.setdefault(tap.leaves["weight"], []).append((a, g))
+                    continue
+                per = persample.linear(tap.module, a, g) if isinstance(tap.module, nn.Linear) else \
+                    persample.layer_norm(tap.module, a, g)
+                for leaf, value in per.items():
+                    name = tap.leaves[leaf]
+                    dense[name] = dense[name] + value if name in dense else value
+        del grads, outputs
+
+        norms = torch.zeros(batch, dtype=losses.dtype, device=losses.device)
+        for data_class, index in rows.items():
+            for name, mask in self.masks[data_class].items():
+                if name in dense:
+                    norms.index_add_(0, index, _masked(dense[name].index_select(0, index), mask).pow(2).flatten(1).sum(1))
+                elif name in sparse:
+                    if mask is not None:
+                        raise ValueError(f"{name}: an embedding cannot be reached in part")
+                    for ids, g in sparse[name]:
+                        norms.index_add_(0, index, persample.embedding_norms(
+                            self._module_of(name), ids.index_select(0, index), g.index_select(0, index)))
+        norms = norms.sqrt()
+        coefficients = torch.where(norms > clip, clip / norms, torch.ones_like(norms))
+
+        totals = {name: torch.zeros_like(p, dtype=losses.dtype) for name, p in self.params.items()}
+        for data_class, index in rows.items():
+            weights = coefficients.index_select(0, index)
+            for name, mask in self.masks[data_class].items():
+                if name in dense:
+                    per = dense[name].index_select(0, index)
+                    summed = torch.tensordot(weights, per, dims=([0], [0]))
+                    totals[name] += _masked(summed.unsqueeze(0), mask).squeeze(0)
+                elif name in sparse:
+                    full = torch.zeros(batch, dtype=losses.dtype, device=losses.device).index_copy_(0, index, weights)
+                    for ids, g in sparse[name]:
+                        totals[name] += persample.embedding_sum(self._module_of(name), ids, g, full)
+        del dense, sparse
+        self._finish(totals, group_std, expected_batch_size)
+        return StepReport(batch, int((norms > clip).sum()), float(norms.max()) if batch else 0.0)
+
+    def _finish(self, totals: dict[str, Tensor], group_std: Mapping[frozenset, float], expected_batch_size: float) -> None:
+        if not expected_batch_size > 0:
+            raise ValueError("the expected batch size must be positive")
+        reached: set[str] = set()
+        for group in self.resolution.groups:
+            if not group.classes:
+                continue
+            std = float(group_std.get(group.classes, 0.0))
+            for part in group.parts:
+                reached.add(part.name)
+                if std <= 0:
+                    continue
+                total = totals[part.name]
+                noise = torch.normal(0.0, std, size=total.shape, generator=self.generator, device=total.device,
+                                     dtype=total.dtype)
+                if part.dim is not None:
+                    keep = torch.zeros(total.shape[part.dim], dtype=total.dtype, device=total.device)
+                    keep[list(part.index)] = 1
+                    noise = noise * keep.reshape([-1 if d == part.dim else 1 for d in range(total.dim())])
+                total += noise
+        for name, param in self.params.items():
+            param.grad = (totals[name] / expected_batch_size).to(param.dtype) if name in reached else None
+
+    def _module_of(self, name: str) -> nn.Module:
+        return next(t.module for t in self.taps.values() if name in t.leaves.values())
+
+
+def _masked(per_sample: Tensor, mask: tuple[int, Tensor] | None) -> Tensor:
+    """Zero the coordinates outside `mask` (dimension `dim` of the parameter, so dim + 1 here)."""
+    if mask is None:
+        return per_sample
+    dim, index = mask
+    keep = torch.zeros(per_sample.shape[dim + 1], dtype=per_sample.dtype, device=per_sample.device)
+    keep[index] = 1
+    return per_sample * keep.reshape([-1 if d == dim + 1 else 1 for d in range(per_sample.dim())])
