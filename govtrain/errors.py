@@ -91,6 +91,7 @@ class Code(str, Enum):
     # -- ledger requests that name something unknown or not allowed (exit 3) -------------
     UNKNOWN_CONTRIBUTION = "unknown_contribution"
     ALREADY_WITHDRAWN = "already_withdrawn"
+    BUDGET_EXCEEDED = "budget_exceeded"  # a spend that breaks a contribution's signed bounds or budget
     RETENTION_HORIZON = "retention_horizon"
     NO_CHECKPOINT = "no_checkpoint"
     REDACTED = "redacted"

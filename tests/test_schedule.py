@@ -235,3 +235,79 @@ def test_rdp_curve_cache_matches_a_fresh_library_accountant():
     library = rdp.RdpAccountant()
     library.compose(dp_event.PoissonSampledDpEvent(0.02, dp_event.GaussianDpEvent(0.9)), 333)
     assert RDPAccountant().epsilon([Bucket(0.02, 0.9, 333)], 1e-6).epsilon_u == math.ceil(library.get_epsilon(1e-6) * 1e6)
+
+
+# -- write-ahead spend in the ledger ------------------------------------------------------------
+
+
+def _scheduled(corpus):
+    from govtrain.resolver.plan import read_corpus
+
+    with corpus.open() as ledger:
+        policy = ledger.policy
+        admitted, withdrawn, _ = read_corpus(ledger)
+    members = [a.member for cid, a in admitted.items() if cid not in withdrawn]
+    calculator = SpendCalculator(policy.accountant, policy.delta_p)
+    scheduler = Scheduler(calculator, disjoint_groups(policy.classes), sampling_rate_u=policy.sampling_rate_u,
+                          steps_per_epoch=policy.steps_per_epoch)
+    return cohorts_of(members), scheduler
+
+
+def test_written_ahead_spend_verifies_with_recomputation(corpus):
+    from govtrain.verify.verifier import verify_ledger
+    from tests.test_signed_ledger import _admit
+
+    _admit(corpus, "a")
+    _admit(corpus, "b", noise_multiplier_u=1_300_000)
+    _admit(corpus, "s", data_class="sensitive", clip_norm_u=500_000, eps_budget_u=3_000_000)
+    cohorts, scheduler = _scheduled(corpus)
+    for epoch in range(2):
+        plan = scheduler.plan_epoch(cohorts, epoch, epoch * 10)
+        with corpus.open() as ledger:
+            stored = ledger.record_spend(plan.epoch, plan.sampling_rate_u, plan.spend_records(), now=corpus.now)
+            ledger.close_epoch(now=corpus.now)
+        assert len(stored) == 3
+    report = verify_ledger(corpus.url)
+    assert report.spend_recomputed and report.by_kind["spend"] == 6
+    from govtrain.resolver.plan import read_corpus
+
+    with corpus.open() as ledger:
+        recorded, _, _ = read_corpus(ledger)
+    by_member = {m: c for c in cohorts for m in c.members}
+    for cid, admitted in recorded.items():
+        assert admitted.eps_u == by_member[cid].eps_u and tuple(admitted.history) == by_member[cid].history
+
+
+def test_record_spend_refuses_and_writes_nothing(corpus):
+    from govtrain.errors import GovtrainError
+    from tests.conftest import snapshot
+    from tests.test_signed_ledger import _admit
+
+    _admit(corpus, "a")
+    _admit(corpus, "w")
+    with corpus.open() as ledger:
+        ledger.withdraw("w", "test", now=corpus.now)
+    cohorts, scheduler = _scheduled(corpus)
+    plan = scheduler.plan_epoch(cohorts, 0, 0)
+    ((cid, steps, sigma, eps),) = plan.spend_records()
+    before = snapshot(corpus.url)
+    bad = [
+        (1, plan.sampling_rate_u, [(cid, steps, sigma, eps)], "bad_argument"),          # wrong epoch
+        (0, 20_000, [(cid, steps, sigma, eps)], "bad_argument"),                        # not the policy's q
+        (0, plan.sampling_rate_u, [("w", steps, sigma, eps)], "already_withdrawn"),
+        (0, plan.sampling_rate_u, [("nobody", steps, sigma, eps)], "unknown_contribution"),
+        (0, plan.sampling_rate_u, [(cid, steps, sigma - 1, eps)], "budget_exceeded"),   # below the signed sigma
+        (0, plan.sampling_rate_u, [(cid, steps, sigma, 5_000_001)], "budget_exceeded"),  # over the signed budget
+        (0, plan.sampling_rate_u, [(cid, steps, sigma, eps)] * 2, "bad_argument"),
+    ]
+    for epoch, q, records, code in bad:
+        with corpus.open() as ledger:
+            with pytest.raises(GovtrainError) as info:
+                ledger.record_spend(epoch, q, records, now=corpus.now)
+        assert info.value.code.value == code, (records, info.value)
+        assert snapshot(corpus.url) == before
+    with corpus.open() as ledger:
+        ledger.record_spend(0, plan.sampling_rate_u, [(cid, steps, sigma, eps)], now=corpus.now)
+        with pytest.raises(GovtrainError) as info:  # a second spend in the same epoch
+            ledger.record_spend(0, plan.sampling_rate_u, [(cid, steps, sigma, eps)], now=corpus.now)
+    assert info.value.code.value == "budget_exceeded"

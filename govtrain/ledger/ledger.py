@@ -8,12 +8,13 @@ ledger is ever in is signed, so an entry beyond the last checkpoint can only be 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import time as _time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import ledger_store
 from govtrain.attest.keys import load_private_key, raw_public_key
@@ -24,6 +25,7 @@ from govtrain.ledger.entries import (
     epoch_entry,
     header_entry,
     policy_entry,
+    spend_entry,
     summary_entry,
     withdraw_entry,
 )
@@ -259,6 +261,67 @@ class Ledger:
             raise RejectedError(Code.ALREADY_WITHDRAWN, f"{contribution_id!r} is already withdrawn") from e
         return stored
 
+    def record_spend(self, epoch: int, sampling_rate_u: int, spends: "Sequence[tuple[str, int, int, int]]",
+                     now: int | None = None) -> list[ledger_store.StoredEntry]:
+        """Write ahead one ledger epoch's spend (DESIGN §5): for each (contribution_id, steps, sigma_eff_u,
+        eps_u), a `spend` entry, all in one transaction with the checkpoint that covers them, before any
+        of the epoch's steps run. Refuses the whole batch (writing nothing) if any record breaks a rule the
+        verifier applies: unknown, withdrawn or compacted contribution, a second spend in the epoch, a
+        multiplier below the signed one, a cumulative epsilon that falls or exceeds the signed budget."""
+        now = int(_time.time()) if now is None else now
+        policy = self.policy
+        if policy.sampling_rate_u is not None and sampling_rate_u != policy.sampling_rate_u:
+            raise ConfigError(Code.BAD_ARGUMENT, f"sampling rate {sampling_rate_u} differs from the policy's "
+                                                 f"{policy.sampling_rate_u}")
+        if not 0 < sampling_rate_u <= 1_000_000:
+            raise ConfigError(Code.BAD_ARGUMENT, "the sampling rate must be in (0, 1]")
+        signed: dict[str, tuple[bytes, dict]] = {}
+        for contribution_id, steps, sigma_u, eps_u in spends:
+            admission = self.store.admission(contribution_id)
+            if admission is None:
+                raise RejectedError(Code.UNKNOWN_CONTRIBUTION, f"no admitted contribution {contribution_id!r}")
+            admit = self.store.entry(admission.seq)
+            if admit is None or admit.body is None:
+                raise RejectedError(Code.REDACTED, f"{contribution_id!r} was summarized by retention and is retired")
+            entry = decode_entry(admit.body, seq=admit.seq, kind="admit")
+            if steps < 1 or sigma_u < entry["noise_multiplier_u"] or eps_u > entry["eps_budget_u"]:
+                raise RejectedError(Code.BUDGET_EXCEEDED,
+                                    f"spend for {contribution_id!r} ({steps} steps, sigma {sigma_u}, epsilon {eps_u}) "
+                                    f"breaks its signed bounds (sigma >= {entry['noise_multiplier_u']}, "
+                                    f"epsilon <= {entry['eps_budget_u']})")
+            signed[contribution_id] = (admit.leaf_hash, entry)
+        if len(signed) != len(spends):
+            raise ConfigError(Code.BAD_ARGUMENT, "a contribution appears twice in one epoch's spend")
+        with self.append(now) as appender:
+            if appender.count_kind("epoch") != epoch:
+                raise ConfigError(Code.BAD_ARGUMENT, f"spend for epoch {epoch} while the ledger is in epoch "
+                                                     f"{appender.count_kind('epoch')}")
+            withdrawn = self.store.withdrawals()
+            latest = self._latest_spend(set(signed))
+            stored = []
+            for contribution_id, steps, sigma_u, eps_u in spends:
+                leaf, _ = signed[contribution_id]
+                if contribution_id in withdrawn:
+                    raise RejectedError(Code.ALREADY_WITHDRAWN, f"{contribution_id!r} was withdrawn: no more spend")
+                last_epoch, last_eps = latest.get(contribution_id, (-1, 0))
+                if last_epoch == epoch or eps_u < last_eps:
+                    raise RejectedError(Code.BUDGET_EXCEEDED, f"{contribution_id!r}: spend already written for epoch "
+                                                             f"{epoch}, or epsilon {eps_u} below the recorded {last_eps}")
+                fields = dict(contribution_id=contribution_id, admit_leaf=leaf, epoch=epoch, steps=steps,
+                              sampling_rate_u=sampling_rate_u, noise_multiplier_u=sigma_u,
+                              accountant=policy.accountant, delta_p=policy.delta_p, eps_u=eps_u)
+                stored.append(appender.add("spend", now, functools.partial(_spend_at, now=now, fields=fields)))
+        return stored
+
+    def _latest_spend(self, contributions: set[str]) -> dict[str, tuple[int, int]]:
+        latest: dict[str, tuple[int, int]] = {}
+        for stored in self.store.entries(start=1, kinds=("spend",)):
+            if stored.body is not None:
+                entry = decode_entry(stored.body, seq=stored.seq, kind="spend")
+                if entry["contribution_id"] in contributions:
+                    latest[entry["contribution_id"]] = (entry["epoch"], entry["eps_u"])
+        return latest
+
     def compact(self, before_epoch: int, now: int | None = None) -> list[ledger_store.StoredEntry]:
         """Retention: summarize the admit, spend and withdraw entries of epochs < `before_epoch`, per class,
         then drop their bodies (leaf hashes stay, so every root, checkpoint and proof still verifies)."""
@@ -311,6 +374,10 @@ class Ledger:
                              summary={"data_class": data_class, "first_seq": first, "last_seq": last})
             appender.redact([s.seq for s in summarized])
         return summarized
+
+
+def _spend_at(seq: int, *, now: int, fields: dict) -> bytes:
+    return spend_entry(seq, now, **fields)
 
 
 def _load_ledger_key(path: str | os.PathLike, policy: Policy):

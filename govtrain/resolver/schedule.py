@@ -83,6 +83,12 @@ class EpochPlan:
     def group_std(self, signature: Signature) -> float:
         return self.group_noise_pu.get(signature, 0) / units.PICO
 
+    def spend_records(self) -> list[tuple[str, int, int, int]]:
+        """(contribution_id, steps, sigma_eff_u, eps_u) for every member charged this epoch: what
+        `Ledger.record_spend` writes ahead."""
+        return sorted((member, spend.steps, spend.sigma_eff_u, spend.eps_u)
+                      for spend in self.spends if spend.steps for member in spend.cohort.members)
+
 
 def cohorts_of(members: Iterable[Member], histories: Mapping[str, tuple[History, int]] | None = None) -> list[Cohort]:
     """Group contributions that the accountant cannot tell apart; `histories` maps an id to its
