@@ -28,6 +28,7 @@ class Code(str, Enum):
     LEDGER_MISSING = "ledger_missing"
     BAD_ARGUMENT = "bad_argument"
     MODEL_UNREADABLE = "model_unreadable"
+    RUN_CONFIG_INVALID = "run_config_invalid"
     PROFILE_UNRESOLVABLE = "profile_unresolvable"  # the model's layout does not support the profile
     PROFILE_OUT_OF_RANGE = "profile_out_of_range"  # a layer or head the model does not have
     PROFILE_UNMATCHED = "profile_unmatched"  # a class whose profile reaches no trainable parameter

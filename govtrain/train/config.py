@@ -1,0 +1,169 @@
+"""The run config (RUN.toml) of `govtrain train`, validated by pydantic.
+
+`schemas/run.schema.json` is generated from `RunFile` (`python -m govtrain.train.config --schema`)
+and a test keeps the two identical. Paths are relative to the config file. The config's SHA-256
+(of its bytes, as read) is what the ledger's `run` entry records.
+
+    [model]
+    base = "minilm"              # the bundled all-MiniLM-L6-v2, or a local Hugging Face directory
+    task = "sequence-classification"
+    num_labels = 2
+    max_length = 48
+
+    [lora]
+    r = 8
+    alpha = 16
+    target_modules = ["query", "key", "value", "attention.output.dense"]
+
+    [optimizer]
+    name = "adamw"               # sgd | adam | adamw
+    lr = 5e-4
+
+    [training]
+    mechanism = "dpsgd"          # dpsgd (prism and dp-muon follow)
+    steps = 300
+    expected_batch_size = 32     # only if the policy does not fix the sampling rate
+    data = "data"                # folder of contribution files (JSONL {"text", "label"})
+    output = "adapter"           # where the peft adapter is saved
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sys
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError, model_validator
+
+from govtrain.errors import Code, ConfigError
+
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+PositiveInt = Annotated[int, Field(ge=1, strict=True)]
+# A bare "dense" also matches BERT's pooler.dense (and, under SEQ_CLS, nothing useful): name the path.
+AMBIGUOUS_TARGETS = frozenset({"dense"})
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Strict):
+    base: StrictStr = Field(description="'minilm' (bundled) or a local Hugging Face model directory")
+    task: Literal["sequence-classification"] = "sequence-classification"
+    num_labels: Annotated[int, Field(ge=2, strict=True)] = 2
+    max_length: Annotated[int, Field(ge=4, le=4096, strict=True)] = 128
+
+
+class LoraSection(_Strict):
+    r: PositiveInt = 8
+    alpha: PositiveFloat = 16.0
+    dropout: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] = 0.0
+    target_modules: list[Annotated[StrictStr, Field(min_length=1)]] = Field(
+        default_factory=lambda: ["query", "key", "value", "attention.output.dense"], min_length=1,
+        description="module name suffixes that get LoRA factors (peft's target_modules)")
+
+    @model_validator(mode="after")
+    def _targets(self) -> "LoraSection":
+        bare = sorted(AMBIGUOUS_TARGETS.intersection(self.target_modules))
+        if bare:
+            raise ValueError(f"target {bare[0]!r} also matches pooler.dense; name the path, e.g. "
+                             "'attention.output.dense', 'intermediate.dense' or 'output.dense'")
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError("target_modules lists a module twice")
+        return self
+
+
+class OptimizerSection(_Strict):
+    name: Literal["sgd", "adam", "adamw"] = "adamw"
+    lr: PositiveFloat = 5e-4
+    weight_decay: NonNegativeFloat = 0.0
+    momentum: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] = 0.0
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
+
+    @model_validator(mode="after")
+    def _momentum(self) -> "OptimizerSection":
+        if self.momentum and self.name != "sgd":
+            raise ValueError("momentum applies to sgd only (adam and adamw use betas)")
+        return self
+
+
+class TrainingSection(_Strict):
+    mechanism: Literal["dpsgd"] = "dpsgd"
+    steps: PositiveInt
+    expected_batch_size: PositiveInt | None = Field(
+        None, description="expected Poisson batch size; only when the policy does not fix the sampling rate")
+    data: StrictStr = Field(description="folder of contribution data files, matched to admit entries by SHA-256")
+    output: StrictStr = Field(description="folder the peft adapter is saved to")
+    run_id: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")] | None = None
+
+
+class RunFile(_Strict):
+    model: ModelSection
+    lora: LoraSection = Field(default_factory=LoraSection)
+    optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
+    training: TrainingSection
+
+
+class RunConfig:
+    """A validated run config, its file's SHA-256 and the folder its relative paths start from."""
+
+    def __init__(self, file: RunFile, sha256: bytes, base: Path) -> None:
+        self.file, self.sha256, self.base = file, sha256, base
+
+    def path(self, value: str) -> Path:
+        path = Path(value)
+        return path if path.is_absolute() else self.base / path
+
+    @property
+    def data_dir(self) -> Path:
+        return self.path(self.file.training.data)
+
+    @property
+    def output_dir(self) -> Path:
+        return self.path(self.file.training.output)
+
+    @property
+    def model_spec(self) -> str:
+        base = self.file.model.base
+        return base if re.fullmatch(r"[a-z0-9-]+", base) and not self.path(base).exists() else str(self.path(base))
+
+
+def _format_errors(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        where = ".".join(str(p) for p in item["loc"] if not str(p).startswith("function-after"))
+        message = item["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}: {message}" if where else message)
+    return "; ".join(parts)
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+        document = tomllib.loads(raw.decode("utf-8"))
+    except OSError as e:
+        raise ConfigError(Code.RUN_CONFIG_INVALID, f"cannot read run config {path}: {e.strerror}") from e
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(Code.RUN_CONFIG_INVALID, f"{path} is not valid TOML: {e}") from e
+    try:
+        file = RunFile.model_validate(document)
+    except ValidationError as e:
+        raise ConfigError(Code.RUN_CONFIG_INVALID, f"{path}: {_format_errors(e)}") from e
+    return RunConfig(file, hashlib.sha256(raw).digest(), path.resolve().parent)
+
+
+def json_schema() -> dict:
+    schema = RunFile.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = "https://govtrain.invalid/schemas/run.schema.json"
+    return schema
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--schema"]:
+    print(json.dumps(json_schema(), indent=2, sort_keys=True))
