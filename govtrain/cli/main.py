@@ -26,6 +26,7 @@ from govtrain.cli.output import (
 from govtrain.cli.ledger import ledger as ledger_group
 from govtrain.cli.privacy import plan_command
 from govtrain.cli.privacy import privacy as privacy_group
+from govtrain.cli.train import train_command
 from govtrain.errors import AttestationError, Code, ConfigError
 
 # Each command imports what it uses when it runs: SQLAlchemy and pydantic cost half a second to
@@ -247,6 +248,7 @@ def withdraw_command(contribution_id: str, ledger_url: str, reason: str, key_pat
 cli.add_command(ledger_group)
 cli.add_command(privacy_group)
 cli.add_command(plan_command)
+cli.add_command(train_command)
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ from govtrain.ledger.entries import (
     epoch_entry,
     header_entry,
     policy_entry,
+    run_entry,
     spend_entry,
     summary_entry,
     withdraw_entry,
@@ -312,6 +313,15 @@ class Ledger:
                               accountant=policy.accountant, delta_p=policy.delta_p, eps_u=eps_u)
                 stored.append(appender.add("spend", now, functools.partial(_spend_at, now=now, fields=fields)))
         return stored
+
+    def record_run(self, run_id: str, mechanism: str, config_sha256: bytes, base_model_sha256: bytes,
+                   adapter_sha256: bytes | None, now: int | None = None) -> ledger_store.StoredEntry:
+        """Append a `run` entry: what a training run was (config, base model) and what it produced."""
+        now = int(_time.time()) if now is None else now
+        with self.append(now) as appender:
+            return appender.add("run", now, lambda seq: run_entry(
+                seq, now, run_id=run_id, mechanism=mechanism, config_sha256=config_sha256,
+                base_model_sha256=base_model_sha256, adapter_sha256=adapter_sha256))
 
     def _latest_spend(self, contributions: set[str]) -> dict[str, tuple[int, int]]:
         latest: dict[str, tuple[int, int]] = {}

@@ -27,6 +27,7 @@ from govtrain.resolver.schedule import Cohort, Member, Scheduler, cohorts_of, di
 class _Admitted:
     member: Member
     records: int
+    data_sha256: bytes
     history: list[tuple[int, int, int]]
     eps_u: int = 0
     last_epoch: int = -1
@@ -46,7 +47,8 @@ def read_corpus(ledger: Ledger) -> tuple[dict[str, _Admitted], set[str], int]:
         cid = entry["contribution_id"]
         if stored.kind == "admit":
             admitted[cid] = _Admitted(Member(cid, entry["data_class"], entry["clip_norm_u"],
-                                             entry["noise_multiplier_u"], entry["eps_budget_u"]), entry["records"], [])
+                                             entry["noise_multiplier_u"], entry["eps_budget_u"]), entry["records"],
+                                     entry["data_sha256"], [])
         elif stored.kind == "withdraw":
             withdrawn.add(cid)
         elif cid in admitted:

@@ -1,0 +1,36 @@
+"""`govtrain train --config RUN.toml --ledger URL`: governed DP-LoRA training (exit 0, 2, 3, 5)."""
+
+from __future__ import annotations
+
+import click
+
+from govtrain.cli.output import CONTEXT_SETTINGS, Command, emit_json, json_option, ledger_option, reports_errors
+from govtrain.cli.output import signing_key_option
+
+
+@click.command("train", cls=Command, context_settings=CONTEXT_SETTINGS)
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="Run config (TOML).")
+@ledger_option
+@signing_key_option
+@click.option("--insecure-seed", type=int, default=None,
+              help="INSECURE, for tests only: a fixed seed for sampling and noise (default: OS entropy).")
+@json_option
+@reports_errors
+def train_command(config_path: str, ledger_url: str, key_path: str | None, insecure_seed: int | None,
+                  as_json: bool) -> None:
+    """Train a LoRA adapter on admitted contributions: spend written ahead per ledger epoch, every
+    per-sample gradient restricted to its class's profile, clipped to its own bound and noised."""
+    from govtrain.train.config import load_run_config
+    from govtrain.train.loop import train
+
+    if insecure_seed is not None:
+        click.echo("warning: --insecure-seed makes sampling and noise predictable; never use it for real data",
+                   err=True)
+    config = load_run_config(config_path)
+    result = train(config, ledger_url, key=key_path, insecure_seed=insecure_seed,
+                   log=(lambda line: click.echo(line, err=True)) if as_json else click.echo)
+    if as_json:
+        emit_json({"ok": True, "run_id": result.run_id, "steps": result.steps, "epochs": result.epochs,
+                   "eps_by_class": result.eps_by_class, "adapter_sha256": result.adapter_sha256.hex()})
+    else:
+        click.echo(f"{result.run_id}: {result.steps} steps; adapter saved to {config.output_dir}")

@@ -1,0 +1,204 @@
+"""`govtrain train`: governed DP-LoRA on admitted contributions only (DESIGN §5-7).
+
+Per ledger epoch, before any of its steps: the noise schedule is fixed from public metadata
+(s_g, sigma_eff, retirement), the epoch's spend is written ahead to the ledger with its signed
+checkpoint, and only then do the steps run. Each step Poisson-samples the eligible examples
+(admitted, not withdrawn as of this step, not retired), privatizes the gradient through the
+routing layer and steps the optimizer. At the end the peft adapter is saved and a `run` entry
+records the config, base model and adapter hashes. When no contribution is eligible any more
+the run stops with exit 5 (`BudgetExhausted`), after saving what it has.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from govtrain import units
+from govtrain.errors import Code, ConfigError, GovtrainError
+from govtrain.ledger.ledger import Ledger
+from govtrain.train.config import RunConfig
+
+LOG = Callable[[str], None]
+
+
+class BudgetExhausted(GovtrainError):
+    """No contribution is eligible any more: every one is withdrawn or has spent its budget (exit 5)."""
+
+    exit_code = 5
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    steps: int
+    epochs: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    eps_by_class: dict[str, list[float]] = field(default_factory=dict)  # max cumulative eps per class, per epoch
+    adapter_sha256: bytes | None = None
+    exhausted: bool = False
+
+
+def tree_sha256(folder: Path) -> bytes:
+    """SHA-256 over (relative path, SHA-256 of bytes) of every file under `folder`, sorted."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(folder)).encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return digest.digest()
+
+
+def _model(config: RunConfig, adapters: list[str]):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from govtrain.resolver.load import model_path
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    path = model_path(config.model_spec)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=config.file.model.num_labels,
+                                                              local_files_only=True, dtype=torch.float32)
+    lora = config.file.lora
+    settings = dict(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules))
+    # The classifier is trained as the default adapter's modules_to_save copy (what peft's SEQ_CLS task would
+    # do). A class's own adapter holds LoRA factors only: peft can have a modules_to_save copy active for one
+    # adapter at a time, so the head belongs to the default adapter and to the classes with head = true.
+    model = get_peft_model(base, LoraConfig(modules_to_save=["classifier", "score"], **settings))
+    for name in adapters:
+        model.add_adapter(name, LoraConfig(**settings))
+    model.base_model.set_adapter(["default", *adapters])  # every adapter in the forward pass
+    for name, param in model.named_parameters():
+        param.requires_grad_(".lora_" in name or ".modules_to_save." in name)
+    model.eval()  # no dropout: the per-example loss must not depend on other examples or hidden randomness
+    return model, tokenizer, tree_sha256(path)
+
+
+def _optimizer(config: RunConfig, params):
+    import torch
+
+    o = config.file.optimizer
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    if o.name == "adam":
+        return torch.optim.Adam(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+
+
+def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecure_seed: int | None = None,
+          log: LOG = print, now: Callable[[], int] = lambda: int(time.time())) -> RunResult:
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from govtrain.accounting.spend import SpendCalculator
+    from govtrain.resolver.model import describe
+    from govtrain.resolver.plan import read_corpus
+    from govtrain.resolver.profile import resolve
+    from govtrain.resolver.schedule import Scheduler, cohorts_of
+    from govtrain.routing.router import Router
+    from govtrain.routing.sampler import PoissonSampler
+    from govtrain.train.data import load_examples
+
+    if insecure_seed is not None:
+        torch.manual_seed(insecure_seed)
+    with Ledger.open(ledger_url, key=key) as ledger:
+        policy = ledger.policy
+        admitted, withdrawn, _ = read_corpus(ledger)
+        admitted = {cid: a for cid, a in admitted.items() if cid not in withdrawn}
+        examples = load_examples(config.data_dir, {a.data_sha256: cid for cid, a in admitted.items()},
+                                 config.file.model.num_labels)
+        for name in examples.unmatched_files:
+            log(f"note: {name} matches no admitted contribution; it is not trained on")
+        for cid in examples.missing:
+            log(f"note: no data file for admitted contribution {cid}; it is not eligible")
+        present = set(examples.owner)
+        records = sum(admitted[c].records for c in present)
+        if policy.sampling_rate_u is not None:
+            if config.file.training.expected_batch_size is not None:
+                raise ConfigError(Code.RUN_CONFIG_INVALID, "training.expected_batch_size: the policy fixes the "
+                                                           "sampling rate; remove it")
+            q_u = policy.sampling_rate_u
+            expected_batch = q_u * records / units.MICRO
+        else:
+            expected_batch = config.file.training.expected_batch_size or policy.expected_batch_size
+            q_u = -(-expected_batch * units.MICRO // max(records, 1))
+        adapters = sorted({c.profile.adapter for c in policy.classes.values() if c.profile.kind == "adapter"})
+        model, tokenizer, base_sha256 = _model(config, adapters)
+        resolution = resolve(policy.classes, describe(model, name=config.model_spec))
+        router = Router(model, resolution, insecure_seed=insecure_seed)
+        optimizer = _optimizer(config, [p for p in model.parameters() if p.requires_grad])
+        sampler = PoissonSampler(q_u / units.MICRO, insecure_seed=insecure_seed)
+        calculator = SpendCalculator(policy.accountant, policy.delta_p)
+        scheduler = Scheduler(calculator, resolution.class_groups(), sampling_rate_u=q_u,
+                              steps_per_epoch=policy.steps_per_epoch)
+        members = [admitted[c].member for c in sorted(present)]
+        cohorts = cohorts_of(members, {c: (tuple(admitted[c].history), admitted[c].eps_u) for c in present})
+        owner = np.array([sorted(present).index(c) for c in examples.owner]) if examples.owner else np.zeros(0, int)
+        ids = sorted(present)
+        signed_clip = {m.contribution_id: m.clip_norm_u / units.MICRO for m in members}
+        classes = {m.contribution_id: m.data_class for m in members}
+        run_id = config.file.training.run_id or f"run-{now()}-{os.urandom(4).hex()}"
+        result = RunResult(run_id, 0)
+        total = config.file.training.steps
+        log(f"{run_id}: {total} steps, q = {q_u / units.MICRO:g} (expected batch {expected_batch:g} of {records} "
+            f"examples from {len(present)} contributions), {policy.accountant} at delta = {policy.delta_p / 1e12:g}")
+        while result.steps < total:
+            if not any(c.eligible for c in cohorts):
+                result.exhausted = True
+                break
+            epoch = ledger.epoch()
+            steps = min(policy.steps_per_epoch, total - result.steps)
+            plan = scheduler.plan_epoch(cohorts, epoch, result.steps, steps)
+            ledger.record_spend(epoch, q_u, plan.spend_records(), now=now())  # write-ahead, then train
+            allowed = np.zeros(len(ids), dtype=np.int64)
+            for spend in plan.spends:
+                for member in spend.cohort.members:
+                    allowed[ids.index(member)] = spend.steps
+            group_std = {signature: plan.group_std(signature) for signature in plan.group_noise_pu}
+            for step in range(steps):
+                gone = ledger.store.withdrawals()
+                live = np.array([allowed[i] > step and ids[i] not in gone for i in range(len(ids))], dtype=bool)
+                chosen = sampler.sample(np.flatnonzero(live[owner]) if len(owner) else np.zeros(0, int))
+                if len(chosen) == 0:
+                    router.noise_only(group_std, expected_batch)
+                    loss = float("nan")
+                else:
+                    batch = tokenizer([examples.texts[i] for i in chosen], padding=True, truncation=True,
+                                      max_length=config.file.model.max_length, return_tensors="pt")
+                    labels = torch.tensor([examples.labels[i] for i in chosen])
+                    with router.capture():
+                        logits = model(**batch).logits
+                    losses = F.cross_entropy(logits, labels, reduction="none")
+                    who = [examples.owner[i] for i in chosen]
+                    router.privatize(losses, [classes[c] for c in who], [signed_clip[c] for c in who], group_std,
+                                     expected_batch)
+                    loss = float(losses.detach().mean())
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                result.steps += 1
+                result.losses.append(loss)
+            ledger.close_epoch(now=now())
+            result.epochs.append(epoch)
+            for name in policy.classes:
+                spent = [c.eps_u for c in cohorts if c.data_class == name]
+                result.eps_by_class.setdefault(name, []).append(max(spent, default=0) / units.MICRO)
+            seen = [x for x in result.losses[-steps:] if x == x]  # empty batches have no loss
+            log(f"epoch {epoch}: steps {result.steps}/{total}, "
+                f"loss {sum(seen) / len(seen) if seen else float('nan'):.4f}, "
+                + ", ".join(f"{n} eps {v[-1]:.3f}" for n, v in sorted(result.eps_by_class.items())))
+        router.close()
+        output = config.output_dir
+        output.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(output)
+        result.adapter_sha256 = tree_sha256(output)
+        ledger.record_run(run_id, config.file.training.mechanism, config.sha256, base_sha256, result.adapter_sha256,
+                          now=now())
+    if result.exhausted:
+        raise BudgetExhausted(Code.BUDGET_EXCEEDED, f"no contribution is eligible after {result.steps} steps: "
+                                                    "every one is withdrawn or has spent its budget (adapter saved)")
+    return result

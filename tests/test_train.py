@@ -1,0 +1,105 @@
+"""`govtrain train` end to end on a tiny BERT saved to disk with its own tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from click.testing import CliRunner  # noqa: E402
+
+from govtrain.cli.main import cli  # noqa: E402
+from govtrain.verify.verifier import verify_ledger  # noqa: E402
+from tests.conftest import Corpus  # noqa: E402
+from govtrain.gate.admission import admit  # noqa: E402
+
+WORDS = "good bad movie film great awful plot acting fun dull the a is was and very not example".split()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    transformers.BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=16, num_hidden_layers=6, num_attention_heads=2, intermediate_size=24,
+                                     vocab_size=len(vocab), max_position_embeddings=64, num_labels=2)
+    transformers.BertForSequenceClassification(config).save_pretrained(folder)
+    return folder
+
+
+def _data(corpus: Corpus, name: str, records: int = 40) -> Path:
+    path = corpus.dir / "data" / f"{name}.jsonl"
+    path.parent.mkdir(exist_ok=True)
+    lines = [json.dumps({"text": f"{WORDS[i % 9]} movie {WORDS[9 + i % 8]} {name}", "label": i % 2})
+             for i in range(records)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _admit(corpus: Corpus, name: str, **overrides) -> None:
+    data = _data(corpus, name)
+    with corpus.open() as ledger:
+        admit(ledger, corpus.attestation(data, contribution_id=name, **overrides), data, now=corpus.now)
+
+
+def _config(corpus: Corpus, model: Path, steps: int) -> Path:
+    path = corpus.dir / "run.toml"
+    path.write_text(f"""
+[model]
+base = "{model}"
+max_length = 16
+[lora]
+r = 2
+target_modules = ["query", "value", "attention.output.dense"]
+[optimizer]
+name = "adamw"
+lr = 0.01
+[training]
+steps = {steps}
+data = "data"
+output = "adapter"
+run_id = "test-run"
+""")
+    return path
+
+
+def test_train_writes_spend_ahead_and_a_verifiable_run(corpus: Corpus, tiny_model: Path):
+    _admit(corpus, "pub")
+    _admit(corpus, "sens", data_class="sensitive", clip_norm_u=500_000, eps_budget_u=3_000_000)
+    _admit(corpus, "restr", data_class="restricted", clip_norm_u=500_000, noise_multiplier_u=1_500_000,
+           eps_budget_u=1_000_000)
+    _admit(corpus, "gone")
+    with corpus.open() as ledger:
+        ledger.withdraw("gone", "test", now=corpus.now)
+    result = CliRunner().invoke(cli, ["train", "--config", str(_config(corpus, tiny_model, 25)), "--ledger",
+                                      corpus.url, "--insecure-seed", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.stdout)
+    assert body["steps"] == 25 and body["epochs"] == [0, 1, 2]
+    assert (corpus.dir / "adapter" / "adapter_config.json").is_file()
+    assert (corpus.dir / "adapter" / "restricted" / "adapter_config.json").is_file()
+    report = verify_ledger(corpus.url)  # spend recomputed from the recorded parameters
+    assert report.spend_recomputed and report.by_kind["spend"] == 9 and report.by_kind["run"] == 1
+    from govtrain.ledger.entries import decode_entry
+
+    with corpus.open() as ledger:
+        entries = [decode_entry(e.body, seq=e.seq, kind=e.kind) for e in ledger.store.entries(kinds=("spend", "run"))]
+    assert "gone" not in {e.get("contribution_id") for e in entries}
+    run = entries[-1]
+    assert run["kind"] == "run" and run["run_id"] == "test-run" and run["mechanism"] == "dpsgd"
+    assert body["adapter_sha256"] == run["adapter_sha256"].hex()
+
+
+def test_train_stops_with_exit_5_when_budgets_run_out(corpus: Corpus, tiny_model: Path):
+    _admit(corpus, "tiny", eps_budget_u=60_000)
+    result = CliRunner().invoke(cli, ["train", "--config", str(_config(corpus, tiny_model, 100)), "--ledger",
+                                      corpus.url, "--insecure-seed", "2"])
+    assert result.exit_code == 5, result.output
+    assert "no contribution is eligible" in result.stderr
+    verify_ledger(corpus.url)
