@@ -103,3 +103,22 @@ def test_train_stops_with_exit_5_when_budgets_run_out(corpus: Corpus, tiny_model
     assert result.exit_code == 5, result.output
     assert "no contribution is eligible" in result.stderr
     verify_ledger(corpus.url)
+
+
+def test_examples_are_matched_by_digest_and_split_on_newlines_only(tmp_path: Path):
+    import hashlib
+
+    from govtrain.errors import ConfigError
+    from govtrain.train.data import load_examples
+
+    good = tmp_path / "renamed-anything.jsonl"
+    good.write_text(json.dumps({"text": "one\u2028line", "label": 1}, ensure_ascii=False) + "\n"
+                    + json.dumps({"text": "two", "label": 0}) + "\n")
+    (tmp_path / "stranger.jsonl").write_text(json.dumps({"text": "x", "label": 0}) + "\n")
+    digests = {hashlib.sha256(good.read_bytes()).digest(): "c1", b"\0" * 32: "c2"}
+    examples = load_examples(tmp_path, digests, num_labels=2)
+    assert examples.texts == ["one\u2028line", "two"] and examples.owner == ["c1", "c1"]
+    assert examples.unmatched_files == ["stranger.jsonl"] and examples.missing == ["c2"]
+    good.write_text(json.dumps({"text": "x", "label": 5}) + "\n")
+    with pytest.raises(ConfigError):
+        load_examples(tmp_path, {hashlib.sha256(good.read_bytes()).digest(): "c1"}, num_labels=2)

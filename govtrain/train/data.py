@@ -41,7 +41,7 @@ def load_examples(folder: Path, digests: Mapping[bytes, str], num_labels: int) -
             unmatched.append(path.name)
             continue
         found.add(contribution)
-        for number, line in enumerate(raw.decode("utf-8").splitlines(), 1):
+        for number, line in enumerate(raw.split(b"\n"), 1):  # JSON Lines: only \n ends a record
             if not line.strip():
                 continue
             record = json.loads(line)
