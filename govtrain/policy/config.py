@@ -212,7 +212,8 @@ def policy_from_file(model: PolicyFile, base: Path) -> Policy:
     return policy.validate(ConfigError)
 
 
-def _format_errors(error: ValidationError) -> str:
+def format_errors(error: ValidationError) -> str:
+    """Every invalid field of a pydantic error, by dotted path, on one line."""
     parts = []
     for item in error.errors():
         where = ".".join(str(p) for p in item["loc"] if not str(p).startswith("function-after"))
@@ -234,15 +235,20 @@ def load_policy(path: str | Path) -> tuple[Policy, bytes]:
     try:
         model = PolicyFile.model_validate(document)
     except ValidationError as e:
-        raise ConfigError(Code.POLICY_INVALID, f"{path}: {_format_errors(e)}") from e
+        raise ConfigError(Code.POLICY_INVALID, f"{path}: {format_errors(e)}") from e
     return policy_from_file(model, path.parent), hashlib.sha256(raw).digest()
 
 
-def json_schema() -> dict:
-    schema = PolicyFile.model_json_schema()
+def schema_of(model: type[BaseModel], file_name: str) -> dict:
+    """The JSON Schema (2020-12) of a config file model, as written to schemas/`file_name`."""
+    schema = model.model_json_schema()
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["$id"] = "https://govtrain.invalid/schemas/policy.schema.json"
+    schema["$id"] = f"https://govtrain.invalid/schemas/{file_name}"
     return schema
+
+
+def json_schema() -> dict:
+    return schema_of(PolicyFile, "policy.schema.json")
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--schema"]:

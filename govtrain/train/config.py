@@ -40,6 +40,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError, model_validator
 
 from govtrain.errors import Code, ConfigError
+from govtrain.policy.config import format_errors, schema_of
 
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -133,15 +134,6 @@ class RunConfig:
         return base if re.fullmatch(r"[a-z0-9-]+", base) and not self.path(base).exists() else str(self.path(base))
 
 
-def _format_errors(error: ValidationError) -> str:
-    parts = []
-    for item in error.errors():
-        where = ".".join(str(p) for p in item["loc"] if not str(p).startswith("function-after"))
-        message = item["msg"].removeprefix("Value error, ")
-        parts.append(f"{where}: {message}" if where else message)
-    return "; ".join(parts)
-
-
 def load_run_config(path: str | Path) -> RunConfig:
     path = Path(path)
     try:
@@ -154,15 +146,12 @@ def load_run_config(path: str | Path) -> RunConfig:
     try:
         file = RunFile.model_validate(document)
     except ValidationError as e:
-        raise ConfigError(Code.RUN_CONFIG_INVALID, f"{path}: {_format_errors(e)}") from e
+        raise ConfigError(Code.RUN_CONFIG_INVALID, f"{path}: {format_errors(e)}") from e
     return RunConfig(file, hashlib.sha256(raw).digest(), path.resolve().parent)
 
 
 def json_schema() -> dict:
-    schema = RunFile.model_json_schema()
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["$id"] = "https://govtrain.invalid/schemas/run.schema.json"
-    return schema
+    return schema_of(RunFile, "run.schema.json")
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--schema"]:
