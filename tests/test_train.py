@@ -122,3 +122,44 @@ def test_examples_are_matched_by_digest_and_split_on_newlines_only(tmp_path: Pat
     good.write_text(json.dumps({"text": "x", "label": 5}) + "\n")
     with pytest.raises(ConfigError):
         load_examples(tmp_path, {hashlib.sha256(good.read_bytes()).digest(): "c1"}, num_labels=2)
+
+
+def test_a_killed_run_resumes_without_under_counting(corpus: Corpus, tiny_model: Path):
+    from govtrain.ledger.entries import decode_entry
+    from govtrain.train.config import load_run_config
+    from govtrain.train.loop import STATE_FILE, train
+
+    _admit(corpus, "pub")
+    _admit(corpus, "sens", data_class="sensitive", clip_norm_u=500_000, eps_budget_u=3_000_000)
+    config = load_run_config(_config(corpus, tiny_model, 25))
+    with pytest.raises(KeyboardInterrupt):
+        train(config, corpus.url, insecure_seed=3, log=lambda line: None, checkpoint_every=4,
+              interrupt_after_steps=14)  # killed in ledger epoch 1, after its spend was written
+    assert (corpus.dir / "adapter" / STATE_FILE).is_file()
+    verify_ledger(corpus.url)  # the ledger is consistent at the kill
+    lines: list[str] = []
+    result = train(config, corpus.url, insecure_seed=3, log=lines.append, checkpoint_every=4)
+    assert any(line.startswith("resuming test-run at step 12") for line in lines)
+    assert result.steps == 25 and result.epochs == [0, 1, 2]
+    assert not (corpus.dir / "adapter" / STATE_FILE).exists()
+    report = verify_ledger(corpus.url)
+    assert report.spend_recomputed and report.by_kind["run"] == 1
+    with corpus.open() as ledger:
+        spends = [decode_entry(e.body, seq=e.seq, kind="spend") for e in ledger.store.entries(kinds=("spend",))]
+    # one write-ahead spend per contribution per epoch, covering every step run in it (10, 10, 5)
+    assert sorted((s["contribution_id"], s["epoch"], s["steps"]) for s in spends) == sorted(
+        (c, e, t) for c in ("pub", "sens") for e, t in ((0, 10), (1, 10), (2, 5)))
+
+
+def test_a_run_state_of_another_config_is_refused(corpus: Corpus, tiny_model: Path):
+    from govtrain.errors import ConfigError
+    from govtrain.train.config import load_run_config
+    from govtrain.train.loop import train
+
+    _admit(corpus, "pub")
+    with pytest.raises(KeyboardInterrupt):
+        train(load_run_config(_config(corpus, tiny_model, 25)), corpus.url, insecure_seed=1, log=lambda line: None,
+              checkpoint_every=2, interrupt_after_steps=3)
+    with pytest.raises(ConfigError) as info:
+        train(load_run_config(_config(corpus, tiny_model, 30)), corpus.url, log=lambda line: None)
+    assert "another config" in info.value.detail

@@ -43,10 +43,50 @@ class RunResult:
     exhausted: bool = False
 
 
+STATE_FILE = "run-state.pt"
+
+
+def _save_state(path: Path, state: dict) -> None:
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    torch.save(state, temporary)
+    os.replace(temporary, path)
+
+
+def _load_state(path: Path, config: RunConfig) -> dict | None:
+    import torch
+
+    if not path.exists():
+        return None
+    state = torch.load(path, weights_only=False)
+    if state.get("config_sha256") != config.sha256:
+        raise ConfigError(Code.RUN_CONFIG_INVALID, f"{path} holds the state of a run with another config; restore "
+                                                   "that config to resume it, or move the file away to start afresh")
+    return state
+
+
+def _spend_written(ledger: Ledger, epoch: int, records: list) -> bool:
+    """Whether this epoch's write-ahead spend is already in the ledger (a resumed run must not write it twice)."""
+    if not records:
+        return True
+    from govtrain.ledger.entries import decode_entry
+
+    first = records[0][0]
+    for stored in ledger.store.entries(start=1, kinds=("spend",)):
+        if stored.body is not None:
+            entry = decode_entry(stored.body, seq=stored.seq, kind="spend")
+            if entry["contribution_id"] == first and entry["epoch"] == epoch:
+                return True
+    return False
+
+
 def tree_sha256(folder: Path) -> bytes:
-    """SHA-256 over (relative path, SHA-256 of bytes) of every file under `folder`, sorted."""
+    """SHA-256 over (relative path, SHA-256 of bytes) of every file under `folder`, sorted (a run's
+    resumable state, which is deleted when the run ends, is not part of the adapter)."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (STATE_FILE, STATE_FILE + ".tmp")):
         digest.update(str(path.relative_to(folder)).encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
     return digest.digest()
 
@@ -90,7 +130,16 @@ def _optimizer(config: RunConfig, params):
 
 
 def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecure_seed: int | None = None,
-          log: LOG = print, now: Callable[[], int] = lambda: int(time.time())) -> RunResult:
+          log: LOG = print, now: Callable[[], int] = lambda: int(time.time()), checkpoint_every: int = 10,
+          interrupt_after_steps: int | None = None) -> RunResult:
+    """Run (or resume) the training `config` describes against the ledger at `ledger_url`.
+
+    The run state (trainable weights, optimizer, the epoch in progress and its plan) is saved to
+    `<output>/run-state.pt` at each epoch's start and end and every `checkpoint_every` steps; a
+    later call with the same config resumes from it. Steps lost to a kill are re-run inside the
+    epoch whose spend already covers them, so nothing is under-counted; the lost steps' results
+    were never saved. `interrupt_after_steps` is a test hook that simulates a kill.
+    """
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -145,22 +194,54 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
         run_id = config.file.training.run_id or f"run-{now()}-{os.urandom(4).hex()}"
         result = RunResult(run_id, 0)
         total = config.file.training.steps
+        state_path = config.output_dir / STATE_FILE
+        state = _load_state(state_path, config)
+        pending = None  # the epoch in progress: (epoch, first_step, steps, allowed, group_std)
+        if state is not None:
+            run_id = result.run_id = state["run_id"]
+            result.steps, result.losses = state["step"], state["losses"]
+            result.epochs, result.eps_by_class = state["epochs"], state["eps_by_class"]
+            with torch.no_grad():
+                for name, value in state["trainable"].items():
+                    model.get_parameter(name).copy_(value)
+            optimizer.load_state_dict(state["optimizer"])
+            pending = state["pending"]
+            if pending is not None and ledger.epoch() > pending["epoch"]:
+                pending = None  # the epoch was closed just before the kill
+            log(f"resuming {run_id} at step {result.steps}")
         log(f"{run_id}: {total} steps, q = {q_u / units.MICRO:g} (expected batch {expected_batch:g} of {records} "
             f"examples from {len(present)} contributions), {policy.accountant} at delta = {policy.delta_p / 1e12:g}")
+
+        def save(pending_epoch) -> None:
+            _save_state(state_path, {
+                "run_id": run_id, "config_sha256": config.sha256, "step": result.steps, "losses": result.losses,
+                "epochs": result.epochs, "eps_by_class": result.eps_by_class, "pending": pending_epoch,
+                "trainable": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
+                "optimizer": optimizer.state_dict()})
+
+        done_here = 0
         while result.steps < total:
-            if not any(c.eligible for c in cohorts):
-                result.exhausted = True
-                break
-            epoch = ledger.epoch()
-            steps = min(policy.steps_per_epoch, total - result.steps)
-            plan = scheduler.plan_epoch(cohorts, epoch, result.steps, steps)
-            ledger.record_spend(epoch, q_u, plan.spend_records(), now=now())  # write-ahead, then train
-            allowed = np.zeros(len(ids), dtype=np.int64)
-            for spend in plan.spends:
-                for member in spend.cohort.members:
-                    allowed[ids.index(member)] = spend.steps
-            group_std = {signature: plan.group_std(signature) for signature in plan.group_noise_pu}
-            for step in range(steps):
+            if pending is None:
+                if not any(c.eligible for c in cohorts):
+                    result.exhausted = True
+                    break
+                epoch = ledger.epoch()
+                steps = min(policy.steps_per_epoch, total - result.steps)
+                plan = scheduler.plan_epoch(cohorts, epoch, result.steps, steps)
+                pending = {"epoch": epoch, "first_step": result.steps, "steps": steps,
+                           "allowed": {m: s.steps for s in plan.spends for m in s.cohort.members},
+                           "group_std": {tuple(sorted(g)): plan.group_std(g) for g in plan.group_noise_pu},
+                           "spend": plan.spend_records(), "eps": {s.cohort.data_class: 0 for s in plan.spends}}
+                for spend in plan.spends:
+                    pending["eps"][spend.cohort.data_class] = max(pending["eps"][spend.cohort.data_class], spend.eps_u)
+                save(pending)  # the plan first: a kill between here and the spend cannot lose it
+            epoch, first, steps = pending["epoch"], pending["first_step"], pending["steps"]
+            if not _spend_written(ledger, epoch, pending["spend"]):
+                ledger.record_spend(epoch, q_u, pending["spend"], now=now())  # write-ahead, then train
+            allowed = np.array([pending["allowed"].get(c, 0) for c in ids], dtype=np.int64)
+            group_std = {frozenset(k): v for k, v in pending["group_std"].items()}
+            while result.steps < first + steps:
+                step = result.steps - first
                 gone = ledger.store.withdrawals()
                 live = np.array([allowed[i] > step and ids[i] not in gone for i in range(len(ids))], dtype=bool)
                 chosen = sampler.sample(np.flatnonzero(live[owner]) if len(owner) else np.zeros(0, int))
@@ -182,11 +263,18 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
                 optimizer.zero_grad(set_to_none=True)
                 result.steps += 1
                 result.losses.append(loss)
+                done_here += 1
+                if result.steps % checkpoint_every == 0:
+                    save(pending)
+                if interrupt_after_steps is not None and done_here >= interrupt_after_steps:
+                    raise KeyboardInterrupt(f"test hook: interrupted after {done_here} steps")
             ledger.close_epoch(now=now())
             result.epochs.append(epoch)
             for name in policy.classes:
-                spent = [c.eps_u for c in cohorts if c.data_class == name]
-                result.eps_by_class.setdefault(name, []).append(max(spent, default=0) / units.MICRO)
+                result.eps_by_class.setdefault(name, []).append(pending["eps"].get(name, 0) / units.MICRO
+                                                                 or max(result.eps_by_class[name][-1:], default=0.0))
+            pending = None
+            save(None)
             seen = [x for x in result.losses[-steps:] if x == x]  # empty batches have no loss
             log(f"epoch {epoch}: steps {result.steps}/{total}, "
                 f"loss {sum(seen) / len(seen) if seen else float('nan'):.4f}, "
@@ -198,6 +286,7 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
         result.adapter_sha256 = tree_sha256(output)
         ledger.record_run(run_id, config.file.training.mechanism, config.sha256, base_sha256, result.adapter_sha256,
                           now=now())
+        state_path.unlink(missing_ok=True)
     if result.exhausted:
         raise BudgetExhausted(Code.BUDGET_EXCEEDED, f"no contribution is eligible after {result.steps} steps: "
                                                     "every one is withdrawn or has spent its budget (adapter saved)")
