@@ -89,7 +89,11 @@ class Router:
         self.generator = torch.Generator(device=next(iter(self.params.values())).device if self.params else "cpu")
         self.generator.manual_seed(insecure_seed if insecure_seed is not None else int.from_bytes(os.urandom(8), "big"))
         self._recording = False
-        self._handles = [tap.module.register_forward_hook(self._hook(tap)) for tap in self.taps.values()]
+        # Only modules holding a parameter some class reaches are recorded: autograd then stops where the
+        # deepest reached parameter is, instead of differentiating layers no one may train.
+        reached = {part.name for parts in resolution.reach.values() for part in parts}
+        self._handles = [tap.module.register_forward_hook(self._hook(tap)) for tap in self.taps.values()
+                         if reached.intersection(tap.leaves.values())]
 
     def close(self) -> None:
         for handle in self._handles:

@@ -1,0 +1,183 @@
+"""Step time of governed DP-LoRA against a non-private step and Opacus, on the bundled MiniLM.
+
+    .venv/bin/python bench/step.py [--repeats 7] [--batch 32] [--seq 48]
+
+Same model for every variant: all-MiniLM-L6-v2, LoRA r = 8 on all six projections (query, key, value,
+attention.output.dense, intermediate.dense, output.dense), the classifier head trainable, AdamW.
+`torch.set_num_threads(1)`; the variants run interleaved in one process and each figure is the
+median over --repeats rounds of --steps steps, so the shared VM's drift hits every variant alike.
+
+- non-private: mean loss, `backward()`, `optimizer.step()`;
+- govtrain (top-2-layer band): one class reaching layers 4-5 and the head;
+- govtrain (top half, one class): layers 3-5 and the head;
+- govtrain (three profiles): three classes (top half + head, top two layers, layer 5 heads 0-5) in one batch,
+  compared with the one class of the same depth;
+- govtrain (full band): one class reaching all six layers and the head;
+- opacus: Opacus `GradSampleModule` hooks mode (per-sample gradients, clipping, noise) when installed.
+
+The routing layer records only modules that hold a parameter some class reaches, so autograd stops at the
+deepest reached layer: a top-2-layer band is cheaper than a non-private step that trains every layer's LoRA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from govtrain.policy.model import DataClass, DepthProfile  # noqa: E402
+from govtrain.resolver.model import describe  # noqa: E402
+from govtrain.resolver.profile import resolve  # noqa: E402
+from govtrain.routing.router import Router  # noqa: E402
+
+TARGETS = ["query", "key", "value", "attention.output.dense", "intermediate.dense", "output.dense"]
+
+
+def data_class(name: str, **profile) -> DataClass:
+    kind = next(k for k in ("band", "fraction_u", "layers", "adapter") if k in profile)
+    return DataClass(name=name, clip_norm_u=1_000_000, min_noise_multiplier_u=1_000_000, eps_budget_u=1_000_000,
+                     max_eps_budget_u=1_000_000, profile=DepthProfile(kind=kind.removesuffix("_u"), **profile))
+
+
+def build(seed: int = 0):
+    import peft
+    from transformers import AutoModelForSequenceClassification
+
+    from govtrain.resolver.load import model_path
+
+    torch.manual_seed(seed)
+    base = AutoModelForSequenceClassification.from_pretrained(model_path("minilm"), num_labels=2,
+                                                              local_files_only=True, hidden_dropout_prob=0.0,
+                                                              attention_probs_dropout_prob=0.0)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS,
+                                                      modules_to_save=["classifier"]))
+    model.train()  # dropout is off; Opacus only records in training mode
+    return model
+
+
+def batch(size: int, seq: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1000, 20000, (size, seq), generator=generator)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, torch.randint(0, 2, (size,), generator=generator)
+
+
+class NonPrivate:
+    name = "non-private"
+
+    def __init__(self, model):
+        self.model = model
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+    def step(self, inputs, labels):
+        loss = F.cross_entropy(self.model(**inputs).logits, labels)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class Governed:
+    def __init__(self, model, classes: dict, name: str):
+        self.name = name
+        self.model = model
+        resolution = resolve(classes, describe(model))
+        self.router = Router(model, resolution, insecure_seed=0)
+        self.classes = list(classes)
+        self.std = {g.classes: 1.0 for g in resolution.groups if g.classes}
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+    def step(self, inputs, labels):
+        size = labels.shape[0]
+        with self.router.capture():
+            logits = self.model(**inputs).logits
+        losses = F.cross_entropy(logits, labels, reduction="none")
+        classes = [self.classes[i % len(self.classes)] for i in range(size)]
+        self.router.privatize(losses, classes, [1.0] * size, self.std, float(size))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class OpacusStep:
+    name = "opacus"
+
+    def __init__(self, model, size: int):
+        from opacus import GradSampleModule
+        from opacus.optimizers import DPOptimizer
+
+        self.model = GradSampleModule(model, batch_first=True, loss_reduction="mean")
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        self.optimizer = DPOptimizer(optimizer, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=size)
+
+    def step(self, inputs, labels):
+        loss = F.cross_entropy(self.model(**inputs).logits, labels)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=48)
+    parser.add_argument("--no-opacus", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    top2 = {"sensitive": data_class("sensitive", band=(4, 5), head=True)}
+    three = {"public": data_class("public", fraction_u=(500_000, 1_000_000), head=True),
+             "sensitive": data_class("sensitive", band=(4, 5)),
+             "heads": data_class("heads", band=(5, 5), heads=((5, tuple(range(6))),))}
+    half = {"public": three["public"]}
+    full = {"all": data_class("all", band=(0, 5), head=True)}
+    variants = [NonPrivate(build()), Governed(build(), top2, "govtrain top-2 band"),
+                Governed(build(), half, "govtrain top half, one class"),
+                Governed(build(), three, "govtrain three profiles"), Governed(build(), full, "govtrain full band")]
+    if not args.no_opacus:
+        try:
+            variants.append(OpacusStep(build(), args.batch))
+        except ImportError:
+            print("opacus is not installed (pip install '.[bench]'): skipped")
+    inputs, labels = batch(args.batch, args.seq, 0)
+    for variant in variants:  # warm up
+        variant.step(inputs, labels)
+    times: dict[str, list[float]] = {v.name: [] for v in variants}
+    for round_ in range(args.repeats):
+        for variant in variants[round_ % len(variants):] + variants[:round_ % len(variants)]:
+            start = time.process_time()
+            for _ in range(args.steps):
+                variant.step(inputs, labels)
+            times[variant.name].append((time.process_time() - start) / args.steps)
+    base = statistics.median(times["non-private"])
+    print(f"MiniLM, LoRA r=8 on {len(TARGETS)} projections + head, batch {args.batch}, seq {args.seq}, 1 thread, "
+          f"median of {args.repeats} rounds x {args.steps} steps (CPU seconds per step)")
+    for name, values in times.items():
+        print(f"  {name:<26} {statistics.median(values):7.3f} s   / non-private {statistics.median(values) / base:5.2f}")
+    if "opacus" in times:
+        for name in ("govtrain top-2 band", "govtrain full band"):
+            print(f"  {name} / opacus: {statistics.median(times[name]) / statistics.median(times['opacus']):.2f}")
+    # The same deepest reach (layers 3-5 + head): what mixing three profiles in one batch costs.
+    print(f"  three profiles / one class of the same depth: {statistics.median(times['govtrain three profiles']) / "
+          f"statistics.median(times['govtrain top half, one class']):.2f}")
+    print(f"  peak RSS of the process: {rss_mb():.0f} MB")
+
+
+if __name__ == "__main__":
+    main()
