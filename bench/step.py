@@ -174,8 +174,8 @@ def main() -> None:
         for name in ("govtrain top-2 band", "govtrain full band"):
             print(f"  {name} / opacus: {statistics.median(times[name]) / statistics.median(times['opacus']):.2f}")
     # The same deepest reach (layers 3-5 + head): what mixing three profiles in one batch costs.
-    print(f"  three profiles / one class of the same depth: {statistics.median(times['govtrain three profiles']) / "
-          f"statistics.median(times['govtrain top half, one class']):.2f}")
+    mixed = statistics.median(times["govtrain three profiles"]) / statistics.median(times["govtrain top half, one class"])
+    print(f"  three profiles / one class of the same depth: {mixed:.2f}")
     print(f"  peak RSS of the process: {rss_mb():.0f} MB")
 
 

@@ -94,6 +94,11 @@ def test_train_writes_spend_ahead_and_a_verifiable_run(corpus: Corpus, tiny_mode
     run = entries[-1]
     assert run["kind"] == "run" and run["run_id"] == "test-run" and run["mechanism"] == "dpsgd"
     assert body["adapter_sha256"] == run["adapter_sha256"].hex()
+    for contribution, runs in (("pub", ["test-run"]), ("gone", [])):
+        status = json.loads(CliRunner().invoke(cli, ["ledger", "status", "--ledger", corpus.url, "--contribution",
+                                                     contribution, "--json"]).stdout)
+        assert [r["run_id"] for r in status["runs"]] == runs
+        assert all(r["adapter_sha256"] == body["adapter_sha256"] for r in status["runs"])
 
 
 def test_train_stops_with_exit_5_when_budgets_run_out(corpus: Corpus, tiny_model: Path):

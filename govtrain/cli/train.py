@@ -28,7 +28,7 @@ def train_command(config_path: str, ledger_url: str, key_path: str | None, insec
                    err=True)
     config = load_run_config(config_path)
     result = train(config, ledger_url, key=key_path, insecure_seed=insecure_seed,
-                   log=(lambda line: click.echo(line, err=True)) if as_json else click.echo)
+                   log=(lambda line: click.echo(line, err=True)) if as_json else click.echo, progress=True)
     if as_json:
         emit_json({"ok": True, "run_id": result.run_id, "steps": result.steps, "epochs": result.epochs,
                    "eps_by_class": result.eps_by_class, "adapter_sha256": result.adapter_sha256.hex()})

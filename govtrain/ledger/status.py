@@ -36,6 +36,7 @@ def contribution_status(ledger: Ledger, contribution_id: str) -> dict:
         raise RejectedError(Code.UNKNOWN_CONTRIBUTION, f"no admitted contribution {contribution_id!r}")
     withdrawn_at = store.withdrawals().get(contribution_id)
     spend, runs = [], []
+    charged = False  # charged since the previous run entry: runs are recorded when they end
     for stored in store.entries(start=admission.seq + 1, kinds=("spend", "run")):
         if stored.body is None:
             continue
@@ -43,8 +44,12 @@ def contribution_status(ledger: Ledger, contribution_id: str) -> dict:
         if stored.kind == "spend" and entry["contribution_id"] == contribution_id:
             spend.append({"seq": stored.seq, "epoch": entry["epoch"], "steps": entry["steps"],
                           "eps_u": entry["eps_u"]})
-        elif stored.kind == "run" and (withdrawn_at is None or stored.seq < withdrawn_at):
-            runs.append({"seq": stored.seq, "run_id": entry["run_id"]})
+            charged = charged or entry["steps"] > 0
+        elif stored.kind == "run":
+            if charged:  # its gradients went into this run's adapter
+                runs.append({"seq": stored.seq, "run_id": entry["run_id"],
+                             "adapter_sha256": None if entry["adapter_sha256"] is None else entry["adapter_sha256"].hex()})
+            charged = False
     covering = [c for c in store.checkpoints() if c.size > admission.seq]
     return {
         "contribution_id": contribution_id,

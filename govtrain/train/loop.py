@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,7 +132,7 @@ def _optimizer(config: RunConfig, params):
 
 def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecure_seed: int | None = None,
           log: LOG = print, now: Callable[[], int] = lambda: int(time.time()), checkpoint_every: int = 10,
-          interrupt_after_steps: int | None = None) -> RunResult:
+          interrupt_after_steps: int | None = None, progress: bool = False) -> RunResult:
     """Run (or resume) the training `config` describes against the ledger at `ledger_url`.
 
     The run state (trainable weights, optimizer, the epoch in progress and its plan) is saved to
@@ -219,6 +220,10 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
                 "trainable": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
                 "optimizer": optimizer.state_dict()})
 
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=result.steps, unit="step", disable=not progress, dynamic_ncols=True,
+                   file=sys.stderr)
         done_here = 0
         while result.steps < total:
             if pending is None:
@@ -240,7 +245,9 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
                 ledger.record_spend(epoch, q_u, pending["spend"], now=now())  # write-ahead, then train
             allowed = np.array([pending["allowed"].get(c, 0) for c in ids], dtype=np.int64)
             group_std = {frozenset(k): v for k, v in pending["group_std"].items()}
+            epsilons = " ".join(f"{n} ε {v / units.MICRO:.3f}" for n, v in sorted(pending["eps"].items()))
             while result.steps < first + steps:
+                started = time.perf_counter()
                 step = result.steps - first
                 gone = ledger.store.withdrawals()
                 live = np.array([allowed[i] > step and ids[i] not in gone for i in range(len(ids))], dtype=bool)
@@ -264,6 +271,8 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
                 result.steps += 1
                 result.losses.append(loss)
                 done_here += 1
+                bar.update(1)
+                bar.set_postfix_str(f"loss {loss:.3f} | {time.perf_counter() - started:.2f} s/step | {epsilons}")
                 if result.steps % checkpoint_every == 0:
                     save(pending)
                 if interrupt_after_steps is not None and done_here >= interrupt_after_steps:
@@ -279,6 +288,7 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
             log(f"epoch {epoch}: steps {result.steps}/{total}, "
                 f"loss {sum(seen) / len(seen) if seen else float('nan'):.4f}, "
                 + ", ".join(f"{n} eps {v[-1]:.3f}" for n, v in sorted(result.eps_by_class.items())))
+        bar.close()
         router.close()
         output = config.output_dir
         output.mkdir(parents=True, exist_ok=True)
