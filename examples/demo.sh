@@ -18,7 +18,7 @@ expect_rejection() {  # run a command that must be rejected (exit 3) and show it
 }
 
 step "Data: Rotten Tomatoes snippets split by movie into 30 contributions"
-show "$BIN/python" examples/prepare_data.py --out "$OUT/data" --contributions 30
+show "$BIN/python" examples/prepare_data.py --out "$OUT/data" --contributions 30 --max-per-contribution 120
 
 step "Keys: the demo's INSECURE attester and ledger keys (keys.example/), and a rogue attester nobody trusts"
 cp keys.example/{policy.toml,attester.key,attester.pub,ledger.key,ledger.pub} "$OUT/keys/"
@@ -77,7 +77,24 @@ show "$BIN/govtrain" ledger status --ledger "$LEDGER" --contribution contrib-07
 step "Operator: what would 300 steps cost? (the policy's accountant; profiles resolved on MiniLM)"
 show "$BIN/govtrain" privacy epsilon --q 0.005 --sigma 0.8 --steps 300 --delta 1e-5
 show "$BIN/govtrain" privacy sigma --epsilon 3 --delta 1e-5 --q 0.005 --steps 300
-"$BIN/govtrain" plan --ledger "$LEDGER" --steps 300 --model minilm | head -n 12
+"$BIN/govtrain" plan --ledger "$LEDGER" --steps 300 --model minilm > "$OUT/plan.txt"
+head -n 12 "$OUT/plan.txt"; echo "   ... (the whole plan, per contribution: $OUT/plan.txt)"
+
+step "Operator: 300 governed DP-LoRA steps on MiniLM (CPU); contrib-05 withdraws while it runs"
+"$BIN/govtrain" train --config examples/run.toml --ledger "$LEDGER" &
+TRAIN=$!
+until [ "$("$BIN/govtrain" ledger status --ledger "$LEDGER" --json | "$BIN/python" -c 'import json,sys; print(json.load(sys.stdin)["epoch"])')" -ge 1 ]; do
+  kill -0 "$TRAIN" 2>/dev/null || break
+  sleep 2
+done
+show "$BIN/govtrain" withdraw contrib-05 --ledger "$LEDGER" --reason "consent withdrawn during training"
+wait "$TRAIN"
+show "$BIN/govtrain" ledger status --ledger "$LEDGER" --contribution contrib-05
+
+step "Held-out accuracy: the governed adapter next to a non-private LoRA run of the same length"
+show "$BIN/python" examples/evaluate.py --config examples/run.toml --heldout "$OUT/data/heldout.jsonl" \
+  --adapter "$OUT/adapter" --nonprivate-steps 300 --batch 18 --train "$OUT/data"
+show "$BIN/python" examples/plot_epsilon.py --ledger "$LEDGER" --out "$OUT/epsilon.png"
 
 step "Auditor: verify the ledger without any data, against the checkpoint kept earlier"
 show "$BIN/govtrain-verify" --ledger "$LEDGER" --trusted-checkpoint "$OUT/trusted.checkpoint"

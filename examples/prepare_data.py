@@ -41,6 +41,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--contributions", type=int, default=30)
+    parser.add_argument("--max-per-contribution", type=int, default=0,
+                        help="keep at most this many snippets per contribution (0: all), for a faster demo")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     buckets = args.contributions + 1  # the last bucket is held out
@@ -49,6 +51,8 @@ def main() -> None:
         record = {"text": row["text"], "label": LABELS[row["category"]]}
         files[bucket(row["movie_name"], buckets)].append(json.dumps(record, ensure_ascii=False))
     for i, lines in files.items():
+        if args.max_per_contribution and i != buckets - 1:
+            del lines[args.max_per_contribution:]
         name = "heldout.jsonl" if i == buckets - 1 else f"contrib-{i:02d}.jsonl"
         (args.out / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
     sizes = [len(files[i]) for i in range(args.contributions)]

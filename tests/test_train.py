@@ -168,3 +168,25 @@ def test_a_run_state_of_another_config_is_refused(corpus: Corpus, tiny_model: Pa
     with pytest.raises(ConfigError) as info:
         train(load_run_config(_config(corpus, tiny_model, 30)), corpus.url, log=lambda line: None)
     assert "another config" in info.value.detail
+
+
+def test_a_contribution_withdrawn_mid_run_is_never_charged_or_sampled_again(corpus: Corpus, tiny_model: Path):
+    from govtrain.ledger.entries import decode_entry
+    from govtrain.train.config import load_run_config
+    from govtrain.train.loop import train
+
+    _admit(corpus, "stay")
+    _admit(corpus, "leave")
+
+    def log(line: str) -> None:  # the withdrawal lands while the run is between epochs 0 and 1
+        if line.startswith("epoch 0:"):
+            with corpus.open() as other:
+                other.withdraw("leave", "consent withdrawn during training", now=corpus.now)
+
+    result = train(load_run_config(_config(corpus, tiny_model, 25)), corpus.url, insecure_seed=4, log=log)
+    assert result.steps == 25
+    verify_ledger(corpus.url)
+    with corpus.open() as ledger:
+        spends = [decode_entry(e.body, seq=e.seq, kind="spend") for e in ledger.store.entries(kinds=("spend",))]
+    assert sorted((s["contribution_id"], s["epoch"]) for s in spends) == [
+        ("leave", 0), ("stay", 0), ("stay", 1), ("stay", 2)]

@@ -68,18 +68,14 @@ def _load_state(path: Path, config: RunConfig) -> dict | None:
     return state
 
 
-def _spend_written(ledger: Ledger, epoch: int, records: list) -> bool:
-    """Whether this epoch's write-ahead spend is already in the ledger (a resumed run must not write it twice)."""
-    if not records:
-        return True
+def _spend_written(ledger: Ledger, epoch: int) -> bool:
+    """Whether this epoch's write-ahead spend is already in the ledger (a resumed run must not write it
+    twice). Spend is written for a whole epoch in one transaction, so any entry of the epoch says so."""
     from govtrain.ledger.entries import decode_entry
 
-    first = records[0][0]
     for stored in ledger.store.entries(start=1, kinds=("spend",)):
-        if stored.body is not None:
-            entry = decode_entry(stored.body, seq=stored.seq, kind="spend")
-            if entry["contribution_id"] == first and entry["epoch"] == epoch:
-                return True
+        if stored.body is not None and decode_entry(stored.body, seq=stored.seq, kind="spend")["epoch"] == epoch:
+            return True
     return False
 
 
@@ -162,8 +158,11 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
         admitted = {cid: a for cid, a in admitted.items() if cid not in withdrawn}
         examples = load_examples(config.data_dir, {a.data_sha256: cid for cid, a in admitted.items()},
                                  config.file.model.num_labels)
-        for name in examples.unmatched_files:
-            log(f"note: {name} matches no admitted contribution; it is not trained on")
+        if examples.unmatched_files:
+            shown = [n for n in examples.unmatched_files if not n.endswith(".cose")][:5]
+            others = len(examples.unmatched_files) - len(shown)
+            log(f"note: {len(examples.unmatched_files)} file(s) match no admitted contribution and are not trained on"
+                f" ({', '.join(shown)}{f' and {others} more' if others else ''})")
         for cid in examples.missing:
             log(f"note: no data file for admitted contribution {cid}; it is not eligible")
         present = set(examples.owner)
@@ -222,10 +221,13 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
 
         from tqdm import tqdm
 
-        bar = tqdm(total=total, initial=result.steps, unit="step", disable=not progress, dynamic_ncols=True,
-                   file=sys.stderr)
+        bar = tqdm(total=total, initial=result.steps, unit="step", disable=not (progress and sys.stderr.isatty()),
+                   dynamic_ncols=True, file=sys.stderr)
         done_here = 0
         while result.steps < total:
+            gone = ledger.store.withdrawals()
+            for cohort in cohorts:  # withdrawn since the run started: no more planning, sampling or spend
+                cohort.members -= gone.keys()
             if pending is None:
                 if not any(c.eligible for c in cohorts):
                     result.exhausted = True
@@ -241,8 +243,9 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
                     pending["eps"][spend.cohort.data_class] = max(pending["eps"][spend.cohort.data_class], spend.eps_u)
                 save(pending)  # the plan first: a kill between here and the spend cannot lose it
             epoch, first, steps = pending["epoch"], pending["first_step"], pending["steps"]
-            if not _spend_written(ledger, epoch, pending["spend"]):
-                ledger.record_spend(epoch, q_u, pending["spend"], now=now())  # write-ahead, then train
+            if pending["spend"] and not _spend_written(ledger, epoch):
+                records = [r for r in pending["spend"] if r[0] not in gone]  # withdrawn after the plan was saved
+                ledger.record_spend(epoch, q_u, records, now=now())  # write-ahead, then train
             allowed = np.array([pending["allowed"].get(c, 0) for c in ids], dtype=np.int64)
             group_std = {frozenset(k): v for k, v in pending["group_std"].items()}
             epsilons = " ".join(f"{n} ε {v / units.MICRO:.3f}" for n, v in sorted(pending["eps"].items()))
