@@ -3,8 +3,8 @@
     python examples/plot_epsilon.py --ledger sqlite:///demo-out/ledger.db --out demo-out/epsilon.png
 
 Each `spend` entry is written ahead for one ledger epoch; the plot shows, per class, the largest
-cumulative epsilon any of its contributions has been charged by the end of each epoch, against the
-training step at which that epoch ends, with each class's default budget as a dashed line.
+cumulative epsilon any of its contributions has been charged, stepping up at the training step where
+each epoch starts (the charge precedes its steps), with each class's default budget as a dotted line.
 """
 
 from __future__ import annotations
@@ -33,13 +33,15 @@ def series(url: str) -> tuple[dict[str, list[tuple[int, float]]], dict[str, floa
             epoch = by_epoch.setdefault(entry["epoch"], {})
             epoch[name] = max(epoch.get(name, 0.0), entry["eps_u"] / 1e6)
             steps[entry["epoch"]] = max(steps.get(entry["epoch"], 0), entry["steps"])
-    out: dict[str, list[tuple[int, float]]] = {}
+    out: dict[str, list[tuple[int, float]]] = {name: [] for name in budgets}
     done, last = 0, {}
-    for epoch in sorted(by_epoch):
-        done += steps[epoch]
+    for epoch in sorted(by_epoch):  # charged when the epoch starts, before its steps run
         for name in budgets:
             last[name] = max(last.get(name, 0.0), by_epoch[epoch].get(name, 0.0))
-            out.setdefault(name, [(0, 0.0)]).append((done, last[name]))
+            out[name].append((done, last[name]))
+        done += steps[epoch]
+    for name in budgets:
+        out[name].append((done, last.get(name, 0.0)))
     return out, budgets
 
 
@@ -55,12 +57,14 @@ def main() -> None:
 
     data, budgets = series(args.ledger)
     figure, axis = plt.subplots(figsize=(7, 4))
-    for (name, points), color in zip(sorted(data.items()), ("tab:blue", "tab:orange", "tab:green", "tab:red")):
-        axis.step([s for s, _ in points], [e for _, e in points], where="post", label=f"{name}", color=color)
-        axis.axhline(budgets[name], linestyle="--", linewidth=0.8, color=color)
+    styles = zip(("tab:blue", "tab:orange", "tab:green", "tab:red"), ("-", "--", ":", "-."))
+    for (name, points), (color, line) in zip(sorted(data.items()), styles):
+        axis.step([s for s, _ in points], [e for _, e in points], where="post", label=f"{name}", color=color,
+                  linestyle=line, linewidth=2)
+        axis.axhline(budgets[name], linestyle=(0, (1, 3)), linewidth=0.8, color=color)
     axis.set_xlabel("training step")
     axis.set_ylabel("cumulative ε (largest in class, written ahead)")
-    axis.set_title("privacy spend per class (dashed: default budget)")
+    axis.set_title("ε per class, charged as each ledger epoch starts (dotted: budget)", fontsize=10)
     axis.legend()
     figure.tight_layout()
     figure.savefig(args.out, dpi=120)
