@@ -131,6 +131,20 @@ def rss_mb() -> float:
     return float("nan")
 
 
+def memory(args) -> None:
+    import subprocess
+
+    names = ["non-private", "govtrain top-2 band", "govtrain three profiles", "govtrain full band", "opacus"]
+    growth = {}
+    for name in names:
+        out = subprocess.run([sys.executable, __file__, "--only", name, "--steps", "2", "--batch", str(args.batch),
+                              "--seq", str(args.seq)], capture_output=True, text=True, check=True).stdout
+        growth[name] = float(next(line.split()[1] for line in out.splitlines() if line.startswith("MEMORY")))
+    print(f"peak RSS growth over 2 steps (after loading), batch {args.batch}, seq {args.seq}, each in its own process")
+    for name, value in growth.items():
+        print(f"  {name:<26} {value:8.1f} MB   / non-private {value / growth['non-private']:5.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=7)
@@ -138,8 +152,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq", type=int, default=48)
     parser.add_argument("--no-opacus", action="store_true")
+    parser.add_argument("--memory", action="store_true",
+                        help="peak memory per variant instead: each in its own process, growth of peak RSS over its steps")
+    parser.add_argument("--only", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.memory:
+        return memory(args)
 
     top2 = {"sensitive": data_class("sensitive", band=(4, 5), head=True)}
     three = {"public": data_class("public", fraction_u=(500_000, 1_000_000), head=True),
@@ -147,12 +166,24 @@ def main() -> None:
              "heads": data_class("heads", band=(5, 5), heads=((5, tuple(range(6))),))}
     half = {"public": three["public"]}
     full = {"all": data_class("all", band=(0, 5), head=True)}
-    variants = [NonPrivate(build()), Governed(build(), top2, "govtrain top-2 band"),
-                Governed(build(), half, "govtrain top half, one class"),
-                Governed(build(), three, "govtrain three profiles"), Governed(build(), full, "govtrain full band")]
+    makers = {"non-private": lambda: NonPrivate(build()),
+              "govtrain top-2 band": lambda: Governed(build(), top2, "govtrain top-2 band"),
+              "govtrain top half, one class": lambda: Governed(build(), half, "govtrain top half, one class"),
+              "govtrain three profiles": lambda: Governed(build(), three, "govtrain three profiles"),
+              "govtrain full band": lambda: Governed(build(), full, "govtrain full band"),
+              "opacus": lambda: OpacusStep(build(), args.batch)}
+    if args.only:
+        variant = makers[args.only]()
+        inputs, labels = batch(args.batch, args.seq, 0)
+        before = rss_mb()
+        for _ in range(args.steps):
+            variant.step(inputs, labels)
+        print(f"MEMORY {rss_mb() - before:.1f}")
+        return
+    variants = [makers[name]() for name in list(makers)[:-1]]
     if not args.no_opacus:
         try:
-            variants.append(OpacusStep(build(), args.batch))
+            variants.append(makers["opacus"]())
         except ImportError:
             print("opacus is not installed (pip install '.[bench]'): skipped")
     inputs, labels = batch(args.batch, args.seq, 0)

@@ -89,6 +89,7 @@ until [ "$("$BIN/govtrain" ledger status --ledger "$LEDGER" --json | "$BIN/pytho
 done
 show "$BIN/govtrain" withdraw contrib-05 --ledger "$LEDGER" --reason "consent withdrawn during training"
 wait "$TRAIN"
+show "$BIN/govtrain" ledger status --ledger "$LEDGER"
 show "$BIN/govtrain" ledger status --ledger "$LEDGER" --contribution contrib-05
 
 step "Held-out accuracy: the governed adapter next to a non-private LoRA run of the same length"

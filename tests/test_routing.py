@@ -149,12 +149,17 @@ def test_noise_per_group_matches_its_standard_deviation_and_the_expected_batch_s
         assert count > 2000 and abs(observed - std) <= 0.03 * std, (sorted(signature), observed, std)
 
 
-def test_out_of_band_parameters_and_their_adamw_state_do_not_move():
+@pytest.mark.parametrize("make", [
+    lambda params: torch.optim.AdamW(params, lr=0.1, weight_decay=0.1),
+    lambda params: torch.optim.Adam(params, lr=0.1),
+    lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1),
+], ids=["adamw", "adam", "sgd"])
+def test_out_of_band_parameters_and_their_optimizer_state_do_not_move(make):
     net = model(torch.float32)
     classes = {"sensitive": cls("sensitive", band=(1, 1))}
     resolution = resolve(classes, describe(net))
     router = Router(net, resolution, insecure_seed=3)
-    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=0.1, weight_decay=0.1)
+    optimizer = make([p for p in net.parameters() if p.requires_grad])
     outside = {n: p.detach().clone() for n, p in net.named_parameters() if p.requires_grad and ".layer.1." not in n}
     ids, attention, labels, _, clip = batch()
     group = next(g.classes for g in resolution.groups if g.classes)
@@ -166,9 +171,9 @@ def test_out_of_band_parameters_and_their_adamw_state_do_not_move():
     for name, before in outside.items():
         param = net.get_parameter(name)
         assert torch.equal(param, before), name
-        assert param not in optimizer.state or not optimizer.state[param], name  # AdamW never touched it
+        assert param not in optimizer.state or not optimizer.state[param], name  # the optimizer never touched it
     inside = [p for n, p in net.named_parameters() if ".layer.1." in n and p.requires_grad]
-    assert inside and all(optimizer.state[p]["exp_avg"].abs().sum() > 0 for p in inside)
+    assert inside and all(optimizer.state[p] for p in inside) or isinstance(optimizer, torch.optim.SGD)
 
 
 def test_a_trainable_parameter_no_hook_covers_refuses_to_start():
@@ -214,3 +219,32 @@ def test_poisson_sampler_rate_empty_batches_and_eligibility():
                           PoissonSampler(0.5, insecure_seed=1).sample(np.arange(256)))
     with pytest.raises(ValueError):
         PoissonSampler(0.0)
+
+
+
+def test_adapter_profiles_on_a_multi_adapter_model_match_the_loop():
+    torch.manual_seed(0)  # built as `govtrain train` builds it: a plain PeftModel, the head in the default adapter
+    config = transformers.BertConfig(hidden_size=16, num_hidden_layers=LAYERS, num_attention_heads=2,
+                                     intermediate_size=24, vocab_size=30, max_position_embeddings=16, num_labels=3,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    net = peft.get_peft_model(transformers.BertForSequenceClassification(config), peft.LoraConfig(
+        r=3, target_modules=["query", "value"], modules_to_save=["classifier"], init_lora_weights=False))
+    net.add_adapter("restricted", peft.LoraConfig(r=2, target_modules=["query", "value"], init_lora_weights=False))
+    net.base_model.set_adapter(["default", "restricted"])
+    for name, param in net.named_parameters():
+        param.requires_grad_(".lora_" in name or ".modules_to_save." in name)
+    net.to(torch.float64).eval()
+    classes = {"public": CLASSES["public"], "restricted": cls("restricted", adapter="restricted")}
+    resolution = resolve(classes, describe(net))
+    ids, attention, labels, _, clip = batch()
+    who = ["restricted" if i % 2 else "public" for i in range(6)]
+    expected = reference(net, resolution, ids, attention, labels, who, clip)
+    router = Router(net, resolution, insecure_seed=0)
+    with router.capture():
+        losses = losses_of(net, ids, attention, labels)
+    router.privatize(losses, who, clip, {}, expected_batch_size=1.0)
+    restricted = [n for n, p in net.named_parameters() if ".restricted." in n]
+    assert restricted and all(net.get_parameter(n).grad is not None for n in restricted)
+    for name, param in net.named_parameters():
+        if param.grad is not None:
+            assert torch.allclose(param.grad, expected[name], atol=1e-10, rtol=1e-8), name

@@ -42,8 +42,8 @@ def _data(corpus: Corpus, name: str, records: int = 40) -> Path:
     return path
 
 
-def _admit(corpus: Corpus, name: str, **overrides) -> None:
-    data = _data(corpus, name)
+def _admit(corpus: Corpus, name: str, records: int = 40, **overrides) -> None:
+    data = _data(corpus, name, records)
     with corpus.open() as ledger:
         admit(ledger, corpus.attestation(data, contribution_id=name, **overrides), data, now=corpus.now)
 
@@ -212,3 +212,25 @@ def test_a_few_governed_steps_on_the_real_minilm(corpus: Corpus):
     run = decode_entry(stored.body, seq=stored.seq, kind="run")
     assert run["adapter_sha256"] == result.adapter_sha256 and run["base_model_sha256"] != run["config_sha256"]
     assert (corpus.dir / "adapter" / "adapter_model.safetensors").is_file()
+
+
+
+def test_a_contribution_withdrawn_mid_epoch_is_not_drawn_from_the_next_step(corpus: Corpus, tiny_model: Path):
+    from govtrain.train.config import load_run_config
+    from govtrain.train.loop import train
+
+    _admit(corpus, "stay", records=300)
+    _admit(corpus, "leave", records=300)  # q = 0.01: about 3 of its examples per step
+    drawn: dict[int, list[str]] = {}
+
+    def observe(step: int, ids: list[str]) -> None:
+        drawn[step] = ids
+        if step == 4:  # withdrawn in the middle of ledger epoch 0, after this step's batch was drawn
+            with corpus.open() as other:
+                other.withdraw("leave", "consent withdrawn", now=corpus.now)
+
+    train(load_run_config(_config(corpus, tiny_model, 15)), corpus.url, insecure_seed=6, log=lambda line: None,
+          observe=observe)
+    assert any("leave" in drawn[s] for s in range(5))  # it was being sampled...
+    assert not any("leave" in drawn[s] for s in range(5, 15))  # ...and never after its withdrawal
+    assert any("stay" in drawn[s] for s in range(5, 15))

@@ -128,14 +128,16 @@ def _optimizer(config: RunConfig, params):
 
 def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecure_seed: int | None = None,
           log: LOG = print, now: Callable[[], int] = lambda: int(time.time()), checkpoint_every: int = 10,
-          interrupt_after_steps: int | None = None, progress: bool = False) -> RunResult:
+          interrupt_after_steps: int | None = None, progress: bool = False,
+          observe: Callable[[int, list[str]], None] | None = None) -> RunResult:
     """Run (or resume) the training `config` describes against the ledger at `ledger_url`.
 
     The run state (trainable weights, optimizer, the epoch in progress and its plan) is saved to
     `<output>/run-state.pt` at each epoch's start and end and every `checkpoint_every` steps; a
     later call with the same config resumes from it. Steps lost to a kill are re-run inside the
     epoch whose spend already covers them, so nothing is under-counted; the lost steps' results
-    were never saved. `interrupt_after_steps` is a test hook that simulates a kill.
+    were never saved. `interrupt_after_steps` is a test hook that simulates a kill; `observe(step, ids)`
+    sees the contributions drawn at each step (for tests and audits of the sampler).
     """
     import numpy as np
     import torch
@@ -255,6 +257,8 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
                 gone = ledger.store.withdrawals()
                 live = np.array([allowed[i] > step and ids[i] not in gone for i in range(len(ids))], dtype=bool)
                 chosen = sampler.sample(np.flatnonzero(live[owner]) if len(owner) else np.zeros(0, int))
+                if observe is not None:
+                    observe(result.steps, [examples.owner[i] for i in chosen])
                 if len(chosen) == 0:
                     router.noise_only(group_std, expected_batch)
                     loss = float("nan")
