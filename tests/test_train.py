@@ -234,3 +234,25 @@ def test_a_contribution_withdrawn_mid_epoch_is_not_drawn_from_the_next_step(corp
     assert any("leave" in drawn[s] for s in range(5))  # it was being sampled...
     assert not any("leave" in drawn[s] for s in range(5, 15))  # ...and never after its withdrawal
     assert any("stay" in drawn[s] for s in range(5, 15))
+
+
+
+def test_shorter_ledger_epochs_from_the_run_config(corpus: Corpus, tiny_model: Path):
+    from govtrain.errors import ConfigError
+    from govtrain.ledger.entries import decode_entry
+    from govtrain.train.config import load_run_config
+    from govtrain.train.loop import train
+
+    _admit(corpus, "pub")
+    path = _config(corpus, tiny_model, 12)
+    path.write_text(path.read_text().replace("steps = 12", "steps = 12\nepoch_steps = 4"))
+    result = train(load_run_config(path), corpus.url, insecure_seed=7, log=lambda line: None)
+    assert result.epochs == [0, 1, 2]
+    with corpus.open() as ledger:
+        steps = [decode_entry(e.body, seq=e.seq, kind="spend")["steps"] for e in ledger.store.entries(kinds=("spend",))]
+    assert steps == [4, 4, 4]
+    verify_ledger(corpus.url)
+    path.write_text(path.read_text().replace("epoch_steps = 4", "epoch_steps = 11"))  # policy: 10 per epoch
+    with pytest.raises(ConfigError) as info:
+        train(load_run_config(path), corpus.url, log=lambda line: None)
+    assert "epoch_steps" in info.value.detail

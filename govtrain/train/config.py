@@ -23,6 +23,7 @@ and a test keeps the two identical. Paths are relative to the config file. The c
     mechanism = "dpsgd"          # dpsgd (prism and dp-muon follow)
     steps = 300
     expected_batch_size = 32     # only if the policy does not fix the sampling rate
+    epoch_steps = 50             # ledger epoch length; at most (and by default) the policy's steps_per_epoch
     data = "data"                # folder of contribution files (JSONL {"text", "label"})
     output = "adapter"           # where the peft adapter is saved
 """
@@ -98,6 +99,9 @@ class TrainingSection(_Strict):
     steps: PositiveInt
     expected_batch_size: PositiveInt | None = Field(
         None, description="expected Poisson batch size; only when the policy does not fix the sampling rate")
+    epoch_steps: PositiveInt | None = Field(
+        None, description="steps per ledger epoch (spend written ahead, run state saved); at most the policy's "
+                          "steps_per_epoch, which is the default")
     data: StrictStr = Field(description="folder of contribution data files, matched to admit entries by SHA-256")
     output: StrictStr = Field(description="folder the peft adapter is saved to")
     run_id: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")] | None = None

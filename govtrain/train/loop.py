@@ -185,8 +185,11 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
         optimizer = _optimizer(config, [p for p in model.parameters() if p.requires_grad])
         sampler = PoissonSampler(q_u / units.MICRO, insecure_seed=insecure_seed)
         calculator = SpendCalculator(policy.accountant, policy.delta_p)
-        scheduler = Scheduler(calculator, resolution.class_groups(), sampling_rate_u=q_u,
-                              steps_per_epoch=policy.steps_per_epoch)
+        epoch_steps = config.file.training.epoch_steps or policy.steps_per_epoch
+        if epoch_steps > policy.steps_per_epoch:
+            raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.epoch_steps: {epoch_steps} is more than the "
+                                                       f"policy's steps_per_epoch ({policy.steps_per_epoch})")
+        scheduler = Scheduler(calculator, resolution.class_groups(), sampling_rate_u=q_u, steps_per_epoch=epoch_steps)
         members = [admitted[c].member for c in sorted(present)]
         cohorts = cohorts_of(members, {c: (tuple(admitted[c].history), admitted[c].eps_u) for c in present})
         owner = np.array([sorted(present).index(c) for c in examples.owner]) if examples.owner else np.zeros(0, int)
@@ -235,7 +238,7 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
                     result.exhausted = True
                     break
                 epoch = ledger.epoch()
-                steps = min(policy.steps_per_epoch, total - result.steps)
+                steps = min(epoch_steps, total - result.steps)
                 plan = scheduler.plan_epoch(cohorts, epoch, result.steps, steps)
                 pending = {"epoch": epoch, "first_step": result.steps, "steps": steps,
                            "allowed": {m: s.steps for s in plan.spends for m in s.cohort.members},
