@@ -248,3 +248,15 @@ def test_adapter_profiles_on_a_multi_adapter_model_match_the_loop():
     for name, param in net.named_parameters():
         if param.grad is not None:
             assert torch.allclose(param.grad, expected[name], atol=1e-10, rtol=1e-8), name
+
+
+def test_weight_decay_is_refused_where_a_heads_profile_reaches_part_of_a_parameter():
+    from govtrain.train.loop import check_weight_decay
+
+    net = model(torch.float32)
+    with_heads = resolve(CLASSES, describe(net))  # "sensitive" reaches head 1 of layer 3 only
+    with pytest.raises(ConfigError) as info:
+        check_weight_decay(with_heads, 0.01)
+    assert info.value.code.value == "run_config_invalid" and "heads profile" in info.value.detail
+    check_weight_decay(with_heads, 0.0)
+    check_weight_decay(resolve({"public": CLASSES["public"]}, describe(net)), 0.01)  # whole parameters only

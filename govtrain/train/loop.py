@@ -115,6 +115,17 @@ def _model(config: RunConfig, adapters: list[str]):
     return model, tokenizer, tree_sha256(path)
 
 
+def check_weight_decay(resolution, weight_decay: float) -> None:
+    """Weight decay moves every coordinate of a parameter it is given, so a parameter that a class reaches
+    only in part (attention-head rows or columns) would have its other coordinates shrunk without any
+    gradient: refuse that combination instead of moving coordinates no class may reach."""
+    partial = sorted({part.name for parts in resolution.reach.values() for part in parts if part.dim is not None})
+    if weight_decay > 0 and partial:
+        raise ConfigError(Code.RUN_CONFIG_INVALID, f"optimizer.weight_decay: {len(partial)} parameter(s) are reached "
+                                                   f"only in part by a heads profile (e.g. {partial[0]}); weight decay "
+                                                   "would move their unreached coordinates: set weight_decay = 0")
+
+
 def _optimizer(config: RunConfig, params):
     import torch
 
@@ -181,6 +192,7 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
         adapters = sorted({c.profile.adapter for c in policy.classes.values() if c.profile.kind == "adapter"})
         model, tokenizer, base_sha256 = _model(config, adapters)
         resolution = resolve(policy.classes, describe(model, name=config.model_spec))
+        check_weight_decay(resolution, config.file.optimizer.weight_decay)
         router = Router(model, resolution, insecure_seed=insecure_seed)
         optimizer = _optimizer(config, [p for p in model.parameters() if p.requires_grad])
         sampler = PoissonSampler(q_u / units.MICRO, insecure_seed=insecure_seed)
