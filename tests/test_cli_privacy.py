@@ -138,3 +138,38 @@ def test_plan_with_a_model_resolves_profiles(corpus: Corpus, tmp_path):
     assert rows["sens"]["sigma_eff"] == 2.4  # it shares layers 4-5 with public: 1.2 / 0.5
     bad = run("plan", "--ledger", corpus.url, "--steps", "10", "--model", str(tmp_path / "nowhere"))
     assert bad.exit_code == 2 and bad.stderr.startswith("error[model_unreadable]")
+
+
+def test_plan_reads_a_run_config(corpus: Corpus, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(hidden_size=16, num_hidden_layers=6, num_attention_heads=2, intermediate_size=20,
+                                     vocab_size=40, max_position_embeddings=16)
+    config.save_pretrained(tmp_path / "tiny")
+    config_file = tmp_path / "run.toml"
+    config_file.write_text(f"""
+[model]
+base = "{tmp_path / 'tiny'}"
+[lora]
+r = 2
+target_modules = ["query", "value"]
+[training]
+steps = 20
+epoch_steps = 5
+data = "data"
+output = "adapter"
+""")
+    _ledger(corpus)
+    plan = json.loads(run_cli_json(corpus, "--config", str(config_file)))
+    assert plan["steps"] == 20 and plan["steps_per_epoch"] == 5
+    public = plan["classes"]["public"]
+    assert public["layers"] == "3-5" and public["parameters"] == 3 * 2 * 2 + 2  # LoRA A, B of q, v; the head
+    assert "its own LoRA adapter 'restricted'" in plan["classes"]["restricted"]["reaches"]
+    assert json.loads(run_cli_json(corpus, "--config", str(config_file), "--steps", "7"))["steps"] == 7  # flags win
+    missing = run("plan", "--ledger", corpus.url)
+    assert missing.exit_code == 2 and "--steps" in missing.stderr
+
+
+def run_cli_json(corpus: Corpus, *args: str) -> str:
+    result = run("plan", "--ledger", corpus.url, "--json", *args)
+    assert result.exit_code == 0, result.output
+    return result.stdout

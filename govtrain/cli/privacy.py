@@ -107,26 +107,46 @@ def privacy_sigma(epsilon: float, delta: float, sampling_rate: float | None, ste
 
 @click.command("plan", cls=Command, context_settings=CONTEXT_SETTINGS)
 @ledger_option
-@click.option("--steps", type=click.IntRange(min=1), required=True, help="Steps the run would take.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="A run config (RUN.toml): its steps, batch size, epoch length, model and LoRA; flags override.")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Steps the run would take.")
 @click.option("--expected-batch-size", type=click.IntRange(min=1), default=None,
               help="Expected batch size B; q = B / eligible examples, rounded up. Default: the policy's.")
 @click.option("--model", "model", default=None, metavar="DIR",
               help="A local Hugging Face model directory, or 'minilm', to resolve each profile's parameters.")
 @json_option
 @reports_errors
-def plan_command(ledger_url: str, steps: int, expected_batch_size: int | None, model: str | None,
-                 as_json: bool) -> None:
+def plan_command(ledger_url: str, config_path: str | None, steps: int | None, expected_batch_size: int | None,
+                 model: str | None, as_json: bool) -> None:
     """Project a run: per class and per contribution, sigma_eff, epsilon at the end and retirement."""
     from govtrain.ledger.ledger import Ledger
     from govtrain.resolver.plan import plan_run
 
-    layout = None
-    if model is not None:
-        from govtrain.resolver.load import load_layout
+    config = None
+    if config_path is not None:
+        from govtrain.train.config import load_run_config
 
-        layout = load_layout(model)
+        config = load_run_config(config_path)
+        training = config.file.training
+        steps = steps or training.steps
+        expected_batch_size = expected_batch_size or training.expected_batch_size
+    if steps is None:
+        raise ConfigError(Code.BAD_ARGUMENT, "give --steps, or --config with a run config")
     with Ledger.open(ledger_url) as opened:
-        plan = plan_run(opened, steps, expected_batch_size, layout)
+        layout = None
+        if config is not None and model is None:  # the run's own model: LoRA factors and head, as trained
+            from govtrain.resolver.load import load_layout
+            from govtrain.train.loop import wrap_lora
+
+            adapters = sorted({c.profile.adapter for c in opened.policy.classes.values() if c.profile.kind == "adapter"})
+            layout = load_layout(config.model_spec, config.file.model.num_labels,
+                                 wrap=lambda base: wrap_lora(base, config.file.lora, adapters))
+        elif model is not None:
+            from govtrain.resolver.load import load_layout
+
+            layout = load_layout(model)
+        plan = plan_run(opened, steps, expected_batch_size, layout,
+                        epoch_steps=config.file.training.epoch_steps if config is not None else None)
     if as_json:
         emit_json(plan)
         return

@@ -29,8 +29,9 @@ def model_path(spec: str) -> Path:
     return path
 
 
-def load_layout(spec: str, num_labels: int = 2) -> ModelLayout:
-    """The layout of the sequence-classification model `spec` names, every parameter trainable."""
+def load_layout(spec: str, num_labels: int = 2, wrap=None) -> ModelLayout:
+    """The layout of the sequence-classification model `spec` names: every parameter trainable, or, with
+    `wrap` (e.g. the run's LoRA), whatever the wrapped model leaves trainable."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     path = model_path(spec)
     try:
@@ -40,6 +41,8 @@ def load_layout(spec: str, num_labels: int = 2) -> ModelLayout:
         config = AutoConfig.from_pretrained(path, num_labels=num_labels, local_files_only=True)
         with torch.device("meta"):
             model = AutoModelForSequenceClassification.from_config(config)
+            if wrap is not None:
+                model = wrap(model)
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(Code.MODEL_UNREADABLE, f"{spec}: cannot build the model from its config ({e})") from None
     return describe(model, name=spec)

@@ -18,7 +18,7 @@ from govtrain.accounting.spend import SpendCalculator
 from govtrain.errors import Code, ConfigError
 from govtrain.ledger.entries import decode_entry
 from govtrain.ledger.ledger import Ledger
-from govtrain.resolver.model import ModelLayout
+from govtrain.resolver.model import ModelLayout, role
 from govtrain.resolver.profile import describe_profile, format_ranges, resolve
 from govtrain.resolver.schedule import Cohort, Member, Scheduler, cohorts_of, disjoint_groups
 
@@ -59,7 +59,7 @@ def read_corpus(ledger: Ledger) -> tuple[dict[str, _Admitted], set[str], int]:
 
 
 def plan_run(ledger: Ledger, steps: int, expected_batch_size: int | None = None,
-             layout: ModelLayout | None = None, *, workers: int = 1) -> dict[str, Any]:
+             layout: ModelLayout | None = None, *, epoch_steps: int | None = None, workers: int = 1) -> dict[str, Any]:
     policy = ledger.policy
     if steps < 1:
         raise ConfigError(Code.BAD_ARGUMENT, "--steps must be at least 1")
@@ -71,8 +71,13 @@ def plan_run(ledger: Ledger, steps: int, expected_batch_size: int | None = None,
     classes = dict(policy.classes)
     resolution = None
     class_groups = disjoint_groups(classes)
+    if epoch_steps is not None and not 0 < epoch_steps <= policy.steps_per_epoch:
+        raise ConfigError(Code.BAD_ARGUMENT, f"ledger epochs of {epoch_steps} steps: need 1 to the policy's "
+                                             f"{policy.steps_per_epoch}")
+    steps_per_epoch = epoch_steps or policy.steps_per_epoch
     if layout is not None:
-        layered = {n: c for n, c in classes.items() if c.profile.kind != "adapter"}
+        present = {role(p.name).adapter for p in layout.trainable()}  # adapters the (wrapped) model has
+        layered = {n: c for n, c in classes.items() if c.profile.kind != "adapter" or c.profile.adapter in present}
         resolution = resolve(layered, layout) if layered else None
         if resolution is not None:
             class_groups = {**class_groups, **resolution.class_groups()}
@@ -84,7 +89,7 @@ def plan_run(ledger: Ledger, steps: int, expected_batch_size: int | None = None,
                          {cid: (tuple(a.history), a.eps_u) for cid, a in eligible.items()})
     start = {id(c): c.eps_u for c in cohorts}
     with SpendCalculator(policy.accountant, policy.delta_p, workers=workers) as calculator:
-        scheduler = Scheduler(calculator, class_groups, sampling_rate_u=q_u, steps_per_epoch=policy.steps_per_epoch)
+        scheduler = Scheduler(calculator, class_groups, sampling_rate_u=q_u, steps_per_epoch=steps_per_epoch)
         plans = scheduler.project(cohorts, first_epoch=epoch, total_steps=steps) if q_u else []
     sigmas: dict[int, list[int]] = {}
     for plan in plans:
@@ -103,7 +108,7 @@ def plan_run(ledger: Ledger, steps: int, expected_batch_size: int | None = None,
         "delta": policy.delta_p / units.PICO,
         "steps": steps,
         "first_epoch": epoch,
-        "steps_per_epoch": policy.steps_per_epoch,
+        "steps_per_epoch": steps_per_epoch,
         "sampling_rate": q_u / units.MICRO,
         "expected_batch_size": batch,
         "eligible_records": records,
@@ -157,10 +162,13 @@ def _class_row(name: str, cls, rows: list[dict], resolution) -> dict[str, Any]:
         "sigma_eff": sorted({r["sigma_eff"] for r in mine if r["sigma_eff"] is not None}),
         "eps_projected_max": max((r["eps_projected"] for r in mine), default=0.0),
     }
-    if cls.profile.kind == "adapter":
-        out["reaches"] = f"only its own LoRA adapter {cls.profile.adapter!r}, created by the run"
-    elif resolution is not None:
+    if resolution is not None and name in resolution.reach:
         out["layers"] = format_ranges(resolution.layers[name])
         out["parameters"] = len(resolution.reach[name])
         out["scalars"] = resolution.numel(name)
+        if cls.profile.kind == "adapter":
+            out["reaches"] = f"its own LoRA adapter {cls.profile.adapter!r}: {out['parameters']} tensors, " \
+                             f"{out['scalars']:,} values"
+    elif cls.profile.kind == "adapter":
+        out["reaches"] = f"only its own LoRA adapter {cls.profile.adapter!r}, created by the run"
     return out

@@ -88,9 +88,25 @@ def tree_sha256(folder: Path) -> bytes:
     return digest.digest()
 
 
+def wrap_lora(base, lora, adapters: list[str]):
+    """`base` with the run's LoRA: a default adapter holding the classifier (peft's modules_to_save copy)
+    and one LoRA-only adapter per `adapter` class, all active, every LoRA factor and head copy trainable."""
+    from peft import LoraConfig, get_peft_model
+
+    settings = dict(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules))
+    # peft can have a modules_to_save copy active for one adapter at a time, so the head belongs to the
+    # default adapter (and to the classes with head = true); a class's own adapter holds LoRA factors only.
+    model = get_peft_model(base, LoraConfig(modules_to_save=["classifier", "score"], **settings))
+    for name in adapters:
+        model.add_adapter(name, LoraConfig(**settings))
+    model.base_model.set_adapter(["default", *adapters])  # every adapter in the forward pass
+    for name, param in model.named_parameters():
+        param.requires_grad_(".lora_" in name or ".modules_to_save." in name)
+    return model
+
+
 def _model(config: RunConfig, adapters: list[str]):
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from govtrain.resolver.load import model_path
@@ -100,17 +116,7 @@ def _model(config: RunConfig, adapters: list[str]):
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=config.file.model.num_labels,
                                                               local_files_only=True, dtype=torch.float32)
-    lora = config.file.lora
-    settings = dict(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules))
-    # The classifier is trained as the default adapter's modules_to_save copy (what peft's SEQ_CLS task would
-    # do). A class's own adapter holds LoRA factors only: peft can have a modules_to_save copy active for one
-    # adapter at a time, so the head belongs to the default adapter and to the classes with head = true.
-    model = get_peft_model(base, LoraConfig(modules_to_save=["classifier", "score"], **settings))
-    for name in adapters:
-        model.add_adapter(name, LoraConfig(**settings))
-    model.base_model.set_adapter(["default", *adapters])  # every adapter in the forward pass
-    for name, param in model.named_parameters():
-        param.requires_grad_(".lora_" in name or ".modules_to_save." in name)
+    model = wrap_lora(base, config.file.lora, adapters)
     model.eval()  # no dropout: the per-example loss must not depend on other examples or hidden randomness
     return model, tokenizer, tree_sha256(path)
 
