@@ -208,10 +208,11 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
             raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.epoch_steps: {epoch_steps} is more than the "
                                                        f"policy's steps_per_epoch ({policy.steps_per_epoch})")
         scheduler = Scheduler(calculator, resolution.class_groups(), sampling_rate_u=q_u, steps_per_epoch=epoch_steps)
-        members = [admitted[c].member for c in sorted(present)]
-        cohorts = cohorts_of(members, {c: (tuple(admitted[c].history), admitted[c].eps_u) for c in present})
-        owner = np.array([sorted(present).index(c) for c in examples.owner]) if examples.owner else np.zeros(0, int)
         ids = sorted(present)
+        position = {c: i for i, c in enumerate(ids)}
+        members = [admitted[c].member for c in ids]
+        cohorts = cohorts_of(members, {c: (tuple(admitted[c].history), admitted[c].eps_u) for c in present})
+        owner = np.array([position[c] for c in examples.owner], dtype=np.int64)  # example -> index in ids
         signed_clip = {m.contribution_id: m.clip_norm_u / units.MICRO for m in members}
         classes = {m.contribution_id: m.data_class for m in members}
         run_id = config.file.training.run_id or f"run-{now()}-{os.urandom(4).hex()}"
@@ -269,7 +270,7 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
             if pending["spend"] and not _spend_written(ledger, epoch):
                 records = [r for r in pending["spend"] if r[0] not in gone]  # withdrawn after the plan was saved
                 ledger.record_spend(epoch, q_u, records, now=now())  # write-ahead, then train
-            allowed = np.array([pending["allowed"].get(c, 0) for c in ids], dtype=np.int64)
+            allowed = np.array([pending["allowed"].get(c, 0) for c in ids], dtype=np.int64)  # steps per contribution
             group_std = {frozenset(k): v for k, v in pending["group_std"].items()}
             epsilons = " ".join(f"{n} ε {v / units.MICRO:.3f}" for n, v in sorted(pending["eps"].items()))
             while result.steps < first + steps:
