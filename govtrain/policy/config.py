@@ -222,20 +222,28 @@ def format_errors(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def read_toml_file(path: Path, model: type[BaseModel], *, what: str, unreadable: Code, invalid: Code,
+                   parse_float: Any = float) -> tuple[Any, bytes]:
+    """Read a TOML config file and validate it against `model`: (the model, the file's bytes). Every
+    failure is one `ConfigError` line: `unreadable` for I/O and syntax, `invalid` for the fields."""
+    try:
+        raw = path.read_bytes()
+        document = tomllib.loads(raw.decode("utf-8"), parse_float=parse_float)
+    except OSError as e:
+        raise ConfigError(unreadable, f"cannot read {what} {path}: {e.strerror}") from e
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(unreadable, f"{path} is not valid TOML: {e}") from e
+    try:
+        return model.model_validate(document), raw
+    except ValidationError as e:
+        raise ConfigError(invalid, f"{path}: {format_errors(e)}") from e
+
+
 def load_policy(path: str | Path) -> tuple[Policy, bytes]:
     """Read and validate a policy file. Returns the policy and the SHA-256 of the file's bytes."""
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-        document = tomllib.loads(raw.decode("utf-8"), parse_float=Decimal)
-    except OSError as e:
-        raise ConfigError(Code.POLICY_UNREADABLE, f"cannot read policy {path}: {e.strerror}") from e
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(Code.POLICY_UNREADABLE, f"{path} is not valid TOML: {e}") from e
-    try:
-        model = PolicyFile.model_validate(document)
-    except ValidationError as e:
-        raise ConfigError(Code.POLICY_INVALID, f"{path}: {format_errors(e)}") from e
+    model, raw = read_toml_file(path, PolicyFile, what="policy", unreadable=Code.POLICY_UNREADABLE,
+                                invalid=Code.POLICY_INVALID, parse_float=Decimal)
     return policy_from_file(model, path.parent), hashlib.sha256(raw).digest()
 
 

@@ -66,7 +66,8 @@ def plan_run(ledger: Ledger, steps: int, expected_batch_size: int | None = None,
     admitted, withdrawn, compacted = read_corpus(ledger)
     eligible = {cid: a for cid, a in admitted.items() if cid not in withdrawn}
     records = sum(a.records for a in eligible.values())
-    q_u, batch = _sampling_rate(policy, expected_batch_size, records)
+    q_u, batch = sampling_rate_for(policy, expected_batch_size, records, option="--expected-batch-size",
+                                   code=Code.BAD_ARGUMENT)
 
     classes = dict(policy.classes)
     resolution = None
@@ -123,19 +124,21 @@ def plan_run(ledger: Ledger, steps: int, expected_batch_size: int | None = None,
     }
 
 
-def _sampling_rate(policy, expected_batch_size: int | None, records: int) -> tuple[int, float]:
+def sampling_rate_for(policy, expected_batch_size: int | None, records: int, *, option: str,
+                      code: Code) -> tuple[int, float]:
+    """(q_u, expected batch size) over `records` eligible examples: the policy's fixed rate, or the expected
+    batch size (`option`, else the policy's) divided by the examples, rounded up (a larger q charges more)."""
     if policy.sampling_rate_u is not None:
         if expected_batch_size is not None:
-            raise ConfigError(Code.BAD_ARGUMENT,
-                              f"this policy fixes sampling_rate = {units.format_micro(policy.sampling_rate_u)}; "
-                              "drop --expected-batch-size")
+            raise ConfigError(code, f"this policy fixes sampling_rate = {units.format_micro(policy.sampling_rate_u)}; "
+                                    f"drop {option}")
         return policy.sampling_rate_u, policy.sampling_rate_u * records / units.MICRO
     batch = expected_batch_size or policy.expected_batch_size
     if records == 0:
         return 0, batch
     if batch > records:
-        raise ConfigError(Code.BAD_ARGUMENT, f"expected batch size {batch} exceeds the {records} eligible examples")
-    return -(-batch * units.MICRO // records), batch  # q rounded up
+        raise ConfigError(code, f"expected batch size {batch} exceeds the {records} eligible examples")
+    return -(-batch * units.MICRO // records), batch
 
 
 def _row(cid: str, cohort: Cohort, eps_before: int, sigmas: list[int]) -> dict[str, Any]:

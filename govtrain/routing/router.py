@@ -217,9 +217,7 @@ class Router:
                 noise = torch.normal(0.0, std, size=total.shape, generator=self.generator, device=total.device,
                                      dtype=total.dtype)
                 if part.dim is not None:
-                    keep = torch.zeros(total.shape[part.dim], dtype=total.dtype, device=total.device)
-                    keep[list(part.index)] = 1
-                    noise = noise * keep.reshape([-1 if d == part.dim else 1 for d in range(total.dim())])
+                    noise = noise * _keep(noise, part.dim, list(part.index))
                 total += noise
         for name, param in self.params.items():
             param.grad = (totals[name] / expected_batch_size).to(param.dtype) if name in reached else None
@@ -228,11 +226,16 @@ class Router:
         return next(t.module for t in self.taps.values() if name in t.leaves.values())
 
 
+def _keep(like: Tensor, dim: int, index) -> Tensor:
+    """A 0/1 tensor that broadcasts against `like`: 1 at `index` along dimension `dim`, 0 elsewhere."""
+    keep = torch.zeros(like.shape[dim], dtype=like.dtype, device=like.device)
+    keep[index] = 1
+    return keep.reshape([-1 if d == dim else 1 for d in range(like.dim())])
+
+
 def _masked(per_sample: Tensor, mask: tuple[int, Tensor] | None) -> Tensor:
     """Zero the coordinates outside `mask` (dimension `dim` of the parameter, so dim + 1 here)."""
     if mask is None:
         return per_sample
     dim, index = mask
-    keep = torch.zeros(per_sample.shape[dim + 1], dtype=per_sample.dtype, device=per_sample.device)
-    keep[index] = 1
-    return per_sample * keep.reshape([-1 if d == dim + 1 else 1 for d in range(per_sample.dim())])
+    return per_sample * _keep(per_sample, dim + 1, index)

@@ -34,14 +34,13 @@ import hashlib
 import json
 import re
 import sys
-import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
 
 from govtrain.errors import Code, ConfigError
-from govtrain.policy.config import format_errors, schema_of
+from govtrain.policy.config import read_toml_file, schema_of
 
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -140,17 +139,8 @@ class RunConfig:
 
 def load_run_config(path: str | Path) -> RunConfig:
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-        document = tomllib.loads(raw.decode("utf-8"))
-    except OSError as e:
-        raise ConfigError(Code.RUN_CONFIG_INVALID, f"cannot read run config {path}: {e.strerror}") from e
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(Code.RUN_CONFIG_INVALID, f"{path} is not valid TOML: {e}") from e
-    try:
-        file = RunFile.model_validate(document)
-    except ValidationError as e:
-        raise ConfigError(Code.RUN_CONFIG_INVALID, f"{path}: {format_errors(e)}") from e
+    file, raw = read_toml_file(path, RunFile, what="run config", unreadable=Code.RUN_CONFIG_INVALID,
+                               invalid=Code.RUN_CONFIG_INVALID)
     return RunConfig(file, hashlib.sha256(raw).digest(), path.resolve().parent)
 
 

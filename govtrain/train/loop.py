@@ -162,7 +162,7 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
 
     from govtrain.accounting.spend import SpendCalculator
     from govtrain.resolver.model import describe
-    from govtrain.resolver.plan import read_corpus
+    from govtrain.resolver.plan import read_corpus, sampling_rate_for
     from govtrain.resolver.profile import resolve
     from govtrain.resolver.schedule import Scheduler, cohorts_of
     from govtrain.routing.router import Router
@@ -185,16 +185,12 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
         for cid in examples.missing:
             log(f"note: no data file for admitted contribution {cid}; it is not eligible")
         present = set(examples.owner)
+        if not present:
+            raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.data: no file in {config.data_dir} matches an "
+                                                       "admitted, not withdrawn contribution")
         records = sum(admitted[c].records for c in present)
-        if policy.sampling_rate_u is not None:
-            if config.file.training.expected_batch_size is not None:
-                raise ConfigError(Code.RUN_CONFIG_INVALID, "training.expected_batch_size: the policy fixes the "
-                                                           "sampling rate; remove it")
-            q_u = policy.sampling_rate_u
-            expected_batch = q_u * records / units.MICRO
-        else:
-            expected_batch = config.file.training.expected_batch_size or policy.expected_batch_size
-            q_u = -(-expected_batch * units.MICRO // max(records, 1))
+        q_u, expected_batch = sampling_rate_for(policy, config.file.training.expected_batch_size, records,
+                                                option="training.expected_batch_size", code=Code.RUN_CONFIG_INVALID)
         adapters = sorted({c.profile.adapter for c in policy.classes.values() if c.profile.kind == "adapter"})
         model, tokenizer, base_sha256 = _model(config, adapters)
         resolution = resolve(policy.classes, describe(model, name=config.model_spec))
