@@ -33,6 +33,7 @@ class Code(str, Enum):
     PROFILE_OUT_OF_RANGE = "profile_out_of_range"  # a layer or head the model does not have
     PROFILE_UNMATCHED = "profile_unmatched"  # a class whose profile reaches no trainable parameter
     ROUTING_UNCOVERED = "routing_uncovered"  # a trainable parameter no routing hook can privatize
+    MECHANISM_UNSUPPORTED = "mechanism_unsupported"  # the training mechanism cannot run this policy's profiles
 
     # -- encoding: the strict deterministic-CBOR decoder (DESIGN §2) ----------------------
     TOO_LARGE = "too_large"

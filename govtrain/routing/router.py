@@ -14,6 +14,19 @@ returns, each reachable parameter's `.grad` holds the privatized gradient and no
 kept. A parameter that no class reaches gets `.grad = None`, so SGD, Adam and AdamW leave it and its
 optimizer state untouched. Noise is drawn from a generator seeded from the operating system's
 entropy; a fixed seed exists only as `insecure_seed`.
+
+The mechanism (RUN.toml `training.mechanism`) changes what a sample's gradient is measured and noised in,
+never who reaches what or how much noise a group gets (so the accounting is DP-SGD's for all three):
+
+- `dpsgd`: the joint Euclidean norm over the sample's profile, clipped to C_i; N(0, s_g²) per coordinate.
+- `prism`: each LoRA pair's per-sample gradient is lifted to the tangent space of the rank-r manifold
+  (`mechanisms.prism.tangent_lift`) and measured by its intrinsic norm ‖dZ‖_F, jointly with the Euclidean
+  norm of the profile's other parameters; the pair's noise is the isotropic tangent Gaussian with the
+  group's s_g, so the released sum is a Gaussian mechanism on the tangent space with sensitivity C_i.
+  Every class must reach a LoRA pair whole or not at all (a heads profile splits one: refused).
+- `dp-muon`: every parameter the sample's profile reaches is clipped on its own to C_i/√L_i (L_i of
+  them), so the joint norm stays at most C_i and the group noise s_g ≥ σ_i·C_i covers it as one mechanism
+  (`mechanisms.muon`).
 """
 
 from __future__ import annotations
@@ -27,6 +40,8 @@ import torch
 from torch import Tensor, nn
 
 from govtrain.errors import Code, ConfigError
+from govtrain.mechanisms import MECHANISMS
+from govtrain.mechanisms import prism
 from govtrain.resolver.profile import Resolution
 from govtrain.routing import persample
 
@@ -53,8 +68,12 @@ class StepReport:
 
 
 class Router:
-    def __init__(self, model: nn.Module, resolution: Resolution, *, insecure_seed: int | None = None) -> None:
+    def __init__(self, model: nn.Module, resolution: Resolution, *, mechanism: str = "dpsgd",
+                 insecure_seed: int | None = None) -> None:
+        if mechanism not in MECHANISMS:
+            raise ValueError(f"unknown mechanism {mechanism!r}: one of {', '.join(MECHANISMS)}")
         self.model = model
+        self.mechanism = mechanism
         self.resolution = resolution
         params = dict(model.named_parameters())
         owner: dict[str, tuple[str, nn.Module, str]] = {}
@@ -86,6 +105,20 @@ class Router:
                 part.name: None if part.dim is None else
                 (part.dim, torch.tensor(part.index, dtype=torch.long, device=self.params[part.name].device))
                 for part in parts}
+        # prism: lora_B name -> lora_A name of each LoRA pair, reached whole or not at all by every class
+        self.pairs = prism.lora_pairs(self.params) if mechanism == "prism" else {}
+        self._pair_A = {a: b for b, a in self.pairs.items()}
+        for data_class, masks in self.masks.items():
+            for b, a in self.pairs.items():
+                if (b in masks) != (a in masks) or masks.get(b) is not None or masks.get(a) is not None:
+                    raise ConfigError(Code.MECHANISM_UNSUPPORTED,
+                                      f"mechanism prism needs each LoRA module's two factors reached whole by the "
+                                      f"same classes, but class {data_class!r} reaches part of {b.rsplit('.', 3)[0]}"
+                                      " (a heads profile): use mechanism dpsgd or dp-muon for this policy")
+        # dp-muon: each parameter a class reaches is clipped on its own to C_i / sqrt(units)
+        self.units = {data_class: len(masks) for data_class, masks in self.masks.items()}
+        self.noise_std: dict[str, float] = {}  # per reached parameter: the last step's noise std / batch size
+        self._grams: dict[str, tuple[prism.Gram, prism.Gram]] = {}
         self.generator = torch.Generator(device=next(iter(self.params.values())).device if self.params else "cpu")
         self.generator.manual_seed(insecure_seed if insecure_seed is not None else int.from_bytes(os.urandom(8), "big"))
         self._recording = False
@@ -133,6 +166,7 @@ class Router:
     def noise_only(self, group_std: Mapping[frozenset, float], expected_batch_size: float) -> StepReport:
         """The step of an empty Poisson batch: noise alone, divided by the expected batch size."""
         totals = {name: torch.zeros_like(p) for name, p in self.params.items()}
+        self._grams.clear()
         self._finish(totals, group_std, expected_batch_size)
         return StepReport(0, 0, 0.0)
 
@@ -171,24 +205,48 @@ class Router:
                     dense[name] = dense[name] + value if name in dense else value
         del grads, outputs
 
-        norms = torch.zeros(batch, dtype=losses.dtype, device=losses.device)
+        self._grams.clear()
+        for b, a in self.pairs.items():  # prism: per-sample lifts replace the factor gradients
+            if b in dense and a in dense:
+                A, B = self._factors(b)
+                dA, dB = prism.tangent_lift(A, B, dense[b], dense[a].transpose(1, 2), grams=self._gram(b))
+                dense[b], dense[a] = dA.to(losses.dtype), dB.transpose(1, 2).to(losses.dtype)
+
+        squares: dict[str, Tensor] = {}  # clipping unit (a parameter; a LoRA pair under prism) -> [B]
         for data_class, index in rows.items():
             for name, mask in self.masks[data_class].items():
-                if name in dense:
-                    norms.index_add_(0, index, _masked(dense[name].index_select(0, index), mask).pow(2).flatten(1).sum(1))
+                if name in self._pair_A:
+                    continue  # measured with its lora_B
+                square = squares.setdefault(name, torch.zeros(batch, dtype=losses.dtype, device=losses.device))
+                if name in self.pairs and name in dense:
+                    A, B = self._factors(name)
+                    a = self.pairs[name]
+                    square.index_add_(0, index, prism.intrinsic_sq_norm(
+                        A, B, dense[name].index_select(0, index),
+                        dense[a].index_select(0, index).transpose(1, 2)).to(losses.dtype))
+                elif name in dense:
+                    square.index_add_(0, index, _masked(dense[name].index_select(0, index), mask).pow(2).flatten(1).sum(1))
                 elif name in sparse:
                     if mask is not None:
                         raise ValueError(f"{name}: an embedding cannot be reached in part")
                     for ids, g in sparse[name]:
-                        norms.index_add_(0, index, persample.embedding_norms(
+                        square.index_add_(0, index, persample.embedding_norms(
                             self._module_of(name), ids.index_select(0, index), g.index_select(0, index)))
-        norms = norms.sqrt()
-        coefficients = torch.where(norms > clip, clip / norms, torch.ones_like(norms))
+        norms = sum(squares.values(), torch.zeros(batch, dtype=losses.dtype, device=losses.device)).sqrt()
+        if self.mechanism == "dp-muon":  # each unit on its own, to C_i / sqrt(L_i)
+            budget = clip / torch.tensor([self.units[c] for c in classes], dtype=clip.dtype, device=clip.device).sqrt()
+            coefficients = {name: _coefficient(square.sqrt(), budget) for name, square in squares.items()}
+            clipped = torch.stack([square.sqrt() > budget for square in squares.values()]).any(0) if squares else norms > clip
+        else:
+            shared = _coefficient(norms, clip)
+            coefficients = {name: shared for name in squares}
+            clipped = norms > clip
+        coefficients.update({a: coefficients[b] for b, a in self.pairs.items() if b in coefficients})
 
         totals = {name: torch.zeros_like(p, dtype=losses.dtype) for name, p in self.params.items()}
         for data_class, index in rows.items():
-            weights = coefficients.index_select(0, index)
             for name, mask in self.masks[data_class].items():
+                weights = coefficients[name].index_select(0, index)
                 if name in dense:
                     per = dense[name].index_select(0, index)
                     summed = torch.tensordot(weights, per, dims=([0], [0]))
@@ -199,21 +257,31 @@ class Router:
                         totals[name] += persample.embedding_sum(self._module_of(name), ids, g, full)
         del dense, sparse
         self._finish(totals, group_std, expected_batch_size)
-        return StepReport(batch, int((norms > clip).sum()), float(norms.max()) if batch else 0.0)
+        return StepReport(batch, int(clipped.sum()), float(norms.max()) if batch else 0.0)
 
     def _finish(self, totals: dict[str, Tensor], group_std: Mapping[frozenset, float], expected_batch_size: float) -> None:
         if not expected_batch_size > 0:
             raise ValueError("the expected batch size must be positive")
         reached: set[str] = set()
+        self.noise_std = {}
         for group in self.resolution.groups:
             if not group.classes:
                 continue
             std = float(group_std.get(group.classes, 0.0))
             for part in group.parts:
                 reached.add(part.name)
-                if std <= 0:
-                    continue
+                self.noise_std[part.name] = std / expected_batch_size
+                if std <= 0 or part.name in self._pair_A:
+                    continue  # a lora_A of a pair gets its noise with its lora_B
                 total = totals[part.name]
+                if part.name in self.pairs:  # prism: isotropic on the pair's tangent space
+                    A, B = self._factors(part.name)
+                    grams = self._gram(part.name)
+                    xi_A, xi_B = prism.canonical(A, B, *prism.tangent_noise(A, B, std, self.generator, grams=grams),
+                                                 grams=grams)
+                    total += xi_A.to(total.dtype)
+                    totals[self.pairs[part.name]] += xi_B.transpose(0, 1).to(total.dtype)
+                    continue
                 noise = torch.normal(0.0, std, size=total.shape, generator=self.generator, device=total.device,
                                      dtype=total.dtype)
                 if part.dim is not None:
@@ -222,8 +290,24 @@ class Router:
         for name, param in self.params.items():
             param.grad = (totals[name] / expected_batch_size).to(param.dtype) if name in reached else None
 
+    def _factors(self, lora_B: str) -> tuple[Tensor, Tensor]:
+        """PRISM's (A, B) = (lora_B.weight, lora_A.weightᵀ) of the pair named by its lora_B."""
+        return self.params[lora_B].detach(), self.params[self.pairs[lora_B]].detach().transpose(0, 1)
+
+    def _gram(self, lora_B: str) -> tuple[prism.Gram, prism.Gram]:
+        """The pair's Gram pseudo-inverses, once per step (the factors do not move within a step)."""
+        if lora_B not in self._grams:
+            A, B = self._factors(lora_B)
+            self._grams[lora_B] = (prism.gram(A), prism.gram(B))
+        return self._grams[lora_B]
+
     def _module_of(self, name: str) -> nn.Module:
         return next(t.module for t in self.taps.values() if name in t.leaves.values())
+
+
+def _coefficient(norms: Tensor, clip: Tensor) -> Tensor:
+    """min(1, C / ‖g‖) per sample, without dividing by a zero norm."""
+    return torch.where(norms > clip, clip / norms.clamp(min=torch.finfo(norms.dtype).tiny), torch.ones_like(norms))
 
 
 def _keep(like: Tensor, dim: int, index) -> Tensor:

@@ -20,12 +20,22 @@ and a test keeps the two identical. Paths are relative to the config file. The c
     lr = 5e-4
 
     [training]
-    mechanism = "dpsgd"          # dpsgd (prism and dp-muon follow)
+    mechanism = "dpsgd"          # dpsgd | prism | dp-muon
     steps = 300
     expected_batch_size = 32     # only if the policy does not fix the sampling rate
     epoch_steps = 50             # ledger epoch length; at most (and by default) the policy's steps_per_epoch
     data = "data"                # folder of contribution files (JSONL {"text", "label"})
     output = "adapter"           # where the peft adapter is saved
+
+    [prism]                      # only with mechanism = "prism": the LoRA pairs' update
+    lr = 0.002
+    floor = 1.0                  # preconditioner eigenvalue floor, in units of the noise's mean eigenvalue
+
+    [muon]                       # only with mechanism = "dp-muon": the stack's matrices' update
+    lr = 0.01
+    momentum = 0.9
+
+With prism or dp-muon, `[optimizer]` moves what those do not: the classifier head, norms, embeddings.
 """
 
 from __future__ import annotations
@@ -93,8 +103,27 @@ class OptimizerSection(_Strict):
         return self
 
 
+class PrismSection(_Strict):
+    lr: PositiveFloat = Field(0.002, description="step size of the retraction on the rank-r manifold")
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
+    floor: NonNegativeFloat = Field(1.0, description="preconditioner eigenvalue floor, in units of the mean "
+                                                     "eigenvalue of the DP noise's second moment (0: none)")
+    max_condition: Annotated[float, Field(ge=1, allow_inf_nan=False)] = Field(
+        1e4, description="condition-number cap of the r x r preconditioner")
+
+
+class MuonSection(_Strict):
+    lr: PositiveFloat = 0.01
+    momentum: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] = 0.9
+    iteration: Literal["seed", "quintic"] = Field(
+        "seed", description="seed: the degree-kappa Newton-Schulz polynomial; quintic: torch.optim.Muon's")
+    kappa: Annotated[int, Field(ge=1, le=8, strict=True)] = Field(3, description="degree of the seed's polynomial")
+    steps: Annotated[int, Field(ge=1, le=50, strict=True)] | None = Field(
+        None, description="Newton-Schulz iterations (default: 6 for seed, torch.optim.Muon's own for quintic)")
+
+
 class TrainingSection(_Strict):
-    mechanism: Literal["dpsgd"] = "dpsgd"
+    mechanism: Literal["dpsgd", "prism", "dp-muon"] = "dpsgd"
     steps: PositiveInt
     expected_batch_size: PositiveInt | None = Field(
         None, description="expected Poisson batch size; only when the policy does not fix the sampling rate")
@@ -111,6 +140,21 @@ class RunFile(_Strict):
     lora: LoraSection = Field(default_factory=LoraSection)
     optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
     training: TrainingSection
+    prism: PrismSection | None = None
+    muon: MuonSection | None = None
+
+    @model_validator(mode="after")
+    def _mechanism_sections(self) -> "RunFile":
+        mechanism = self.training.mechanism
+        for section, owner in (("prism", "prism"), ("muon", "dp-muon")):
+            if getattr(self, section) is not None and mechanism != owner:
+                raise ValueError(f"[{section}] applies to mechanism = {owner!r} only, and training.mechanism is "
+                                 f"{mechanism!r}")
+        if mechanism == "prism" and self.prism is None:
+            object.__setattr__(self, "prism", PrismSection())
+        if mechanism == "dp-muon" and self.muon is None:
+            object.__setattr__(self, "muon", MuonSection())
+        return self
 
 
 class RunConfig:

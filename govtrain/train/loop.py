@@ -4,8 +4,10 @@ Per ledger epoch, before any of its steps: the noise schedule is fixed from publ
 (s_g, sigma_eff, retirement), the epoch's spend is written ahead to the ledger with its signed
 checkpoint, and only then do the steps run. Each step Poisson-samples the eligible examples
 (admitted, not withdrawn as of this step, not retired), privatizes the gradient through the
-routing layer and steps the optimizer. At the end the peft adapter is saved and a `run` entry
-records the config, base model and adapter hashes. When no contribution is eligible any more
+routing layer and steps the mechanism's update (`mechanisms/update.py`: the run's optimizer for
+dpsgd; PRISM's retraction or DP-Muon's orthogonalized momentum for the matrices they own). At the
+end the peft adapter is saved and a `run` entry records the mechanism, config, base model and adapter
+hashes. When no contribution is eligible any more
 the run stops with exit 5 (`BudgetExhausted`), after saving what it has.
 """
 
@@ -132,17 +134,6 @@ def check_weight_decay(resolution, weight_decay: float) -> None:
                                                    "would move their unreached coordinates: set weight_decay = 0")
 
 
-def _optimizer(config: RunConfig, params):
-    import torch
-
-    o = config.file.optimizer
-    if o.name == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    if o.name == "adam":
-        return torch.optim.Adam(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
-    return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
-
-
 def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecure_seed: int | None = None,
           log: LOG = print, now: Callable[[], int] = lambda: int(time.time()), checkpoint_every: int = 10,
           interrupt_after_steps: int | None = None, progress: bool = False,
@@ -161,6 +152,7 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
     import torch.nn.functional as F
 
     from govtrain.accounting.spend import SpendCalculator
+    from govtrain.mechanisms.update import Update
     from govtrain.resolver.model import describe
     from govtrain.resolver.plan import read_corpus, sampling_rate_for
     from govtrain.resolver.profile import resolve
@@ -195,8 +187,8 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
         model, tokenizer, base_sha256 = _model(config, adapters)
         resolution = resolve(policy.classes, describe(model, name=config.model_spec))
         check_weight_decay(resolution, config.file.optimizer.weight_decay)
-        router = Router(model, resolution, insecure_seed=insecure_seed)
-        optimizer = _optimizer(config, [p for p in model.parameters() if p.requires_grad])
+        router = Router(model, resolution, mechanism=config.file.training.mechanism, insecure_seed=insecure_seed)
+        update = Update.build(model, config.file)
         sampler = PoissonSampler(q_u / units.MICRO, insecure_seed=insecure_seed)
         calculator = SpendCalculator(policy.accountant, policy.delta_p)
         epoch_steps = config.file.training.epoch_steps or policy.steps_per_epoch
@@ -224,7 +216,7 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
             with torch.no_grad():
                 for name, value in state["trainable"].items():
                     model.get_parameter(name).copy_(value)
-            optimizer.load_state_dict(state["optimizer"])
+            update.load_state_dict(state["update"])
             pending = state["pending"]
             if pending is not None and ledger.epoch() > pending["epoch"]:
                 pending = None  # the epoch was closed just before the kill
@@ -237,7 +229,7 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
                 "run_id": run_id, "config_sha256": config.sha256, "step": result.steps, "losses": result.losses,
                 "epochs": result.epochs, "eps_by_class": result.eps_by_class, "pending": pending_epoch,
                 "trainable": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
-                "optimizer": optimizer.state_dict()})
+                "update": update.state_dict()})
 
         from tqdm import tqdm
 
@@ -291,8 +283,8 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
                     router.privatize(losses, [classes[c] for c in who], [signed_clip[c] for c in who], group_std,
                                      expected_batch)
                     loss = float(losses.detach().mean())
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                update.step(router.noise_std)
+                update.zero_grad()
                 result.steps += 1
                 result.losses.append(loss)
                 done_here += 1

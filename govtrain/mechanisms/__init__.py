@@ -1,0 +1,12 @@
+"""Training mechanisms: what a privatized gradient is measured in and how it moves the weights.
+
+- `dpsgd`: per-sample Euclidean clipping and coordinate noise (the routing layer alone), then the run's
+  optimizer (SGD, Adam, AdamW);
+- `prism` (`prism.py`): clipping and noise in the tangent space of the rank-r manifold for each LoRA
+  pair, a DP-aware r × r preconditioner and a truncated-SVD retraction;
+- `dp-muon` (`muon.py`): per-matrix clipping, heavy-ball momentum and Newton–Schulz orthogonalization.
+
+`update.py` builds the optimizer side of each for a model; the routing layer does the privacy side.
+"""
+
+MECHANISMS = ("dpsgd", "prism", "dp-muon")
