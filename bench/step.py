@@ -15,6 +15,11 @@ median over --repeats rounds of --steps steps, so the shared VM's drift hits eve
 - govtrain (full band): one class reaching all six layers and the head;
 - opacus: Opacus `GradSampleModule` hooks mode (per-sample gradients, clipping, noise) when installed.
 
+With --mechanisms it times the three training mechanisms instead, each over the full band and the top-2
+band, the update included (DP-SGD: AdamW; PRISM: lift, intrinsic norm, tangent noise, preconditioner,
+retraction, AdamW for the head; DP-Muon: per-matrix clipping, momentum, Newton–Schulz, AdamW for the head),
+and prints PRISM / DP-SGD and DP-Muon / DP-SGD.
+
 The routing layer records only modules that hold a parameter some class reaches, so autograd stops at the
 deepest reached layer: a top-2-layer band is cheaper than a non-private step that trains every layer's LoRA.
 """
@@ -34,6 +39,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from govtrain.mechanisms.update import Update  # noqa: E402
 from govtrain.policy.model import DataClass, DepthProfile  # noqa: E402
 from govtrain.resolver.model import describe  # noqa: E402
 from govtrain.resolver.profile import resolve  # noqa: E402
@@ -84,15 +90,22 @@ class NonPrivate:
         self.optimizer.zero_grad(set_to_none=True)
 
 
+def run_file(mechanism: str):
+    from govtrain.train.config import RunFile
+
+    return RunFile.model_validate({"model": {"base": "minilm"}, "optimizer": {"name": "adamw", "lr": 1e-4},
+                                   "training": {"mechanism": mechanism, "steps": 1, "data": "d", "output": "o"}})
+
+
 class Governed:
-    def __init__(self, model, classes: dict, name: str):
+    def __init__(self, model, classes: dict, name: str, mechanism: str = "dpsgd"):
         self.name = name
         self.model = model
         resolution = resolve(classes, describe(model))
-        self.router = Router(model, resolution, insecure_seed=0)
+        self.router = Router(model, resolution, mechanism=mechanism, insecure_seed=0)
         self.classes = list(classes)
         self.std = {g.classes: 1.0 for g in resolution.groups if g.classes}
-        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        self.update = Update.build(model, run_file(mechanism))
 
     def step(self, inputs, labels):
         size = labels.shape[0]
@@ -101,8 +114,8 @@ class Governed:
         losses = F.cross_entropy(logits, labels, reduction="none")
         classes = [self.classes[i % len(self.classes)] for i in range(size)]
         self.router.privatize(losses, classes, [1.0] * size, self.std, float(size))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.update.step(self.router.noise_std)
+        self.update.zero_grad()
 
 
 class OpacusStep:
@@ -154,11 +167,14 @@ def main() -> None:
     parser.add_argument("--no-opacus", action="store_true")
     parser.add_argument("--memory", action="store_true",
                         help="peak memory per variant instead: each in its own process, growth of peak RSS over its steps")
+    parser.add_argument("--mechanisms", action="store_true", help="time dpsgd, prism and dp-muon against each other")
     parser.add_argument("--only", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.memory:
         return memory(args)
+    if args.mechanisms:
+        return mechanisms(args)
 
     top2 = {"sensitive": data_class("sensitive", band=(4, 5), head=True)}
     three = {"public": data_class("public", fraction_u=(500_000, 1_000_000), head=True),
@@ -208,6 +224,39 @@ def main() -> None:
     mixed = statistics.median(times["govtrain three profiles"]) / statistics.median(times["govtrain top half, one class"])
     print(f"  three profiles / one class of the same depth: {mixed:.2f}")
     print(f"  peak RSS of the process: {rss_mb():.0f} MB")
+
+
+def timed(variants, args) -> dict[str, float]:
+    inputs, labels = batch(args.batch, args.seq, 0)
+    for variant in variants:  # warm up
+        variant.step(inputs, labels)
+    times: dict[str, list[float]] = {v.name: [] for v in variants}
+    for round_ in range(args.repeats):
+        for variant in variants[round_ % len(variants):] + variants[:round_ % len(variants)]:
+            start = time.process_time()
+            for _ in range(args.steps):
+                variant.step(inputs, labels)
+            times[variant.name].append((time.process_time() - start) / args.steps)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def mechanisms(args) -> None:
+    bands = {"full band": {"all": data_class("all", band=(0, 5), head=True)},
+             "top-2 band": {"sensitive": data_class("sensitive", band=(4, 5), head=True)}}
+    variants = [NonPrivate(build())]
+    for band, classes in bands.items():
+        for mechanism in ("dpsgd", "prism", "dp-muon"):
+            variants.append(Governed(build(), classes, f"{mechanism}, {band}", mechanism))
+    times = timed(variants, args)
+    base = times["non-private"]
+    print(f"MiniLM, LoRA r=8 on {len(TARGETS)} projections + head, batch {args.batch}, seq {args.seq}, 1 thread, "
+          f"median of {args.repeats} rounds x {args.steps} steps (CPU seconds per step, the update included)")
+    for name, value in times.items():
+        print(f"  {name:<22} {value:7.3f} s   / non-private {value / base:5.2f}")
+    for band in bands:
+        dpsgd = times[f"dpsgd, {band}"]
+        print(f"  {band}: prism / dpsgd {times[f'prism, {band}'] / dpsgd:.2f}, "
+              f"dp-muon / dpsgd {times[f'dp-muon, {band}'] / dpsgd:.2f}")
 
 
 if __name__ == "__main__":

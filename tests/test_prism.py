@@ -227,3 +227,17 @@ def test_lora_pairs_finds_both_factors_of_each_module_and_adapter():
              "m.layer.1.attention.self.value.lora_A.default.weight",  # its lora_B is frozen: no pair
              "m.classifier.modules_to_save.default.weight"]
     assert prism.lora_pairs(names) == {names[1]: names[0], names[3]: names[2]}
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=shapes, batch=st.integers(1, 4), seed=st.integers(0, 10_000), zero=st.booleans())
+def test_the_norm_from_factor_gradients_equals_the_norm_of_the_lift(shape, batch, seed, zero):
+    m, n, r = shape
+    A, B, generator = factors(m, n, r, seed)
+    if zero:
+        A = torch.zeros_like(A)  # peft's start
+    G = torch.randn(batch, m, n, generator=generator, dtype=F64)
+    gA, gB = G @ B, G.transpose(1, 2) @ A
+    expected = tangent_projection(A, B, G).pow(2).sum((1, 2))
+    assert torch.allclose(prism.projected_sq_norm(A, B, gA, gB), expected, rtol=1e-8, atol=1e-9)
+    assert torch.allclose(intrinsic_sq_norm(A, B, *tangent_lift(A, B, gA, gB)), expected, rtol=1e-8, atol=1e-9)

@@ -48,7 +48,7 @@ def _admit(corpus: Corpus, name: str, records: int = 40, **overrides) -> None:
         admit(ledger, corpus.attestation(data, contribution_id=name, **overrides), data, now=corpus.now)
 
 
-def _config(corpus: Corpus, model: Path, steps: int) -> Path:
+def _config(corpus: Corpus, model: Path, steps: int, mechanism: str = "dpsgd", extra: str = "") -> Path:
     path = corpus.dir / "run.toml"
     path.write_text(f"""
 [model]
@@ -61,10 +61,12 @@ target_modules = ["query", "value", "attention.output.dense"]
 name = "adamw"
 lr = 0.01
 [training]
+mechanism = "{mechanism}"
 steps = {steps}
 data = "data"
 output = "adapter"
 run_id = "test-run"
+{extra}
 """)
     return path
 
@@ -256,3 +258,65 @@ def test_shorter_ledger_epochs_from_the_run_config(corpus: Corpus, tiny_model: P
     with pytest.raises(ConfigError) as info:
         train(load_run_config(path), corpus.url, log=lambda line: None)
     assert "epoch_steps" in info.value.detail
+
+
+@pytest.mark.parametrize("mechanism, extra", [
+    ("prism", "[prism]\nlr = 0.01"),
+    ("dp-muon", "[muon]\nlr = 0.02\niteration = \"quintic\""),
+])
+def test_prism_and_dp_muon_runs_are_governed_like_dp_sgd(corpus: Corpus, tiny_model: Path, mechanism, extra):
+    """The same write-ahead spend (DP-SGD's charge: per-matrix clipping splits C_i, it does not multiply
+    it), kill and resume with the mechanism's own state, and a run entry naming the mechanism."""
+    from govtrain.ledger.entries import decode_entry
+    from govtrain.train.config import load_run_config
+    from govtrain.train.loop import STATE_FILE, train
+
+    _admit(corpus, "pub")
+    _admit(corpus, "sens", data_class="sensitive", clip_norm_u=500_000, eps_budget_u=3_000_000)
+    _admit(corpus, "restr", data_class="restricted", clip_norm_u=500_000, noise_multiplier_u=1_500_000,
+           eps_budget_u=1_000_000)
+    config = load_run_config(_config(corpus, tiny_model, 25, mechanism, extra))
+    with pytest.raises(KeyboardInterrupt):
+        train(config, corpus.url, insecure_seed=5, log=lambda line: None, checkpoint_every=4, interrupt_after_steps=14)
+    state = torch.load(corpus.dir / "adapter" / STATE_FILE, weights_only=False)
+    saved = state["update"]
+    assert saved["mechanism"] == mechanism
+    assert (saved["prism"] if mechanism == "prism" else saved["muon"])["state"]  # its own moments are resumed
+    lines: list[str] = []
+    result = train(config, corpus.url, insecure_seed=5, log=lines.append, checkpoint_every=4)
+    assert any(line.startswith("resuming test-run at step 12") for line in lines)
+    assert result.steps == 25
+    from safetensors.torch import load_file
+
+    weights = load_file(corpus.dir / "adapter" / "adapter_model.safetensors")
+    assert weights and all(bool(torch.isfinite(w).all()) for w in weights.values())
+    report = verify_ledger(corpus.url)  # every spend recomputed by the verifier with the recorded accountant
+    assert report.spend_recomputed and report.by_kind["run"] == 1
+    with corpus.open() as ledger:
+        entries = [decode_entry(e.body, seq=e.seq, kind=e.kind) for e in ledger.store.entries(kinds=("spend", "run"))]
+    spends = [e for e in entries if e["kind"] == "spend"]
+    assert sorted((s["contribution_id"], s["epoch"], s["steps"]) for s in spends) == sorted(
+        (c, e, t) for c in ("pub", "sens", "restr") for e, t in ((0, 10), (1, 10), (2, 5)))
+    assert entries[-1]["mechanism"] == mechanism
+
+    # the charge is exactly what the scheduler gives DP-SGD for the same corpus
+    from govtrain.accounting.spend import SpendCalculator
+    from govtrain.resolver.plan import read_corpus
+    from govtrain.resolver.profile import resolve
+    from govtrain.resolver.schedule import Scheduler, cohorts_of
+    from govtrain.resolver.load import load_layout
+
+    with corpus.open() as ledger:
+        policy = ledger.policy
+        admitted, _, _ = read_corpus(ledger)
+    first = {s["contribution_id"]: s for s in spends if s["epoch"] == 0}
+    from govtrain.train.loop import wrap_lora
+
+    layout = load_layout(str(tiny_model), 2, wrap=lambda model: wrap_lora(model, config.file.lora, ["restricted"]))
+    scheduler = Scheduler(SpendCalculator(policy.accountant, policy.delta_p), resolve(policy.classes, layout).class_groups(),
+                          sampling_rate_u=first["pub"]["sampling_rate_u"], steps_per_epoch=10)
+    members = [admitted[c].member for c in ("pub", "sens", "restr")]
+    plan = scheduler.plan_epoch(cohorts_of(members, {c: ((), 0) for c in ("pub", "sens", "restr")}), 0, 0, 10)
+    expected = {r[0]: r for r in plan.spend_records()}
+    for cid, spend in first.items():
+        assert (spend["noise_multiplier_u"], spend["eps_u"]) == (expected[cid][2], expected[cid][3]), cid

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from govtrain.resolver.model import role
 
-__all__ = ["Gram", "gram", "tangent_lift", "intrinsic_sq_norm", "tangent_noise", "tangent_dimension", "retract",
+__all__ = ["Gram", "gram", "tangent_lift", "intrinsic_sq_norm", "projected_sq_norm", "tangent_noise", "tangent_dimension", "retract",
            "canonical", "tangent_matrix", "align", "lora_pairs", "floored_inverse_sqrt", "Prism"]
 
 
@@ -100,6 +100,24 @@ def intrinsic_sq_norm(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor) -> Tensor:
     second = ((dB @ M) * dB).sum((-1, -2))
     cross = ((A.transpose(-1, -2) @ dA) * (B.transpose(-1, -2) @ dB).transpose(-1, -2)).sum((-1, -2))
     return (first + second + 2 * cross).clamp(min=0)
+
+
+def projected_sq_norm(A: Tensor, B: Tensor, gA: Tensor, gB: Tensor, *, grams: tuple[Gram, Gram] | None = None
+                      ) -> Tensor:
+    """‖P_{A,B}(G)‖²_F straight from the factor gradients gA = G B, gB = Gᵀ A, without lifting them:
+
+        ‖Π_A G‖² + ‖G Π_B‖² − ‖Π_A G Π_B‖² = ⟨gBᵀgB, M†⟩ + ⟨gAᵀgA, N†⟩ − ⟨Kᵀ M† K, N†⟩,  K = Aᵀ gA.
+
+    Equal to `intrinsic_sq_norm` of `tangent_lift(A, B, gA, gB)`, at three r × r Gram products per sample;
+    the routing layer clips with it and lifts only the clipped sum (the lift is linear)."""
+    GM, GN = grams if grams is not None else (gram(A), gram(B))
+    dtype = gA.dtype
+    Mp, Np = GM.inverse.to(dtype), GN.inverse.to(dtype)
+    K = A.to(dtype).transpose(-1, -2) @ gA
+    S_A = gA.transpose(-1, -2) @ gA
+    S_B = gB.transpose(-1, -2) @ gB
+    square = (S_B * Mp).sum((-1, -2)) + (S_A * Np).sum((-1, -2)) - ((K.transpose(-1, -2) @ Mp @ K) * Np).sum((-1, -2))
+    return square.clamp(min=0)
 
 
 def tangent_noise(A: Tensor, B: Tensor, std: float, generator: torch.Generator, *,

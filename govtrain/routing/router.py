@@ -19,10 +19,12 @@ The mechanism (RUN.toml `training.mechanism`) changes what a sample's gradient i
 never who reaches what or how much noise a group gets (so the accounting is DP-SGD's for all three):
 
 - `dpsgd`: the joint Euclidean norm over the sample's profile, clipped to C_i; N(0, s_g²) per coordinate.
-- `prism`: each LoRA pair's per-sample gradient is lifted to the tangent space of the rank-r manifold
-  (`mechanisms.prism.tangent_lift`) and measured by its intrinsic norm ‖dZ‖_F, jointly with the Euclidean
-  norm of the profile's other parameters; the pair's noise is the isotropic tangent Gaussian with the
-  group's s_g, so the released sum is a Gaussian mechanism on the tangent space with sensitivity C_i.
+- `prism`: each LoRA pair's per-sample gradient G_i is measured by its intrinsic norm ‖P_{A,B}(G_i)‖_F,
+  the norm of its part in the tangent space of the rank-r manifold (`mechanisms.prism.projected_sq_norm`),
+  jointly with the Euclidean norm of the profile's other parameters. The clipped sum is lifted to the
+  tangent space once (the lift is linear, so this is the sum of the per-sample lifts) and gets the
+  isotropic tangent Gaussian with the group's s_g: a Gaussian mechanism on the tangent space with
+  sensitivity C_i. `.grad` holds the canonical lift (lora_B.grad = dA, lora_A.grad = dBᵀ).
   Every class must reach a LoRA pair whole or not at all (a heads profile splits one: refused).
 - `dp-muon`: every parameter the sample's profile reaches is clipped on its own to C_i/√L_i (L_i of
   them), so the joint norm stays at most C_i and the group noise s_g ≥ σ_i·C_i covers it as one mechanism
@@ -206,24 +208,17 @@ class Router:
         del grads, outputs
 
         self._grams.clear()
-        for b, a in self.pairs.items():  # prism: per-sample lifts replace the factor gradients
-            if b in dense and a in dense:
-                A, B = self._factors(b)
-                dA, dB = prism.tangent_lift(A, B, dense[b], dense[a].transpose(1, 2), grams=self._gram(b))
-                dense[b], dense[a] = dA.to(losses.dtype), dB.transpose(1, 2).to(losses.dtype)
-
         squares: dict[str, Tensor] = {}  # clipping unit (a parameter; a LoRA pair under prism) -> [B]
         for data_class, index in rows.items():
             for name, mask in self.masks[data_class].items():
                 if name in self._pair_A:
                     continue  # measured with its lora_B
                 square = squares.setdefault(name, torch.zeros(batch, dtype=losses.dtype, device=losses.device))
-                if name in self.pairs and name in dense:
+                if name in self.pairs and name in dense:  # prism: the norm of the gradient's tangent part
                     A, B = self._factors(name)
-                    a = self.pairs[name]
-                    square.index_add_(0, index, prism.intrinsic_sq_norm(
+                    square.index_add_(0, index, prism.projected_sq_norm(
                         A, B, dense[name].index_select(0, index),
-                        dense[a].index_select(0, index).transpose(1, 2)).to(losses.dtype))
+                        dense[self.pairs[name]].index_select(0, index).transpose(1, 2), grams=self._gram(name)))
                 elif name in dense:
                     square.index_add_(0, index, _masked(dense[name].index_select(0, index), mask).pow(2).flatten(1).sum(1))
                 elif name in sparse:
@@ -256,6 +251,11 @@ class Router:
                     for ids, g in sparse[name]:
                         totals[name] += persample.embedding_sum(self._module_of(name), ids, g, full)
         del dense, sparse
+        for b, a in self.pairs.items():  # prism: the clipped sum's tangent part, as its canonical lift
+            if b in self._grams:
+                A, B = self._factors(b)
+                dA, dB = prism.tangent_lift(A, B, totals[b], totals[a].transpose(0, 1), grams=self._gram(b))
+                totals[b], totals[a] = dA.to(totals[b].dtype), dB.transpose(0, 1).to(totals[a].dtype)
         self._finish(totals, group_std, expected_batch_size)
         return StepReport(batch, int(clipped.sum()), float(norms.max()) if batch else 0.0)
 
