@@ -26,6 +26,20 @@ def test_schema_file_is_generated_from_the_model():
     assert on_disk == json_schema(), "regenerate: make schemas"
 
 
+def _mechanism(text: str, mechanism: str) -> str:
+    return text.replace('mechanism = "dpsgd"', f'mechanism = "{mechanism}"')
+
+
+def test_mechanism_sections_take_their_defaults(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(_mechanism(EXAMPLE.read_text(), "prism"))
+    prism = load_run_config(path).file
+    assert prism.training.mechanism == "prism" and prism.prism.floor == 1.0 and prism.muon is None
+    path.write_text(_mechanism(EXAMPLE.read_text(), "dp-muon") + '\n[muon]\niteration = "quintic"\n')
+    muon = load_run_config(path).file
+    assert muon.muon.iteration == "quintic" and muon.muon.steps is None and muon.prism is None
+
+
 @pytest.mark.parametrize("edit, where", [
     (lambda t: t.replace('name = "adamw"', 'name = "lion"'), "optimizer.name"),
     (lambda t: t.replace("steps = 300", "steps = 0"), "training.steps"),
@@ -38,6 +52,14 @@ def test_schema_file_is_generated_from_the_model():
     (lambda t: t.replace("num_labels = 2", "num_labels = 1"), "model.num_labels"),
     (lambda t: t.replace("[optimizer]", "[optimizer]\nmomentum = 0.9"), "optimizer"),
     (lambda t: t.replace('data = "../demo-out/data"      ', ""), "training.data"),
+    (lambda t: t + "\n[prism]\nlr = 0.01\n", "[prism] applies to mechanism = 'prism' only"),
+    (lambda t: t + "\n[muon]\n", "[muon] applies to mechanism = 'dp-muon' only"),
+    (lambda t: _mechanism(t, "prism") + "\n[prism]\nfloor = -1.0\n", "prism.floor"),
+    (lambda t: _mechanism(t, "prism") + "\n[prism]\nmax_condition = 0.5\n", "prism.max_condition"),
+    (lambda t: _mechanism(t, "prism") + "\n[prism]\nbeta = 0.9\n", "prism.beta"),
+    (lambda t: _mechanism(t, "dp-muon") + '\n[muon]\niteration = "cubic"\n', "muon.iteration"),
+    (lambda t: _mechanism(t, "dp-muon") + "\n[muon]\nkappa = 0\n", "muon.kappa"),
+    (lambda t: _mechanism(t, "dp-muon") + "\n[muon]\nmomentum = 1.0\n", "muon.momentum"),
 ])
 def test_invalid_fields_are_named(tmp_path, edit, where):
     path = tmp_path / "run.toml"

@@ -19,7 +19,8 @@ from govtrain.cli.output import signing_key_option
 def train_command(config_path: str, ledger_url: str, key_path: str | None, insecure_seed: int | None,
                   as_json: bool) -> None:
     """Train a LoRA adapter on admitted contributions: spend written ahead per ledger epoch, every
-    per-sample gradient restricted to its class's profile, clipped to its own bound and noised."""
+    per-sample gradient restricted to its class's profile, clipped to its own bound and noised by the
+    run's mechanism (dpsgd, prism or dp-muon)."""
     from govtrain.train.config import load_run_config
     from govtrain.train.loop import train
 

@@ -221,7 +221,7 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
             if pending is not None and ledger.epoch() > pending["epoch"]:
                 pending = None  # the epoch was closed just before the kill
             log(f"resuming {run_id} at step {result.steps}")
-        log(f"{run_id}: {total} steps, q = {q_u / units.MICRO:g} (expected batch {expected_batch:g} of {records} "
+        log(f"{run_id}: {total} {config.file.training.mechanism} steps, q = {q_u / units.MICRO:g} (expected batch {expected_batch:g} of {records} "
             f"examples from {len(present)} contributions), {policy.accountant} at delta = {policy.delta_p / 1e12:g}")
 
         def save(pending_epoch) -> None:
