@@ -241,3 +241,23 @@ def test_the_norm_from_factor_gradients_equals_the_norm_of_the_lift(shape, batch
     expected = tangent_projection(A, B, G).pow(2).sum((1, 2))
     assert torch.allclose(prism.projected_sq_norm(A, B, gA, gB), expected, rtol=1e-8, atol=1e-9)
     assert torch.allclose(intrinsic_sq_norm(A, B, *tangent_lift(A, B, gA, gB)), expected, rtol=1e-8, atol=1e-9)
+
+
+def test_a_prism_step_depends_on_z_alone_under_orthogonal_gauges():
+    """The privatized input is gauge-invariant; the r × r preconditioner is equivariant under orthogonal
+    changes of gauge (the retraction returns balanced factors, which fixes the gauge up to O(r)): the same
+    Z and the same ambient gradient give the same next Z."""
+    generator = torch.Generator().manual_seed(8)
+    A, B = torch.randn(10, 3, generator=generator, dtype=F64), torch.randn(7, 3, generator=generator, dtype=F64)
+    G = torch.randn(10, 7, generator=generator, dtype=F64)
+    Q, _ = torch.linalg.qr(torch.randn(3, 3, generator=generator, dtype=F64))
+    results = []
+    for a, b in ((A, B), (A @ Q, B @ Q)):
+        lora_B, lora_A = torch.nn.Parameter(a.clone()), torch.nn.Parameter(b.T.clone())
+        optimizer = Prism({"p": (lora_A, lora_B)}, lr=0.05, floor=1.0)
+        for _ in range(3):
+            dA, dB = tangent_lift(lora_B.detach(), lora_A.detach().T, G @ lora_A.detach().T, G.T @ lora_B.detach())
+            lora_B.grad, lora_A.grad = dA, dB.T
+            optimizer.step({"p": 0.1})
+        results.append(lora_B.detach() @ lora_A.detach())
+    assert torch.allclose(results[0], results[1], atol=1e-9)

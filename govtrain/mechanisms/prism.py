@@ -241,6 +241,11 @@ class Prism:
     (for B, with m ↔ n and N ↔ M), and then to at least λ_max / `max_condition`. Without the floor, a
     direction where the average is pure noise would be whitened to unit scale, the very "learning the noise"
     the paper warns of. Everything here is post-processing of the privatized gradient.
+
+    Gauge: the privatized input depends on Z alone; the moments live in factor coordinates, so the step is
+    equivariant under orthogonal gauges (A Q, B Q) and not under every R in GL(r). The retraction returns
+    balanced factors (AᵀA = BᵀB), which pins the gauge down to O(r), and `align` picks the element of O(r)
+    closest to the previous factors, so the moments keep meaning the same directions from step to step.
     """
 
     def __init__(self, pairs: Mapping[str, tuple[nn.Parameter, nn.Parameter]], *, lr: float,
