@@ -42,6 +42,7 @@ from govtrain.resolver.profile import resolve  # noqa: E402
 from govtrain.routing.router import Router  # noqa: E402
 from govtrain.routing.sampler import PoissonSampler  # noqa: E402
 from govtrain.train.config import RunFile  # noqa: E402
+from evaluate import accuracy  # noqa: E402  (examples/evaluate.py)
 
 TARGETS = ["query", "key", "value", "attention.output.dense", "intermediate.dense", "output.dense"]
 CLIP = 0.5
@@ -98,16 +99,6 @@ def freeze_unreached(model, resolution) -> None:
             param.requires_grad_(False)
 
 
-@torch.no_grad()
-def accuracy(model, tokenizer, texts, labels) -> float:
-    correct = 0
-    for start in range(0, len(texts), 128):
-        inputs = tokenizer(texts[start:start + 128], padding=True, truncation=True, max_length=LENGTH,
-                           return_tensors="pt")
-        correct += int((model(**inputs).logits.argmax(-1) == torch.tensor(labels[start:start + 128])).sum())
-    return correct / len(texts)
-
-
 def private_run(mechanism: str, lr: float, sigma: float, args, train, heldout) -> float:
     model, tokenizer = build(args.seed)
     resolution = resolve(sensitive(), describe(model))
@@ -133,7 +124,7 @@ def private_run(mechanism: str, lr: float, sigma: float, args, train, heldout) -
         update.step(router.noise_std)
         update.zero_grad()
     router.close()
-    return accuracy(model, tokenizer, *heldout)
+    return accuracy(model, tokenizer, *heldout, LENGTH)
 
 
 def nonprivate_run(args, train, heldout) -> float:
@@ -148,7 +139,7 @@ def nonprivate_run(args, train, heldout) -> float:
         F.cross_entropy(model(**inputs).logits, torch.tensor([train[1][i] for i in chosen])).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return accuracy(model, tokenizer, *heldout)
+    return accuracy(model, tokenizer, *heldout, LENGTH)
 
 
 def main() -> None:

@@ -202,26 +202,17 @@ def main() -> None:
             variants.append(makers["opacus"]())
         except ImportError:
             print("opacus is not installed (pip install '.[bench]'): skipped")
-    inputs, labels = batch(args.batch, args.seq, 0)
-    for variant in variants:  # warm up
-        variant.step(inputs, labels)
-    times: dict[str, list[float]] = {v.name: [] for v in variants}
-    for round_ in range(args.repeats):
-        for variant in variants[round_ % len(variants):] + variants[:round_ % len(variants)]:
-            start = time.process_time()
-            for _ in range(args.steps):
-                variant.step(inputs, labels)
-            times[variant.name].append((time.process_time() - start) / args.steps)
-    base = statistics.median(times["non-private"])
+    times = timed(variants, args)
+    base = times["non-private"]
     print(f"MiniLM, LoRA r=8 on {len(TARGETS)} projections + head, batch {args.batch}, seq {args.seq}, 1 thread, "
           f"median of {args.repeats} rounds x {args.steps} steps (CPU seconds per step)")
-    for name, values in times.items():
-        print(f"  {name:<26} {statistics.median(values):7.3f} s   / non-private {statistics.median(values) / base:5.2f}")
+    for name, value in times.items():
+        print(f"  {name:<26} {value:7.3f} s   / non-private {value / base:5.2f}")
     if "opacus" in times:
         for name in ("govtrain top-2 band", "govtrain full band"):
-            print(f"  {name} / opacus: {statistics.median(times[name]) / statistics.median(times['opacus']):.2f}")
+            print(f"  {name} / opacus: {times[name] / times['opacus']:.2f}")
     # The same deepest reach (layers 3-5 + head): what mixing three profiles in one batch costs.
-    mixed = statistics.median(times["govtrain three profiles"]) / statistics.median(times["govtrain top half, one class"])
+    mixed = times["govtrain three profiles"] / times["govtrain top half, one class"]
     print(f"  three profiles / one class of the same depth: {mixed:.2f}")
     print(f"  peak RSS of the process: {rss_mb():.0f} MB")
 

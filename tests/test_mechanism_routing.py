@@ -18,7 +18,8 @@ from govtrain.resolver.profile import resolve  # noqa: E402
 from govtrain.routing.router import Router  # noqa: E402
 from govtrain.train.config import RunFile  # noqa: E402
 from tests.test_resolver import cls  # noqa: E402
-from tests.test_routing import CLASSES, batch, losses_of, model  # noqa: E402
+from tests.test_routing import (CLASSES, assert_removing_one_moves_the_release_by_at_most_its_clip_norm, batch,  # noqa: E402
+                                clipped_sums, losses_of, model)
 
 # PRISM needs whole LoRA pairs: a band instead of the heads profile of tests/test_routing.py
 WHOLE = {"public": CLASSES["public"], "sensitive": cls("sensitive", band=(1, 2))}
@@ -114,11 +115,14 @@ def test_prism_sensitivity_in_the_intrinsic_metric_is_the_clip_norm():
                                         params[pairs[name]].grad.T) if name in pairs else param.grad.clone())
         return out
 
-    full = released(list(range(6)))
-    for drop in range(6):
-        without = released([i for i in range(6) if i != drop])
-        distance = math.sqrt(sum(float((full[n] - without.get(n, 0)).pow(2).sum()) for n in full))
-        assert distance <= float(clip[drop]) * (1 + 1e-9)
+    assert_removing_one_moves_the_release_by_at_most_its_clip_norm(released, clip)
+
+
+def test_dp_muon_sensitivity_is_the_clip_norm_although_each_matrix_is_clipped_on_its_own():
+    net = model()
+    resolution = resolve(CLASSES, describe(net))
+    router = Router(net, resolution, mechanism="dp-muon", insecure_seed=0)
+    assert_removing_one_moves_the_release_by_at_most_its_clip_norm(clipped_sums(net, router), batch()[-1])
 
 
 def test_prism_noise_is_the_groups_standard_deviation_on_each_tangent_space():
@@ -188,6 +192,18 @@ def run_file(mechanism: str, **sections) -> RunFile:
                                    **sections})
 
 
+def three_steps(net, resolution, router, update) -> None:
+    """Three privatized steps of one class ("sensitive") on the test batch, each followed by the update."""
+    ids, attention, labels, _, clip = batch()
+    group = next(g.classes for g in resolution.groups if g.classes)
+    for _ in range(3):
+        with router.capture():
+            losses = losses_of(net, ids, attention, labels)
+        router.privatize(losses, ["sensitive"] * 6, clip.float(), {group: 0.3}, expected_batch_size=6.0)
+        update.step(router.noise_std)
+        update.zero_grad()
+
+
 @pytest.mark.parametrize("mechanism", ["prism", "dp-muon"])
 def test_out_of_band_parameters_never_move_and_each_parameter_has_one_owner(mechanism):
     net = model(torch.float32)
@@ -206,15 +222,8 @@ def test_out_of_band_parameters_never_move_and_each_parameter_has_one_owner(mech
     assert special and owned and not special & owned and special | owned == trainable
     outside = {n: p.detach().clone() for n, p in net.named_parameters()
                if p.requires_grad and ".layer.1." not in n and "classifier" not in n and "word_embeddings" not in n}
-    ids, attention, labels, _, clip = batch()
-    group = next(g.classes for g in resolution.groups if g.classes)
     before = {n: p.detach().clone() for n, p in net.named_parameters() if ".layer.1." in n and p.requires_grad}
-    for _ in range(3):
-        with router.capture():
-            losses = losses_of(net, ids, attention, labels)
-        router.privatize(losses, ["sensitive"] * 6, clip.float(), {group: 0.3}, expected_batch_size=6.0)
-        update.step(router.noise_std)
-        update.zero_grad()
+    three_steps(net, resolution, router, update)
     for name, value in outside.items():
         assert torch.equal(net.get_parameter(name), value), name
     assert all(not torch.equal(net.get_parameter(n), v) for n, v in before.items())  # what is reached moves
@@ -237,14 +246,7 @@ def test_dp_muon_leaves_the_coordinates_a_heads_profile_does_not_reach():
     update = Update.build(net, run_file("dp-muon"))
     parts = {part.name: part for part in resolution.reach["sensitive"]}
     before = {name: net.get_parameter(name).detach().clone() for name in parts}
-    ids, attention, labels, _, clip = batch()
-    group = next(g.classes for g in resolution.groups if g.classes)
-    for _ in range(3):
-        with router.capture():
-            losses = losses_of(net, ids, attention, labels)
-        router.privatize(losses, ["sensitive"] * 6, clip.float(), {group: 0.3}, expected_batch_size=6.0)
-        update.step(router.noise_std)
-        update.zero_grad()
+    three_steps(net, resolution, router, update)
     for name, part in parts.items():
         after = net.get_parameter(name).detach()
         assert part.dim is not None

@@ -116,15 +116,29 @@ def test_sensitivity_removing_one_example_moves_the_sum_by_at_most_its_clip_norm
     ids, attention, labels, classes, clip = batch()
     router = Router(net, resolution, insecure_seed=0)
 
+    assert_removing_one_moves_the_release_by_at_most_its_clip_norm(clipped_sums(net, router), clip)
+
+
+def clipped_sums(net, router):
+    """keep -> the clipped sum (no noise) the router writes for those examples of the test batch."""
+    ids, attention, labels, classes, clip = batch()
+
     def clipped_sum(keep):
         with router.capture():
             losses = losses_of(net, ids[keep], attention[keep], labels[keep])
         router.privatize(losses, [classes[i] for i in keep], clip[keep], {}, expected_batch_size=1.0)
         return {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
 
-    full = clipped_sum(list(range(6)))
-    for drop in range(6):
-        without = clipped_sum([i for i in range(6) if i != drop])
+    return clipped_sum
+
+
+def assert_removing_one_moves_the_release_by_at_most_its_clip_norm(released, clip) -> None:
+    """`released(keep)` is what a step releases (before noise) from the examples `keep`: dropping any one
+    example i from the full batch must move it by at most C_i (the Euclidean norm over everything)."""
+    everyone = list(range(len(clip)))
+    full = released(everyone)
+    for drop in everyone:
+        without = released([i for i in everyone if i != drop])
         distance = math.sqrt(sum(float((full[n] - without.get(n, 0)).pow(2).sum()) for n in full))
         assert distance <= float(clip[drop]) * (1 + 1e-9)
 
