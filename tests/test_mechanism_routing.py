@@ -19,34 +19,10 @@ from govtrain.routing.router import Router  # noqa: E402
 from govtrain.train.config import RunFile  # noqa: E402
 from tests.test_resolver import cls  # noqa: E402
 from tests.test_routing import (CLASSES, assert_removing_one_moves_the_release_by_at_most_its_clip_norm, batch,  # noqa: E402
-                                clipped_sums, losses_of, model)
+                                clipped_sums, losses_of, model, per_sample, three_steps)
 
 # PRISM needs whole LoRA pairs: a band instead of the heads profile of tests/test_routing.py
 WHOLE = {"public": CLASSES["public"], "sensitive": cls("sensitive", band=(1, 2))}
-
-
-def per_sample(net, resolution, ids, attention, labels, classes):
-    """Per-sample gradients one example at a time with plain autograd, masked to each sample's class."""
-    params = {n: p for n, p in net.named_parameters() if p.requires_grad}
-    reach = {c: {part.name: part for part in parts} for c, parts in resolution.reach.items()}
-    out = []
-    for i in range(len(classes)):
-        net.zero_grad(set_to_none=True)
-        losses_of(net, ids[i:i + 1], attention[i:i + 1], labels[i:i + 1]).sum().backward()
-        grads = {}
-        for name, param in params.items():
-            part = reach[classes[i]].get(name)
-            if part is None or param.grad is None:
-                continue
-            grad = param.grad.clone()
-            if part.dim is not None:
-                keep = torch.zeros(param.shape[part.dim], dtype=grad.dtype)
-                keep[list(part.index)] = 1
-                grad = grad * keep.reshape([-1 if d == part.dim else 1 for d in range(grad.dim())])
-            grads[name] = grad
-        out.append(grads)
-    net.zero_grad(set_to_none=True)
-    return out
 
 
 def oracle_tangent(A, B, gA, gB):
@@ -192,16 +168,12 @@ def run_file(mechanism: str, **sections) -> RunFile:
                                    **sections})
 
 
-def three_steps(net, resolution, router, update) -> None:
-    """Three privatized steps of one class ("sensitive") on the test batch, each followed by the update."""
-    ids, attention, labels, _, clip = batch()
-    group = next(g.classes for g in resolution.groups if g.classes)
-    for _ in range(3):
-        with router.capture():
-            losses = losses_of(net, ids, attention, labels)
-        router.privatize(losses, ["sensitive"] * 6, clip.float(), {group: 0.3}, expected_batch_size=6.0)
+def update_step(router, update):
+    def step() -> None:
         update.step(router.noise_std)
         update.zero_grad()
+
+    return step
 
 
 @pytest.mark.parametrize("mechanism", ["prism", "dp-muon"])
@@ -223,7 +195,7 @@ def test_out_of_band_parameters_never_move_and_each_parameter_has_one_owner(mech
     outside = {n: p.detach().clone() for n, p in net.named_parameters()
                if p.requires_grad and ".layer.1." not in n and "classifier" not in n and "word_embeddings" not in n}
     before = {n: p.detach().clone() for n, p in net.named_parameters() if ".layer.1." in n and p.requires_grad}
-    three_steps(net, resolution, router, update)
+    three_steps(net, resolution, router, update_step(router, update))
     for name, value in outside.items():
         assert torch.equal(net.get_parameter(name), value), name
     assert all(not torch.equal(net.get_parameter(n), v) for n, v in before.items())  # what is reached moves
@@ -246,7 +218,7 @@ def test_dp_muon_leaves_the_coordinates_a_heads_profile_does_not_reach():
     update = Update.build(net, run_file("dp-muon"))
     parts = {part.name: part for part in resolution.reach["sensitive"]}
     before = {name: net.get_parameter(name).detach().clone() for name in parts}
-    three_steps(net, resolution, router, update)
+    three_steps(net, resolution, router, update_step(router, update))
     for name, part in parts.items():
         after = net.get_parameter(name).detach()
         assert part.dim is not None

@@ -59,30 +59,39 @@ def losses_of(net, ids, attention, labels):
     return F.cross_entropy(net(input_ids=ids, attention_mask=attention).logits, labels, reduction="none")
 
 
-def reference(net, resolution, ids, attention, labels, classes, clip):
-    """Per-sample gradients one example at a time with plain autograd, masked, clipped and summed."""
+def per_sample(net, resolution, ids, attention, labels, classes) -> list[dict[str, torch.Tensor]]:
+    """Per-sample gradients one example at a time with plain autograd, masked to each sample's class
+    (parameters the class does not reach are left out)."""
     params = {n: p for n, p in net.named_parameters() if p.requires_grad}
-    total = {n: torch.zeros_like(p) for n, p in params.items()}
     reach = {c: {part.name: part for part in parts} for c, parts in resolution.reach.items()}
+    out = []
     for i in range(len(classes)):
         net.zero_grad(set_to_none=True)
         losses_of(net, ids[i:i + 1], attention[i:i + 1], labels[i:i + 1]).sum().backward()
-        masked = {}
+        grads = {}
         for name, param in params.items():
             part = reach[classes[i]].get(name)
-            grad = torch.zeros_like(param) if param.grad is None else param.grad.clone()
-            if part is None:
-                grad.zero_()
-            elif part.dim is not None:
+            if part is None or param.grad is None:
+                continue
+            grad = param.grad.clone()
+            if part.dim is not None:
                 keep = torch.zeros(param.shape[part.dim], dtype=grad.dtype)
                 keep[list(part.index)] = 1
                 grad = grad * keep.reshape([-1 if d == part.dim else 1 for d in range(grad.dim())])
-            masked[name] = grad
-        norm = math.sqrt(sum(float(g.pow(2).sum()) for g in masked.values()))
-        factor = min(1.0, float(clip[i]) / norm) if norm > 0 else 1.0
-        for name in params:
-            total[name] += factor * masked[name]
+            grads[name] = grad
+        out.append(grads)
     net.zero_grad(set_to_none=True)
+    return out
+
+
+def reference(net, resolution, ids, attention, labels, classes, clip):
+    """The batch-size-1 loop's per-sample gradients, clipped jointly and summed."""
+    total = {n: torch.zeros_like(p) for n, p in net.named_parameters() if p.requires_grad}
+    for i, grads in enumerate(per_sample(net, resolution, ids, attention, labels, classes)):
+        norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
+        factor = min(1.0, float(clip[i]) / norm) if norm > 0 else 1.0
+        for name, grad in grads.items():
+            total[name] += factor * grad
     return total
 
 
@@ -175,19 +184,24 @@ def test_out_of_band_parameters_and_their_optimizer_state_do_not_move(make):
     router = Router(net, resolution, insecure_seed=3)
     optimizer = make([p for p in net.parameters() if p.requires_grad])
     outside = {n: p.detach().clone() for n, p in net.named_parameters() if p.requires_grad and ".layer.1." not in n}
-    ids, attention, labels, _, clip = batch()
-    group = next(g.classes for g in resolution.groups if g.classes)
-    for _ in range(3):
-        with router.capture():
-            losses = losses_of(net, ids, attention, labels)
-        router.privatize(losses, ["sensitive"] * 6, clip.float(), {group: 0.3}, expected_batch_size=6.0)
-        optimizer.step()
+    three_steps(net, resolution, router, optimizer.step)
     for name, before in outside.items():
         param = net.get_parameter(name)
         assert torch.equal(param, before), name
         assert param not in optimizer.state or not optimizer.state[param], name  # the optimizer never touched it
     inside = [p for n, p in net.named_parameters() if ".layer.1." in n and p.requires_grad]
     assert inside and all(optimizer.state[p] for p in inside) or isinstance(optimizer, torch.optim.SGD)
+
+
+def three_steps(net, resolution, router, step) -> None:
+    """Three privatized steps of one class ("sensitive") on the test batch, each followed by `step()`."""
+    ids, attention, labels, _, clip = batch()
+    group = next(g.classes for g in resolution.groups if g.classes)
+    for _ in range(3):
+        with router.capture():
+            losses = losses_of(net, ids, attention, labels)
+        router.privatize(losses, ["sensitive"] * 6, clip.float(), {group: 0.3}, expected_batch_size=6.0)
+        step()
 
 
 def test_a_trainable_parameter_no_hook_covers_refuses_to_start():
