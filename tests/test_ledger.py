@@ -252,3 +252,26 @@ def test_floors_are_checked_without_reverifying_attestations(populated: Corpus, 
     report = json.loads(result.stdout)
     assert (result.exit_code, report["code"], report["first_bad_entry"]) == (4, "bad_admission", 2)
     assert report["attestations_verified"] is False
+
+
+def test_a_run_naming_an_unknown_mechanism_is_refused_and_flagged(corpus: Corpus):
+    from govtrain.ledger.entries import run_entry
+
+    before = snapshot(corpus.url)
+    with corpus.open() as ledger:
+        with pytest.raises(ValueError):
+            ledger.record_run("r", "magic", bytes(32), bytes(32), None, now=corpus.now)
+    assert snapshot(corpus.url) == before  # nothing written
+    with corpus.open() as ledger:
+        for mechanism in ("dpsgd", "prism", "dp-muon"):
+            ledger.record_run(f"run-{mechanism}", mechanism, bytes(32), bytes(32), None, now=corpus.now)
+    verify_ledger(corpus.url)
+    with corpus.open() as ledger:  # written past record_run's check, as a forger would
+        with ledger.append(corpus.now) as appender:
+            appender.add("run", corpus.now, lambda seq: run_entry(seq, corpus.now, run_id="r", mechanism="magic",
+                                                                  config_sha256=bytes(32), base_model_sha256=bytes(32),
+                                                                  adapter_sha256=None))
+        seq = ledger.store.size() - 1
+    with pytest.raises(IntegrityError) as info:
+        verify_ledger(corpus.url)
+    assert info.value.code.value == "bad_entry" and getattr(info.value, "seq") == seq and "magic" in info.value.detail

@@ -317,6 +317,10 @@ class Ledger:
     def record_run(self, run_id: str, mechanism: str, config_sha256: bytes, base_model_sha256: bytes,
                    adapter_sha256: bytes | None, now: int | None = None) -> ledger_store.StoredEntry:
         """Append a `run` entry: what a training run was (config, base model) and what it produced."""
+        from govtrain.mechanisms import MECHANISMS
+
+        if mechanism not in MECHANISMS:
+            raise ValueError(f"unknown mechanism {mechanism!r}: one of {', '.join(MECHANISMS)}")
         now = int(_time.time()) if now is None else now
         with self.append(now) as appender:
             return appender.add("run", now, lambda seq: run_entry(

@@ -35,6 +35,7 @@ from govtrain.gate.gate import Gate
 from govtrain.ledger.checkpoint import Checkpoint, NoteError, verify_checkpoint
 from govtrain.ledger.entries import decode_entry
 from govtrain.ledger.ledger import note_keys, store_errors
+from govtrain.mechanisms import MECHANISMS
 from govtrain.policy.model import Policy
 from govtrain.ledger.merkle import CompactRange, root_of
 from govtrain.verify.integrity import _Failure, _integrity
@@ -325,7 +326,11 @@ class _Audit:
         self.summaries.setdefault((entry["first_seq"], entry["last_seq"]), []).append({**entry, "seq": seq})
 
     def _run(self, seq: int, entry: dict, leaf: bytes) -> None:
-        pass  # shape checked in step 3; its hashes are checked against artefacts by `manifest` (issue 5)
+        # Shape checked in step 3. Every mechanism releases one Gaussian mechanism per step with the
+        # sensitivity and noise the spend entries charge; a run naming any other was not charged for.
+        if entry["mechanism"] not in MECHANISMS:
+            raise _Failure(Code.BAD_ENTRY, f"entry {seq}: run {entry['run_id']!r} names mechanism "
+                           f"{entry['mechanism']!r}, which is none of {', '.join(MECHANISMS)}", seq=seq)
 
     # -- steps 6-10 ---------------------------------------------------------------------
 
