@@ -154,11 +154,11 @@ def copy_demo_keys(target: Path) -> Path:
     return target
 
 
-def make_corpus(tmp_path: Path, url: str) -> Corpus:
+def make_corpus(tmp_path: Path, url: str, policy_text: str = TEST_POLICY) -> Corpus:
     keys = copy_demo_keys(tmp_path / "keys")
     generate_key_pair(keys, "limited")
     policy_path = keys / "test-policy.toml"
-    policy_path.write_text(TEST_POLICY)
+    policy_path.write_text(policy_text)
     policy, digest = load_policy(policy_path)
     Ledger.init(url, policy, digest, key_path=keys / "ledger.key").close()
     return Corpus(

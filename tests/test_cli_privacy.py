@@ -173,3 +173,37 @@ def run_cli_json(corpus: Corpus, *args: str) -> str:
     result = run("plan", "--ledger", corpus.url, "--json", *args)
     assert result.exit_code == 0, result.output
     return result.stdout
+
+
+def test_plan_refuses_prism_where_a_heads_profile_splits_a_lora_pair(tmp_path):
+    """Caught before a run starts: the same check the routing layer makes, on the meta-device model."""
+    from tests.conftest import TEST_POLICY, make_corpus
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(hidden_size=16, num_hidden_layers=6, num_attention_heads=2, intermediate_size=20,
+                                     vocab_size=40, max_position_embeddings=16)
+    config.save_pretrained(tmp_path / "tiny")
+    heads = TEST_POLICY.replace("band = [4, 5]\n", "band = [4, 5]\nheads = {5 = [1]}\n")
+    assert heads != TEST_POLICY
+    corpus = make_corpus(tmp_path, f"sqlite:///{tmp_path / 'heads.db'}", heads)
+    _ledger(corpus)
+    for mechanism, ok in (("dpsgd", True), ("dp-muon", True), ("prism", False)):
+        config_file = tmp_path / f"{mechanism}.toml"
+        config_file.write_text(f"""
+[model]
+base = "{tmp_path / 'tiny'}"
+[lora]
+r = 2
+target_modules = ["query", "value"]
+[training]
+mechanism = "{mechanism}"
+steps = 20
+data = "data"
+output = "adapter"
+""")
+        result = run("plan", "--ledger", corpus.url, "--config", str(config_file))
+        if ok:
+            assert result.exit_code == 0, result.output
+        else:
+            assert result.exit_code == 2 and result.stderr.startswith("error[mechanism_unsupported]")
+            assert "'sensitive'" in result.stderr and "layer.5.attention.self" in result.stderr

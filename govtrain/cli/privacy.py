@@ -146,7 +146,8 @@ def plan_command(ledger_url: str, config_path: str | None, steps: int | None, ex
 
             layout = load_layout(model)
         plan = plan_run(opened, steps, expected_batch_size, layout,
-                        epoch_steps=config.file.training.epoch_steps if config is not None else None)
+                        epoch_steps=config.file.training.epoch_steps if config is not None else None,
+                        mechanism=config.file.training.mechanism if config is not None else "dpsgd")
     if as_json:
         emit_json(plan)
         return

@@ -28,12 +28,12 @@ isotropic on that (public) subspace. At A = 0 the first step is dZ = G Π_B, the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import torch
 from torch import Tensor, nn
 
-from govtrain.resolver.model import role
+from govtrain.mechanisms.reach import lora_pairs
 
 __all__ = ["Gram", "gram", "tangent_lift", "intrinsic_sq_norm", "projected_sq_norm", "tangent_noise", "tangent_dimension", "retract",
            "canonical", "tangent_matrix", "align", "lora_pairs", "floored_inverse_sqrt", "Prism"]
@@ -211,17 +211,6 @@ def floored_inverse_sqrt(V: Tensor, floor: float, max_condition: float, eps: flo
     values = torch.maximum(values, torch.full_like(values, floor))
     values = torch.maximum(values, values.amax(-1, keepdim=True) / max_condition)
     return (vectors * values.rsqrt().unsqueeze(-2)) @ vectors.transpose(-1, -2)
-
-
-def lora_pairs(names: Iterable[str]) -> dict[str, str]:
-    """{lora_B weight name: lora_A weight name} for every LoRA module (and adapter) whose two factors
-    are both among `names`: the (A, B) = (lora_B.weight, lora_A.weightᵀ) pairs PRISM works on."""
-    by_key: dict[tuple[str, str | None], dict[str, str]] = {}
-    for name in names:
-        r = role(name)
-        if r.peft_part in ("lora_A", "lora_B") and r.leaf == "weight":
-            by_key.setdefault((r.module, r.adapter), {})[r.peft_part] = name
-    return {parts["lora_B"]: parts["lora_A"] for parts in by_key.values() if len(parts) == 2}
 
 
 class Prism:

@@ -18,6 +18,7 @@ from govtrain.accounting.spend import SpendCalculator
 from govtrain.errors import Code, ConfigError
 from govtrain.ledger.entries import decode_entry
 from govtrain.ledger.ledger import Ledger
+from govtrain.mechanisms.reach import check_reach
 from govtrain.resolver.model import ModelLayout, role
 from govtrain.resolver.profile import describe_profile, format_ranges, resolve
 from govtrain.resolver.schedule import Cohort, Member, Scheduler, cohorts_of, disjoint_groups
@@ -59,7 +60,8 @@ def read_corpus(ledger: Ledger) -> tuple[dict[str, _Admitted], set[str], int]:
 
 
 def plan_run(ledger: Ledger, steps: int, expected_batch_size: int | None = None,
-             layout: ModelLayout | None = None, *, epoch_steps: int | None = None, workers: int = 1) -> dict[str, Any]:
+             layout: ModelLayout | None = None, *, epoch_steps: int | None = None, workers: int = 1,
+             mechanism: str = "dpsgd") -> dict[str, Any]:
     policy = ledger.policy
     if steps < 1:
         raise ConfigError(Code.BAD_ARGUMENT, "--steps must be at least 1")
@@ -81,6 +83,7 @@ def plan_run(ledger: Ledger, steps: int, expected_batch_size: int | None = None,
         layered = {n: c for n, c in classes.items() if c.profile.kind != "adapter" or c.profile.adapter in present}
         resolution = resolve(layered, layout) if layered else None
         if resolution is not None:
+            check_reach(mechanism, resolution.reach, (p.name for p in layout.trainable()))
             class_groups = {**class_groups, **resolution.class_groups()}
 
     epoch = ledger.epoch()

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from govtrain.errors import Code, ConfigError
 from govtrain.mechanisms import MECHANISMS
+from govtrain.mechanisms.reach import check_reach, lora_pairs
 from govtrain.mechanisms import prism
 from govtrain.resolver.profile import Resolution
 from govtrain.routing import persample
@@ -108,15 +109,9 @@ class Router:
                 (part.dim, torch.tensor(part.index, dtype=torch.long, device=self.params[part.name].device))
                 for part in parts}
         # prism: lora_B name -> lora_A name of each LoRA pair, reached whole or not at all by every class
-        self.pairs = prism.lora_pairs(self.params) if mechanism == "prism" else {}
+        check_reach(mechanism, resolution.reach, self.params)
+        self.pairs = lora_pairs(self.params) if mechanism == "prism" else {}
         self._pair_A = {a: b for b, a in self.pairs.items()}
-        for data_class, masks in self.masks.items():
-            for b, a in self.pairs.items():
-                if (b in masks) != (a in masks) or masks.get(b) is not None or masks.get(a) is not None:
-                    raise ConfigError(Code.MECHANISM_UNSUPPORTED,
-                                      f"mechanism prism needs each LoRA module's two factors reached whole by the "
-                                      f"same classes, but class {data_class!r} reaches part of {b.rsplit('.', 3)[0]}"
-                                      " (a heads profile): use mechanism dpsgd or dp-muon for this policy")
         # dp-muon: each parameter a class reaches is clipped on its own to C_i / sqrt(units)
         self.units = {data_class: len(masks) for data_class, masks in self.masks.items()}
         self.noise_std: dict[str, float] = {}  # per reached parameter: the last step's noise std / batch size
