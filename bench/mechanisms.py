@@ -61,7 +61,7 @@ def split(buckets: int = 20):
     return train, heldout
 
 
-def build(seed: int):
+def build(seed: int, targets: list[str]):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from govtrain.resolver.load import model_path
@@ -70,16 +70,16 @@ def build(seed: int):
     torch.manual_seed(seed)
     path = model_path("minilm")
     base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2, local_files_only=True)
-    run = run_file("dpsgd", 0.002)
+    run = run_file("dpsgd", 0.002, targets)
     model = wrap_lora(base, run.lora, [])
     model.eval()
     return model, AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def run_file(mechanism: str, lr: float) -> RunFile:
-    sections = {"prism": {"prism": {"lr": lr}}, "dp-muon": {"muon": {"lr": lr}}}.get(mechanism, {})
+def run_file(mechanism: str, lr: float, targets: list[str], floor: float = 1.0) -> RunFile:
+    sections = {"prism": {"prism": {"lr": lr, "floor": floor}}, "dp-muon": {"muon": {"lr": lr}}}.get(mechanism, {})
     return RunFile.model_validate({
-        "model": {"base": "minilm", "max_length": LENGTH}, "lora": {"r": 8, "alpha": 16, "target_modules": TARGETS},
+        "model": {"base": "minilm", "max_length": LENGTH}, "lora": {"r": 8, "alpha": 16, "target_modules": targets},
         "optimizer": {"name": "adamw", "lr": 0.002 if mechanism != "dpsgd" else lr},
         "training": {"mechanism": mechanism, "steps": 1, "data": "d", "output": "o"}, **sections})
 
@@ -100,17 +100,19 @@ def freeze_unreached(model, resolution) -> None:
 
 
 def private_run(mechanism: str, lr: float, sigma: float, args, train, heldout) -> float:
-    model, tokenizer = build(args.seed)
+    model, tokenizer = build(args.seed, args.targets)
     resolution = resolve(sensitive(), describe(model))
     freeze_unreached(model, resolution)
     resolution = resolve(sensitive(), describe(model))
     router = Router(model, resolution, mechanism=mechanism, insecure_seed=args.seed)
-    update = Update.build(model, run_file(mechanism, lr))
+    update = Update.build(model, run_file(mechanism, lr, args.targets, args.prism_floor))
     group_std = {g.classes: sigma * CLIP for g in resolution.groups if g.classes}
     q = args.batch / len(train[0])
     sampler = PoissonSampler(q, insecure_seed=args.seed)
     everyone = list(range(len(train[0])))
-    for _ in range(args.steps):
+    for step in range(args.steps):
+        if args.eval_every and step and step % args.eval_every == 0:
+            print(f"    step {step}: held-out accuracy {accuracy(model, tokenizer, *heldout, LENGTH):.3f}", flush=True)
         chosen = sampler.sample(everyone)
         if len(chosen) == 0:
             router.noise_only(group_std, float(args.batch))
@@ -128,7 +130,7 @@ def private_run(mechanism: str, lr: float, sigma: float, args, train, heldout) -
 
 
 def nonprivate_run(args, train, heldout) -> float:
-    model, tokenizer = build(args.seed)
+    model, tokenizer = build(args.seed, args.targets)
     freeze_unreached(model, resolve(sensitive(), describe(model)))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.002)
     rng = random.Random(args.seed)
@@ -150,6 +152,10 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=["nonprivate", "dpsgd", "prism", "dp-muon"])
     parser.add_argument("--lr", nargs="*", default=[], help="mechanism=lr, e.g. prism=0.004")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--control", action="store_true", help="also run each mechanism with sigma = 0 (not private)")
+    parser.add_argument("--prism-floor", type=float, default=1.0, help="[prism] floor")
+    parser.add_argument("--targets", nargs="+", default=TARGETS, help="LoRA target modules (default: the demo's six)")
+    parser.add_argument("--eval-every", type=int, default=0, help="also print held-out accuracy every N steps")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -165,13 +171,15 @@ def main() -> None:
         started = time.perf_counter()
         rows.append(("non-private LoRA", "-", "-", "-", nonprivate_run(args, train, heldout)))
         print(f"  {rows[-1][0]:<18} accuracy {rows[-1][-1]:.3f}  ({time.perf_counter() - started:.0f} s)", flush=True)
-    for epsilon in args.epsilons:
-        sigma = noise_multiplier_for(epsilon, DELTA, q, args.steps, "pld").noise_multiplier
+    settings = [(f"{e:g}", noise_multiplier_for(e, DELTA, q, args.steps, "pld").noise_multiplier) for e in args.epsilons]
+    if args.control:
+        settings.append(("none (σ = 0: clipping only, a control)", 0.0))
+    for epsilon, sigma in settings:
         for mechanism in (m for m in ("dpsgd", "prism", "dp-muon") if m in args.runs):
             started = time.perf_counter()
             value = private_run(mechanism, lrs[mechanism], sigma, args, train, heldout)
-            rows.append((mechanism, f"{epsilon:g}", f"{sigma:.4f}", f"{lrs[mechanism]:g}", value))
-            print(f"  {mechanism:<18} eps {epsilon:g} (sigma {sigma:.4f}, lr {lrs[mechanism]:g}) accuracy {value:.3f}"
+            rows.append((mechanism, epsilon, f"{sigma:.4f}", f"{lrs[mechanism]:g}", value))
+            print(f"  {mechanism:<18} eps {epsilon} (sigma {sigma:.4f}, lr {lrs[mechanism]:g}) accuracy {value:.3f}"
                   f"  ({time.perf_counter() - started:.0f} s)", flush=True)
     print("\n| run | ε | σ | lr | held-out accuracy |\n|---|---|---|---|---|")
     for row in rows:
