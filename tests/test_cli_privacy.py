@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -140,13 +141,14 @@ def test_plan_with_a_model_resolves_profiles(corpus: Corpus, tmp_path):
     assert bad.exit_code == 2 and bad.stderr.startswith("error[model_unreadable]")
 
 
-def test_plan_reads_a_run_config(corpus: Corpus, tmp_path):
+def tiny_run_config(tmp_path: Path, name: str, training: str = "") -> Path:
+    """A run config for a tiny 6-layer BERT saved (config only) under tmp_path/tiny; `training` adds lines."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(hidden_size=16, num_hidden_layers=6, num_attention_heads=2, intermediate_size=20,
-                                     vocab_size=40, max_position_embeddings=16)
-    config.save_pretrained(tmp_path / "tiny")
-    config_file = tmp_path / "run.toml"
-    config_file.write_text(f"""
+    if not (tmp_path / "tiny").exists():
+        transformers.BertConfig(hidden_size=16, num_hidden_layers=6, num_attention_heads=2, intermediate_size=20,
+                                vocab_size=40, max_position_embeddings=16).save_pretrained(tmp_path / "tiny")
+    path = tmp_path / name
+    path.write_text(f"""
 [model]
 base = "{tmp_path / 'tiny'}"
 [lora]
@@ -154,10 +156,15 @@ r = 2
 target_modules = ["query", "value"]
 [training]
 steps = 20
-epoch_steps = 5
 data = "data"
 output = "adapter"
+{training}
 """)
+    return path
+
+
+def test_plan_reads_a_run_config(corpus: Corpus, tmp_path):
+    config_file = tiny_run_config(tmp_path, "run.toml", "epoch_steps = 5")
     _ledger(corpus)
     plan = json.loads(run_cli_json(corpus, "--config", str(config_file)))
     assert plan["steps"] == 20 and plan["steps_per_epoch"] == 5
@@ -179,28 +186,12 @@ def test_plan_refuses_prism_where_a_heads_profile_splits_a_lora_pair(tmp_path):
     """Caught before a run starts: the same check the routing layer makes, on the meta-device model."""
     from tests.conftest import TEST_POLICY, make_corpus
 
-    transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(hidden_size=16, num_hidden_layers=6, num_attention_heads=2, intermediate_size=20,
-                                     vocab_size=40, max_position_embeddings=16)
-    config.save_pretrained(tmp_path / "tiny")
     heads = TEST_POLICY.replace("band = [4, 5]\n", "band = [4, 5]\nheads = {5 = [1]}\n")
     assert heads != TEST_POLICY
     corpus = make_corpus(tmp_path, f"sqlite:///{tmp_path / 'heads.db'}", heads)
     _ledger(corpus)
     for mechanism, ok in (("dpsgd", True), ("dp-muon", True), ("prism", False)):
-        config_file = tmp_path / f"{mechanism}.toml"
-        config_file.write_text(f"""
-[model]
-base = "{tmp_path / 'tiny'}"
-[lora]
-r = 2
-target_modules = ["query", "value"]
-[training]
-mechanism = "{mechanism}"
-steps = 20
-data = "data"
-output = "adapter"
-""")
+        config_file = tiny_run_config(tmp_path, f"{mechanism}.toml", f'mechanism = "{mechanism}"')
         result = run("plan", "--ledger", corpus.url, "--config", str(config_file))
         if ok:
             assert result.exit_code == 0, result.output
