@@ -156,6 +156,10 @@ class DPMuon:
             param.add_(self.orthogonalize(buffer).to(param.dtype), alpha=-self.lr)
             param.grad = None
 
+    def zero_grad(self) -> None:
+        for param in self.params.values():
+            param.grad = None
+
     def state_dict(self) -> dict:
         return {"state": dict(self.state)}
 

@@ -279,6 +279,10 @@ class Prism:
             lora_A.copy_(new_B.transpose(0, 1))
             lora_A.grad = lora_B.grad = None
 
+    def zero_grad(self) -> None:
+        for lora_A, lora_B in self.pairs.values():
+            lora_A.grad = lora_B.grad = None
+
     def state_dict(self) -> dict:
         return {"state": {k: dict(v) for k, v in self.state.items()}}
 

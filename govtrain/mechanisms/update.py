@@ -79,10 +79,7 @@ class Update:
             self.optimizer.zero_grad(set_to_none=True)
         for part in (self.prism, self.muon):
             if part is not None:
-                for param in (p for pair in getattr(part, "pairs", {}).values() for p in pair):
-                    param.grad = None
-                for param in getattr(part, "params", {}).values():
-                    param.grad = None
+                part.zero_grad()
 
     def state_dict(self) -> dict:
         return {"mechanism": self.mechanism,
