@@ -97,6 +97,8 @@ class Code(str, Enum):
     RETENTION_HORIZON = "retention_horizon"
     NO_CHECKPOINT = "no_checkpoint"
     REDACTED = "redacted"
+    EPOCH_HELD = "epoch_held"  # another run wrote this ledger epoch's spend: plan the next epoch
+    CLOCK_BEHIND = "clock_behind"  # the writer's clock reads earlier than the ledger's last entry
 
     # -- ledger integrity (exit 4) --------------------------------------------------------
     INTEGRITY = "integrity"
@@ -116,6 +118,8 @@ class Code(str, Enum):
     BAD_WITHDRAWAL = "bad_withdrawal"
     BAD_SUMMARY = "bad_summary"
     BAD_EPOCH = "bad_epoch"
+    TIME_REVERSED = "time_reversed"  # an entry's time is earlier than the entry before it
+    POLICY_UNAUTHORISED = "policy_unauthorised"  # a policy change no key of the policy before it signed
 
 
 class GovtrainError(Exception):

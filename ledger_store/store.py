@@ -305,6 +305,20 @@ class Appender:
         return self.connection.execute(
             select(func.count()).select_from(Entry).where(Entry.kind == kind)).scalar_one()
 
+    def latest_checkpoint(self) -> "StoredCheckpoint | None":
+        """The last checkpoint stored, as this transaction (holding the write lock) sees it."""
+        row = self.connection.execute(select(Checkpoint.__table__).order_by(Checkpoint.id.desc()).limit(1)).first()
+        return StoredCheckpoint(row.id, row.size, row.root, row.note, row.time) if row is not None else None
+
+    def last_time(self) -> int | None:
+        """The time of the entry before this transaction's first one (read once: the lock is held)."""
+        if self.first_seq == 0:
+            return None
+        if not hasattr(self, "_last_time"):
+            self._last_time = self.connection.execute(
+                select(Entry.time).where(Entry.seq == self.first_seq - 1)).scalar_one_or_none()
+        return self._last_time
+
     def add_checkpoint(self, size: int, root: bytes, note: str, time: int) -> None:
         self.flush()
         _insert_rows(self.connection, Checkpoint.__table__,
@@ -491,6 +505,13 @@ class LedgerStore:
     def latest_checkpoint(self) -> StoredCheckpoint | None:
         with self.engine.connect() as connection:
             row = connection.execute(select(Checkpoint.__table__).order_by(Checkpoint.id.desc()).limit(1)).first()
+        return StoredCheckpoint(row.id, row.size, row.root, row.note, row.time) if row is not None else None
+
+    def checkpoint_covering(self, seq: int) -> StoredCheckpoint | None:
+        """The first checkpoint stored whose tree includes entry `seq`."""
+        with self.engine.connect() as connection:
+            row = connection.execute(select(Checkpoint.__table__).where(Checkpoint.size > seq)
+                                     .order_by(Checkpoint.id).limit(1)).first()
         return StoredCheckpoint(row.id, row.size, row.root, row.note, row.time) if row is not None else None
 
     def admission_conflicts(self, contribution_ids: list[str], descriptor_hashes: list[bytes],

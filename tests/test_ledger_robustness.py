@@ -17,6 +17,7 @@ from tests.conftest import REPO, Corpus
 
 WRITER = """
 import sys
+import time
 from govtrain.ledger.entries import run_entry
 from govtrain.ledger.ledger import Ledger
 ledger = Ledger.open(sys.argv[1])
@@ -26,7 +27,8 @@ while True:
     with ledger.append() as appender:
         for _ in range(int(sys.argv[2])):
             n += 1
-            appender.add("run", n, lambda seq, n=n: run_entry(seq, n, run_id=f"r{n}", mechanism="dpsgd",
+            t = int(time.time())
+            appender.add("run", t, lambda seq, n=n, t=t: run_entry(seq, t, run_id=f"r{n}", mechanism="dpsgd",
                          config_sha256=bytes(32), base_model_sha256=bytes(32), adapter_sha256=None))
     if n % 60 == 0:
         ledger.close_epoch()

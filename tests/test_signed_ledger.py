@@ -15,6 +15,7 @@ import ledger_store
 from govtrain.cli.main import cli
 from govtrain.cli.verify import verify_cli
 from govtrain.encoding import cbor
+from govtrain.errors import IntegrityError
 from govtrain.gate.admission import admit
 from govtrain.ledger.checkpoint import sign_checkpoint
 from govtrain.ledger.ledger import Ledger
@@ -112,8 +113,8 @@ def _truncate(db: Path) -> None:
 
 
 def _append_forged(db: Path) -> None:
-    body = cbor.encode({"v": 1, "seq": 11, "kind": "epoch", "time": 1, "epoch": 3})
-    _sql(db, "INSERT INTO entries (seq, kind, time, leaf_hash, body) VALUES (11, 'epoch', 1, ?, ?)",
+    body = cbor.encode({"v": 1, "seq": 11, "kind": "epoch", "time": 4_000_000_000, "epoch": 3})
+    _sql(db, "INSERT INTO entries (seq, kind, time, leaf_hash, body) VALUES (11, 'epoch', 4000000000, ?, ?)",
          params=(ledger_store.leaf_hash(body), body))
 
 
@@ -174,7 +175,7 @@ def test_rollback_is_detected_with_a_newer_trusted_checkpoint(real: Corpus, tmp_
     assert (exit_code, report["code"], report["first_bad_entry"]) == (4, "rollback", 11)
 
 
-def test_fork_is_detected_against_the_same_trusted_checkpoint(real: Corpus, tmp_path: Path):
+def test_fork_is_detected_against_the_same_trusted_checkpoint(real: Corpus, tmp_path: Path, monkeypatch):
     fork_url = _copy(real.url, tmp_path / "fork.db")
     shared = tmp_path / "shared.note"
     shared.write_text(_latest_note(real.url))  # both ledgers agree up to here (11 entries)
@@ -182,6 +183,12 @@ def test_fork_is_detected_against_the_same_trusted_checkpoint(real: Corpus, tmp_
     trusted_a = tmp_path / "a.note"
     trusted_a.write_text(_latest_note(real.url))
     fork = Corpus(real.dir, real.policy_path, fork_url, real.attester, real.limited, real.now)
+    # The signer remembers signing 12 entries: it will not sign the 11-entry copy forward...
+    with pytest.raises(IntegrityError) as refused:
+        _admit(fork, "only-in-b")
+    assert refused.value.code.value == "rollback"
+    # ...so an operator who forks must sign from a second, fresh signer state (another machine).
+    monkeypatch.setenv("GOVTRAIN_SIGNER_STATE", str(tmp_path / "second-signer"))
     _admit(fork, "only-in-b")
     # Each ledger verifies on its own...
     assert _verify_cli(fork_url)[0] == 0
@@ -327,7 +334,8 @@ def test_status(real: Corpus):
 
 
 def _spend(real: Corpus, contribution: str, *, eps_u: int, epoch: int | None = None, sigma_u: int = 1_000_000,
-           steps: int = 10, accountant: str = "prv", q_u: int = 10_000, delta_p: int = 10_000_000) -> None:
+           steps: int = 10, accountant: str = "prv", q_u: int = 10_000, delta_p: int = 10_000_000,
+           run_id: str = "run-a", epoch_steps: int = 10) -> None:
     from govtrain.ledger.entries import spend_entry
 
     with Ledger.open(real.url) as ledger:
@@ -336,7 +344,8 @@ def _spend(real: Corpus, contribution: str, *, eps_u: int, epoch: int | None = N
         epoch = ledger.epoch() if epoch is None else epoch
         with ledger.append(real.now) as appender:
             appender.add("spend", real.now, lambda seq: spend_entry(
-                seq, real.now, contribution_id=contribution, admit_leaf=leaf, epoch=epoch, steps=steps,
+                seq, real.now, contribution_id=contribution, admit_leaf=leaf, run_id=run_id, epoch=epoch,
+                epoch_steps=epoch_steps, steps=steps,
                 sampling_rate_u=q_u, noise_multiplier_u=sigma_u, accountant=accountant, delta_p=delta_p,
                 eps_u=eps_u))
 
@@ -439,7 +448,7 @@ def test_tamper_matrix_integrity_only(real: Corpus, tmp_path: Path, name: str):
     assert (exit_code, report["code"], report["first_bad_entry"]) == (4, code, seq), report
 
 
-def test_integrity_only_passes_and_catches_rollback_and_fork(real: Corpus, tmp_path: Path):
+def test_integrity_only_passes_and_catches_rollback_and_fork(real: Corpus, tmp_path: Path, monkeypatch):
     assert _verify_cli(real.url, "--integrity-only")[0] == 0
     older = _copy(real.url, tmp_path / "older.db")
     _admit(real, "newer")
@@ -447,6 +456,7 @@ def test_integrity_only_passes_and_catches_rollback_and_fork(real: Corpus, tmp_p
     trusted.write_text(_latest_note(real.url))
     assert _verify_cli(older, "--integrity-only", "--trusted-checkpoint", str(trusted))[1]["code"] == "rollback"
     fork = Corpus(real.dir, real.policy_path, older, real.attester, real.limited, real.now)
+    monkeypatch.setenv("GOVTRAIN_SIGNER_STATE", str(tmp_path / "second-signer"))  # this signer would refuse
     _admit(fork, "other")
     assert _verify_cli(older, "--integrity-only", "--trusted-checkpoint", str(trusted))[1]["code"] == "fork"
 
@@ -459,8 +469,8 @@ def test_parallel_integrity_pass_on_a_large_ledger(corpus: Corpus, tmp_path: Pat
     with corpus.open() as ledger:
         with ledger.append(corpus.now) as appender:
             for i in range(70_000):
-                appender.add("run", 1, lambda seq, i=i: run_entry(
-                    seq, 1, run_id=f"r{i}", mechanism="dpsgd", config_sha256=bytes(32), base_model_sha256=bytes(32),
+                appender.add("run", corpus.now, lambda seq, i=i: run_entry(
+                    seq, corpus.now, run_id=f"r{i}", mechanism="dpsgd", config_sha256=bytes(32), base_model_sha256=bytes(32),
                     adapter_sha256=None))
         store = ledger.store
         total = store.size()

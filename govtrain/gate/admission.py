@@ -101,11 +101,31 @@ def _receipt(verified: VerifiedAttestation, stored: ledger_store.StoredEntry) ->
     )
 
 
-def _write(ledger: Ledger, batch: list[VerifiedAttestation], now: int) -> list[ledger_store.StoredEntry]:
+def _write(ledger: Ledger, batch: list[VerifiedAttestation], now: int, gate: Gate
+           ) -> list[ledger_store.StoredEntry | GovtrainError]:
+    """Append the batch's admit entries; each in input order gets its stored entry, or the error that kept it
+    out. An entry is dated no earlier than the one before it (`Ledger.dated`): where that is later than
+    `now`, each attestation's validity window is checked again at the entry's own time, as the verifier will."""
+    outcome: list[ledger_store.StoredEntry | GovtrainError] = []
     with ledger.append(now) as appender:
+        t = ledger.dated(appender, now)
         for verified in batch:
-            appender.add("admit", now, lambda seq, v=verified: admit_entry(seq, now, v), _admission_row(verified))
-    return appender.added
+            try:
+                if t != now:
+                    gate.check_policy(verified, t)
+            except GovtrainError as e:
+                outcome.append(e)
+                continue
+            outcome.append(appender.add("admit", t, lambda seq, v=verified: admit_entry(seq, t, v),
+                                        _admission_row(verified)))
+    return outcome
+
+
+def _settle(source: str, verified: VerifiedAttestation,
+            stored: ledger_store.StoredEntry | GovtrainError) -> AdmitOutcome:
+    if isinstance(stored, GovtrainError):
+        return AdmitOutcome(source, error=stored)
+    return AdmitOutcome(source, receipt=_receipt(verified, stored))
 
 
 def admit(ledger: Ledger, raw: bytes, data: str | Path, *, now: int | None = None,
@@ -161,15 +181,15 @@ def admit_many(ledger: Ledger, items: Iterable[tuple[str, bytes, Path]], *, now:
             seen_data.add(d.data_sha256)
             accepted.append((index, source, verified))
         try:
-            stored = _write(ledger, [v for _, _, v in accepted], now)
+            stored = _write(ledger, [v for _, _, v in accepted], now, gate)
             for (index, source, verified), entry in zip(accepted, stored):
-                outcomes[index] = AdmitOutcome(source, receipt=_receipt(verified, entry))
+                outcomes[index] = _settle(source, verified, entry)
         except ledger_store.Conflict:
             # A concurrent writer admitted one of these after our lookup: redo them one by one.
             for index, source, verified in accepted:
                 try:
-                    (entry,) = _write(ledger, [verified], now)
-                    outcomes[index] = AdmitOutcome(source, receipt=_receipt(verified, entry))
+                    (entry,) = _write(ledger, [verified], now, gate)
+                    outcomes[index] = _settle(source, verified, entry)
                 except ledger_store.Conflict:
                     rows_now = ledger.store.admission_conflicts(
                         [verified.descriptor.contribution_id], [verified.descriptor_sha256],

@@ -104,7 +104,7 @@ class Gate:
             verify_signature(parsed, key.public_key)
             verified = self._interpret(parsed, key, digest)
             self.cache.put(digest, epoch, verified)
-        self._check_policy(verified, now)
+        self.check_policy(verified, now)
         return verified
 
     def verify_many(self, raws: Sequence[bytes], *, now: int,
@@ -145,7 +145,7 @@ class Gate:
         for index, result in enumerate(results):
             if isinstance(result, VerifiedAttestation):
                 try:
-                    self._check_policy(result, now)
+                    self.check_policy(result, now)
                 except GovtrainError as error:
                     results[index] = error
         return results  # type: ignore[return-value]
@@ -192,7 +192,7 @@ class Gate:
             attestation_sha256=digest,
         )
 
-    def _check_policy(self, verified: VerifiedAttestation, now: int) -> None:
+    def check_policy(self, verified: VerifiedAttestation, now: int) -> None:
         d = verified.descriptor
         policy = self.policy
         # 8. The class exists and this attester may attest it (DESIGN §4).

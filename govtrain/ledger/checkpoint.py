@@ -17,7 +17,7 @@ import binascii
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -91,13 +91,21 @@ class NoteSignature:
     signature: bytes
 
 
-def sign_note(text: str, private_key: Ed25519PrivateKey, name: str) -> str:
-    """`text` (ending in a newline) signed as a note by `private_key` under key name `name`."""
+def sign_note(text: str, private_key: Ed25519PrivateKey | Sequence[tuple[Ed25519PrivateKey, str]],
+              name: str | None = None) -> str:
+    """`text` (ending in a newline) signed as a note by `private_key` under key name `name`, or by each
+    (key, name) of a sequence, one signature line each (a note may carry several, c2sp.org/signed-note)."""
     if not text.endswith("\n"):
         raise ValueError("note text ends with a newline")
-    key = NoteKey(name, raw_public_key(private_key.public_key()))
-    signature = private_key.sign(text.encode("utf-8"))
-    return f"{text}\n{_EM_DASH} {name} {base64.b64encode(key.key_id + signature).decode()}\n"
+    signers = [(private_key, name)] if isinstance(private_key, Ed25519PrivateKey) else list(private_key)
+    lines = []
+    for key, key_name in dict.fromkeys(signers):  # the same key under the same name signs once
+        if key_name is None:
+            raise ValueError("every note signature needs a key name")
+        note_key = NoteKey(key_name, raw_public_key(key.public_key()))
+        signature = key.sign(text.encode("utf-8"))
+        lines.append(f"{_EM_DASH} {key_name} {base64.b64encode(note_key.key_id + signature).decode()}\n")
+    return f"{text}\n{''.join(lines)}"
 
 
 def parse_note(note: str | bytes) -> tuple[str, list[NoteSignature]]:
@@ -169,16 +177,32 @@ class Checkpoint:
         return f"{origin}\n{size}\n{base64.b64encode(root).decode()}\n"
 
 
-def sign_checkpoint(origin: str, size: int, root: bytes, private_key: Ed25519PrivateKey,
+def sign_checkpoint(origin: str, size: int, root: bytes,
+                    private_key: Ed25519PrivateKey | Sequence[tuple[Ed25519PrivateKey, str]],
                     name: str | None = None) -> Checkpoint:
-    """A checkpoint for the tree of `size` entries with `root`, signed under key name `name` (the origin)."""
-    note = sign_note(Checkpoint.text(origin, size, root), private_key, name or origin)
+    """A checkpoint for the tree of `size` entries with `root`, signed under key name `name` (the origin),
+    or by every (key, name) of a sequence."""
+    if isinstance(private_key, Ed25519PrivateKey):
+        private_key = [(private_key, name or origin)]
+    note = sign_note(Checkpoint.text(origin, size, root), private_key)
     return Checkpoint(origin, size, root, note)
 
 
-def verify_checkpoint(note: str | bytes, *, origin: str, keys: Iterable[NoteKey]) -> Checkpoint:
-    """Verify a checkpoint note for `origin` under `keys` and parse its tree head (c2sp.org/tlog-checkpoint)."""
-    text, _ = verify_note(note, keys)
+def verify_checkpoint(note: str | bytes, *, origin: str, keys: Iterable[NoteKey],
+                      also_signed_by: Sequence[Iterable[NoteKey]] = ()) -> Checkpoint:
+    """Verify a checkpoint note for `origin` under `keys` and parse its tree head (c2sp.org/tlog-checkpoint).
+
+    Each set in `also_signed_by` must have a key whose signature is on the note too: a checkpoint that
+    first covers a policy change carries a signature by a ledger key of the policy before it."""
+    keys = list(keys)
+    required = [list(group) for group in also_signed_by]
+    text, verified = verify_note(note, keys + [k for group in required for k in group])
+    if not any(k in verified for k in keys):
+        raise NoteError("no signature by a ledger key of the policy in force")
+    for group in required:
+        if not any(k in verified for k in group):
+            raise NoteError("no signature by a ledger key of the policy before the change it covers: "
+                            "the change is not authorised")
     lines = text.split("\n")[:-1]
     if len(lines) < 3 or any(not line for line in lines):
         raise NoteError("checkpoint text needs origin, size and root lines, none empty")

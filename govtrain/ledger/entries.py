@@ -45,7 +45,9 @@ SPECS: dict[str, dict[str, type | tuple[type, ...]]] = {
         **_COMMON,
         "contribution_id": str,
         "admit_leaf": bytes,
+        "run_id": str,                  # the run that wrote this epoch's spend ahead (it alone trains the epoch)
         "epoch": int,
+        "epoch_steps": int,             # the steps that run takes in this ledger epoch
         "steps": int,                   # steps of this epoch in which the contribution is eligible
         "sampling_rate_u": int,         # q, micro-units
         "noise_multiplier_u": int,      # sigma_eff, micro-units, rounded down (more conservative)

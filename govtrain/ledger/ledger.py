@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 import ledger_store
 from govtrain.attest.keys import load_private_key, raw_public_key
 from govtrain.errors import Code, ConfigError, IntegrityError, RejectedError
-from govtrain.ledger.checkpoint import Checkpoint, NoteKey, sign_checkpoint
+from govtrain.ledger.checkpoint import Checkpoint, NoteError, NoteKey, sign_checkpoint, verify_checkpoint
 from govtrain.ledger.entries import (
     decode_entry,
     epoch_entry,
@@ -30,7 +30,9 @@ from govtrain.ledger.entries import (
     summary_entry,
     withdraw_entry,
 )
-from govtrain.ledger.merkle import MerkleTree
+from govtrain.ledger.merkle import CompactRange, MerkleTree
+from govtrain.ledger.signer import SignedHead
+from govtrain.ledger.spend_rules import SpendBook, SpendRuleError, min_sampling_rate_u
 from govtrain.policy.model import Policy
 
 if TYPE_CHECKING:
@@ -57,6 +59,44 @@ def note_keys(policy: Policy) -> list[NoteKey]:
     return [NoteKey(k.name, k.public_key) for k in policy.ledger_keys]
 
 
+class UnauthorisedPolicy(IntegrityError):
+    """A `policy` entry that the policy before it did not sign for (or that renames the ledger)."""
+
+    def __init__(self, seq: int, detail: str) -> None:
+        super().__init__(Code.POLICY_UNAUTHORISED, f"entry {seq}: {detail}")
+        self.seq = seq
+
+
+def authorise_policy_change(seq: int, before: Policy, after: Policy, covering_note: str | None) -> None:
+    """Raise unless the `policy` entry `seq` may replace `before` with `after`: same origin, and the first
+    checkpoint that covers it is signed by a ledger key of `after` *and* one of `before`. Without the
+    second signature, whoever can write the database could list their own keys and sign for them."""
+    if after.origin != before.origin:
+        raise UnauthorisedPolicy(seq, f"a policy change may not rename the ledger ({before.origin!r} to "
+                                      f"{after.origin!r})")
+    if covering_note is None:
+        raise UnauthorisedPolicy(seq, "no checkpoint covers this policy change")
+    try:
+        verify_checkpoint(covering_note, origin=after.origin, keys=note_keys(after),
+                          also_signed_by=[note_keys(before)])
+    except NoteError as e:
+        raise UnauthorisedPolicy(seq, f"the checkpoint that first covers this policy change is not signed by a "
+                                      f"ledger key of the policy before it and one of the new policy ({e.detail})") from e
+
+
+def policy_chain(store: ledger_store.LedgerStore, header: dict) -> list[tuple[int, Policy]]:
+    """(seq, policy) for the header and every `policy` entry, each change authorised by the policy before it."""
+    chain = [(0, Policy.from_record(header["policy"]))]
+    for stored in store.entries(kinds=("policy",)):
+        if stored.body is None:
+            raise IntegrityError(Code.BAD_ENTRY, f"entry {stored.seq}: a policy entry has no body")
+        policy = Policy.from_record(decode_entry(stored.body, seq=stored.seq, kind="policy")["policy"])
+        covering = store.checkpoint_covering(stored.seq)
+        authorise_policy_change(stored.seq, chain[-1][1], policy, covering.note if covering else None)
+        chain.append((stored.seq, policy))
+    return chain
+
+
 class Ledger:
     def __init__(self, store: ledger_store.LedgerStore, policy: Policy, header: dict,
                  key_path: str | os.PathLike | None = None) -> None:
@@ -66,6 +106,7 @@ class Ledger:
         self._key_path = key_path
         self._key = None
         self._nodes = store.node_cache()  # subtree hashes, kept for the life of this Ledger
+        self._header_leaf: bytes | None = None  # names this ledger in the signer's record of its heads
 
     @classmethod
     def open(cls, url: str, *, key: str | os.PathLike | None = None) -> "Ledger":
@@ -77,14 +118,13 @@ class Ledger:
             if first is None or first.kind != "header" or first.body is None:
                 raise IntegrityError(Code.BAD_LEDGER_HEADER, "entry 0 is not a header; the ledger is damaged")
             header = decode_entry(first.body, seq=0, kind="header")
-            policy = Policy.from_record(header["policy"])
-            for stored in store.entries(kinds=("policy",)):
-                if stored.body is not None:
-                    policy = Policy.from_record(decode_entry(stored.body, seq=stored.seq, kind="policy")["policy"])
+            policy = policy_chain(store, header)[-1][1]
         except Exception:
             store.close()
             raise
-        return cls(store, policy, header, key)
+        ledger = cls(store, policy, header, key)
+        ledger._header_leaf = first.leaf_hash
+        return ledger
 
     @classmethod
     def init(cls, url: str, policy: Policy, policy_source_sha256: bytes, *, key_path: str | os.PathLike,
@@ -127,26 +167,99 @@ class Ledger:
         return self._key
 
     @contextmanager
-    def append(self, now: int | None = None) -> Iterator[ledger_store.Appender]:
-        """A write transaction that ends by signing a checkpoint of the tree it leaves behind."""
+    def append(self, now: int | None = None, *, cosigners: Sequence[tuple[object, str]] = (),
+               signed_under: Policy | None = None) -> Iterator[ledger_store.Appender]:
+        """A write transaction that ends by signing a checkpoint of the tree it leaves behind.
+
+        Before signing, the signer proves that tree extends the one it signed last (`_signed_prefix`),
+        computes the new root from that head and the new leaf hashes alone, refuses entries whose times
+        run backwards, and checks the stored subtree hashes against the root before storing more.
+        `signed_under` is the policy whose keys signed the tree so far (default: the current one)."""
         now = int(_time.time()) if now is None else now
         key = self.signing_key()
+        signers = [(key, self._key_name(key)), *cosigners]
         cache = self._nodes
+        head = None
         try:
             with self.store.append() as appender:
                 yield appender
                 appender.flush()
-                size = appender.next_seq
+                first, size = appender.first_seq, appender.next_seq
+                _check_times(appender)
+                header_leaf = self._header_leaf or (appender.added[0].leaf_hash if first == 0 and appender.added
+                                                    else None)
+                if header_leaf is None:
+                    raise IntegrityError(Code.BAD_LEDGER_HEADER, "the ledger has no header entry")
+                head = SignedHead.of(self._signing_key_path(), header_leaf)
+                head.prepare()
+                tree = self._signed_prefix(appender, head, signed_under or self.policy)
+                for leaf in appender.leaf_hashes(first, size):
+                    tree.append(leaf)
+                root = tree.root()
                 cache.lookup = appender.node  # inside the transaction: sees only committed subtrees
-                root = MerkleTree(appender.leaf_hashes, size, cache=cache,
-                                  min_cached_height=ledger_store.PERSISTED_NODE_HEIGHT).root()
+                if MerkleTree(appender.leaf_hashes, size, cache=cache,
+                              min_cached_height=ledger_store.PERSISTED_NODE_HEIGHT).root() != root:
+                    raise IntegrityError(Code.FORK, "the database's leaf hashes or stored subtree hashes (tree_nodes) "
+                                                    "disagree with the tree this key signed: it was altered; "
+                                                    "run govtrain-verify")
                 cache.flush(appender.connection)
-                checkpoint = sign_checkpoint(self.policy.origin, size, root, key, self._key_name(key))
+                checkpoint = sign_checkpoint(self.policy.origin, size, root, signers)
                 appender.add_checkpoint(size, root, checkpoint.note, now)
         except BaseException:
             cache.rollback()
             raise
         cache.commit()
+        self._header_leaf = header_leaf
+        head.save(tree)
+
+    def _signed_prefix(self, appender: ledger_store.Appender, head: SignedHead, policy: Policy) -> CompactRange:
+        """The tree of the entries before this write, as this signer knows it was signed.
+
+        From the head this key last signed here (kept outside the database), extended by any entries that
+        other writers holding a ledger key appended and signed since; the database's latest checkpoint must
+        be exactly that tree head. A key with no record for this ledger (its first write here) takes the
+        database as it is, once, after checking it against its latest signed checkpoint."""
+        first = appender.first_seq
+        latest = appender.latest_checkpoint()
+        tree = head.load()
+        if tree is None:
+            tree = CompactRange()
+            for leaf in appender.leaf_hashes(0, first):
+                tree.append(leaf)
+        elif tree.size > first:
+            raise IntegrityError(Code.ROLLBACK, f"this key signed {tree.size} entries of this ledger but the database "
+                                                f"holds {first}: it was rolled back or truncated; restore it")
+        else:
+            for leaf in appender.leaf_hashes(tree.size, first):
+                tree.append(leaf)
+        if first == 0:
+            return tree
+        if latest is None or latest.size != first or latest.root != tree.root():
+            raise IntegrityError(Code.FORK, f"the database's entries or checkpoints differ from the {first} entries "
+                                            "signed so far (an entry was altered or a checkpoint removed): this key "
+                                            "will not sign them; run govtrain-verify")
+        try:
+            verify_checkpoint(latest.note, origin=policy.origin, keys=note_keys(policy))
+        except NoteError as e:
+            raise IntegrityError(Code.FORK, f"the database's latest checkpoint does not verify ({e.detail}): this "
+                                            "key will not sign on top of it; run govtrain-verify") from e
+        return tree
+
+    def dated(self, appender: ledger_store.Appender, now: int) -> int:
+        """The time to give entries written in `appender`'s transaction: `now`, or the last entry's time
+        where `now` is behind it by no more than the policy's clock skew (a writer that waited for the lock
+        behind a later-dated one). Entry times never decrease; a clock further behind is refused."""
+        last = appender.last_time()
+        if last is None or now >= last:
+            return now
+        if last - now <= self.policy.clock_skew_s:
+            return last
+        raise RejectedError(Code.CLOCK_BEHIND, f"this machine's clock ({now}) is {last - now} s behind the ledger's "
+                                               f"last entry ({last}), more than the policy's clock skew "
+                                               f"({self.policy.clock_skew_s} s): entry times never decrease; fix the clock")
+
+    def _signing_key_path(self) -> str:
+        return str(self._key_path or os.environ.get(KEY_ENV) or self.store.setting(LEDGER_KEY_SETTING))
 
     def _key_name(self, key) -> str:
         raw = raw_public_key(key.public_key())
@@ -210,30 +323,46 @@ class Ledger:
 
     # -- writes --------------------------------------------------------------------------
 
-    def close_epoch(self, now: int | None = None) -> int:
-        """Append the `epoch` entry that closes the current epoch (and sign the checkpoint)."""
+    def close_epoch(self, now: int | None = None, *, epoch: int | None = None) -> int | None:
+        """Append the `epoch` entry that closes the current epoch (and sign the checkpoint). With `epoch`,
+        close it only if it is still the current one (another run may have closed it): returns the epoch
+        closed, or None when there was nothing to close."""
         now = int(_time.time()) if now is None else now
-        with self.append(now) as appender:
-            epoch = appender.count_kind("epoch")  # under the write lock: racing closers cannot collide
-            appender.add("epoch", now, lambda seq: epoch_entry(seq, now, epoch))
-        return epoch
+        try:
+            with self.append(now) as appender:
+                current = appender.count_kind("epoch")  # under the write lock: racing closers cannot collide
+                if epoch is not None and current != epoch:
+                    raise _Unchanged
+                t = self.dated(appender, now)
+                appender.add("epoch", t, lambda seq: epoch_entry(seq, t, current))
+        except _Unchanged:
+            return None
+        return current
 
     def change_policy(self, policy: Policy, policy_source_sha256: bytes, reason: str, *, now: int | None = None,
                       key: str | os.PathLike | None = None) -> ledger_store.StoredEntry:
         """Append a `policy` entry: `policy` governs every entry after it. The checkpoint that records the
-        change is signed by `key` (default: the current key), which must be one of the new policy's keys."""
+        change is signed by `key` (default: the current key), which must be one of the new policy's keys,
+        and by the current key, which must be one of the current policy's: a change is authorised by the
+        policy it replaces (the verifier and `Ledger.open` require both signatures)."""
         now = int(_time.time()) if now is None else now
-        new_key = _load_ledger_key(key, policy) if key is not None else self.signing_key()
+        old_policy, old_key, old_path = self.policy, self.signing_key(), self._key_path
+        if policy.origin != old_policy.origin:
+            raise ConfigError(Code.POLICY_INVALID, f"a policy change keeps the ledger's origin ({old_policy.origin!r})")
+        authority = (old_key, self._key_name(old_key))
+        new_key = _load_ledger_key(key, policy) if key is not None else old_key
         if raw_public_key(new_key.public_key()) not in {k.public_key for k in policy.ledger_keys}:
             raise ConfigError(Code.KEY_MISMATCH, "the new policy does not list the key that would sign it")
-        old_policy, old_key = self.policy, self._key
         self.policy, self._key = policy, new_key
+        if key is not None:
+            self._key_path = key
         try:
-            with self.append(now) as appender:
-                stored = appender.add("policy", now, lambda seq: policy_entry(seq, now, policy, policy_source_sha256,
-                                                                             reason))
+            with self.append(now, cosigners=[authority], signed_under=old_policy) as appender:
+                t = self.dated(appender, now)
+                stored = appender.add("policy", t, lambda seq: policy_entry(seq, t, policy, policy_source_sha256,
+                                                                           reason))
         except Exception:
-            self.policy, self._key = old_policy, old_key
+            self.policy, self._key, self._key_path = old_policy, old_key, old_path
             raise
         if key is not None:
             self.store.set_setting(LEDGER_KEY_SETTING, str(Path(key).resolve()))
@@ -255,20 +384,22 @@ class Ledger:
             raise ConfigError(Code.BAD_ARGUMENT, "--reason must be 1-1024 characters")
         try:
             with self.append(now) as appender:
+                t = self.dated(appender, now)
                 stored = appender.add(
-                    "withdraw", now, lambda seq: withdraw_entry(seq, now, contribution_id, admit.leaf_hash, reason),
+                    "withdraw", t, lambda seq: withdraw_entry(seq, t, contribution_id, admit.leaf_hash, reason),
                     withdrawal={"contribution_id": contribution_id})
         except ledger_store.Conflict as e:
             raise RejectedError(Code.ALREADY_WITHDRAWN, f"{contribution_id!r} is already withdrawn") from e
         return stored
 
-    def record_spend(self, epoch: int, sampling_rate_u: int, spends: "Sequence[tuple[str, int, int, int]]",
-                     now: int | None = None) -> list[ledger_store.StoredEntry]:
-        """Write ahead one ledger epoch's spend (DESIGN §5): for each (contribution_id, steps, sigma_eff_u,
-        eps_u), a `spend` entry, all in one transaction with the checkpoint that covers them, before any
-        of the epoch's steps run. Refuses the whole batch (writing nothing) if any record breaks a rule the
-        verifier applies: unknown, withdrawn or compacted contribution, a second spend in the epoch, a
-        multiplier below the signed one, a cumulative epsilon that falls or exceeds the signed budget."""
+    def record_spend(self, epoch: int, sampling_rate_u: int, spends: "Sequence[tuple[str, int, int, int]]", *,
+                     run_id: str, epoch_steps: int, now: int | None = None) -> list[ledger_store.StoredEntry]:
+        """Write ahead one ledger epoch's spend for run `run_id`, which takes `epoch_steps` steps in it
+        (DESIGN §5): for each (contribution_id, steps, sigma_eff_u, eps_u), a `spend` entry, all in one
+        transaction with the checkpoint that covers them, before any of the epoch's steps run. Refuses the
+        whole batch (writing nothing) if any record breaks a rule the verifier applies: unknown, withdrawn or
+        compacted contribution, a multiplier below the signed one, a cumulative epsilon that falls or exceeds
+        the signed budget, or a rule of `spend_rules` (another run holds the epoch: `epoch_held`)."""
         now = int(_time.time()) if now is None else now
         policy = self.policy
         if policy.sampling_rate_u is not None and sampling_rate_u != policy.sampling_rate_u:
@@ -285,7 +416,10 @@ class Ledger:
             if admit is None or admit.body is None:
                 raise RejectedError(Code.REDACTED, f"{contribution_id!r} was summarized by retention and is retired")
             entry = decode_entry(admit.body, seq=admit.seq, kind="admit")
-            if steps < 1 or sigma_u < entry["noise_multiplier_u"] or eps_u > entry["eps_budget_u"]:
+            if entry["contribution_id"] != contribution_id:
+                raise IntegrityError(Code.INDEX_MISMATCH, f"the admissions index points {contribution_id!r} at entry "
+                                                          f"{admit.seq}, which admits {entry['contribution_id']!r}")
+            if sigma_u < entry["noise_multiplier_u"] or eps_u > entry["eps_budget_u"]:
                 raise RejectedError(Code.BUDGET_EXCEEDED,
                                     f"spend for {contribution_id!r} ({steps} steps, sigma {sigma_u}, epsilon {eps_u}) "
                                     f"breaks its signed bounds (sigma >= {entry['noise_multiplier_u']}, "
@@ -294,25 +428,48 @@ class Ledger:
         if len(signed) != len(spends):
             raise ConfigError(Code.BAD_ARGUMENT, "a contribution appears twice in one epoch's spend")
         with self.append(now) as appender:
-            if appender.count_kind("epoch") != epoch:
-                raise ConfigError(Code.BAD_ARGUMENT, f"spend for epoch {epoch} while the ledger is in epoch "
-                                                     f"{appender.count_kind('epoch')}")
-            withdrawn = self.store.withdrawals()
-            latest = self._latest_spend(set(signed))
+            t = self.dated(appender, now)
+            book, live_records, withdrawn = self._spend_state()
+            floor = (min_sampling_rate_u(policy.expected_batch_size, live_records)
+                     if policy.expected_batch_size is not None else None)
+            ledger_epoch = appender.count_kind("epoch")
             stored = []
             for contribution_id, steps, sigma_u, eps_u in spends:
                 leaf, _ = signed[contribution_id]
                 if contribution_id in withdrawn:
                     raise RejectedError(Code.ALREADY_WITHDRAWN, f"{contribution_id!r} was withdrawn: no more spend")
-                last_epoch, last_eps = latest.get(contribution_id, (-1, 0))
-                if last_epoch == epoch or eps_u < last_eps:
-                    raise RejectedError(Code.BUDGET_EXCEEDED, f"{contribution_id!r}: spend already written for epoch "
-                                                             f"{epoch}, or epsilon {eps_u} below the recorded {last_eps}")
-                fields = dict(contribution_id=contribution_id, admit_leaf=leaf, epoch=epoch, steps=steps,
-                              sampling_rate_u=sampling_rate_u, noise_multiplier_u=sigma_u,
-                              accountant=policy.accountant, delta_p=policy.delta_p, eps_u=eps_u)
-                stored.append(appender.add("spend", now, functools.partial(_spend_at, now=now, fields=fields)))
+                fields = dict(contribution_id=contribution_id, admit_leaf=leaf, run_id=run_id, epoch=epoch,
+                              epoch_steps=epoch_steps, steps=steps, sampling_rate_u=sampling_rate_u,
+                              noise_multiplier_u=sigma_u, accountant=policy.accountant, delta_p=policy.delta_p,
+                              eps_u=eps_u)
+                try:
+                    book.check(fields, ledger_epoch=ledger_epoch, steps_per_epoch=policy.steps_per_epoch,
+                               min_rate_u=floor)
+                except SpendRuleError as e:
+                    error = RejectedError if e.code in (Code.EPOCH_HELD, Code.BUDGET_EXCEEDED) else ConfigError
+                    raise error(e.code, e.detail) from e
+                book.add(fields)
+                stored.append(appender.add("spend", t, functools.partial(_spend_at, now=t, fields=fields)))
         return stored
+
+    def spend_book(self) -> SpendBook:
+        """The recorded spend, as the rules a new spend must meet read it."""
+        return self._spend_state()[0]
+
+    def _spend_state(self) -> tuple[SpendBook, int, set[str]]:
+        """(the spend book, records of the contributions admitted and not withdrawn, the withdrawn ids)."""
+        book, records, withdrawn = SpendBook(), {}, set()
+        for stored in self.store.entries(start=1, kinds=("admit", "spend", "withdraw")):
+            if stored.body is None:
+                continue
+            entry = decode_entry(stored.body, seq=stored.seq, kind=stored.kind)
+            if stored.kind == "spend":
+                book.add(entry)
+            elif stored.kind == "admit":
+                records[entry["contribution_id"]] = entry["records"]
+            else:
+                withdrawn.add(entry["contribution_id"])
+        return book, sum(n for cid, n in records.items() if cid not in withdrawn), withdrawn
 
     def record_run(self, run_id: str, mechanism: str, config_sha256: bytes, base_model_sha256: bytes,
                    adapter_sha256: bytes | None, now: int | None = None) -> ledger_store.StoredEntry:
@@ -323,18 +480,10 @@ class Ledger:
             raise ValueError(f"unknown mechanism {mechanism!r}: one of {', '.join(MECHANISMS)}")
         now = int(_time.time()) if now is None else now
         with self.append(now) as appender:
-            return appender.add("run", now, lambda seq: run_entry(
-                seq, now, run_id=run_id, mechanism=mechanism, config_sha256=config_sha256,
+            t = self.dated(appender, now)
+            return appender.add("run", t, lambda seq: run_entry(
+                seq, t, run_id=run_id, mechanism=mechanism, config_sha256=config_sha256,
                 base_model_sha256=base_model_sha256, adapter_sha256=adapter_sha256))
-
-    def _latest_spend(self, contributions: set[str]) -> dict[str, tuple[int, int]]:
-        latest: dict[str, tuple[int, int]] = {}
-        for stored in self.store.entries(start=1, kinds=("spend",)):
-            if stored.body is not None:
-                entry = decode_entry(stored.body, seq=stored.seq, kind="spend")
-                if entry["contribution_id"] in contributions:
-                    latest[entry["contribution_id"]] = (entry["epoch"], entry["eps_u"])
-        return latest
 
     def compact(self, before_epoch: int, now: int | None = None) -> list[ledger_store.StoredEntry]:
         """Retention: summarize the admit, spend and withdraw entries of epochs < `before_epoch`, per class,
@@ -388,6 +537,23 @@ class Ledger:
                              summary={"data_class": data_class, "first_seq": first, "last_seq": last})
             appender.redact([s.seq for s in summarized])
         return summarized
+
+
+class _Unchanged(Exception):
+    """Raised inside `Ledger.append` to write nothing (the transaction rolls back)."""
+
+
+def _check_times(appender: ledger_store.Appender) -> None:
+    """Entry times never decrease along the ledger (the verifier checks it too): an operator cannot
+    backdate an entry to before one already written, such as an admission to before its attestation
+    expired. A clock that reads earlier than the last entry is refused, not silently corrected."""
+    previous = appender.last_time()
+    for stored in appender.added:
+        if previous is not None and stored.time < previous:
+            raise RejectedError(Code.CLOCK_BEHIND, f"entry {stored.seq} would be dated {stored.time}, before the "
+                                                   f"entry ahead of it ({previous}): entry times never decrease; "
+                                                   "check this machine's clock")
+        previous = stored.time
 
 
 def _spend_at(seq: int, *, now: int, fields: dict) -> bytes:

@@ -32,6 +32,7 @@ class _Admitted:
     history: list[tuple[int, int, int]]
     eps_u: int = 0
     last_epoch: int = -1
+    retired: bool = False  # its last spend covered part of its epoch: the budget allows no more steps
 
 
 def read_corpus(ledger: Ledger) -> tuple[dict[str, _Admitted], set[str], int]:
@@ -56,6 +57,7 @@ def read_corpus(ledger: Ledger) -> tuple[dict[str, _Admitted], set[str], int]:
             spent = admitted[cid]
             spent.history.append((entry["sampling_rate_u"], entry["noise_multiplier_u"], entry["steps"]))
             spent.eps_u, spent.last_epoch = entry["eps_u"], entry["epoch"]
+            spent.retired = entry["steps"] < entry["epoch_steps"]
     return admitted, withdrawn, compacted
 
 
@@ -90,7 +92,8 @@ def plan_run(ledger: Ledger, steps: int, expected_batch_size: int | None = None,
     if any(a.last_epoch == epoch for a in eligible.values()):
         epoch += 1  # this epoch's spend is already written ahead: the run's steps start at the next one
     cohorts = cohorts_of([a.member for a in eligible.values()],
-                         {cid: (tuple(a.history), a.eps_u) for cid, a in eligible.items()})
+                         {cid: (tuple(a.history), a.eps_u) for cid, a in eligible.items()},
+                         [cid for cid, a in eligible.items() if a.retired])
     start = {id(c): c.eps_u for c in cohorts}
     with SpendCalculator(policy.accountant, policy.delta_p, workers=workers) as calculator:
         scheduler = Scheduler(calculator, class_groups, sampling_rate_u=q_u, steps_per_epoch=steps_per_epoch)

@@ -90,18 +90,22 @@ class EpochPlan:
                       for spend in self.spends if spend.steps for member in spend.cohort.members)
 
 
-def cohorts_of(members: Iterable[Member], histories: Mapping[str, tuple[History, int]] | None = None) -> list[Cohort]:
+def cohorts_of(members: Iterable[Member], histories: Mapping[str, tuple[History, int]] | None = None,
+               retired: Iterable[str] = ()) -> list[Cohort]:
     """Group contributions that the accountant cannot tell apart; `histories` maps an id to its
-    recorded (history in epoch order, cumulative eps_u)."""
+    recorded (history in epoch order, cumulative eps_u). `retired` ones (the ledger charged them for
+    part of an epoch: their budget is spent) are never eligible again."""
     histories = histories or {}
+    retired = set(retired)
     by_key: dict[tuple, Cohort] = {}
     for m in members:
         history, eps_u = histories.get(m.contribution_id, ((), 0))
-        key = (m.data_class, m.clip_norm_u, m.noise_multiplier_u, m.eps_budget_u, tuple(history), eps_u)
+        done = m.contribution_id in retired
+        key = (m.data_class, m.clip_norm_u, m.noise_multiplier_u, m.eps_budget_u, tuple(history), eps_u, done)
         cohort = by_key.get(key)
         if cohort is None:
             cohort = by_key[key] = Cohort(m.data_class, m.clip_norm_u, m.noise_multiplier_u, m.eps_budget_u, set(),
-                                          tuple(history), eps_u)
+                                          tuple(history), eps_u, 0 if done else None)
         cohort.members.add(m.contribution_id)
     return list(by_key.values())
 

@@ -70,14 +70,27 @@ def _load_state(path: Path, config: RunConfig) -> dict | None:
     return state
 
 
-def _spend_written(ledger: Ledger, epoch: int) -> bool:
-    """Whether this epoch's write-ahead spend is already in the ledger (a resumed run must not write it
-    twice). Spend is written for a whole epoch in one transaction, so any entry of the epoch says so."""
-    from govtrain.ledger.entries import decode_entry
-
-    for stored in ledger.store.entries(start=1, kinds=("spend",)):
-        if stored.body is not None and decode_entry(stored.body, seq=stored.seq, kind="spend")["epoch"] == epoch:
+def _write_ahead(ledger: Ledger, pending: dict, run_id: str, q_u: int, gone, now: Callable[[], int], log: LOG) -> bool:
+    """Make sure this run's spend for the pending ledger epoch is in the ledger before its steps run
+    (DESIGN §5). True when it is: written now, or written by this same run before a kill. False when
+    another run holds the epoch (its write-ahead charged its own steps, not ours): that epoch is then
+    closed, if it is still open, and the caller plans the next one. Any spend that is not this run's
+    never lets this run's steps go uncharged."""
+    epoch = pending["epoch"]
+    holder = ledger.spend_book().holder(epoch)
+    if holder is None and ledger.epoch() == epoch:
+        records = [r for r in pending["spend"] if r[0] not in gone]  # withdrawn after the plan was saved
+        try:
+            ledger.record_spend(epoch, q_u, records, run_id=run_id, epoch_steps=pending["steps"], now=now())
             return True
+        except GovtrainError as e:  # a concurrent run got the epoch first, or closed it
+            holder = ledger.spend_book().holder(epoch)
+            if e.code is not Code.EPOCH_HELD and ledger.epoch() == epoch:
+                raise
+    if holder == run_id:
+        return True
+    log(f"ledger epoch {epoch} is held by {holder or 'a closed epoch'}: planning the next epoch")
+    ledger.close_epoch(now=now(), epoch=epoch)
     return False
 
 
@@ -180,6 +193,18 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
         if not present:
             raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.data: no file in {config.data_dir} matches an "
                                                        "admitted, not withdrawn contribution")
+        def corpus_now():
+            """(cohorts, q_u, expected batch) from what the ledger says now: other runs may have charged these
+            contributions, and some may have withdrawn or retired, since this run started."""
+            recorded, withdrawn_now, _ = read_corpus(ledger)
+            live = sorted(c for c in present if c not in withdrawn_now and c in recorded)
+            q, batch = sampling_rate_for(policy, config.file.training.expected_batch_size,
+                                         sum(recorded[c].records for c in live), option="training.expected_batch_size",
+                                         code=Code.RUN_CONFIG_INVALID)
+            return cohorts_of([recorded[c].member for c in live],
+                              {c: (tuple(recorded[c].history), recorded[c].eps_u) for c in live},
+                              [c for c in live if recorded[c].retired]), q, batch
+
         records = sum(admitted[c].records for c in present)
         q_u, expected_batch = sampling_rate_for(policy, config.file.training.expected_batch_size, records,
                                                 option="training.expected_batch_size", code=Code.RUN_CONFIG_INVALID)
@@ -189,7 +214,7 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
         check_weight_decay(resolution, config.file.optimizer.weight_decay)
         router = Router(model, resolution, mechanism=config.file.training.mechanism, insecure_seed=insecure_seed)
         update = Update.build(model, config.file)
-        sampler = PoissonSampler(q_u / units.MICRO, insecure_seed=insecure_seed)
+        sampler = PoissonSampler(q_u / units.MICRO, insecure_seed=insecure_seed)  # q is set again per epoch
         calculator = SpendCalculator(policy.accountant, policy.delta_p)
         epoch_steps = config.file.training.epoch_steps or policy.steps_per_epoch
         if epoch_steps > policy.steps_per_epoch:
@@ -199,7 +224,6 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
         ids = sorted(present)
         position = {c: i for i, c in enumerate(ids)}
         members = [admitted[c].member for c in ids]
-        cohorts = cohorts_of(members, {c: (tuple(admitted[c].history), admitted[c].eps_u) for c in present})
         owner = np.array([position[c] for c in examples.owner], dtype=np.int64)  # example -> index in ids
         signed_clip = {m.contribution_id: m.clip_norm_u / units.MICRO for m in members}
         classes = {m.contribution_id: m.data_class for m in members}
@@ -238,16 +262,17 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
         done_here = 0
         while result.steps < total:
             gone = ledger.store.withdrawals()
-            for cohort in cohorts:  # withdrawn since the run started: no more planning, sampling or spend
-                cohort.members -= gone.keys()
             if pending is None:
+                cohorts, q_u, expected_batch = corpus_now()
                 if not any(c.eligible for c in cohorts):
                     result.exhausted = True
                     break
                 epoch = ledger.epoch()
                 steps = min(epoch_steps, total - result.steps)
+                scheduler.sampling_rate_u = q_u
                 plan = scheduler.plan_epoch(cohorts, epoch, result.steps, steps)
-                pending = {"epoch": epoch, "first_step": result.steps, "steps": steps,
+                pending = {"epoch": epoch, "first_step": result.steps, "steps": steps, "q_u": q_u,
+                           "expected_batch": expected_batch,
                            "allowed": {m: s.steps for s in plan.spends for m in s.cohort.members},
                            "group_std": {tuple(sorted(g)): plan.group_std(g) for g in plan.group_noise_pu},
                            "spend": plan.spend_records(), "eps": {s.cohort.data_class: 0 for s in plan.spends}}
@@ -255,9 +280,12 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
                     pending["eps"][spend.cohort.data_class] = max(pending["eps"][spend.cohort.data_class], spend.eps_u)
                 save(pending)  # the plan first: a kill between here and the spend cannot lose it
             epoch, first, steps = pending["epoch"], pending["first_step"], pending["steps"]
-            if pending["spend"] and not _spend_written(ledger, epoch):
-                records = [r for r in pending["spend"] if r[0] not in gone]  # withdrawn after the plan was saved
-                ledger.record_spend(epoch, q_u, records, now=now())  # write-ahead, then train
+            q_u, expected_batch = pending["q_u"], pending["expected_batch"]
+            if pending["spend"] and not _write_ahead(ledger, pending, run_id, q_u, gone, now, log):
+                pending = None  # another run holds this ledger epoch: plan the next one
+                save(None)
+                continue
+            sampler.sampling_rate = q_u / units.MICRO
             allowed = np.array([pending["allowed"].get(c, 0) for c in ids], dtype=np.int64)  # steps per contribution
             group_std = {frozenset(k): v for k, v in pending["group_std"].items()}
             epsilons = " ".join(f"{n} ε {v / units.MICRO:.3f}" for n, v in sorted(pending["eps"].items()))
@@ -294,7 +322,7 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
                     save(pending)
                 if interrupt_after_steps is not None and done_here >= interrupt_after_steps:
                     raise KeyboardInterrupt(f"test hook: interrupted after {done_here} steps")
-            ledger.close_epoch(now=now())
+            ledger.close_epoch(now=now(), epoch=epoch)  # unless another run already closed it
             result.epochs.append(epoch)
             for name in policy.classes:
                 result.eps_by_class.setdefault(name, []).append(pending["eps"].get(name, 0) / units.MICRO

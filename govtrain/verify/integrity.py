@@ -14,7 +14,7 @@ import ledger_store
 from govtrain.errors import Code, IntegrityError
 from govtrain.ledger.checkpoint import NoteError, verify_checkpoint
 from govtrain.ledger.entries import decode_entry
-from govtrain.ledger.ledger import note_keys
+from govtrain.ledger.ledger import UnauthorisedPolicy, note_keys, policy_chain
 from govtrain.ledger.merkle import fold_right
 from govtrain.policy.model import Policy
 
@@ -27,6 +27,14 @@ class _Failure(IntegrityError):
         super().__init__(code, detail)
         self.seq = seq
         self.checkpoint = checkpoint
+
+
+def fork_detail(size: int, agreed: int) -> str:
+    """What a trusted checkpoint that this ledger contradicts says about where the two differ."""
+    where = (f"entries 0..{size - 1}" if agreed == 0 else
+             f"entries {agreed}..{size - 1} (the first {agreed} agree with an earlier trusted checkpoint)")
+    return (f"the first {size} entries are not the ones the trusted checkpoint signed: the ledger forked; the first "
+            f"differing entry is among {where}")
 
 
 def _build_levels(leaves: list[bytes]) -> list[list[bytes]]:
@@ -131,12 +139,14 @@ def _integrity(store: ledger_store.LedgerStore, report: VerificationReport, trus
     header = decode_entry(first.body, seq=0, kind="header") if first and first.body else None
     if header is None:
         raise _Failure(Code.BAD_LEDGER_HEADER, "entry 0 is not a header", seq=0)
-    policies = [(0, Policy.from_record(header["policy"]))]
-    for stored in store.entries(kinds=("policy",)):
-        if stored.body is not None:
-            policies.append((stored.seq, Policy.from_record(decode_entry(stored.body, seq=stored.seq,
-                                                                         kind="policy")["policy"])))
+    try:
+        policies = policy_chain(store, header)  # each change authorised by the policy before it
+    except UnauthorisedPolicy as e:
+        raise _Failure(e.code, e.detail, seq=e.seq) from e
     keys = {id(p): note_keys(p) for _, p in policies}
+
+    def policy_at(size: int) -> Policy:
+        return [p for seq, p in policies if seq < max(min(size, total), 1)][-1]
 
     # 6. Signatures first (cheap), so that the sizes whose roots must be checked are known.
     checkpoints = store.checkpoints()
@@ -148,7 +158,7 @@ def _integrity(store: ledger_store.LedgerStore, report: VerificationReport, trus
             raise _Failure(Code.BAD_CHECKPOINT, f"checkpoint {stored.id} is smaller than the one before it",
                            checkpoint=stored.id)
         previous = stored.size
-        policy = [p for seq, p in policies if seq < min(stored.size, total)][-1]
+        policy = policy_at(stored.size)
         try:
             checkpoint = verify_checkpoint(stored.note, origin=policy.origin, keys=keys[id(policy)])
         except NoteError as e:
@@ -156,13 +166,18 @@ def _integrity(store: ledger_store.LedgerStore, report: VerificationReport, trus
             raise _Failure(Code.BAD_CHECKPOINT, f"checkpoint {stored.id}: {e.detail}", checkpoint=stored.id,
                            seq=good) from e
         signed.append((stored, checkpoint))
-    policy = policies[-1][1]
     trusted_checkpoints = []
     for note in trusted:
         try:
+            size = int(note.split("\n")[1])
+        except (IndexError, ValueError):
+            size = total
+        policy = policy_at(size)
+        try:
             trusted_checkpoints.append(verify_checkpoint(note, origin=policy.origin, keys=keys[id(policy)]))
         except NoteError as e:
-            raise _Failure(Code.FORK, f"a trusted checkpoint is not signed by this ledger's key ({e.detail})") from e
+            raise _Failure(Code.FORK, f"a trusted checkpoint is not signed by a ledger key in force at its size "
+                                      f"({e.detail})") from e
     sizes = {c.size for _, c in signed if c.size <= total} | {c.size for c in trusted_checkpoints if c.size <= total}
     wanted = sorted({part for size in sizes if size for part in prefix_parts(size)})
 
@@ -192,7 +207,6 @@ def _integrity(store: ledger_store.LedgerStore, report: VerificationReport, trus
             raise _Failure(Code.ROLLBACK, f"a trusted checkpoint signs {checkpoint.size} entries but this ledger "
                            f"holds {total}", seq=total)
         if root(checkpoint.size) != checkpoint.root:
-            raise _Failure(Code.FORK, f"the first {checkpoint.size} entries are not the ones the trusted "
-                           "checkpoint signed", seq=agreed)
+            raise _Failure(Code.FORK, fork_detail(checkpoint.size, agreed), seq=agreed)
         agreed = checkpoint.size
     report.trusted_checkpoints = len(trusted_checkpoints)

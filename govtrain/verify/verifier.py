@@ -9,16 +9,19 @@ One pass over the entries, in the order an auditor would check them:
      with screened keys; each governs the entries after it;
   5. per kind: every admit's attestation verifies under the trust store and matches the entry
      (unless `attestations=False`); withdrawals name an admitted, not yet withdrawn contribution
-     and its admit leaf; epochs count up from 0; spends name an eligible contribution, carry the
-     policy's accountant, δ and q, σ_eff at least the signed σ, a cumulative ε that never falls and
-     never exceeds the signed budget, and, given an accountant, at least what the recorded history
-     implies (the seam `SpendAccountant`);
+     and its admit leaf; epochs count up from 0; entry times never decrease; spends name an eligible
+     contribution, carry the policy's accountant, δ and q (or, where the policy sets an expected batch
+     size, a q no lower than it over the live records), σ_eff at least the signed σ, a cumulative ε that
+     never falls and never exceeds the signed budget, meet `spend_rules` (one run per epoch, steps
+     bounded by the epoch, fewer only where the contribution retires), and, given an accountant, at
+     least what the recorded history implies (the seam `SpendAccountant`);
   6. the root of every checkpointed prefix equals the checkpoint's root, and every checkpoint is a
-     signed note by a ledger key of the policy in force, for the policy's origin;
+     signed note by a ledger key of the policy in force, for the policy's origin; the first one to
+     cover a `policy` entry is also signed by a ledger key of the policy before it;
   7. the last checkpoint covers every entry (the ledger signs each state it reaches: an unsigned
      tail is a forgery) and no checkpoint covers entries the ledger lacks (truncation);
-  8. every checkpoint the auditor already trusts is signed by the ledger's key and is a prefix of
-     this ledger (else rollback or fork);
+  8. every checkpoint the auditor already trusts is signed by a ledger key in force at its size and
+     is a prefix of this ledger (else rollback or fork);
   9. exactly the entries each compaction summarized were redacted (range hash and count);
  10. the admissions, withdrawals and summaries indexes say exactly what the entries say.
 """
@@ -34,11 +37,12 @@ from govtrain.errors import Code, GovtrainError, IntegrityError
 from govtrain.gate.gate import Gate
 from govtrain.ledger.checkpoint import Checkpoint, NoteError, verify_checkpoint
 from govtrain.ledger.entries import decode_entry
-from govtrain.ledger.ledger import note_keys, store_errors
+from govtrain.ledger.ledger import UnauthorisedPolicy, authorise_policy_change, note_keys, store_errors
+from govtrain.ledger.spend_rules import SpendBook, SpendRuleError, min_sampling_rate_u
 from govtrain.mechanisms import MECHANISMS
 from govtrain.policy.model import Policy
 from govtrain.ledger.merkle import CompactRange, root_of
-from govtrain.verify.integrity import _Failure, _integrity
+from govtrain.verify.integrity import _Failure, _integrity, fork_detail
 
 # (accountant name, delta_p, [(sampling_rate_u, noise_multiplier_u, steps), ...]) -> epsilon in
 # micro-units, rounded up. Issue 4's accountants plug in here.
@@ -89,6 +93,7 @@ class _Contribution:
     data_class: str
     noise_multiplier_u: int
     eps_budget_u: int
+    records: int
     withdrawn_at: int | None = None
     eps_u: int = 0
     epochs: set[int] = field(default_factory=set)
@@ -155,6 +160,11 @@ class _Audit:
         self.redacted: list[tuple[int, str, bytes]] = []
         self.tree = CompactRange()
         self.verified_checkpoints: list[tuple[int, bytes]] = []  # (size, root) that matched
+        self.policies: list[tuple[int, Policy]] = []  # (seq, policy) in ledger order: what governs which size
+        self.unauthorised: list[tuple[int, Policy]] = []  # policy entries no checkpoint has covered yet
+        self.book = SpendBook()
+        self.live_records = 0  # records of the contributions admitted and not withdrawn, so far
+        self.last_time = 0
 
     def run(self, trusted: Sequence[str]) -> None:
         checkpoints = self.store.checkpoints()
@@ -215,6 +225,10 @@ class _Audit:
             raise _Failure(e.code, e.detail, seq=seq) from e
         if entry["time"] != stored.time:
             raise _Failure(Code.BAD_ENTRY, f"entry {seq}: time column disagrees with the entry", seq=seq)
+        if entry["time"] < self.last_time:
+            raise _Failure(Code.TIME_REVERSED, f"entry {seq} is dated {entry['time']}, before the entry ahead of it "
+                           f"({self.last_time}): a ledger's times never go back", seq=seq)
+        self.last_time = entry["time"]
         if (seq == 0) != (stored.kind == "header"):  # 4.
             raise _Failure(Code.BAD_LEDGER_HEADER, f"entry {seq}: the header must be entry 0 and only entry 0", seq=seq)
         try:
@@ -225,10 +239,14 @@ class _Audit:
             raise _Failure(e.code, f"entry {seq}: {e.detail}", seq=seq) from e
 
     def _set_policy(self, seq: int, record: dict) -> None:
+        previous = self.policy
         try:
             self.policy = Policy.from_record(record)
         except GovtrainError as e:
             raise _Failure(Code.BAD_LEDGER_HEADER, f"entry {seq}: policy: {e.detail}", seq=seq) from e
+        if previous is not None:
+            self.unauthorised.append((seq, previous))  # step 6: the next checkpoint must carry its signature
+        self.policies.append((seq, self.policy))
         self.gate = Gate(self.policy)
 
     def _header(self, seq: int, entry: dict, leaf: bytes) -> None:
@@ -273,7 +291,8 @@ class _Audit:
         self.descriptors[entry["descriptor_sha256"]] = seq
         self.data_files[entry["data_sha256"]] = seq
         self.contributions[entry["contribution_id"]] = _Contribution(
-            seq, leaf, entry["data_class"], entry["noise_multiplier_u"], entry["eps_budget_u"])
+            seq, leaf, entry["data_class"], entry["noise_multiplier_u"], entry["eps_budget_u"], entry["records"])
+        self.live_records += entry["records"]
 
     def _withdraw(self, seq: int, entry: dict, leaf: bytes) -> None:
         c = self.contributions.get(entry["contribution_id"])
@@ -283,6 +302,7 @@ class _Audit:
         if c.withdrawn_at is not None:
             raise _Failure(Code.BAD_WITHDRAWAL, f"entry {seq}: already withdrawn by entry {c.withdrawn_at}", seq=seq)
         c.withdrawn_at = seq
+        self.live_records -= c.records
 
     def _epoch(self, seq: int, entry: dict, leaf: bytes) -> None:
         if entry["epoch"] != self.epoch:
@@ -300,23 +320,34 @@ class _Audit:
             raise bad("spend for a contribution not admitted before it")
         if c.withdrawn_at is not None:
             raise bad(f"spend for a contribution withdrawn by entry {c.withdrawn_at}")
-        if entry["epoch"] != self.epoch or entry["epoch"] in c.epochs:
-            raise bad(f"spend for epoch {entry['epoch']} written during epoch {self.epoch}, or twice")
         if entry["accountant"] != self.policy.accountant or entry["delta_p"] != self.policy.delta_p:
             raise bad("accountant or delta differs from the policy's")
         if self.policy.sampling_rate_u is not None and entry["sampling_rate_u"] != self.policy.sampling_rate_u:
             raise bad("sampling rate differs from the policy's")
         if entry["noise_multiplier_u"] < c.noise_multiplier_u:
             raise bad("effective noise multiplier is below the one the contributor signed")
-        if entry["eps_u"] < c.eps_u:
-            raise bad("cumulative epsilon went down: spend is never refunded")
         if entry["eps_u"] > c.eps_budget_u:
             raise bad(f"cumulative epsilon {entry['eps_u']} exceeds the signed budget {c.eps_budget_u}")
+        floor = (min_sampling_rate_u(self.policy.expected_batch_size, self.live_records)
+                 if self.policy.expected_batch_size is not None else None)
+        try:
+            self.book.check(entry, ledger_epoch=self.epoch, steps_per_epoch=self.policy.steps_per_epoch,
+                            min_rate_u=floor)
+        except SpendRuleError as e:
+            raise bad(e.detail) from e
+        self.book.add(entry)
         c.history.append((entry["sampling_rate_u"], entry["noise_multiplier_u"], entry["steps"]))
         if self.accountant is not None:
             implied = self.accountant(entry["accountant"], entry["delta_p"], c.history)
             if entry["eps_u"] < implied:
                 raise bad(f"records epsilon {entry['eps_u']} but its parameters imply at least {implied}")
+            if entry["steps"] < entry["epoch_steps"]:  # charged for part of the epoch: only where it retires
+                one_more = self.accountant(entry["accountant"], entry["delta_p"],
+                                           [*c.history[:-1], (*c.history[-1][:2], entry["steps"] + 1)])
+                if one_more <= c.eps_budget_u:
+                    raise bad(f"charged for {entry['steps']} of the epoch's {entry['epoch_steps']} steps, yet its budget "
+                              f"allows another ({one_more} <= {c.eps_budget_u}): only a retiring contribution is "
+                              "charged for part of an epoch")
         c.epochs.add(entry["epoch"])
         c.eps_u = entry["eps_u"]
 
@@ -336,6 +367,12 @@ class _Audit:
 
     def _checkpoint(self, stored: ledger_store.StoredCheckpoint) -> None:
         assert self.policy is not None
+        for seq, before in self.unauthorised:  # 6. a policy change is authorised by the policy it replaces
+            try:
+                authorise_policy_change(seq, before, dict(self.policies)[seq], stored.note)
+            except UnauthorisedPolicy as e:
+                raise _Failure(e.code, e.detail, seq=seq, checkpoint=stored.id) from e
+        self.unauthorised.clear()
         try:
             checkpoint = verify_checkpoint(stored.note, origin=self.policy.origin, keys=note_keys(self.policy))
         except NoteError as e:
@@ -348,6 +385,10 @@ class _Audit:
                            checkpoint=stored.id, seq=self._last_good_size())
         self.verified_checkpoints.append((stored.size, root))
 
+    def policy_at(self, size: int) -> Policy:
+        """The policy in force after the first `size` entries."""
+        return [policy for seq, policy in self.policies if seq < max(size, 1)][-1]
+
     def _last_good_size(self) -> int:
         return self.verified_checkpoints[-1][0] if self.verified_checkpoints else 0
 
@@ -357,11 +398,7 @@ class _Audit:
         agreed = 0
         parsed: list[Checkpoint] = []
         for note in notes:
-            try:
-                parsed.append(verify_checkpoint(note, origin=self.policy.origin, keys=note_keys(self.policy)))
-            except NoteError as e:
-                raise _Failure(Code.FORK, f"a trusted checkpoint is not signed by this ledger's key for its "
-                               f"origin ({e.detail}): this is not the ledger it came from") from e
+            parsed.append(self._trusted_note(note, total))
         self.report.trusted_checkpoints = len(parsed)
         for checkpoint in sorted(parsed, key=lambda c: c.size):
             if checkpoint.size > total:
@@ -371,9 +408,21 @@ class _Audit:
             if root is None:
                 root = root_of(self.store.leaf_hashes(0, checkpoint.size))
             if root != checkpoint.root:
-                raise _Failure(Code.FORK, f"the first {checkpoint.size} entries are not the ones the trusted "
-                               f"checkpoint signed: the ledger forked after entry {agreed - 1}", seq=agreed)
+                raise _Failure(Code.FORK, fork_detail(checkpoint.size, agreed), seq=agreed)
             agreed = checkpoint.size
+
+    def _trusted_note(self, note: str, total: int) -> Checkpoint:
+        """A trusted checkpoint, verified under the ledger keys in force at the size it signs."""
+        try:
+            size = min(int(note.split("\n")[1]), total)
+        except (IndexError, ValueError):
+            size = total
+        policy = self.policy_at(size)
+        try:
+            return verify_checkpoint(note, origin=policy.origin, keys=note_keys(policy))
+        except NoteError as e:
+            raise _Failure(Code.FORK, f"a trusted checkpoint is not signed by a ledger key in force at its size for "
+                           f"this ledger's origin ({e.detail}): this is not the ledger it came from") from e
 
     def _redactions(self) -> None:
         ranges = sorted(self.summaries)
