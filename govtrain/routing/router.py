@@ -8,6 +8,12 @@ clipped jointly to its own C_i, summed, noised per parameter group, divided by t
     router.privatize(losses, classes, clip_norms, group_std, expected_batch_size)
     optimizer.step()
 
+Every tapped call must have the batch first (`routing/layout.py`: a call on a tensor the batch shares,
+such as DeBERTa's relative embeddings, or a sequence-first one cannot be split per sample). `probe` refuses
+any other call before a run spends anything, and every `privatize` checks again (`routing_uncovered`):
+
+    router.probe(layout.probe_batches(tokenizer, max_length))   # two batch sizes, neither the sequence length
+
 `privatize` never calls `loss.backward()`: it asks autograd for the gradients of the tapped modules'
 *outputs* (`torch.autograd.grad`), so no parameter's `.grad` is written by anyone else. When it
 returns, each reachable parameter's `.grad` holds the privatized gradient and nothing per-sample is
@@ -36,7 +42,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -46,7 +52,7 @@ from govtrain.mechanisms import MECHANISMS
 from govtrain.mechanisms.reach import check_reach, lora_pairs
 from govtrain.mechanisms import prism
 from govtrain.resolver.profile import Resolution
-from govtrain.routing import persample
+from govtrain.routing import layout, persample
 
 TAPPED = (nn.Linear, nn.Embedding, nn.LayerNorm)
 
@@ -149,6 +155,34 @@ class Router:
         finally:
             self._recording = False
 
+    def probe(self, batches: Iterable[Mapping[str, Any]]) -> None:
+        """Run the model forward on each of `batches` (keyword inputs, e.g. a tokenizer's output) under
+        capture, and refuse every tapped call whose input or output does not have that batch's size first.
+
+        One step's shapes cannot tell a sequence-first [T, B, D] call from a batch-first one when T = B, nor a
+        call on a fixed-size tensor [n, ...] from one at batch size n. So the probe batches must come in at
+        least two different sizes, each larger than one and different from every other dimension of its
+        inputs: then a leading dimension that follows the batch size through all of them is the batch."""
+        batches = list(batches)
+        sizes = [layout.probe_size(batch) for batch in batches]
+        if len(set(sizes)) < 2:
+            raise ValueError(f"a layout probe needs batches of at least two different sizes: got {sizes}")
+        device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
+        try:
+            for batch, size in zip(batches, sizes):
+                inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+                with self.capture(), torch.no_grad():
+                    self.model(**inputs)
+                self._check_layout(size)
+        finally:
+            for tap in self.taps.values():
+                tap.clear()
+
+    def _check_layout(self, batch: int) -> None:
+        """Refuse (before any gradient is taken) a recorded call that does not have the batch first."""
+        for tap in self.taps.values():
+            layout.check_batch_first(tap.name, tap.inputs, tap.outputs, batch)
+
     # -- the step --------------------------------------------------------------------------------
 
     def privatize(self, losses: Tensor, classes: Sequence[str], clip_norms: Tensor | Sequence[float],
@@ -177,6 +211,7 @@ class Router:
         clip = torch.as_tensor(clip_norms, dtype=losses.dtype, device=losses.device)
         if clip.shape != (batch,) or not bool((clip > 0).all()):
             raise ValueError("need one positive clipping norm per example")
+        self._check_layout(batch)  # before autograd: nothing per-sample is formed from a call that is refused
         taps = [t for t in self.taps.values() if t.outputs]
         outputs = [o for t in taps for o in t.outputs]
         grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True) if outputs else []

@@ -170,6 +170,7 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
     from govtrain.resolver.plan import read_corpus, sampling_rate_for
     from govtrain.resolver.profile import resolve
     from govtrain.resolver.schedule import Scheduler, cohorts_of
+    from govtrain.routing.layout import probe_batches
     from govtrain.routing.router import Router
     from govtrain.routing.sampler import PoissonSampler
     from govtrain.train.data import load_examples
@@ -213,6 +214,7 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
         resolution = resolve(policy.classes, describe(model, name=config.model_spec))
         check_weight_decay(resolution, config.file.optimizer.weight_decay)
         router = Router(model, resolution, mechanism=config.file.training.mechanism, insecure_seed=insecure_seed)
+        router.probe(probe_batches(tokenizer, config.file.model.max_length))  # before any spend: batch-first calls only
         update = Update.build(model, config.file)
         sampler = PoissonSampler(q_u / units.MICRO, insecure_seed=insecure_seed)  # q is set again per epoch
         calculator = SpendCalculator(policy.accountant, policy.delta_p)
