@@ -35,21 +35,18 @@ def contribution_status(ledger: Ledger, contribution_id: str) -> dict:
     if admission is None:
         raise RejectedError(Code.UNKNOWN_CONTRIBUTION, f"no admitted contribution {contribution_id!r}")
     withdrawn_at = store.withdrawals().get(contribution_id)
-    spend, runs = [], []
-    charged = False  # charged since the previous run entry: runs are recorded when they end
+    spend, runs, charged = [], [], set()  # charged: the runs whose write-ahead spend charged it
     for stored in store.entries(start=admission.seq + 1, kinds=("spend", "run")):
         if stored.body is None:
             continue
         entry = decode_entry(stored.body, seq=stored.seq, kind=stored.kind)
         if stored.kind == "spend" and entry["contribution_id"] == contribution_id:
             spend.append({"seq": stored.seq, "epoch": entry["epoch"], "steps": entry["steps"],
-                          "eps_u": entry["eps_u"]})
-            charged = charged or entry["steps"] > 0
-        elif stored.kind == "run":
-            if charged:  # its gradients went into this run's adapter
-                runs.append({"seq": stored.seq, "run_id": entry["run_id"],
-                             "adapter_sha256": None if entry["adapter_sha256"] is None else entry["adapter_sha256"].hex()})
-            charged = False
+                          "run_id": entry["run_id"], "eps_u": entry["eps_u"]})
+            charged.add(entry["run_id"])
+        elif stored.kind == "run" and entry["run_id"] in charged:  # its gradients went into this adapter
+            runs.append({"seq": stored.seq, "run_id": entry["run_id"],
+                         "adapter_sha256": None if entry["adapter_sha256"] is None else entry["adapter_sha256"].hex()})
     covering = [c for c in store.checkpoints() if c.size > admission.seq]
     return {
         "contribution_id": contribution_id,

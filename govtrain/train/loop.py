@@ -204,7 +204,9 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
                                          code=Code.RUN_CONFIG_INVALID)
             return cohorts_of([recorded[c].member for c in live],
                               {c: (tuple(recorded[c].history), recorded[c].eps_u) for c in live},
-                              [c for c in live if recorded[c].retired]), q, batch
+                              [c for c in live if recorded[c].retired or c in retired_here]), q, batch
+
+        retired_here: set[str] = set()  # retired by this run's plans (one that affords no step leaves no spend)
 
         records = sum(admitted[c].records for c in present)
         q_u, expected_batch = sampling_rate_for(policy, config.file.training.expected_batch_size, records,
@@ -247,6 +249,9 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
             if pending is not None and ledger.epoch() > pending["epoch"]:
                 pending = None  # the epoch was closed just before the kill
             log(f"resuming {run_id} at step {result.steps}")
+        elif run_id in ledger.spend_book().runs:
+            raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.run_id: run {run_id!r} already wrote spend to this "
+                                                       "ledger; resume it from its state file, or give this run another id")
         log(f"{run_id}: {total} {config.file.training.mechanism} steps, q = {q_u / units.MICRO:g} (expected batch {expected_batch:g} of {records} "
             f"examples from {len(present)} contributions), {policy.accountant} at delta = {policy.delta_p / 1e12:g}")
 
@@ -273,6 +278,7 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
                 steps = min(epoch_steps, total - result.steps)
                 scheduler.sampling_rate_u = q_u
                 plan = scheduler.plan_epoch(cohorts, epoch, result.steps, steps)
+                retired_here |= {m for c in cohorts if c.retired_at is not None for m in c.members}
                 pending = {"epoch": epoch, "first_step": result.steps, "steps": steps, "q_u": q_u,
                            "expected_batch": expected_batch,
                            "allowed": {m: s.steps for s in plan.spends for m in s.cohort.members},
