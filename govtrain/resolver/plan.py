@@ -140,6 +140,9 @@ def sampling_rate_for(policy, expected_batch_size: int | None, records: int, *, 
                                     f"drop {option}")
         return policy.sampling_rate_u, policy.sampling_rate_u * records / units.MICRO
     batch = expected_batch_size or policy.expected_batch_size
+    if batch < policy.expected_batch_size:
+        raise ConfigError(code, f"{option}: {batch} is below the policy's expected_batch_size "
+                                f"({policy.expected_batch_size}); the ledger accepts no lower sampling rate")
     if records == 0:
         return 0, batch
     if batch > records:
