@@ -326,3 +326,13 @@ def test_verifier_flags_spend_that_breaks_the_epoch_rules(real: Corpus, case: st
     exit_code, report, _ = _verify_cli(real.url, "--skip-spend")
     assert (exit_code, report["code"]) == (4, "bad_spend"), report
     assert report["first_bad_entry"] == snapshot(real.url)[0] - 1
+
+
+def test_a_proof_built_from_altered_stored_hashes_is_never_handed_out(real: Corpus):
+    """A database writer without keys alters a stored leaf hash that a contributor's proof passes through:
+    `prove` checks what it built against the signed checkpoint and refuses instead of giving a bad proof."""
+    _sql(_db(real.url), "UPDATE entries SET leaf_hash = zeroblob(32) WHERE seq = 3")
+    with real.open() as ledger:
+        with pytest.raises(IntegrityError) as info:
+            ledger.prove("early-0")  # entry 1: its proof hashes leaves 2 and 3 together
+    assert info.value.code.value == "fork"

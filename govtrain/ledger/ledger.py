@@ -210,7 +210,7 @@ class Ledger:
             raise
         cache.commit()
         self._header_leaf = header_leaf
-        head.save(tree)
+        head.save(tree, new_ledger=first == 0)
 
     def _signed_prefix(self, appender: ledger_store.Appender, head: SignedHead, policy: Policy) -> CompactRange:
         """The tree of the entries before this write, as this signer knows it was signed.
@@ -221,7 +221,7 @@ class Ledger:
         database as it is, once, after checking it against its latest signed checkpoint."""
         first = appender.first_seq
         latest = appender.latest_checkpoint()
-        tree = head.load()
+        tree = head.load() if first else None  # a new ledger starts from nothing, whatever was recorded
         if tree is None:
             tree = CompactRange()
             for leaf in appender.leaf_hashes(0, first):
@@ -297,8 +297,11 @@ class Ledger:
                           cache=self._nodes, min_cached_height=ledger_store.PERSISTED_NODE_HEIGHT)
 
     def prove(self, contribution_id: str, checkpoint_note: str | None = None) -> "InclusionProof":
-        """An inclusion proof of the contribution's admit entry against the latest (or a given) checkpoint."""
-        from govtrain.ledger.checkpoint import verify_checkpoint
+        """An inclusion proof of the contribution's admit entry against the latest (or a given) checkpoint.
+
+        The proof is built from stored leaf and subtree hashes, which the database could have altered, so it
+        is verified against the signed checkpoint before it is handed out: a bad proof is never given."""
+        from govtrain.ledger.merkle import ProofError, verify_inclusion
         from govtrain.ledger.proof import InclusionProof
 
         admission = self.store.admission(contribution_id)
@@ -308,9 +311,9 @@ class Ledger:
             latest = self.store.latest_checkpoint()
             if latest is None:
                 raise RejectedError(Code.NO_CHECKPOINT, "the ledger has no checkpoint yet")
-            checkpoint_note, size = latest.note, latest.size
-        else:
-            size = verify_checkpoint(checkpoint_note, origin=self.policy.origin, keys=note_keys(self.policy)).size
+            checkpoint_note = latest.note
+        checkpoint = verify_checkpoint(checkpoint_note, origin=self.policy.origin, keys=note_keys(self.policy))
+        size = checkpoint.size
         if admission.seq >= size:
             raise RejectedError(Code.NO_CHECKPOINT, f"the checkpoint (size {size}) predates entry {admission.seq}")
         entry = self.store.entry(admission.seq)
@@ -318,8 +321,16 @@ class Ledger:
         if entry.body is None:
             raise RejectedError(Code.REDACTED, f"entry {admission.seq} was summarized and its body dropped by "
                                 "retention; proofs exist only for entries still held")
-        return InclusionProof(entry.body, admission.seq, self.tree(size).inclusion_proof(admission.seq, size),
-                              checkpoint_note)
+        if decode_entry(entry.body, seq=entry.seq, kind="admit")["contribution_id"] != contribution_id:
+            raise IntegrityError(Code.INDEX_MISMATCH, f"the admissions index points {contribution_id!r} at entry "
+                                                      f"{admission.seq}, which admits another contribution")
+        hashes = self.tree(size).inclusion_proof(admission.seq, size)
+        try:
+            verify_inclusion(admission.seq, size, ledger_store.leaf_hash(entry.body), hashes, checkpoint.root)
+        except ProofError as e:
+            raise IntegrityError(Code.FORK, f"the stored entries or subtree hashes do not prove entry {admission.seq} "
+                                            f"under the signed checkpoint ({e.detail}); run govtrain-verify") from e
+        return InclusionProof(entry.body, admission.seq, hashes, checkpoint_note)
 
     # -- writes --------------------------------------------------------------------------
 

@@ -63,10 +63,11 @@ class SignedHead:
             raise ConfigError(Code.KEY_UNREADABLE, f"cannot keep the signed head in {self.path.parent}: "
                                                    f"{e.strerror}; set {STATE_ENV} to a folder the signer owns") from e
 
-    def save(self, tree: CompactRange) -> None:
-        """Record `tree` as the last signed head, unless a larger one is recorded already."""
+    def save(self, tree: CompactRange, *, new_ledger: bool = False) -> None:
+        """Record `tree` as the last signed head, unless a larger one is recorded already (`new_ledger`: this
+        key just signed the header of a ledger created anew, which replaces any record of that name)."""
         try:
-            current = self.load()
+            current = None if new_ledger else self.load()
         except IntegrityError:
             current = None
         if current is not None and current.size >= tree.size:
