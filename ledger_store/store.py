@@ -461,6 +461,16 @@ class LedgerStore:
                 return
             position = rows[-1][0] + 1
 
+    def entries_at(self, seqs: list[int], batch: int = 500) -> list[StoredEntry]:
+        """The entries with these sequence numbers (those that exist), in sequence order."""
+        found: list[StoredEntry] = []
+        with self.engine.connect() as connection:
+            for start in range(0, len(seqs), batch):
+                chunk = seqs[start:start + batch]
+                rows = connection.execute(select(Entry.__table__).where(Entry.seq.in_(chunk))).all()
+                found.extend(StoredEntry(*row) for row in rows)
+        return sorted(found)
+
     def leaf_hashes(self, start: int, stop: int) -> list[bytes]:
         with self.engine.connect() as connection:
             return _leaf_hashes(connection, start, stop)
@@ -514,9 +524,9 @@ class LedgerStore:
                                      .order_by(Checkpoint.id).limit(1)).first()
         return StoredCheckpoint(row.id, row.size, row.root, row.note, row.time) if row is not None else None
 
-    def admission_conflicts(self, contribution_ids: list[str], descriptor_hashes: list[bytes],
-                            data_hashes: list[bytes]) -> list[AdmissionRow]:
-        """Admissions sharing an id, a descriptor hash or a data hash with any of the candidates."""
+    def admission_conflicts(self, contribution_ids: list[str], descriptor_hashes: list[bytes], data_hashes: list[bytes],
+                            attestation_hashes: list[bytes] | None = None) -> list[AdmissionRow]:
+        """Admissions sharing an id, a descriptor, data or attestation hash with any of the candidates."""
         if not contribution_ids:
             return []
         table = Admission.__table__
@@ -526,6 +536,7 @@ class LedgerStore:
                     table.c.contribution_id.in_(contribution_ids)
                     | table.c.descriptor_sha256.in_(descriptor_hashes)
                     | table.c.data_sha256.in_(data_hashes)
+                    | table.c.attestation_sha256.in_(attestation_hashes or [])
                 )
             ).all()
         return [self._admission(row) for row in rows]

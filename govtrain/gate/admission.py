@@ -3,7 +3,8 @@
 `admit` handles one attestation; `admit_many` verifies many and commits the admitted
 ones in batches, one transaction per batch. Replays are refused twice over: by a
 lookup before the write, and by the store's unique constraints if a concurrent
-writer got there first.
+writer got there first. A contribution that retention retired is refused (`replay`) by
+what its summary entry committed to, not only by its index rows.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from govtrain.errors import AdmissionError, Code, GovtrainError
 from govtrain.gate.gate import Gate, VerifiedAttestation
 from govtrain.ledger.entries import admit_entry
 from govtrain.ledger.ledger import Ledger
+from govtrain.ledger.retention import RetiredKeys
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,7 +56,7 @@ class AdmitOutcome:
 
 def _replay_error(verified: VerifiedAttestation, row: ledger_store.AdmissionRow) -> AdmissionError:
     d = verified.descriptor
-    if row.descriptor_sha256 == verified.descriptor_sha256:
+    if row.descriptor_sha256 == verified.descriptor_sha256 or row.attestation_sha256 == verified.attestation_sha256:
         return AdmissionError(Code.REPLAY, f"this descriptor was already admitted as entry {row.seq}")
     if row.contribution_id == d.contribution_id:
         return AdmissionError(
@@ -67,10 +69,18 @@ def _replay_error(verified: VerifiedAttestation, row: ledger_store.AdmissionRow)
     )
 
 
-def _conflict(verified: VerifiedAttestation, rows: Iterable[ledger_store.AdmissionRow]) -> AdmissionError | None:
+def _conflict(verified: VerifiedAttestation, rows: Iterable[ledger_store.AdmissionRow],
+              retired: RetiredKeys) -> AdmissionError | None:
     d = verified.descriptor
-    # Report the most specific match first: same descriptor, then same id, then same data.
-    matches = [r for r in rows if r.descriptor_sha256 == verified.descriptor_sha256]
+    found = retired.match(d.contribution_id, verified.descriptor_sha256, verified.attestation_sha256, d.data_sha256)
+    if found is not None:
+        name, admit_seq, summary_seq = found
+        return AdmissionError(Code.REPLAY, f"its {name} is that of the contribution admitted as entry {admit_seq} and "
+                                           f"retired by retention (summary entry {summary_seq}); a retired "
+                                           "contribution is never admitted again")
+    # Report the most specific match first: same descriptor (or attestation), then same id, then same data.
+    matches = [r for r in rows if r.descriptor_sha256 == verified.descriptor_sha256
+               or r.attestation_sha256 == verified.attestation_sha256]
     matches += [r for r in rows if r.contribution_id == d.contribution_id]
     matches += [r for r in rows if r.data_sha256 == d.data_sha256]
     return _replay_error(verified, matches[0]) if matches else None
@@ -148,6 +158,7 @@ def admit_many(ledger: Ledger, items: Iterable[tuple[str, bytes, Path]], *, now:
     now = int(_time.time()) if now is None else now
     gate = gate if gate is not None else Gate(ledger.policy)
     epoch = ledger.epoch()
+    retired = RetiredKeys.read(ledger.store)
     outcomes: list[AdmitOutcome] = []
     pending: list[tuple[int, str, VerifiedAttestation]] = []
 
@@ -159,6 +170,7 @@ def admit_many(ledger: Ledger, items: Iterable[tuple[str, bytes, Path]], *, now:
             [v.descriptor.contribution_id for v in verified_list],
             [v.descriptor_sha256 for v in verified_list],
             [v.descriptor.data_sha256 for v in verified_list],
+            [v.attestation_sha256 for v in verified_list],
         )
         accepted: list[tuple[int, str, VerifiedAttestation]] = []
         seen_ids: set[str] = set()
@@ -166,7 +178,7 @@ def admit_many(ledger: Ledger, items: Iterable[tuple[str, bytes, Path]], *, now:
         seen_data: set[bytes] = set()
         for index, source, verified in pending:
             d = verified.descriptor
-            error = _conflict(verified, rows)
+            error = _conflict(verified, rows, retired)
             if error is None and verified.descriptor_sha256 in seen_descriptors:
                 error = AdmissionError(Code.REPLAY, "this descriptor appears twice in one batch")
             elif error is None and d.contribution_id in seen_ids:
@@ -193,8 +205,8 @@ def admit_many(ledger: Ledger, items: Iterable[tuple[str, bytes, Path]], *, now:
                 except ledger_store.Conflict:
                     rows_now = ledger.store.admission_conflicts(
                         [verified.descriptor.contribution_id], [verified.descriptor_sha256],
-                        [verified.descriptor.data_sha256])
-                    error = _conflict(verified, rows_now) or AdmissionError(Code.REPLAY, "already admitted")
+                        [verified.descriptor.data_sha256], [verified.attestation_sha256])
+                    error = _conflict(verified, rows_now, retired) or AdmissionError(Code.REPLAY, "already admitted")
                     outcomes[index] = AdmitOutcome(source, error=error)
         pending.clear()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from govtrain.encoding import cbor
-from govtrain.encoding.fields import check_shape
+from govtrain.encoding.fields import INT63_MAX, check_shape
 from govtrain.errors import Code, GovtrainError, IntegrityError
 
 if TYPE_CHECKING:
@@ -69,12 +69,27 @@ SPECS: dict[str, dict[str, type | tuple[type, ...]]] = {
         "spend_u": int,                 # sum over contributions of their latest cumulative eps_u
         "entries_sha256": bytes,        # SHA-256 over this class's summarized entries' leaf hashes, in order
         "range_sha256": bytes,          # SHA-256 over the leaf hashes of every entry this compaction redacts
+        "retired": list,                # RETIRED maps, one per contribution of this class, by admit_seq
     },
     "run": {**_COMMON, "run_id": str, "mechanism": str, "config_sha256": bytes, "base_model_sha256": bytes,
             "adapter_sha256": (bytes, type(None))},
     "policy": {**_COMMON, "policy": dict, "policy_source_sha256": bytes, "reason": str},
 }
 
+# One contribution a summary retires: what its admit entry committed to (so that its index rows, and any
+# later admit that replays it, can be checked after the body is gone) and every entry of it summarized.
+RETIRED: dict[str, type | tuple[type, ...]] = {
+    "contribution_id": str,
+    "data_class": str,
+    "admit_seq": int,
+    "descriptor_sha256": bytes,
+    "attestation_sha256": bytes,
+    "data_sha256": bytes,
+    "records": int,
+    "withdraw_seq": (int, type(None)),
+    "entry_seqs": list,                 # ascending, admit_seq first
+}
+_DIGESTS = ("descriptor_sha256", "attestation_sha256", "data_sha256")
 
 _TEMPLATES = {kind: cbor.MapTemplate(spec) for kind, spec in SPECS.items()}
 
@@ -153,6 +168,20 @@ def decode_entry(body: bytes, *, seq: int, kind: str) -> dict:
         raise IntegrityError(Code.BAD_ENTRY, f"entry {seq} has a kind this verifier does not know: {kind!r}")
     try:
         check_shape(entry, spec, what=f"entry {seq} ({kind})", error=IntegrityError)
+        if kind == "summary":
+            _check_retired(entry["retired"], what=f"entry {seq} (summary).retired")
     except GovtrainError as e:
         raise IntegrityError(Code.BAD_ENTRY, e.detail) from e
     return entry
+
+
+def _check_retired(retired: list, *, what: str) -> None:
+    for index, item in enumerate(retired):
+        where = f"{what}[{index}]"
+        check_shape(item, RETIRED, what=where, error=IntegrityError)
+        for name in _DIGESTS:
+            if len(item[name]) != 32:
+                raise IntegrityError(Code.BAD_VALUE, f"{where}.{name} must be 32 bytes")
+        for position, value in enumerate(item["entry_seqs"]):
+            if type(value) is not int or not 0 <= value <= INT63_MAX:
+                raise IntegrityError(Code.WRONG_TYPE, f"{where}.entry_seqs[{position}] must be an unsigned integer")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 import ledger_store
 from govtrain.attest.keys import load_private_key, raw_public_key
 from govtrain.errors import Code, ConfigError, IntegrityError, RejectedError
+from govtrain.ledger import retention
 from govtrain.ledger.checkpoint import Checkpoint, NoteError, NoteKey, sign_checkpoint, verify_checkpoint
 from govtrain.ledger.entries import (
     decode_entry,
@@ -389,7 +390,7 @@ class Ledger:
             raise RejectedError(Code.ALREADY_WITHDRAWN, f"{contribution_id!r} is already withdrawn")
         admit = self.store.entry(admission.seq)
         assert admit is not None
-        if admit.body is None:
+        if admit.body is None or contribution_id in retention.RetiredKeys.read(self.store):
             raise RejectedError(Code.REDACTED, f"{contribution_id!r} was summarized by retention and is retired")
         if not reason.strip() or len(reason) > 1024:
             raise ConfigError(Code.BAD_ARGUMENT, "--reason must be 1-1024 characters")
@@ -441,6 +442,7 @@ class Ledger:
         with self.append(now) as appender:
             t = self.dated(appender, now)
             book, live_records, withdrawn = self._spend_state()
+            retired = retention.RetiredKeys.read(self.store)
             floor = (min_sampling_rate_u(policy.expected_batch_size, live_records)
                      if policy.expected_batch_size is not None else None)
             ledger_epoch = appender.count_kind("epoch")
@@ -449,6 +451,8 @@ class Ledger:
                 leaf, _ = signed[contribution_id]
                 if contribution_id in withdrawn:
                     raise RejectedError(Code.ALREADY_WITHDRAWN, f"{contribution_id!r} was withdrawn: no more spend")
+                if contribution_id in retired:
+                    raise RejectedError(Code.REDACTED, f"{contribution_id!r} was retired by a retention summary")
                 fields = dict(contribution_id=contribution_id, admit_leaf=leaf, run_id=run_id, epoch=epoch,
                               epoch_steps=epoch_steps, steps=steps, sampling_rate_u=sampling_rate_u,
                               noise_multiplier_u=sigma_u, accountant=policy.accountant, delta_p=policy.delta_p,
@@ -497,57 +501,59 @@ class Ledger:
                 base_model_sha256=base_model_sha256, adapter_sha256=adapter_sha256))
 
     def compact(self, before_epoch: int, now: int | None = None) -> list[ledger_store.StoredEntry]:
-        """Retention: summarize the admit, spend and withdraw entries of epochs < `before_epoch`, per class,
-        then drop their bodies (leaf hashes stay, so every root, checkpoint and proof still verifies)."""
+        """Retention: retire every contribution admitted before epoch `before_epoch - 1` closed and named by
+        no entry since, with one `summary` entry per class that commits to what it retires, then drop the
+        retired entries' bodies (leaf hashes stay, so every root, checkpoint and proof still verifies).
+        Returns the entries whose bodies were dropped.
+
+        Two transactions: first the summaries, computed from the entry bodies and signed by their checkpoint;
+        then, once they are re-checked against those bodies with the verifier's own checks, the redaction.
+        A compaction interrupted between the two is finished by the next one."""
         now = int(_time.time()) if now is None else now
-        horizon = self.epoch() - self.policy.retention_epochs
-        if before_epoch < 1 or before_epoch > horizon:
-            raise RejectedError(Code.RETENTION_HORIZON,
-                                f"can compact only epochs before {max(horizon, 0)} (retention is "
-                                f"{self.policy.retention_epochs} epochs, current epoch {self.epoch()})")
-        boundary = next(e.seq for e in self.store.entries(kinds=("epoch",))
-                        if decode_entry(e.body, seq=e.seq, kind="epoch")["epoch"] == before_epoch - 1)
-        done = max((last for _, _, _, last in self.store.summaries()), default=0)
-        classes = {a.contribution_id: a.data_class for a in self.store.admissions()}
-        # A contribution that appears after the boundary is still active: keep all of its entries.
-        # Summarizing a contribution retires it: nothing may name it afterwards.
-        active = {decode_entry(e.body, seq=e.seq, kind=e.kind)["contribution_id"]
-                  for e in self.store.entries(start=boundary + 1, kinds=("spend", "withdraw")) if e.body is not None}
-        by_class: dict[str, list[tuple[ledger_store.StoredEntry, dict]]] = {}
-        for stored in self.store.entries(start=done + 1, kinds=("admit", "spend", "withdraw")):
-            if stored.seq > boundary:
-                break
-            if stored.body is None:
-                continue
-            entry = decode_entry(stored.body, seq=stored.seq, kind=stored.kind)
-            if entry["contribution_id"] in active:
-                continue
-            by_class.setdefault(classes[entry["contribution_id"]], []).append((stored, entry))
-        summarized = sorted((s for items in by_class.values() for s, _ in items), key=lambda s: s.seq)
-        if not summarized:
+        try:
+            with self.append(now) as appender:  # under the write lock: nothing is appended meanwhile
+                epoch = appender.count_kind("epoch")
+                horizon = epoch - self.policy.retention_epochs
+                if not 1 <= before_epoch <= horizon:
+                    raise RejectedError(Code.RETENTION_HORIZON,
+                                        f"can compact only epochs before {max(horizon, 0)} (retention is "
+                                        f"{self.policy.retention_epochs} epochs, current epoch {epoch})")
+                boundary = retention.epoch_boundary(self.store, before_epoch)
+                contributions = retention.retirable(self.store, boundary, retention.RetiredKeys.read(self.store))
+                if not contributions:
+                    raise _NothingToRetire
+                t = self.dated(appender, now)
+                for fields in retention.summarize(before_epoch, contributions):
+                    index = {"data_class": fields["data_class"], "first_seq": fields["first_seq"],
+                             "last_seq": fields["last_seq"]}
+                    appender.add("summary", t, functools.partial(_summary_at, now=t, fields=fields),
+                                 summary=index)
+        except _NothingToRetire:
+            pass
+        redacted = self._redact_retired()
+        if not redacted:
             raise RejectedError(Code.RETENTION_HORIZON, f"nothing left to compact before epoch {before_epoch}")
-        first, last = summarized[0].seq, summarized[-1].seq
-        range_sha256 = hashlib.sha256(b"".join(s.leaf_hash for s in summarized)).digest()
-        with self.append(now) as appender:
-            for data_class in sorted(by_class):
-                items = by_class[data_class]
-                latest: dict[str, int] = {}
-                for _, entry in items:
-                    if entry["kind"] == "spend":
-                        latest[entry["contribution_id"]] = entry["eps_u"]
-                fields = {
-                    "data_class": data_class, "before_epoch": before_epoch, "first_seq": first, "last_seq": last,
-                    "entries": len(items),
-                    "admitted": sum(1 for _, e in items if e["kind"] == "admit"),
-                    "withdrawn": sum(1 for _, e in items if e["kind"] == "withdraw"),
-                    "spend_u": sum(latest.values()),
-                    "entries_sha256": hashlib.sha256(b"".join(s.leaf_hash for s, _ in items)).digest(),
-                    "range_sha256": range_sha256,
-                }
-                appender.add("summary", now, lambda seq, f=fields: summary_entry(seq, now, **f),
-                             summary={"data_class": data_class, "first_seq": first, "last_seq": last})
-            appender.redact([s.seq for s in summarized])
-        return summarized
+        return redacted
+
+    def _redact_retired(self) -> list[ledger_store.StoredEntry]:
+        """Drop the bodies of every entry a summary retired, after re-checking each such summary against them."""
+        # The write lock again, so that nothing can name a retired contribution between the check and the
+        # redaction; no checkpoint, since every leaf hash stays as it was.
+        with self.store.append() as appender:
+            summaries, rows = retention.unfinished(self.store)
+            if not summaries:
+                return []
+            retention.check_unfinished(self.store, summaries, rows)
+            appender.redact(sorted(rows))
+        return [rows[seq] for seq in sorted(rows)]
+
+
+class _NothingToRetire(Exception):
+    """Rolls back the summaries' transaction (and its checkpoint) when a compaction finds nothing new."""
+
+
+def _summary_at(seq: int, *, now: int, fields: dict) -> bytes:
+    return summary_entry(seq, now, **fields)
 
 
 class _Unchanged(Exception):

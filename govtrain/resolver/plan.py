@@ -17,6 +17,7 @@ from govtrain import units
 from govtrain.accounting.spend import SpendCalculator
 from govtrain.errors import Code, ConfigError
 from govtrain.ledger.entries import decode_entry
+from govtrain.ledger.retention import RetiredKeys
 from govtrain.ledger.ledger import Ledger
 from govtrain.mechanisms.reach import check_reach
 from govtrain.resolver.model import ModelLayout, role
@@ -58,6 +59,10 @@ def read_corpus(ledger: Ledger) -> tuple[dict[str, _Admitted], set[str], int]:
             spent.history.append((entry["sampling_rate_u"], entry["noise_multiplier_u"], entry["steps"]))
             spent.eps_u, spent.last_epoch = entry["eps_u"], entry["epoch"]
             spent.retired = entry["steps"] < entry["epoch_steps"]
+    retired = RetiredKeys.read(ledger.store)  # summarized, bodies not yet dropped: retired all the same
+    for cid in [cid for cid in admitted if cid in retired]:
+        del admitted[cid]
+        compacted += 1
     return admitted, withdrawn, compacted
 
 

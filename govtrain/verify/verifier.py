@@ -22,8 +22,12 @@ One pass over the entries, in the order an auditor would check them:
      tail is a forgery) and no checkpoint covers entries the ledger lacks (truncation);
   8. every checkpoint the auditor already trusts is signed by a ledger key in force at its size and
      is a prefix of this ledger (else rollback or fork);
-  9. exactly the entries each compaction summarized were redacted (range hash and count);
- 10. the admissions, withdrawals and summaries indexes say exactly what the entries say.
+  9. retention: every redacted entry belongs to a contribution a summary retired; each summary is
+     behind the retention horizon, retires whole contributions that nothing names afterwards, and
+     matches the leaf hashes always and the bodies while they are present; no admit replays a
+     retired contribution (govtrain/verify/retention.py);
+ 10. the admissions, withdrawals and summaries indexes say exactly what the entries say, column for
+     column (for a redacted entry, what its summary committed to).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from govtrain.mechanisms import MECHANISMS
 from govtrain.policy.model import Policy
 from govtrain.ledger.merkle import CompactRange, root_of
 from govtrain.verify.integrity import _Failure, _integrity, fork_detail
+from govtrain.verify.retention import RetentionAudit
 
 # (accountant name, delta_p, [(sampling_rate_u, noise_multiplier_u, steps), ...]) -> epsilon in
 # micro-units, rounded up. Issue 4's accountants plug in here.
@@ -156,8 +161,9 @@ class _Audit:
         self.descriptors: dict[bytes, int] = {}
         self.data_files: dict[bytes, int] = {}
         self.epoch = 0
-        self.summaries: dict[tuple[int, int], list[dict]] = {}
         self.redacted: list[tuple[int, str, bytes]] = []
+        self.retention = RetentionAudit(store)
+        self.retired = self.retention.retired  # admit seq -> the `retired` map of its summary (read before the pass)
         self.tree = CompactRange()
         self.verified_checkpoints: list[tuple[int, bytes]] = []  # (size, root) that matched
         self.policies: list[tuple[int, Policy]] = []  # (seq, policy) in ledger order: what governs which size
@@ -175,6 +181,7 @@ class _Audit:
                                f"checkpoint {earlier.id} (size {earlier.size}): the log shrank", checkpoint=later.id)
         pending = list(checkpoints)
         position = 0
+        self.retention.read()
         for stored in self.store.entries():
             self._entry(stored)
             while position < len(pending) and pending[position].size == self.tree.size:
@@ -216,6 +223,9 @@ class _Audit:
                 raise _Failure(Code.BAD_ENTRY, f"entry {seq} ({stored.kind}) has no body; only admit, spend and "
                                "withdraw entries may be redacted", seq=seq)
             self.redacted.append((seq, stored.kind, stored.leaf_hash))
+            self.retention.redacted(stored, {"contribution_id": self.contributions,
+                                             "descriptor_sha256": self.descriptors, "data_sha256": self.data_files})
+            self._retired_records(stored)
             return
         if ledger_store.leaf_hash(stored.body) != stored.leaf_hash:
             raise _Failure(Code.LEAF_HASH_MISMATCH, f"entry {seq}: stored leaf hash does not match its body", seq=seq)
@@ -231,12 +241,22 @@ class _Audit:
         self.last_time = entry["time"]
         if (seq == 0) != (stored.kind == "header"):  # 4.
             raise _Failure(Code.BAD_LEDGER_HEADER, f"entry {seq}: the header must be entry 0 and only entry 0", seq=seq)
+        self.retention.names(stored, entry)  # 9. nothing names a retired contribution
         try:
             getattr(self, f"_{stored.kind}")(seq, entry, stored.leaf_hash)
         except _Failure:
             raise
         except GovtrainError as e:
             raise _Failure(e.code, f"entry {seq}: {e.detail}", seq=seq) from e
+
+    def _retired_records(self, stored: ledger_store.StoredEntry) -> None:
+        """A redacted admit or withdrawal still moves the live records that bound q (step 5), by what its
+        summary committed to: a later spend was written while its body was there."""
+        if stored.kind == "admit" and stored.seq in self.retired:
+            self.live_records += self.retired[stored.seq]["records"]
+        elif stored.kind == "withdraw":
+            self.live_records -= next((r["records"] for r in self.retired.values()
+                                       if r["withdraw_seq"] == stored.seq), 0)
 
     def _set_policy(self, seq: int, record: dict) -> None:
         previous = self.policy
@@ -282,6 +302,7 @@ class _Audit:
                 if entry[name] != value:
                     raise _Failure(Code.BAD_ADMISSION, f"entry {seq}: {name} differs from the signed descriptor",
                                    seq=seq)
+        self.retention.admit(seq, entry)  # 9. not a replay of a retired contribution
         for seen, key, what in ((self.contributions, entry["contribution_id"], "contribution id"),
                                 (self.descriptors, entry["descriptor_sha256"], "descriptor"),
                                 (self.data_files, entry["data_sha256"], "data file")):
@@ -308,6 +329,7 @@ class _Audit:
         if entry["epoch"] != self.epoch:
             raise _Failure(Code.BAD_EPOCH, f"entry {seq} closes epoch {entry['epoch']}, expected {self.epoch}", seq=seq)
         self.epoch += 1
+        self.retention.epoch(seq)
 
     def _spend(self, seq: int, entry: dict, leaf: bytes) -> None:
         assert self.policy is not None
@@ -352,9 +374,8 @@ class _Audit:
         c.eps_u = entry["eps_u"]
 
     def _summary(self, seq: int, entry: dict, leaf: bytes) -> None:
-        if not entry["first_seq"] <= entry["last_seq"] < seq or entry["before_epoch"] > self.epoch:
-            raise _Failure(Code.BAD_SUMMARY, f"entry {seq} summarizes a range or epoch not behind it", seq=seq)
-        self.summaries.setdefault((entry["first_seq"], entry["last_seq"]), []).append({**entry, "seq": seq})
+        assert self.policy is not None
+        self.retention.summary(seq, entry, self.policy, self.epoch)
 
     def _run(self, seq: int, entry: dict, leaf: bytes) -> None:
         # Shape checked in step 3. Every mechanism releases one Gaussian mechanism per step with the
@@ -425,35 +446,8 @@ class _Audit:
                            f"this ledger's origin ({e.detail}): this is not the ledger it came from") from e
 
     def _redactions(self) -> None:
-        ranges = sorted(self.summaries)
-        for seq, kind, _ in self.redacted:
-            if not any(first <= seq <= last for first, last in ranges):
-                raise _Failure(Code.BAD_ENTRY, f"entry {seq} was redacted but no summary covers it", seq=seq)
-        for (first, last), group in self.summaries.items():
-            inside = [(seq, leaf) for seq, _, leaf in self.redacted if first <= seq <= last]
-            digest = hashlib.sha256(b"".join(leaf for _, leaf in inside)).digest()
-            if any(s["range_sha256"] != digest for s in group) or sum(s["entries"] for s in group) != len(inside):
-                raise _Failure(Code.BAD_SUMMARY, f"summary entry {group[0]['seq']}: the entries redacted in "
-                               f"{first}..{last} are not the ones it summarized", seq=group[0]["seq"])
+        self.retention.redactions(self.redacted)
 
     def _indexes(self) -> None:
-        # Index rows for redacted entries cannot be checked against a body; they must point at a
-        # redacted entry of their kind, one row each.
-        redacted = {kind: {seq for seq, k, _ in self.redacted if k == kind} for kind in ("admit", "withdraw")}
-        admissions = {r.contribution_id: r.seq for r in self.store.admissions()}
-        live = {cid: c.seq for cid, c in self.contributions.items()}
-        gone = {cid: seq for cid, seq in admissions.items() if cid not in live}
-        if ({cid: admissions.get(cid) for cid in live} != live or set(gone.values()) != redacted["admit"]
-                or len(gone) != len(redacted["admit"])):
-            differing = set(admissions.values()) ^ (set(live.values()) | redacted["admit"])
-            raise _Failure(Code.INDEX_MISMATCH, "the admissions index disagrees with the admit entries",
-                           seq=min(differing, default=None))
-        withdrawals = self.store.withdrawals()
-        expected = {cid: c.withdrawn_at for cid, c in self.contributions.items() if c.withdrawn_at is not None}
-        if ({cid: withdrawals.get(cid) for cid in expected} != expected
-                or {seq for cid, seq in withdrawals.items() if cid not in expected} != redacted["withdraw"]):
-            raise _Failure(Code.INDEX_MISMATCH, "the withdrawals index disagrees with the withdraw entries")
-        summaries = {(seq, cls, first, last) for seq, cls, first, last in self.store.summaries()}
-        if summaries != {(s["seq"], s["data_class"], s["first_seq"], s["last_seq"])
-                         for group in self.summaries.values() for s in group}:
-            raise _Failure(Code.INDEX_MISMATCH, "the summaries index disagrees with the summary entries")
+        self.retention.indexes({cid: c.withdrawn_at for cid, c in self.contributions.items()
+                                if c.withdrawn_at is not None})

@@ -1,0 +1,321 @@
+"""Retention (DESIGN §6): what a compaction retires, the `summary` entries that record it, and the checks
+that bind a summary to what it retired.
+
+A compaction retires whole contributions: every admit, spend and withdraw entry of a contribution that
+no entry names after the retention horizon. Each class's `summary` commits to its retired contributions
+(`retired`: id, class, digests, records, withdrawal and every entry), so that once the bodies are dropped
+the index rows can still be checked against it and a replay of a retired contribution still refused.
+
+`Ledger.compact` builds summaries with `summarize`, and before it drops a body it re-checks what it
+wrote with `check_structure`, `check_leaves`, `check_summary` and `check_compaction`: the functions the
+verifier applies to every summary (the body checks whenever the bodies are still there).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Iterable, Mapping, NamedTuple, Sequence
+
+import ledger_store
+from govtrain.errors import Code, IntegrityError
+from govtrain.ledger.entries import decode_entry
+
+REDACTABLE = ("admit", "spend", "withdraw")
+# Summary fields that describe one class's retired contributions (the rest describe the whole compaction).
+CLASS_FIELDS = ("entries", "admitted", "withdrawn", "spend_u", "entries_sha256", "retired")
+# What a later admit may not share with a retired contribution.
+RETIRED_KEYS = ("contribution_id", "descriptor_sha256", "attestation_sha256", "data_sha256")
+
+
+class Summarized(NamedTuple):
+    """An entry a summary retires, with its body decoded."""
+
+    seq: int
+    leaf_hash: bytes
+    entry: dict
+
+
+def _bad(detail: str) -> IntegrityError:
+    return IntegrityError(Code.BAD_SUMMARY, detail)
+
+
+def _digest(leaves: Iterable[bytes]) -> bytes:
+    return hashlib.sha256(b"".join(leaves)).digest()
+
+
+# -- building ---------------------------------------------------------------------------
+
+
+def retired_record(entries: Sequence[Summarized]) -> dict:
+    """The `retired` map of one contribution, from its entries' bodies (its admit entry first)."""
+    admit = entries[0].entry
+    withdrawals = [e.seq for e in entries if e.entry["kind"] == "withdraw"]
+    return {
+        "contribution_id": admit["contribution_id"],
+        "data_class": admit["data_class"],
+        "admit_seq": entries[0].seq,
+        "descriptor_sha256": admit["descriptor_sha256"],
+        "attestation_sha256": admit["attestation_sha256"],
+        "data_sha256": admit["data_sha256"],
+        "records": admit["records"],
+        "withdraw_seq": withdrawals[-1] if withdrawals else None,
+        "entry_seqs": [e.seq for e in entries],
+    }
+
+
+def class_fields(contributions: Sequence[Sequence[Summarized]]) -> dict:
+    """The per-class fields of a summary that retires `contributions` (all of one class)."""
+    contributions = sorted(contributions, key=lambda c: c[0].seq)
+    entries = sorted((e for c in contributions for e in c), key=lambda e: e.seq)
+    spends = [[e.entry["eps_u"] for e in c if e.entry["kind"] == "spend"] for c in contributions]
+    return {
+        "entries": len(entries),
+        "admitted": len(contributions),
+        "withdrawn": sum(1 for e in entries if e.entry["kind"] == "withdraw"),
+        "spend_u": sum(eps[-1] for eps in spends if eps),  # cumulative: each contribution's latest
+        "entries_sha256": _digest(e.leaf_hash for e in entries),
+        "retired": [retired_record(c) for c in contributions],
+    }
+
+
+def compaction_fields(leaves: Mapping[int, bytes]) -> dict:
+    """The fields every summary of one compaction shares, over all the entries it retires (seq -> leaf)."""
+    seqs = sorted(leaves)
+    return {"first_seq": seqs[0], "last_seq": seqs[-1], "range_sha256": _digest(leaves[s] for s in seqs)}
+
+
+def summarize(before_epoch: int, contributions: Sequence[Sequence[Summarized]]) -> list[dict]:
+    """The summary fields (one map per class, by class name) that retire `contributions`, each a list of a
+    contribution's entries, admit first. Classes come from the admit bodies, never from an index."""
+    by_class: dict[str, list[Sequence[Summarized]]] = {}
+    for contribution in contributions:
+        by_class.setdefault(contribution[0].entry["data_class"], []).append(contribution)
+    shared = compaction_fields({e.seq: e.leaf_hash for c in contributions for e in c})
+    return [{"data_class": name, "before_epoch": before_epoch, **shared, **class_fields(by_class[name])}
+            for name in sorted(by_class)]
+
+
+# -- checking ---------------------------------------------------------------------------
+
+
+def check_structure(summary: dict) -> None:
+    """The rules a summary obeys on its own: its retired list is ordered, of its class, inside its range,
+    and its counts are the list's."""
+    first, last, retired = summary["first_seq"], summary["last_seq"], summary["retired"]
+    if [r["admit_seq"] for r in retired] != sorted({r["admit_seq"] for r in retired}):
+        raise _bad("retired is not sorted by admit_seq (or lists a contribution twice)")
+    for index, r in enumerate(retired):
+        seqs, where = r["entry_seqs"], f"retired[{index}] ({r['contribution_id']!r})"
+        if r["data_class"] != summary["data_class"]:
+            raise _bad(f"{where}.data_class is not the summary's class {summary['data_class']!r}")
+        if not seqs or seqs[0] != r["admit_seq"] or any(a >= b for a, b in zip(seqs, seqs[1:])):
+            raise _bad(f"{where}.entry_seqs must ascend from its admit_seq")
+        if not (first <= seqs[0] and seqs[-1] <= last):
+            raise _bad(f"{where}.entry_seqs reach outside first_seq..last_seq ({first}..{last})")
+        if r["withdraw_seq"] is not None and (len(seqs) < 2 or r["withdraw_seq"] != seqs[-1]):
+            raise _bad(f"{where}.withdraw_seq must be its last entry: nothing follows a withdrawal")
+    counts = {"entries": sum(len(r["entry_seqs"]) for r in retired), "admitted": len(retired),
+              "withdrawn": sum(1 for r in retired if r["withdraw_seq"] is not None)}
+    for name, value in counts.items():
+        if summary[name] != value:
+            raise _bad(f"{name} is {summary[name]}, but its retired list makes it {value}")
+
+
+def check_leaves(summary: dict, leaves: Mapping[int, bytes]) -> None:
+    """entries_sha256 against the leaf hashes of the entries the summary retires (kept after redaction)."""
+    seqs = sorted(s for r in summary["retired"] for s in r["entry_seqs"])
+    if summary["entries_sha256"] != _digest(leaves[s] for s in seqs):
+        raise _bad("entries_sha256 is not the hash of the leaf hashes of the entries it retires")
+
+
+def check_summary(summary: dict, bodies: Mapping[int, Summarized],
+                  named: Mapping[str, tuple[int, int]]) -> None:
+    """Every per-class field of `summary` recomputed from the bodies of what it retires (seq -> body).
+
+    `named` maps each retired contribution id to (how many entries name it, the last of them), counted
+    over the ledger up to now: a summary lists every entry of what it retires, and nothing names a
+    retired contribution afterwards."""
+    contributions = []
+    for index, r in enumerate(summary["retired"]):
+        where = f"retired[{index}] ({r['contribution_id']!r})"
+        missing = [s for s in r["entry_seqs"] if s not in bodies]
+        if missing:
+            raise _bad(f"{where}.entry_seqs names entry {missing[0]}, whose body is not there to check")
+        items = [bodies[s] for s in r["entry_seqs"]]
+        admit = items[0]
+        if admit.entry["kind"] != "admit":
+            raise _bad(f"{where}.admit_seq is entry {admit.seq}, a {admit.entry['kind']} entry")
+        for item in items[1:]:
+            if (item.entry["kind"] not in ("spend", "withdraw")
+                    or item.entry["contribution_id"] != admit.entry["contribution_id"]
+                    or item.entry["admit_leaf"] != admit.leaf_hash):
+                raise _bad(f"{where}.entry_seqs lists entry {item.seq}, which is not a spend or withdrawal "
+                           "of that contribution")
+        count, latest = named.get(admit.entry["contribution_id"], (0, -1))
+        if (count, latest) != (len(items), items[-1].seq):
+            raise _bad(f"{where}.entry_seqs lists {len(items)} entries up to {items[-1].seq}, but {count} entries "
+                       f"name the contribution, the last being entry {latest}: a contribution is retired "
+                       "whole, and only once nothing names it any more")
+        contributions.append(items)
+    expected = class_fields(contributions)
+    for name in CLASS_FIELDS:
+        if name == "retired":
+            continue
+        if summary[name] != expected[name]:
+            raise _bad(f"{name} is {summary[name]!r}, but the entries it retires make it {expected[name]!r}")
+    for index, (claimed, actual) in enumerate(zip(summary["retired"], expected["retired"])):
+        for name, value in actual.items():
+            if claimed[name] != value:
+                raise _bad(f"retired[{index}].{name} differs from the admit entry {actual['admit_seq']} it retires")
+
+
+def check_compaction(group: Sequence[dict], leaves: Mapping[int, bytes]) -> None:
+    """The summaries one compaction wrote (one per class) share before_epoch, first_seq, last_seq and
+    range_sha256, which describe every entry they retire together; no entry is retired twice."""
+    seqs = [s for summary in group for r in summary["retired"] for s in r["entry_seqs"]]
+    if len(set(seqs)) != len(seqs):
+        raise _bad("an entry is retired twice")
+    if not seqs:
+        raise _bad("retires nothing")
+    expected = compaction_fields({s: leaves[s] for s in seqs})
+    for summary in group:
+        if summary["before_epoch"] != group[0]["before_epoch"]:
+            raise _bad("the summaries of one compaction disagree on before_epoch")
+        for name, value in expected.items():
+            if summary[name] != value:
+                raise _bad(f"{name} does not describe the entries its compaction retires")
+    if len({summary["data_class"] for summary in group}) != len(group):
+        raise _bad("a compaction wrote two summaries for one class")
+
+
+# -- compacting -------------------------------------------------------------------------
+
+
+def epoch_boundary(store: ledger_store.LedgerStore, before_epoch: int) -> int:
+    """The seq of the `epoch` entry that closes epoch `before_epoch - 1`: what a compaction retires is before it."""
+    for stored in store.entries(kinds=("epoch",)):
+        if stored.body is not None and decode_entry(stored.body, seq=stored.seq, kind="epoch")["epoch"] \
+                == before_epoch - 1:
+            return stored.seq
+    raise IntegrityError(Code.BAD_EPOCH, f"no epoch entry closes epoch {before_epoch - 1}")
+
+
+def retirable(store: ledger_store.LedgerStore, boundary: int, retired: "RetiredKeys") -> list[list[Summarized]]:
+    """The contributions a compaction may retire, each as its entries (admit first): admitted before entry
+    `boundary`, not retired already, and named by no entry after it."""
+    by_id: dict[str, list[Summarized]] = {}
+    keep: set[str] = set()  # still active after the boundary, or not retirable whole
+    for stored in store.entries(start=1, kinds=REDACTABLE):
+        if stored.body is None:
+            continue
+        entry = decode_entry(stored.body, seq=stored.seq, kind=stored.kind)
+        contribution_id = entry["contribution_id"]
+        if stored.seq > boundary or (stored.kind == "admit" and contribution_id in by_id):
+            keep.add(contribution_id)
+        elif stored.kind == "admit":
+            by_id[contribution_id] = [Summarized(stored.seq, stored.leaf_hash, entry)]
+        elif contribution_id in by_id:
+            by_id[contribution_id].append(Summarized(stored.seq, stored.leaf_hash, entry))
+    return [items for contribution_id, items in by_id.items()
+            if contribution_id not in keep and contribution_id not in retired]
+
+
+def unfinished(store: ledger_store.LedgerStore) -> tuple[list[tuple[int, dict]], dict[int, ledger_store.StoredEntry]]:
+    """The summaries whose retired entries still have their bodies (a compaction not yet redacted, or
+    interrupted between its two transactions), with those entries."""
+    summaries = read_summaries(store)
+    wanted = sorted({s for _, summary in summaries for r in summary["retired"] for s in r["entry_seqs"]})
+    rows = {row.seq: row for row in store.entries_at(wanted)}
+    pending, held = [], {}
+    for seq, summary in summaries:
+        mine = [s for r in summary["retired"] for s in r["entry_seqs"]]
+        present = [s for s in mine if s in rows and rows[s].body is not None]
+        if present and len(present) != len(mine):
+            raise _bad(f"summary entry {seq}: some of the entries it retires were redacted and some were not")
+        if present:
+            pending.append((seq, summary))
+            held.update((s, rows[s]) for s in present)
+    return pending, held
+
+
+def check_unfinished(store: ledger_store.LedgerStore, summaries: list[tuple[int, dict]],
+                     rows: Mapping[int, ledger_store.StoredEntry]) -> None:
+    """Every check of the summaries `unfinished` returned, against their bodies, before they are dropped."""
+    for seq, row in rows.items():
+        if ledger_store.leaf_hash(row.body) != row.leaf_hash:
+            raise IntegrityError(Code.LEAF_HASH_MISMATCH, f"entry {seq}: stored leaf hash does not match its body")
+    bodies = {seq: Summarized(seq, row.leaf_hash, decode_entry(row.body, seq=seq, kind=row.kind))
+              for seq, row in rows.items()}
+    leaves = {seq: row.leaf_hash for seq, row in rows.items()}
+    ids = {r["contribution_id"] for _, summary in summaries for r in summary["retired"]}
+    named = appearances(store, ids, start=min(rows))
+    groups: dict[tuple[int, int], list[dict]] = {}
+    for seq, summary in summaries:
+        try:
+            check_structure(summary)
+            check_leaves(summary, leaves)
+            check_summary(summary, bodies, named)
+        except IntegrityError as e:
+            raise _bad(f"summary entry {seq}: {e.detail}") from e
+        groups.setdefault((summary["first_seq"], summary["last_seq"]), []).append(summary)
+    for (first, last), group in groups.items():
+        try:
+            check_compaction(group, leaves)
+        except IntegrityError as e:
+            raise _bad(f"the summaries of {first}..{last}: {e.detail}") from e
+
+
+def appearances(store: ledger_store.LedgerStore, contribution_ids: set[str], *,
+                start: int) -> dict[str, tuple[int, int]]:
+    """For each of `contribution_ids`: (how many entries from `start` on name it, the last of them)."""
+    named: dict[str, tuple[int, int]] = {}
+    for stored in store.entries(start=start, kinds=REDACTABLE):
+        if stored.body is None:
+            continue
+        contribution_id = decode_entry(stored.body, seq=stored.seq, kind=stored.kind)["contribution_id"]
+        if contribution_id in contribution_ids:
+            named[contribution_id] = (named.get(contribution_id, (0, -1))[0] + 1, stored.seq)
+    return named
+
+
+# -- reading ----------------------------------------------------------------------------
+
+
+def read_summaries(store: ledger_store.LedgerStore) -> list[tuple[int, dict]]:
+    """(seq, decoded body) of every summary entry."""
+    found = []
+    for stored in store.entries(kinds=("summary",)):
+        if stored.body is None:
+            raise IntegrityError(Code.BAD_ENTRY, f"summary entry {stored.seq} has no body: the ledger is damaged")
+        found.append((stored.seq, decode_entry(stored.body, seq=stored.seq, kind="summary")))
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class RetiredKeys:
+    """What every retired contribution committed to, read from the summaries' bodies (not the index rows,
+    which a writer without the key can edit): (field, value) -> (admit seq, summary seq)."""
+
+    keys: dict[tuple[str, object], tuple[int, int]]
+
+    @classmethod
+    def read(cls, store: ledger_store.LedgerStore) -> "RetiredKeys":
+        keys: dict[tuple[str, object], tuple[int, int]] = {}
+        for seq, summary in read_summaries(store):
+            for r in summary["retired"]:
+                for name in RETIRED_KEYS:
+                    keys.setdefault((name, r[name]), (r["admit_seq"], seq))
+        return cls(keys)
+
+    def match(self, contribution_id: str, descriptor_sha256: bytes, attestation_sha256: bytes,
+              data_sha256: bytes) -> tuple[str, int, int] | None:
+        """(field, admit seq, summary seq) of a retired contribution sharing an id or a digest, else None."""
+        for name, value in zip(RETIRED_KEYS, (contribution_id, descriptor_sha256, attestation_sha256, data_sha256)):
+            found = self.keys.get((name, value))
+            if found is not None:
+                return name, *found
+        return None
+
+    def __contains__(self, contribution_id: str) -> bool:
+        return ("contribution_id", contribution_id) in self.keys
