@@ -80,10 +80,11 @@ def _age(corpus: Corpus) -> Corpus:
             corpus.data(f"{name}.jsonl")
             admit(ledger, _attestation(corpus, name), _data(corpus, name), now=corpus.now)
         ledger.record_spend(0, 10_000, [("gone", 10, 1_000_000, 10_000), ("kept", 10, 1_000_000, 10_000)],
-                            now=corpus.now)
+                            run_id="r", epoch_steps=10, now=corpus.now)
         ledger.withdraw("gone", "asked to leave", now=corpus.now)
         ledger.close_epoch(now=corpus.now)
-        ledger.record_spend(1, 10_000, [("kept", 10, 1_000_000, 20_000)], now=corpus.now)
+        ledger.record_spend(1, 10_000, [("kept", 10, 1_000_000, 20_000)], run_id="r", epoch_steps=10,
+                            now=corpus.now)
         ledger.close_epoch(now=corpus.now)
     assert _verify(corpus.url).ok
     return corpus
@@ -298,7 +299,8 @@ def test_8_redacting_a_live_spend_under_a_summary_that_claims_nothing(aged: Corp
     _operator_summary(aged, data_class="public", before_epoch=1, retired=[], redact=True, seqs=[5],
                       entries=1)
     with aged.open() as ledger:
-        ledger.record_spend(2, 10_000, [("kept", 10, 1_000_000, 20_000)], now=aged.now)  # truly 30_000
+        ledger.record_spend(2, 10_000, [("kept", 10, 1_000_000, 20_000)], run_id="r", epoch_steps=10,
+                            now=aged.now)  # truly 30_000
     _fails(_verify(aged.url, pinned), "bad_entry", 5)
 
 
