@@ -6,8 +6,9 @@ Prints, from one run on this machine:
   1. batched append rate into SQLite (entries per second; each batch is one transaction that also
      signs a checkpoint of the new tree)                                 [target >= 40,000/s]
      and into PostgreSQL when --pg (or $GOVTRAIN_TEST_PG_URL) names a server;
-  2. verification of the whole ledger, integrity only (sequence, leaf hashes, every checkpoint's root
-     and signature: no entry decoded, no attestation re-verified)         [target <= 4 s]
+  2. verification of the whole ledger, integrity only (sequence, leaf hashes, each body's kind against
+     its row, every checkpoint's root and signature: no entry decoded, no attestation re-verified)
+                                                                          [target <= 4 s]
      next to the hashing-only lower bound (leaf and interior hashes of the same bodies, in memory);
   3. inclusion proof generation and verification at the full size       [target <= 5 ms each].
 Entries are spend-shaped (the bulk of a real ledger: one per contribution per epoch).

@@ -64,7 +64,7 @@ step "Contributor: get an inclusion proof and check it offline with the ledger's
 show "$BIN/govtrain" ledger prove contrib-03 --ledger "$LEDGER" --out "$OUT/contrib-03.tlog-proof" > /dev/null
 head -n 3 "$OUT/contrib-03.tlog-proof" | cut -c1-60
 show "$BIN/govtrain" ledger verify-proof "$OUT/contrib-03.tlog-proof" --key "$OUT/keys/ledger.pub" \
-  --attestation "$OUT/data/contrib-03.jsonl.cose"
+  --origin example.org/govtrain/demo --attestation "$OUT/data/contrib-03.jsonl.cose"
 
 step "Contributor: withdraw (appended, never erased; spend is never refunded)"
 show "$BIN/govtrain" withdraw contrib-07 --ledger "$LEDGER" --reason "consent withdrawn"

@@ -475,18 +475,20 @@ class LedgerStore:
         with self.engine.connect() as connection:
             return _leaf_hashes(connection, start, stop)
 
-    def leaf_rows(self, batch: int = 100_000) -> Iterator[list[tuple[int, bytes, bytes | None]]]:
-        """Batches of (seq, leaf hash, body) for every entry in order: the bulk path auditors use."""
+    def leaf_rows(self, batch: int = 100_000, *, with_kind: bool = False) -> Iterator[list[tuple]]:
+        """Batches of (seq, leaf hash, body) for every entry in order, and its kind column last if
+        `with_kind`: the bulk path auditors use."""
+        columns = [Entry.seq, Entry.leaf_hash, Entry.body] + ([Entry.kind] if with_kind else [])
         with self.engine.connect() as connection:
             if self.backend == "sqlite":  # the driver's own cursor: no per-row Python objects in between
                 cursor = connection.connection.dbapi_connection.cursor()
-                cursor.execute("SELECT seq, leaf_hash, body FROM entries ORDER BY seq")
+                cursor.execute(f"SELECT {', '.join(c.name for c in columns)} FROM entries ORDER BY seq")
                 while rows := cursor.fetchmany(batch):
                     yield rows
                 cursor.close()
                 return
             result = connection.execution_options(stream_results=True).execute(
-                select(Entry.seq, Entry.leaf_hash, Entry.body).order_by(Entry.seq))
+                select(*columns).order_by(Entry.seq))
             while rows := result.fetchmany(batch):
                 yield [tuple(row) for row in rows]
 

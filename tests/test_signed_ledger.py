@@ -22,6 +22,8 @@ from govtrain.ledger.ledger import Ledger
 from govtrain.verify.verifier import verify_ledger
 from tests.conftest import Corpus, snapshot
 
+ORIGIN = "test.invalid/govtrain/1"  # TEST_POLICY's origin
+
 
 def _db(url: str) -> Path:
     return Path(url.removeprefix("sqlite:///"))
@@ -256,7 +258,8 @@ def test_compaction_keeps_every_root_and_proof(real: Corpus, tmp_path: Path):
     pub = str(real.dir / "ledger.pub")
     proof = tmp_path / "late.proof"
     proof.write_text(proof_before)
-    assert CliRunner().invoke(cli, ["ledger", "verify-proof", str(proof), "--key", pub]).exit_code == 0
+    verified = CliRunner().invoke(cli, ["ledger", "verify-proof", str(proof), "--key", pub, "--origin", ORIGIN])
+    assert verified.exit_code == 0
     assert CliRunner().invoke(cli, ["ledger", "prove", "late-0", "--ledger", real.url]).exit_code == 0
     gone = CliRunner().invoke(cli, ["ledger", "prove", "early-0", "--ledger", real.url])
     assert gone.exit_code == 3 and "redacted" in gone.stderr
@@ -292,22 +295,23 @@ def test_prove_and_verify_offline(real: Corpus, tmp_path: Path):
     assert result.exit_code == 0 and result.stdout.startswith("c2sp.org/tlog-proof@v1\nextra ")
     assert "\nindex 6\n" in result.stdout
     pub = str(real.dir / "ledger.pub")
-    ok = runner.invoke(cli, ["ledger", "verify-proof", str(out), "--key", pub, "--json"])
+    ok = runner.invoke(cli, ["ledger", "verify-proof", str(out), "--key", pub, "--origin", ORIGIN, "--json"])
     assert ok.exit_code == 0 and json.loads(ok.stdout)["contribution_id"] == "middle-1"
     bad = tmp_path / "bad.proof"
     lines = out.read_text().split("\n")
     lines[3] = base64.b64encode(b"\x00" * 32).decode()
     bad.write_text("\n".join(lines))
-    assert runner.invoke(cli, ["ledger", "verify-proof", str(bad), "--key", pub]).exit_code == 4
+    assert runner.invoke(cli, ["ledger", "verify-proof", str(bad), "--key", pub, "--origin", ORIGIN]).exit_code == 4
     other = tmp_path / "other.pub"
     from govtrain.attest.keys import public_key_pem
 
     other.write_bytes(public_key_pem(Ed25519PrivateKey.generate().public_key()))
-    assert runner.invoke(cli, ["ledger", "verify-proof", str(out), "--key", str(other)]).exit_code == 4
+    assert runner.invoke(cli, ["ledger", "verify-proof", str(out), "--key", str(other),
+                               "--origin", ORIGIN]).exit_code == 4
     mine = real.dir / "mine.cose"
     mine.write_bytes(real.attestation(real.data("x.jsonl")))
-    assert runner.invoke(cli, ["ledger", "verify-proof", str(out), "--key", pub, "--attestation",
-                               str(mine)]).exit_code == 4
+    assert runner.invoke(cli, ["ledger", "verify-proof", str(out), "--key", pub, "--origin", ORIGIN,
+                               "--attestation", str(mine)]).exit_code == 4
     unknown = runner.invoke(cli, ["ledger", "prove", "nobody", "--ledger", real.url])
     assert unknown.exit_code == 3
 

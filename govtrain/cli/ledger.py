@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -18,6 +19,10 @@ from govtrain.cli.output import (
 )
 from govtrain.cli.verify import run_verify, verify_options
 from govtrain.errors import Code, ConfigError, IntegrityError
+
+if TYPE_CHECKING:
+    from govtrain.ledger.checkpoint import NoteKey
+
 
 def _write_new(path: str, text: str) -> None:
     target = Path(path)
@@ -77,28 +82,29 @@ def ledger_prove(contribution_id: str, ledger_url: str, checkpoint_path: str | N
 
 @ledger.command("verify-proof", cls=Command, context_settings=CONTEXT_SETTINGS)
 @click.argument("proof_path", type=click.Path(dir_okay=False))
-@click.option("--key", "key_path", required=True, type=click.Path(dir_okay=False),
-              help="The ledger's public key (PEM).")
+@click.option("--key", "key_path", type=click.Path(dir_okay=False),
+              help="The ledger's public key (PEM); needs --origin.")
+@click.option("--origin", default=None, metavar="ORIGIN",
+              help="The origin of the ledger you expect (its checkpoints' first line, the policy's origin).")
 @click.option("--name", "key_name", default=None, help="The key's name in checkpoints; default: the origin.")
+@click.option("--vkey", default=None, metavar="NAME+ID+KEY",
+              help="Instead of --key: the ledger's C2SP verifier key; its name is the origin unless --origin.")
 @click.option("--attestation", "attestation_path", type=click.Path(dir_okay=False),
               help="Also check that the proven entry records this .cose file.")
 @json_option
 @reports_errors
-def ledger_verify_proof(proof_path: str, key_path: str, key_name: str | None, attestation_path: str | None,
-                        as_json: bool) -> None:
-    """Check an inclusion proof offline. Exit 0 ok, 4 if it does not verify."""
-    from govtrain.attest.keys import load_public_key
-    from govtrain.ledger.checkpoint import NoteKey
-    from govtrain.ledger.proof import parse_proof, verify_proof
+def ledger_verify_proof(proof_path: str, key_path: str | None, origin: str | None, key_name: str | None,
+                        vkey: str | None, attestation_path: str | None, as_json: bool) -> None:
+    """Check an inclusion proof offline against the ledger you expect. Exit 0 ok, 4 if it does not verify."""
+    from govtrain.ledger.proof import verify_proof
 
+    key, origin = _proof_key(key_path, origin, key_name, vkey)
     try:
         text = Path(proof_path).read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise IntegrityError(Code.BAD_PROOF, f"cannot read proof {proof_path}") from e
-    origin = parse_proof(text).checkpoint_note.split("\n", 1)[0]
-    key = NoteKey(key_name or origin, load_public_key(key_path))
     attestation = Path(attestation_path).read_bytes() if attestation_path else None
-    verified = verify_proof(text, [key], attestation=attestation)
+    verified = verify_proof(text, [key], origin=origin, attestation=attestation)
     entry = verified.entry
     if as_json:
         emit_json({"ok": True, "contribution_id": entry["contribution_id"], "data_class": entry["data_class"],
@@ -107,6 +113,35 @@ def ledger_verify_proof(proof_path: str, key_path: str, key_name: str | None, at
     else:
         click.echo(f"ok: {entry['contribution_id']} (class {entry['data_class']}) is entry {verified.index} of "
                    f"{verified.checkpoint.origin}, signed at size {verified.checkpoint.size}")
+
+
+def _proof_key(key_path: str | None, origin: str | None, key_name: str | None,
+               vkey: str | None) -> tuple["NoteKey", str]:
+    """The verifier key and the origin a proof must be for, from the caller's arguments only: a proof
+    names its own origin, and one ledger key may sign several ledgers."""
+    from govtrain.attest.keys import load_public_key
+    from govtrain.ledger.checkpoint import NoteError, NoteKey
+
+    if vkey is not None:
+        if key_path is not None or key_name is not None:
+            raise ConfigError(Code.USAGE, "give either --vkey NAME+ID+KEY or --key FILE --origin ORIGIN [--name], "
+                              "not both")
+        try:
+            key = NoteKey.from_vkey(vkey)
+        except NoteError as e:
+            raise ConfigError(Code.BAD_ARGUMENT, f"--vkey: {e.detail}") from e
+        return key, origin if origin is not None else key.name
+    if key_path is None:
+        raise ConfigError(Code.USAGE, "give the ledger's public key and origin: --key FILE --origin ORIGIN "
+                          "(or --vkey NAME+ID+KEY)")
+    if origin is None:
+        raise ConfigError(Code.USAGE, "--key needs --origin ORIGIN: the origin of the ledger you expect the proof "
+                          "to come from (its policy's origin); the proof's own origin is not trusted")
+    public_key = load_public_key(key_path)
+    try:
+        return NoteKey(key_name or origin, public_key), origin
+    except ValueError as e:
+        raise ConfigError(Code.BAD_ARGUMENT, f"key name {key_name or origin!r}: {e}; give --name") from e
 
 
 @ledger.command("compact", cls=Command, context_settings=CONTEXT_SETTINGS)

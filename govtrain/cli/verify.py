@@ -14,7 +14,8 @@ def verify_options(f):  # type: ignore[no-untyped-def]
     f = click.option("--skip-spend", is_flag=True,
                      help="Do not recompute each recorded spend with the recorded accountant (faster).")(f)
     f = click.option("--integrity-only", is_flag=True,
-                     help="Only sequence, leaf hashes, roots and checkpoint signatures; no entry is decoded.")(f)
+                     help="Only sequence, leaf hashes, kinds, roots and checkpoint signatures, in bulk: no "
+                          "content rules, attestations, spend, redaction coverage or index tables.")(f)
     f = click.option("--trusted-checkpoint", "trusted", multiple=True, type=click.Path(dir_okay=False),
                      help="A checkpoint note you already trust (repeatable): detects rollback and forks.")(f)
     f = click.option("--ledger", "ledger_url", envvar="GOVTRAIN_LEDGER", required=True, metavar="URL",
@@ -42,7 +43,14 @@ def run_verify(ledger_url: str, trusted: tuple[str, ...], skip_attestations: boo
             f" (checkpoint {report.bad_checkpoint})" if report.bad_checkpoint is not None else "")
         click.echo(report.error.line() + where, err=True)
         raise SystemExit(report.error.exit_code)
-    if not as_json:
+    if not as_json and integrity_only:
+        from govtrain.verify.integrity import NOT_CHECKED
+
+        click.echo(f"ok: {report.entries} entries verified, integrity only (sequence, leaf hashes, each body's kind, "
+                   f"roots and signatures of {report.checkpoints} checkpoints); {report.trusted_checkpoints} trusted "
+                   "checkpoint(s) consistent")
+        click.echo(f"not checked: {'; '.join(NOT_CHECKED)}. Run without --integrity-only to check them.")
+    elif not as_json:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(report.by_kind.items()))
         click.echo(f"ok: {report.entries} entries verified ({kinds}); {report.checkpoints} checkpoints; "
                    f"{report.admissions} admissions, {report.withdrawals} withdrawn; "

@@ -76,14 +76,18 @@ def parse_proof(text: str) -> InclusionProof:
     return InclusionProof(entry, int(match.group(1)), hashes, note)
 
 
-def verify_proof(text: str, keys: list[NoteKey], *, origin: str | None = None,
+def verify_proof(text: str, keys: list[NoteKey], *, origin: str,
                  attestation: bytes | None = None) -> VerifiedProof:
-    """Verify a proof offline: the checkpoint's signature, the inclusion of the entry, and optionally that
-    the entry records `attestation` (the contributor's own `.cose` bytes)."""
+    """Verify a proof offline: the checkpoint's signature, that it is a checkpoint of the ledger `origin`,
+    the inclusion of the entry, and optionally that the entry records `attestation` (the contributor's own
+    `.cose` bytes).
+
+    `origin` is the ledger the caller expects, never read from the proof: one key may sign several
+    ledgers, and a proof from another of them must not pass for this one.
+    """
     proof = parse_proof(text)
-    first_line = proof.checkpoint_note.split("\n", 1)[0]
     try:
-        checkpoint = verify_checkpoint(proof.checkpoint_note, origin=origin or first_line, keys=keys)
+        checkpoint = verify_checkpoint(proof.checkpoint_note, origin=origin, keys=keys)
     except NoteError as e:
         raise _bad(f"checkpoint: {e.detail}") from e
     try:

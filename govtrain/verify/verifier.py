@@ -46,7 +46,7 @@ from govtrain.ledger.spend_rules import SpendBook, SpendRuleError, min_sampling_
 from govtrain.mechanisms import MECHANISMS
 from govtrain.policy.model import Policy
 from govtrain.ledger.merkle import CompactRange, root_of
-from govtrain.verify.integrity import _Failure, _integrity, fork_detail
+from govtrain.verify.integrity import NOT_CHECKED, _Failure, _integrity, fork_detail
 from govtrain.verify.retention import RetentionAudit
 
 # (accountant name, delta_p, [(sampling_rate_u, noise_multiplier_u, steps), ...]) -> epsilon in
@@ -72,6 +72,7 @@ class VerificationReport:
     error: GovtrainError | None = None
     bad_seq: int | None = None
     bad_checkpoint: int | None = None
+    not_checked: tuple[str, ...] = ()  # what an integrity-only pass leaves to the full pass
 
     @property
     def ok(self) -> bool:
@@ -85,6 +86,8 @@ class VerificationReport:
             "attestations_verified": self.attestations_verified, "spend_recomputed": self.spend_recomputed,
             "trusted_checkpoints": self.trusted_checkpoints,
         }
+        if self.not_checked:
+            report["not_checked"] = list(self.not_checked)
         if self.error is not None:
             report.update(code=self.error.code.value, detail=self.error.detail, first_bad_entry=self.bad_seq,
                           bad_checkpoint=self.bad_checkpoint)
@@ -129,13 +132,15 @@ def inspect_ledger(url: str, *, trusted_checkpoints: Sequence[str] = (), attesta
     (`accountant`; pass None to skip that, the one step that costs accountant time).
 
     `integrity_only` checks steps 1, 2, 6, 7 and 8 (sequence, leaf hashes, roots, checkpoint signatures,
-    truncation, unsigned tails, trusted checkpoints) without decoding entries: the structure an auditor
-    can check for millions of entries in seconds. Content rules need the full pass.
+    truncation, unsigned tails, trusted checkpoints) and each body's kind against its row, without decoding
+    entries: the structure an auditor can check for millions of entries in seconds. What it leaves to the
+    full pass is listed in the report (`integrity.NOT_CHECKED`).
     """
     with store_errors():
         store = ledger_store.LedgerStore.open(url)
     report = VerificationReport(url=store.url, attestations_verified=attestations and not integrity_only,
-                                spend_recomputed=accountant is not None and not integrity_only)
+                                spend_recomputed=accountant is not None and not integrity_only,
+                                not_checked=NOT_CHECKED if integrity_only else ())
     try:
         if integrity_only:
             _integrity(store, report, trusted_checkpoints)
