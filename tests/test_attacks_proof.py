@@ -156,7 +156,8 @@ def ledger(corpus: Corpus) -> Corpus:
         leaf = opened.store.entry(1).leaf_hash
         with opened.append(corpus.now) as appender:
             appender.add("spend", corpus.now, lambda seq: spend_entry(
-                seq, corpus.now, contribution_id="c-0", admit_leaf=leaf, epoch=0, steps=10, sampling_rate_u=10_000,
+                seq, corpus.now, contribution_id="c-0", admit_leaf=leaf, run_id="r0", epoch=0, epoch_steps=10,
+                steps=10, sampling_rate_u=10_000,
                 noise_multiplier_u=1_000_000, accountant="prv", delta_p=10_000_000, eps_u=eps_u))
             appender.add("run", corpus.now, lambda seq: run_entry(
                 seq, corpus.now, run_id="r0", mechanism="dpsgd", config_sha256=bytes(32),
@@ -229,8 +230,8 @@ def test_kind_check_on_the_parallel_path(corpus: Corpus, tmp_path: Path):
     with corpus.open() as opened:
         with opened.append(corpus.now) as appender:
             for i in range(70_000):
-                appender.add("run", 1, lambda seq, i=i: run_entry(
-                    seq, 1, run_id=f"r{i}", mechanism="dpsgd", config_sha256=bytes(32),
+                appender.add("run", corpus.now, lambda seq, i=i: run_entry(
+                    seq, corpus.now, run_id=f"r{i}", mechanism="dpsgd", config_sha256=bytes(32),
                     base_model_sha256=bytes(32), adapter_sha256=None))
     assert _integrity_only(corpus.url)[0] == 0
     for seq, statement in ((30_000, "UPDATE entries SET kind = 'epoch' WHERE seq = ?"),
@@ -249,7 +250,7 @@ def test_envelope_check_reads_every_kind_at_every_seq_width(seq: int):
     from govtrain.ledger.entries import _TEMPLATES, ENTRY_VERSION, SPECS
     from govtrain.verify import integrity
 
-    dummies = {int: 7, str: "x", bytes: bytes(range(32)), dict: {}}
+    dummies = {int: 7, str: "x", bytes: bytes(range(32)), dict: {}, list: []}
     ((_, _, width),) = integrity._seq_widths(seq, 1)
     assert width == len(cbor.encode(seq)) and set(integrity._ENVELOPES) == set(SPECS)
     for kind, spec in SPECS.items():

@@ -61,10 +61,10 @@ def note_keys(policy: Policy) -> list[NoteKey]:
 
 
 class UnauthorisedPolicy(IntegrityError):
-    """A `policy` entry that the policy before it did not sign for (or that renames the ledger)."""
+    """A `policy` entry that the policy before it did not sign for, renames the ledger, or cannot be read."""
 
-    def __init__(self, seq: int, detail: str) -> None:
-        super().__init__(Code.POLICY_UNAUTHORISED, f"entry {seq}: {detail}")
+    def __init__(self, seq: int, detail: str, code: Code = Code.POLICY_UNAUTHORISED) -> None:
+        super().__init__(code, f"entry {seq}: {detail}")
         self.seq = seq
 
 
@@ -90,8 +90,12 @@ def policy_chain(store: ledger_store.LedgerStore, header: dict) -> list[tuple[in
     chain = [(0, Policy.from_record(header["policy"]))]
     for stored in store.entries(kinds=("policy",)):
         if stored.body is None:
-            raise IntegrityError(Code.BAD_ENTRY, f"entry {stored.seq}: a policy entry has no body")
-        policy = Policy.from_record(decode_entry(stored.body, seq=stored.seq, kind="policy")["policy"])
+            raise UnauthorisedPolicy(stored.seq, "a policy entry has no body; only admit, spend and withdraw "
+                                                 "entries may be redacted", Code.BAD_ENTRY)
+        try:
+            policy = Policy.from_record(decode_entry(stored.body, seq=stored.seq, kind="policy")["policy"])
+        except IntegrityError as e:
+            raise UnauthorisedPolicy(stored.seq, e.detail, e.code) from e
         covering = store.checkpoint_covering(stored.seq)
         authorise_policy_change(stored.seq, chain[-1][1], policy, covering.note if covering else None)
         chain.append((stored.seq, policy))
