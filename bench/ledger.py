@@ -53,7 +53,8 @@ def build(url: str, keys: Path, entries: int, batch: int) -> tuple[float, list[b
         with ledger.append(now=2) as appender:
             for i in range(appended, appended + count):
                 appender.add("spend", 2, lambda seq, i=i: spend_entry(
-                    seq, 2, contribution_id=f"c{i % 100_000:06d}", admit_leaf=leaf, epoch=i // 100_000, steps=50,
+                    seq, 2, contribution_id=f"c{i % 100_000:06d}", admit_leaf=leaf, run_id="bench",
+                    epoch=i // 100_000, epoch_steps=50, steps=50,
                     sampling_rate_u=10_000, noise_multiplier_u=1_000_000, accountant="prv", delta_p=10_000_000,
                     eps_u=1_000 * (i // 100_000 + 1)))
         elapsed += time.perf_counter() - start
