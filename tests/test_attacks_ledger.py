@@ -163,7 +163,7 @@ def test_signer_refuses_a_corrupted_subtree_hash(corpus: Corpus):
         with ledger.append(corpus.now) as appender:
             for i in range(300):
                 appender.add("run", corpus.now, lambda seq, i=i: run_entry(
-                    seq, corpus.now, run_id=f"r{i}", mechanism="dpsgd", config_sha256=bytes(32),
+                    seq, corpus.now, run_id=f"r{i}", mechanism="dpsgd", device="cpu", precision="fp32", config_sha256=bytes(32),
                     base_model_sha256=bytes(32), adapter_sha256=None))
     _sql(_db(corpus.url), "UPDATE tree_nodes SET hash = zeroblob(32) WHERE height = 8 AND idx = 0")
     before = snapshot(corpus.url)

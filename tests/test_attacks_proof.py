@@ -160,7 +160,7 @@ def ledger(corpus: Corpus) -> Corpus:
                 steps=10, sampling_rate_u=10_000,
                 noise_multiplier_u=1_000_000, accountant="prv", delta_p=10_000_000, eps_u=eps_u))
             appender.add("run", corpus.now, lambda seq: run_entry(
-                seq, corpus.now, run_id="r0", mechanism="dpsgd", config_sha256=bytes(32),
+                seq, corpus.now, run_id="r0", mechanism="dpsgd", device="cpu", precision="fp32", config_sha256=bytes(32),
                 base_model_sha256=bytes(32), adapter_sha256=None))
         opened.close_epoch(now=corpus.now)
     verify_ledger(corpus.url)  # the full pass accepts it as written
@@ -231,7 +231,7 @@ def test_kind_check_on_the_parallel_path(corpus: Corpus, tmp_path: Path):
         with opened.append(corpus.now) as appender:
             for i in range(70_000):
                 appender.add("run", corpus.now, lambda seq, i=i: run_entry(
-                    seq, corpus.now, run_id=f"r{i}", mechanism="dpsgd", config_sha256=bytes(32),
+                    seq, corpus.now, run_id=f"r{i}", mechanism="dpsgd", device="cpu", precision="fp32", config_sha256=bytes(32),
                     base_model_sha256=bytes(32), adapter_sha256=None))
     assert _integrity_only(corpus.url)[0] == 0
     for seq, statement in ((30_000, "UPDATE entries SET kind = 'epoch' WHERE seq = ?"),

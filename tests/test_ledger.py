@@ -269,6 +269,7 @@ def test_a_run_naming_an_unknown_mechanism_is_refused_and_flagged(corpus: Corpus
     with corpus.open() as ledger:  # written past record_run's check, as a forger would
         with ledger.append(corpus.now) as appender:
             appender.add("run", corpus.now, lambda seq: run_entry(seq, corpus.now, run_id="r", mechanism="magic",
+                                                                  device="cpu", precision="fp32",
                                                                   config_sha256=bytes(32), base_model_sha256=bytes(32),
                                                                   adapter_sha256=None))
         seq = ledger.store.size() - 1

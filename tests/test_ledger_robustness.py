@@ -29,6 +29,7 @@ while True:
             n += 1
             t = int(time.time())
             appender.add("run", t, lambda seq, n=n, t=t: run_entry(seq, t, run_id=f"r{n}", mechanism="dpsgd",
+                         device="cpu", precision="fp32",
                          config_sha256=bytes(32), base_model_sha256=bytes(32), adapter_sha256=None))
     if n % 60 == 0:
         ledger.close_epoch()

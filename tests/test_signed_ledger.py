@@ -474,7 +474,7 @@ def test_parallel_integrity_pass_on_a_large_ledger(corpus: Corpus, tmp_path: Pat
         with ledger.append(corpus.now) as appender:
             for i in range(70_000):
                 appender.add("run", corpus.now, lambda seq, i=i: run_entry(
-                    seq, corpus.now, run_id=f"r{i}", mechanism="dpsgd", config_sha256=bytes(32), base_model_sha256=bytes(32),
+                    seq, corpus.now, run_id=f"r{i}", mechanism="dpsgd", device="cpu", precision="fp32", config_sha256=bytes(32), base_model_sha256=bytes(32),
                     adapter_sha256=None))
         store = ledger.store
         total = store.size()

@@ -6,6 +6,7 @@ Each kind has one builder here and one exact field list (`SPECS`, mirrored by
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 from govtrain.encoding import cbor
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
     from govtrain.policy.model import Policy
 
 ENTRY_VERSION = 1
+PRECISIONS = ("fp32", "bf16")
+DEVICE = re.compile(r"cpu|cuda:[0-9]{1,2}")
 KINDS = ("header", "admit", "spend", "withdraw", "epoch", "summary", "run", "policy")
 
 _COMMON = {"v": int, "seq": int, "kind": str, "time": int}
@@ -72,7 +75,9 @@ SPECS: dict[str, dict[str, type | tuple[type, ...]]] = {
         "retired": list,                # RETIRED maps, one per contribution of this class, by admit_seq
     },
     "run": {**_COMMON, "run_id": str, "mechanism": str, "config_sha256": bytes, "base_model_sha256": bytes,
-            "adapter_sha256": (bytes, type(None))},
+            "adapter_sha256": (bytes, type(None)),
+            "device": str,                  # what computed it: cpu or cuda:N (never what it released)
+            "precision": str},              # fp32, or bf16 autocast (norms, clipping, sums and noise in fp32)
     "policy": {**_COMMON, "policy": dict, "policy_source_sha256": bytes, "reason": str},
 }
 

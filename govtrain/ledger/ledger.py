@@ -22,6 +22,8 @@ from govtrain.errors import Code, ConfigError, IntegrityError, RejectedError
 from govtrain.ledger import retention
 from govtrain.ledger.checkpoint import Checkpoint, NoteError, NoteKey, sign_checkpoint, verify_checkpoint
 from govtrain.ledger.entries import (
+    DEVICE,
+    PRECISIONS,
     decode_entry,
     epoch_entry,
     header_entry,
@@ -491,18 +493,23 @@ class Ledger:
         return book, sum(n for cid, n in records.items() if cid not in withdrawn), withdrawn
 
     def record_run(self, run_id: str, mechanism: str, config_sha256: bytes, base_model_sha256: bytes,
-                   adapter_sha256: bytes | None, now: int | None = None) -> ledger_store.StoredEntry:
-        """Append a `run` entry: what a training run was (config, base model) and what it produced."""
+                   adapter_sha256: bytes | None, now: int | None = None, *, device: str = "cpu",
+                   precision: str = "fp32") -> ledger_store.StoredEntry:
+        """Append a `run` entry: what a training run was (config, base model, the device and precision that
+        computed it) and what it produced."""
         from govtrain.mechanisms import MECHANISMS
 
         if mechanism not in MECHANISMS:
             raise ValueError(f"unknown mechanism {mechanism!r}: one of {', '.join(MECHANISMS)}")
+        if precision not in PRECISIONS or not DEVICE.fullmatch(device):
+            raise ValueError(f"a run's precision is one of {', '.join(PRECISIONS)} and its device cpu or cuda:N")
         now = int(_time.time()) if now is None else now
         with self.append(now) as appender:
             t = self.dated(appender, now)
             return appender.add("run", t, lambda seq: run_entry(
                 seq, t, run_id=run_id, mechanism=mechanism, config_sha256=config_sha256,
-                base_model_sha256=base_model_sha256, adapter_sha256=adapter_sha256))
+                base_model_sha256=base_model_sha256, adapter_sha256=adapter_sha256, device=device,
+                precision=precision))
 
     def compact(self, before_epoch: int, now: int | None = None) -> list[ledger_store.StoredEntry]:
         """Retention: retire every contribution admitted before epoch `before_epoch - 1` closed and named by

@@ -187,30 +187,68 @@ class Router:
 
     def privatize(self, losses: Tensor, classes: Sequence[str], clip_norms: Tensor | Sequence[float],
                   group_std: Mapping[frozenset, float], expected_batch_size: float) -> StepReport:
-        """Replace every reachable parameter's `.grad` with the privatized gradient of sum(losses)."""
-        try:
-            return self._privatize(losses, classes, clip_norms, group_std, expected_batch_size)
-        finally:
-            for tap in self.taps.values():
-                tap.clear()
+        """Replace every reachable parameter's `.grad` with the privatized gradient of sum(losses): one logical
+        step on one physical batch (`begin`, `accumulate`, `finish`)."""
+        self.begin()
+        report = self.accumulate(losses, classes, clip_norms)
+        self.finish(group_std, expected_batch_size)
+        return report
 
     def noise_only(self, group_std: Mapping[frozenset, float], expected_batch_size: float) -> StepReport:
         """The step of an empty Poisson batch: noise alone, divided by the expected batch size."""
-        totals = {name: torch.zeros_like(p) for name, p in self.params.items()}
-        self._grams.clear()
-        self._finish(totals, group_std, expected_batch_size)
+        self.begin()
+        self.finish(group_std, expected_batch_size)
         return StepReport(0, 0, 0.0)
 
-    def _privatize(self, losses: Tensor, classes: Sequence[str], clip_norms, group_std, expected_batch_size):
+    # A logical step over several physical chunks of one Poisson batch: `begin`, then `accumulate` once per
+    # chunk (each under its own `capture`), then `finish`. Each sample is clipped on its own whichever chunk
+    # it is in, so the sum of the chunks' clipped sums is the batch's clipped sum; the noise is drawn once,
+    # in `finish`. Nothing per-sample outlives the `accumulate` that made it.
+
+    def begin(self) -> None:
+        """Start a logical step: no clipped gradient summed yet."""
+        self._totals: dict[str, Tensor] | None = None
+        self._grams.clear()  # the factors do not move within a step
+
+    def accumulate(self, losses: Tensor, classes: Sequence[str], clip_norms: Tensor | Sequence[float]) -> StepReport:
+        """Add the clipped per-sample gradients of one chunk (the captured forward that gave `losses`)."""
+        try:
+            totals, report = self._clipped_sum(losses, classes, clip_norms)
+        finally:
+            for tap in self.taps.values():
+                tap.clear()
+        if self._totals is None:
+            self._totals = totals
+        else:
+            for name, total in totals.items():
+                self._totals[name] += total
+        return report
+
+    def finish(self, group_std: Mapping[frozenset, float], expected_batch_size: float) -> None:
+        """Noise the step's clipped sum once per group, divide by the expected batch size, write `.grad`."""
+        totals = self._totals if self._totals is not None else {
+            name: torch.zeros_like(p, dtype=_accumulator(p.dtype)) for name, p in self.params.items()}
+        self._totals = None
+        for b, a in self.pairs.items():  # prism: the clipped sum's tangent part, as its canonical lift
+            A, B = self._factors(b)
+            dA, dB = prism.tangent_lift(A, B, totals[b], totals[a].transpose(0, 1), grams=self._gram(b))
+            totals[b], totals[a] = dA.to(totals[b].dtype), dB.transpose(0, 1).to(totals[a].dtype)
+        self._finish(totals, group_std, expected_batch_size)
+
+    def _clipped_sum(self, losses: Tensor, classes: Sequence[str], clip_norms) -> tuple[dict[str, Tensor], StepReport]:
         batch = len(classes)
         if losses.dim() != 1 or losses.shape[0] != batch:
             raise ValueError(f"need one loss per example: got shape {tuple(losses.shape)} for {batch} examples")
         unknown = sorted(set(classes) - self.masks.keys())
         if unknown:
             raise ValueError(f"class {unknown[0]!r} has no resolved profile")
-        clip = torch.as_tensor(clip_norms, dtype=losses.dtype, device=losses.device)
+        dtype = _accumulator(losses.dtype)  # norms, clipping and sums never below fp32, whatever autocast ran in
+        clip = torch.as_tensor(clip_norms, dtype=dtype, device=losses.device)
         if clip.shape != (batch,) or not bool((clip > 0).all()):
             raise ValueError("need one positive clipping norm per example")
+        # Rounding favours privacy: clip to a hair under C_i, so that a norm computed in floating point (fp32
+        # rounds at ~1e-7) never lets a released per-sample gradient exceed the C_i the accountant charges.
+        clip = clip * (1 - 8 * torch.finfo(dtype).eps)
         self._check_layout(batch)  # before autograd: nothing per-sample is formed from a call that is refused
         taps = [t for t in self.taps.values() if t.outputs]
         outputs = [o for t in taps for o in t.outputs]
@@ -228,8 +266,9 @@ class Router:
                 if g is None:
                     continue
                 if isinstance(tap.module, nn.Embedding):
-                    sparse.setdefault(tap.leaves["weight"], []).append((a, g))
+                    sparse.setdefault(tap.leaves["weight"], []).append((a, g.to(dtype)))
                     continue
+                a, g = a.to(dtype), g.to(dtype)
                 per = persample.linear(tap.module, a, g) if isinstance(tap.module, nn.Linear) else \
                     persample.layer_norm(tap.module, a, g)
                 for leaf, value in per.items():
@@ -237,18 +276,17 @@ class Router:
                     dense[name] = dense[name] + value if name in dense else value
         del grads, outputs
 
-        self._grams.clear()
         squares: dict[str, Tensor] = {}  # clipping unit (a parameter; a LoRA pair under prism) -> [B]
         for data_class, index in rows.items():
             for name, mask in self.masks[data_class].items():
                 if name in self._pair_A:
                     continue  # measured with its lora_B
-                square = squares.setdefault(name, torch.zeros(batch, dtype=losses.dtype, device=losses.device))
+                square = squares.setdefault(name, torch.zeros(batch, dtype=dtype, device=losses.device))
                 if name in self.pairs and name in dense:  # prism: the norm of the gradient's tangent part
                     A, B = self._factors(name)
                     square.index_add_(0, index, prism.projected_sq_norm(
                         A, B, dense[name].index_select(0, index),
-                        dense[self.pairs[name]].index_select(0, index).transpose(1, 2), grams=self._gram(name)))
+                        dense[self.pairs[name]].index_select(0, index).transpose(1, 2), grams=self._gram(name)).to(dtype))
                 elif name in dense:
                     square.index_add_(0, index, _masked(dense[name].index_select(0, index), mask).pow(2).flatten(1).sum(1))
                 elif name in sparse:
@@ -257,7 +295,7 @@ class Router:
                     for ids, g in sparse[name]:
                         square.index_add_(0, index, persample.embedding_norms(
                             self._module_of(name), ids.index_select(0, index), g.index_select(0, index)))
-        norms = sum(squares.values(), torch.zeros(batch, dtype=losses.dtype, device=losses.device)).sqrt()
+        norms = sum(squares.values(), torch.zeros(batch, dtype=dtype, device=losses.device)).sqrt()
         if self.mechanism == "dp-muon":  # each unit on its own, to C_i / sqrt(L_i)
             budget = clip / torch.tensor([self.units[c] for c in classes], dtype=clip.dtype, device=clip.device).sqrt()
             coefficients = {name: _coefficient(square.sqrt(), budget) for name, square in squares.items()}
@@ -268,7 +306,7 @@ class Router:
             clipped = norms > clip
         coefficients.update({a: coefficients[b] for b, a in self.pairs.items() if b in coefficients})
 
-        totals = {name: torch.zeros_like(p, dtype=losses.dtype) for name, p in self.params.items()}
+        totals = {name: torch.zeros_like(p, dtype=dtype) for name, p in self.params.items()}
         for data_class, index in rows.items():
             for name, mask in self.masks[data_class].items():
                 weights = coefficients[name].index_select(0, index)
@@ -277,17 +315,10 @@ class Router:
                     summed = torch.tensordot(weights, per, dims=([0], [0]))
                     totals[name] += _masked(summed.unsqueeze(0), mask).squeeze(0)
                 elif name in sparse:
-                    full = torch.zeros(batch, dtype=losses.dtype, device=losses.device).index_copy_(0, index, weights)
+                    full = torch.zeros(batch, dtype=dtype, device=losses.device).index_copy_(0, index, weights)
                     for ids, g in sparse[name]:
                         totals[name] += persample.embedding_sum(self._module_of(name), ids, g, full)
-        del dense, sparse
-        for b, a in self.pairs.items():  # prism: the clipped sum's tangent part, as its canonical lift
-            if b in self._grams:
-                A, B = self._factors(b)
-                dA, dB = prism.tangent_lift(A, B, totals[b], totals[a].transpose(0, 1), grams=self._gram(b))
-                totals[b], totals[a] = dA.to(totals[b].dtype), dB.transpose(0, 1).to(totals[a].dtype)
-        self._finish(totals, group_std, expected_batch_size)
-        return StepReport(batch, int(clipped.sum()), float(norms.max()) if batch else 0.0)
+        return totals, StepReport(batch, int(clipped.sum()), float(norms.max()) if batch else 0.0)
 
     def _finish(self, totals: dict[str, Tensor], group_std: Mapping[frozenset, float], expected_batch_size: float) -> None:
         if not expected_batch_size > 0:
@@ -333,6 +364,11 @@ class Router:
 
     def _module_of(self, name: str) -> nn.Module:
         return next(t.module for t in self.taps.values() if name in t.leaves.values())
+
+
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    """The dtype per-sample norms, clipping, sums and noise are computed in: float32, or wider if given."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _coefficient(norms: Tensor, clip: Tensor) -> Tensor:

@@ -133,6 +133,15 @@ class TrainingSection(_Strict):
     data: StrictStr = Field(description="folder of contribution data files, matched to admit entries by SHA-256")
     output: StrictStr = Field(description="folder the peft adapter is saved to")
     run_id: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")] | None = None
+    # How the step is computed, never what it releases (DESIGN §5: hardware never changes the mechanism).
+    device: Annotated[StrictStr, Field(pattern=r"^(auto|cpu|cuda|cuda:[0-9]{1,2})$")] = Field(
+        "auto", description="auto (CUDA when available, else CPU), cpu, cuda or cuda:N")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16: forward and backward under autocast; per-sample norms, clipping, the clipped "
+                            "sum and the noise stay fp32")
+    physical_batch: PositiveInt | None = Field(
+        None, description="largest number of examples per forward/backward pass: a Poisson batch is split into "
+                          "chunks of at most this many, their clipped gradients summed, and noise added once per step")
 
 
 class RunFile(_Strict):

@@ -13,6 +13,7 @@ the run stops with exit 5 (`BudgetExhausted`), after saving what it has.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -63,7 +64,7 @@ def _load_state(path: Path, config: RunConfig) -> dict | None:
 
     if not path.exists():
         return None
-    state = torch.load(path, weights_only=False)
+    state = torch.load(path, weights_only=False, map_location="cpu")
     if state.get("config_sha256") != config.sha256:
         raise ConfigError(Code.RUN_CONFIG_INVALID, f"{path} holds the state of a run with another config; restore "
                                                    "that config to resume it, or move the file away to start afresh")
@@ -134,6 +135,24 @@ def _model(config: RunConfig, adapters: list[str]):
     model = wrap_lora(base, config.file.lora, adapters)
     model.eval()  # no dropout: the per-example loss must not depend on other examples or hidden randomness
     return model, tokenizer, tree_sha256(path)
+
+
+def resolve_device(spec: str):
+    """The torch device `training.device` names: auto is CUDA when available, else the CPU. A CUDA device this
+    machine does not have is refused here, before anything is loaded or written."""
+    import torch
+
+    if spec == "auto":
+        return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
+    if spec == "cpu":
+        return torch.device("cpu")
+    index = int(spec.partition(":")[2] or 0)
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if index >= available:
+        raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.device = {spec!r}, but this machine has "
+                                                   f"{available or 'no'} CUDA device{'s' if available != 1 else ''}: "
+                                                   "use cpu or auto")
+    return torch.device("cuda", index)
 
 
 def check_weight_decay(resolution, weight_decay: float) -> None:
@@ -212,7 +231,13 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
         q_u, expected_batch = sampling_rate_for(policy, config.file.training.expected_batch_size, records,
                                                 option="training.expected_batch_size", code=Code.RUN_CONFIG_INVALID)
         adapters = sorted({c.profile.adapter for c in policy.classes.values() if c.profile.kind == "adapter"})
+        device = resolve_device(config.file.training.device)
+        precision = config.file.training.precision
+        chunk = config.file.training.physical_batch
+        autocast = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if precision == "bf16"
+                    else contextlib.nullcontext)
         model, tokenizer, base_sha256 = _model(config, adapters)
+        model.to(device)  # before the router: its noise generator lives on the parameters' device
         resolution = resolve(policy.classes, describe(model, name=config.model_spec))
         check_weight_decay(resolution, config.file.optimizer.weight_decay)
         router = Router(model, resolution, mechanism=config.file.training.mechanism, insecure_seed=insecure_seed)
@@ -305,20 +330,22 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
                 chosen = sampler.sample(np.flatnonzero(live[owner]) if len(owner) else np.zeros(0, int))
                 if observe is not None:
                     observe(result.steps, [examples.owner[i] for i in chosen])
-                if len(chosen) == 0:
-                    router.noise_only(group_std, expected_batch)
-                    loss = float("nan")
-                else:
-                    batch = tokenizer([examples.texts[i] for i in chosen], padding=True, truncation=True,
-                                      max_length=config.file.model.max_length, return_tensors="pt")
-                    labels = torch.tensor([examples.labels[i] for i in chosen])
-                    with router.capture():
+                router.begin()
+                loss_sum = 0.0
+                for start in range(0, len(chosen), chunk or max(len(chosen), 1)):  # physical chunks, one step
+                    part = chosen[start:start + chunk] if chunk else chosen
+                    batch = tokenizer([examples.texts[i] for i in part], padding=True, truncation=True,
+                                      max_length=config.file.model.max_length, return_tensors="pt").to(device)
+                    labels = torch.tensor([examples.labels[i] for i in part], device=device)
+                    with router.capture(), autocast():
                         logits = model(**batch).logits
-                    losses = F.cross_entropy(logits, labels, reduction="none")
-                    who = [examples.owner[i] for i in chosen]
-                    router.privatize(losses, [classes[c] for c in who], [signed_clip[c] for c in who], group_std,
-                                     expected_batch)
-                    loss = float(losses.detach().mean())
+                    losses = F.cross_entropy(logits.float(), labels, reduction="none")  # per example, fp32
+                    who = [examples.owner[i] for i in part]
+                    router.accumulate(losses, [classes[c] for c in who], [signed_clip[c] for c in who])
+                    loss_sum += float(losses.detach().sum())
+                    del batch, labels, logits, losses
+                router.finish(group_std, expected_batch)  # noise once per logical step
+                loss = loss_sum / len(chosen) if len(chosen) else float("nan")
                 update.step(router.noise_std)
                 update.zero_grad()
                 result.steps += 1
@@ -348,6 +375,7 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
         model.save_pretrained(output)
         result.adapter_sha256 = tree_sha256(output)
         ledger.record_run(run_id, config.file.training.mechanism, config.sha256, base_sha256, result.adapter_sha256,
+                          device=device.type if device.type == "cpu" else str(device), precision=precision,
                           now=now())
         state_path.unlink(missing_ok=True)
     if result.exhausted:

@@ -40,7 +40,7 @@ import ledger_store
 from govtrain.errors import Code, GovtrainError, IntegrityError
 from govtrain.gate.gate import Gate
 from govtrain.ledger.checkpoint import Checkpoint, NoteError, verify_checkpoint
-from govtrain.ledger.entries import decode_entry
+from govtrain.ledger.entries import DEVICE, PRECISIONS, decode_entry
 from govtrain.ledger.ledger import UnauthorisedPolicy, authorise_policy_change, note_keys, store_errors
 from govtrain.ledger.spend_rules import SpendBook, SpendRuleError, min_sampling_rate_u
 from govtrain.mechanisms import MECHANISMS
@@ -388,6 +388,10 @@ class _Audit:
         if entry["mechanism"] not in MECHANISMS:
             raise _Failure(Code.BAD_ENTRY, f"entry {seq}: run {entry['run_id']!r} names mechanism "
                            f"{entry['mechanism']!r}, which is none of {', '.join(MECHANISMS)}", seq=seq)
+        if entry["precision"] not in PRECISIONS or not DEVICE.fullmatch(entry["device"]):
+            raise _Failure(Code.BAD_ENTRY, f"entry {seq}: run {entry['run_id']!r} records device {entry['device']!r} "
+                           f"and precision {entry['precision']!r}: cpu or cuda:N, and one of {', '.join(PRECISIONS)}",
+                           seq=seq)
 
     # -- steps 6-10 ---------------------------------------------------------------------
 
