@@ -95,12 +95,15 @@ def reference(net, resolution, ids, attention, labels, classes, clip):
     return total
 
 
-def test_per_sample_clipped_sum_equals_the_batch_size_one_loop():
+@pytest.mark.parametrize("strategy", ["auto", "ghost", "materialize"])
+def test_per_sample_clipped_sum_equals_the_batch_size_one_loop(strategy: str):
+    """Two profiles in one batch (one of them a heads mask), every layer type, and each way of measuring a
+    Linear weight's per-sample norms (ghost norms, the materialized gradient, or per layer)."""
     net = model()
     resolution = resolve(CLASSES, describe(net))
     ids, attention, labels, classes, clip = batch()
     expected = reference(net, resolution, ids, attention, labels, classes, clip)
-    router = Router(net, resolution, insecure_seed=0)
+    router = Router(net, resolution, insecure_seed=0, per_sample=strategy)
     with router.capture():
         losses = losses_of(net, ids, attention, labels)
     report = router.privatize(losses, classes, clip, {}, expected_batch_size=1.0)

@@ -6,6 +6,15 @@ batch first, and returns {parameter leaf name: per-sample gradient [B, *param.sh
 between the batch dimension and the feature dimension (sequence positions) is summed over, which
 is what autograd does for the batch gradient. An embedding's per-sample gradient is sparse, so
 `embedding_norms` and `embedding_sum` work on its rows without ever forming [B, V, D].
+
+The router never needs the per-sample gradients themselves, only their squared norms and their
+clipped, weighted sum. `Calls` gives both without keeping a per-sample gradient (book-keeping,
+Bu et al. 2023): the sum is one contraction of the saved inputs with the weighted output gradients,
+and a Linear weight's norms come either from ghost norms, ‖Σ_t g_t a_tᵀ‖² = ⟨A Aᵀ, G Gᵀ⟩ (T² per
+sample), or from the per-sample gradient formed for that one parameter and dropped at once (out·in
+per sample), whichever is smaller for that layer (fastDP's hybrid: ghost when 2T² < out·in). A class
+that reaches only some rows or columns of a weight (attention heads) masks the output gradient's or
+the input's features, which masks the gradient exactly.
 """
 
 from __future__ import annotations
@@ -73,3 +82,98 @@ def embedding_sum(module: nn.Embedding, ids: Tensor, g: Tensor, weights: Tensor)
 def check_embedding(module: nn.Embedding, name: str) -> None:
     if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
         raise ValueError(f"{name}: embeddings with max_norm, scale_grad_by_freq or sparse gradients are not supported")
+
+
+STRATEGIES = ("auto", "ghost", "materialize")
+
+
+def _keep(size: int, index: Tensor, like: Tensor) -> Tensor:
+    keep = torch.zeros(size, dtype=like.dtype, device=like.device)
+    keep[index] = 1
+    return keep
+
+
+def use_ghost(tokens: int, fan_in: int, fan_out: int, strategy: str = "auto") -> bool:
+    """Whether a Linear weight's per-sample norms are cheaper as ghost norms (T² per sample) than from its
+    per-sample gradient (out·in per sample): fastDP's per-layer rule, 2T² < out·in."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown per-sample strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
+    return strategy == "ghost" or (strategy == "auto" and 2 * tokens * tokens < fan_in * fan_out)
+
+
+class Calls:
+    """Every call one tapped module made in one chunk's forward, with its output gradients, as the
+    router asks of them: per-sample squared norms, a weighted sum over samples, or (PRISM) the
+    per-sample gradients of a few rows. `mask` is None or (dim, index) of the parameter."""
+
+    def __init__(self, module: nn.Module, inputs: list[Tensor], grads: list[Tensor], *,
+                 strategy: str = "auto") -> None:
+        self.module, self.strategy = module, strategy
+        if isinstance(module, nn.Embedding):
+            self.pairs = list(zip(inputs, grads))
+        elif isinstance(module, nn.Linear):  # calls are concatenated along the token axis: one sum over t
+            self.a = _flat(inputs[0]) if len(inputs) == 1 else torch.cat([_flat(a) for a in inputs], 1)
+            self.g = _flat(grads[0]) if len(grads) == 1 else torch.cat([_flat(g) for g in grads], 1)
+        else:  # LayerNorm: per-sample gradients are [B, D], as small as the batch's activations
+            per: dict[str, Tensor] = {}
+            for a, g in zip(inputs, grads):
+                for leaf, value in layer_norm(module, a, g).items():
+                    per[leaf] = per[leaf] + value if leaf in per else value
+            self.per = per
+
+    def _linear(self, leaf: str, rows: Tensor, mask) -> tuple[Tensor, Tensor]:
+        a, g = self.a.index_select(0, rows), self.g.index_select(0, rows)
+        if mask is not None:
+            dim, index = mask
+            if leaf == "bias" or dim == 0:  # rows of the weight (or the bias): output features
+                g = g * _keep(g.shape[-1], index, g)
+            else:  # columns of the weight: input features
+                a = a * _keep(a.shape[-1], index, a)
+        return a, g
+
+    @staticmethod
+    def _masked(per: Tensor, mask) -> Tensor:
+        if mask is None:
+            return per
+        dim, index = mask
+        return per * _keep(per.shape[dim + 1], index, per).reshape([-1 if d == dim + 1 else 1 for d in range(per.dim())])
+
+    def sq_norms(self, leaf: str, rows: Tensor, mask=None) -> Tensor:
+        """‖masked per-sample gradient‖² of parameter `leaf` for the samples `rows`: [len(rows)]."""
+        if isinstance(self.module, nn.Embedding):
+            if mask is not None:
+                raise ValueError("an embedding cannot be reached in part")
+            out = torch.zeros(len(rows), dtype=self.pairs[0][1].dtype, device=rows.device)
+            for ids, g in self.pairs:
+                out += embedding_norms(self.module, ids.index_select(0, rows), g.index_select(0, rows))
+            return out
+        if isinstance(self.module, nn.Linear):
+            a, g = self._linear(leaf, rows, mask)
+            if leaf == "bias":
+                return g.sum(1).pow(2).sum(1)
+            if use_ghost(a.shape[1], a.shape[2], g.shape[2], self.strategy):
+                return ((a @ a.transpose(1, 2)) * (g @ g.transpose(1, 2))).sum((1, 2))
+            return torch.einsum("bto,bti->boi", g, a).pow(2).sum((1, 2))  # formed for this parameter only
+        return self._masked(self.per[leaf].index_select(0, rows), mask).pow(2).flatten(1).sum(1)
+
+    def weighted_sum(self, leaf: str, rows: Tensor, weights: Tensor, mask=None) -> Tensor:
+        """Σ_i weights_i · (masked per-sample gradient of sample rows_i): the parameter's shape."""
+        if isinstance(self.module, nn.Embedding):
+            batch = self.pairs[0][1].shape[0]
+            full = torch.zeros(batch, dtype=weights.dtype, device=weights.device).index_copy_(0, rows, weights)
+            return sum(embedding_sum(self.module, ids, g, full) for ids, g in self.pairs)
+        if isinstance(self.module, nn.Linear):
+            a, g = self._linear(leaf, rows, mask)
+            g = g * weights.to(g.dtype)[:, None, None]
+            return g.sum((0, 1)) if leaf == "bias" else torch.einsum("bto,bti->oi", g, a)
+        per = self._masked(self.per[leaf].index_select(0, rows), mask)
+        return torch.tensordot(weights.to(per.dtype), per, dims=([0], [0]))
+
+    def per_sample(self, leaf: str, rows: Tensor) -> Tensor:
+        """The per-sample gradients themselves, [len(rows), *shape] (PRISM's tangent norms need LoRA factors')."""
+        if isinstance(self.module, nn.Linear):
+            a, g = self.a.index_select(0, rows), self.g.index_select(0, rows)
+            return g.sum(1) if leaf == "bias" else torch.einsum("bto,bti->boi", g, a)
+        if isinstance(self.module, nn.Embedding):
+            raise ValueError("an embedding's per-sample gradients are not formed")
+        return self.per[leaf].index_select(0, rows)

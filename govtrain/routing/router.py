@@ -78,9 +78,14 @@ class StepReport:
 
 class Router:
     def __init__(self, model: nn.Module, resolution: Resolution, *, mechanism: str = "dpsgd",
-                 insecure_seed: int | None = None) -> None:
+                 insecure_seed: int | None = None, per_sample: str = "auto") -> None:
+        """`per_sample` is a performance flag that never changes what is released: how a Linear weight's
+        per-sample norms are computed (`persample.use_ghost`: auto picks per layer; ghost; materialize)."""
         if mechanism not in MECHANISMS:
             raise ValueError(f"unknown mechanism {mechanism!r}: one of {', '.join(MECHANISMS)}")
+        if per_sample not in persample.STRATEGIES:
+            raise ValueError(f"unknown per-sample strategy {per_sample!r}: one of {', '.join(persample.STRATEGIES)}")
+        self.per_sample = per_sample
         self.model = model
         self.mechanism = mechanism
         self.resolution = resolution
@@ -256,45 +261,37 @@ class Router:
         rows = {c: torch.tensor([i for i, k in enumerate(classes) if k == c], dtype=torch.long, device=losses.device)
                 for c in sorted(set(classes))}
 
-        dense: dict[str, Tensor] = {}  # parameter -> per-sample gradient [B, *shape]
-        sparse: dict[str, list[tuple[Tensor, Tensor]]] = {}  # embedding parameter -> [(ids, g)]
+        # parameter -> (the calls of its module in this chunk, its leaf name): norms and sums are asked of
+        # them; no per-sample gradient is kept (persample.Calls)
+        calls: dict[str, tuple[persample.Calls, str]] = {}
         position = 0
         for tap in taps:
-            for a, o in zip(tap.inputs, tap.outputs):
-                g = grads[position]
-                position += 1
-                if g is None:
-                    continue
-                if isinstance(tap.module, nn.Embedding):
-                    sparse.setdefault(tap.leaves["weight"], []).append((a, g.to(dtype)))
-                    continue
-                a, g = a.to(dtype), g.to(dtype)
-                per = persample.linear(tap.module, a, g) if isinstance(tap.module, nn.Linear) else \
-                    persample.layer_norm(tap.module, a, g)
-                for leaf, value in per.items():
-                    name = tap.leaves[leaf]
-                    dense[name] = dense[name] + value if name in dense else value
+            tap_grads = grads[position:position + len(tap.outputs)]
+            position += len(tap.outputs)
+            kept = [(a if isinstance(tap.module, nn.Embedding) else a.to(dtype), g.to(dtype))  # token ids stay ints
+                    for a, g in zip(tap.inputs, tap_grads) if g is not None]
+            if kept:
+                module_calls = persample.Calls(tap.module, [a for a, _ in kept], [g for _, g in kept],
+                                               strategy=self.per_sample)
+                for leaf, name in tap.leaves.items():
+                    calls[name] = (module_calls, leaf)
         del grads, outputs
 
         squares: dict[str, Tensor] = {}  # clipping unit (a parameter; a LoRA pair under prism) -> [B]
         for data_class, index in rows.items():
             for name, mask in self.masks[data_class].items():
-                if name in self._pair_A:
-                    continue  # measured with its lora_B
+                if name in self._pair_A or name not in calls:
+                    continue  # a lora_A is measured with its lora_B; a parameter with no gradient adds nothing
                 square = squares.setdefault(name, torch.zeros(batch, dtype=dtype, device=losses.device))
-                if name in self.pairs and name in dense:  # prism: the norm of the gradient's tangent part
+                source, leaf = calls[name]
+                if name in self.pairs:  # prism: the norm of the gradient's tangent part, from the pair's factors
                     A, B = self._factors(name)
+                    partner, partner_leaf = calls[self.pairs[name]]
                     square.index_add_(0, index, prism.projected_sq_norm(
-                        A, B, dense[name].index_select(0, index),
-                        dense[self.pairs[name]].index_select(0, index).transpose(1, 2), grams=self._gram(name)).to(dtype))
-                elif name in dense:
-                    square.index_add_(0, index, _masked(dense[name].index_select(0, index), mask).pow(2).flatten(1).sum(1))
-                elif name in sparse:
-                    if mask is not None:
-                        raise ValueError(f"{name}: an embedding cannot be reached in part")
-                    for ids, g in sparse[name]:
-                        square.index_add_(0, index, persample.embedding_norms(
-                            self._module_of(name), ids.index_select(0, index), g.index_select(0, index)))
+                        A, B, source.per_sample(leaf, index),
+                        partner.per_sample(partner_leaf, index).transpose(1, 2), grams=self._gram(name)).to(dtype))
+                else:
+                    square.index_add_(0, index, source.sq_norms(leaf, index, mask))
         norms = sum(squares.values(), torch.zeros(batch, dtype=dtype, device=losses.device)).sqrt()
         if self.mechanism == "dp-muon":  # each unit on its own, to C_i / sqrt(L_i)
             budget = clip / torch.tensor([self.units[c] for c in classes], dtype=clip.dtype, device=clip.device).sqrt()
@@ -309,15 +306,9 @@ class Router:
         totals = {name: torch.zeros_like(p, dtype=dtype) for name, p in self.params.items()}
         for data_class, index in rows.items():
             for name, mask in self.masks[data_class].items():
-                weights = coefficients[name].index_select(0, index)
-                if name in dense:
-                    per = dense[name].index_select(0, index)
-                    summed = torch.tensordot(weights, per, dims=([0], [0]))
-                    totals[name] += _masked(summed.unsqueeze(0), mask).squeeze(0)
-                elif name in sparse:
-                    full = torch.zeros(batch, dtype=dtype, device=losses.device).index_copy_(0, index, weights)
-                    for ids, g in sparse[name]:
-                        totals[name] += persample.embedding_sum(self._module_of(name), ids, g, full)
+                if name in calls:
+                    source, leaf = calls[name]
+                    totals[name] += source.weighted_sum(leaf, index, coefficients[name].index_select(0, index), mask)
         return totals, StepReport(batch, int(clipped.sum()), float(norms.max()) if batch else 0.0)
 
     def _finish(self, totals: dict[str, Tensor], group_std: Mapping[frozenset, float], expected_batch_size: float) -> None:
@@ -381,11 +372,3 @@ def _keep(like: Tensor, dim: int, index) -> Tensor:
     keep = torch.zeros(like.shape[dim], dtype=like.dtype, device=like.device)
     keep[index] = 1
     return keep.reshape([-1 if d == dim else 1 for d in range(like.dim())])
-
-
-def _masked(per_sample: Tensor, mask: tuple[int, Tensor] | None) -> Tensor:
-    """Zero the coordinates outside `mask` (dimension `dim` of the parameter, so dim + 1 here)."""
-    if mask is None:
-        return per_sample
-    dim, index = mask
-    return per_sample * _keep(per_sample, dim + 1, index)
