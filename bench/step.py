@@ -1,6 +1,13 @@
 """Step time of governed DP-LoRA against a non-private step and Opacus, on the bundled MiniLM.
 
     .venv/bin/python bench/step.py [--repeats 7] [--batch 32] [--seq 48]
+    .venv/bin/python bench/step.py --memory [--device cuda] [--model bert-base|llama-1b] [--precision bf16]
+    .venv/bin/python bench/step.py --device cuda [--model ...]      # wall seconds, synchronized
+
+`--model` picks the bundled MiniLM (default), or randomly initialised BERT-base (12 x 768) or a ~1.1B
+Llama (16 x 2048, TinyLlama's shape) with LoRA on every projection and the classification head. On CUDA
+the figures are wall seconds per step (synchronized) and peak allocated GPU memory; on the CPU, CPU seconds
+and the growth of peak RSS.
 
 Same model for every variant: all-MiniLM-L6-v2, LoRA r = 8 on all six projections (query, key, value,
 attention.output.dense, intermediate.dense, output.dense), the classifier head trainable, AdamW.
@@ -46,6 +53,25 @@ from govtrain.resolver.profile import resolve  # noqa: E402
 from govtrain.routing.router import Router  # noqa: E402
 
 TARGETS = ["query", "key", "value", "attention.output.dense", "intermediate.dense", "output.dense"]
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SETTINGS = {"model": "minilm", "device": "cpu", "precision": "fp32"}  # set once by main()
+
+
+def layers() -> int:
+    return {"minilm": 6, "bert-base": 12, "llama-1b": 16}[SETTINGS["model"]]
+
+
+def autocast():
+    import contextlib
+
+    if SETTINGS["precision"] == "bf16":
+        return torch.autocast(torch.device(SETTINGS["device"]).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def sync() -> None:
+    if SETTINGS["device"].startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def data_class(name: str, **profile) -> DataClass:
@@ -56,24 +82,39 @@ def data_class(name: str, **profile) -> DataClass:
 
 def build(seed: int = 0):
     import peft
+    import transformers
     from transformers import AutoModelForSequenceClassification
 
     from govtrain.resolver.load import model_path
 
     torch.manual_seed(seed)
-    base = AutoModelForSequenceClassification.from_pretrained(model_path("minilm"), num_labels=2,
-                                                              local_files_only=True, hidden_dropout_prob=0.0,
-                                                              attention_probs_dropout_prob=0.0)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS,
-                                                      modules_to_save=["classifier"]))
+    name = SETTINGS["model"]
+    if name == "minilm":
+        base = AutoModelForSequenceClassification.from_pretrained(model_path("minilm"), num_labels=2,
+                                                                  local_files_only=True, hidden_dropout_prob=0.0,
+                                                                  attention_probs_dropout_prob=0.0, dtype=torch.float32)
+        targets, head = TARGETS, "classifier"
+    elif name == "bert-base":
+        base = transformers.BertForSequenceClassification(transformers.BertConfig(
+            num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+        targets, head = TARGETS, "classifier"
+    else:
+        base = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(
+            hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
+            num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, num_labels=2, pad_token_id=0))
+        targets, head = LLAMA_TARGETS, "score"
+    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets,
+                                                      modules_to_save=[head]))
     model.train()  # dropout is off; Opacus only records in training mode
-    return model
+    return model.to(SETTINGS["device"])
 
 
 def batch(size: int, seq: int, seed: int):
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(1000, 20000, (size, seq), generator=generator)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, torch.randint(0, 2, (size,), generator=generator)
+    labels = torch.randint(0, 2, (size,), generator=generator)
+    device = SETTINGS["device"]
+    return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}, labels.to(device)
 
 
 class NonPrivate:
@@ -84,7 +125,9 @@ class NonPrivate:
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
     def step(self, inputs, labels):
-        loss = F.cross_entropy(self.model(**inputs).logits, labels)
+        with autocast():
+            logits = self.model(**inputs).logits
+        loss = F.cross_entropy(logits.float(), labels)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -109,9 +152,9 @@ class Governed:
 
     def step(self, inputs, labels):
         size = labels.shape[0]
-        with self.router.capture():
+        with self.router.capture(), autocast():
             logits = self.model(**inputs).logits
-        losses = F.cross_entropy(logits, labels, reduction="none")
+        losses = F.cross_entropy(logits.float(), labels, reduction="none")
         classes = [self.classes[i % len(self.classes)] for i in range(size)]
         self.router.privatize(losses, classes, [1.0] * size, self.std, float(size))
         self.update.step(self.router.noise_std)
@@ -130,7 +173,9 @@ class OpacusStep:
         self.optimizer = DPOptimizer(optimizer, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=size)
 
     def step(self, inputs, labels):
-        loss = F.cross_entropy(self.model(**inputs).logits, labels)
+        with autocast():
+            logits = self.model(**inputs).logits
+        loss = F.cross_entropy(logits.float(), labels)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -145,17 +190,55 @@ def rss_mb() -> float:
 
 
 def memory(args) -> None:
+    """Peak memory of each variant on its own: on CUDA, peak allocated over its steps (weights included); on the
+    CPU, growth of peak RSS over its steps, each variant in its own process."""
+    import gc
+    import importlib.util
     import subprocess
 
-    names = ["non-private", "govtrain top-2 band", "govtrain three profiles", "govtrain full band", "opacus"]
-    growth = {}
+    full = {"all": data_class("all", band=(0, layers() - 1), head=True)}
+    names = ["non-private", "govtrain full band", "govtrain top-2 band", "opacus"]
+    peak = {}
     for name in names:
+        if name == "opacus" and importlib.util.find_spec("opacus") is None:
+            print("opacus is not installed (pip install '.[bench]'): skipped")
+            continue
+        if SETTINGS["device"].startswith("cuda"):
+            try:
+                variant = variant_makers(args, full)[name]()
+            except ImportError:
+                continue
+            inputs, labels = batch(args.batch, args.seq, 0)
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            for _ in range(2):
+                variant.step(inputs, labels)
+            sync()
+            peak[name] = torch.cuda.max_memory_allocated() / 2**20
+            del variant, inputs, labels
+            gc.collect()
+            torch.cuda.empty_cache()
+            continue
         out = subprocess.run([sys.executable, __file__, "--only", name, "--steps", "2", "--batch", str(args.batch),
-                              "--seq", str(args.seq)], capture_output=True, text=True, check=True).stdout
-        growth[name] = float(next(line.split()[1] for line in out.splitlines() if line.startswith("MEMORY")))
-    print(f"peak RSS growth over 2 steps (after loading), batch {args.batch}, seq {args.seq}, each in its own process")
-    for name, value in growth.items():
-        print(f"  {name:<26} {value:8.1f} MB   / non-private {value / growth['non-private']:5.2f}")
+                              "--seq", str(args.seq), "--model", SETTINGS["model"], "--precision",
+                              SETTINGS["precision"]], capture_output=True, text=True, check=True).stdout
+        peak[name] = float(next(line.split()[1] for line in out.splitlines() if line.startswith("MEMORY")))
+    what = "peak allocated GPU memory over 2 steps" if SETTINGS["device"].startswith("cuda") else \
+        "peak RSS growth over 2 steps (after loading), each in its own process"
+    print(f"{SETTINGS['model']}, {SETTINGS['precision']}, {what}, batch {args.batch}, seq {args.seq}")
+    for name, value in peak.items():
+        print(f"  {name:<26} {value:9.1f} MB   / non-private {value / peak['non-private']:5.2f}")
+
+
+def variant_makers(args, full=None) -> dict:
+    last = layers() - 1
+    top2 = {"sensitive": data_class("sensitive", band=(last - 1, last), head=True)}
+    full = full or {"all": data_class("all", band=(0, last), head=True)}
+    return {"non-private": lambda: NonPrivate(build()),
+            "govtrain top-2 band": lambda: Governed(build(), top2, "govtrain top-2 band"),
+            "govtrain full band": lambda: Governed(build(), full, "govtrain full band"),
+            "opacus": lambda: OpacusStep(build(), args.batch)}
 
 
 def main() -> None:
@@ -168,13 +251,27 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true",
                         help="peak memory per variant instead: each in its own process, growth of peak RSS over its steps")
     parser.add_argument("--mechanisms", action="store_true", help="time dpsgd, prism and dp-muon against each other")
+    parser.add_argument("--model", choices=["minilm", "bert-base", "llama-1b"], default="minilm")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--only", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    SETTINGS.update(model=args.model, device=args.device, precision=args.precision)
     torch.set_num_threads(1)
+    if args.only:  # one variant in this process: memory() reads its peak RSS growth
+        variant = variant_makers(args)[args.only]()
+        inputs, labels = batch(args.batch, args.seq, 0)
+        before = rss_mb()
+        for _ in range(args.steps):
+            variant.step(inputs, labels)
+        print(f"MEMORY {rss_mb() - before:.1f}")
+        return
     if args.memory:
         return memory(args)
     if args.mechanisms:
         return mechanisms(args)
+    if args.device.startswith("cuda") or args.model != "minilm":
+        return compare(args)
 
     top2 = {"sensitive": data_class("sensitive", band=(4, 5), head=True)}
     three = {"public": data_class("public", fraction_u=(500_000, 1_000_000), head=True),
@@ -188,14 +285,6 @@ def main() -> None:
               "govtrain three profiles": lambda: Governed(build(), three, "govtrain three profiles"),
               "govtrain full band": lambda: Governed(build(), full, "govtrain full band"),
               "opacus": lambda: OpacusStep(build(), args.batch)}
-    if args.only:
-        variant = makers[args.only]()
-        inputs, labels = batch(args.batch, args.seq, 0)
-        before = rss_mb()
-        for _ in range(args.steps):
-            variant.step(inputs, labels)
-        print(f"MEMORY {rss_mb() - before:.1f}")
-        return
     variants = [makers[name]() for name in list(makers)[:-1]]
     if not args.no_opacus:
         try:
@@ -218,17 +307,47 @@ def main() -> None:
 
 
 def timed(variants, args) -> dict[str, float]:
+    """Median seconds per step of each variant, interleaved: CPU seconds on the CPU, synchronized wall seconds
+    on CUDA."""
+    clock = time.perf_counter if SETTINGS["device"].startswith("cuda") else time.process_time
     inputs, labels = batch(args.batch, args.seq, 0)
     for variant in variants:  # warm up
         variant.step(inputs, labels)
     times: dict[str, list[float]] = {v.name: [] for v in variants}
     for round_ in range(args.repeats):
         for variant in variants[round_ % len(variants):] + variants[:round_ % len(variants)]:
-            start = time.process_time()
+            sync()
+            start = clock()
             for _ in range(args.steps):
                 variant.step(inputs, labels)
-            times[variant.name].append((time.process_time() - start) / args.steps)
+            sync()
+            times[variant.name].append((clock() - start) / args.steps)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def compare(args) -> None:
+    """Non-private, governed (full band, top-2 band) and Opacus on --model and --device, one at a time."""
+    makers = variant_makers(args)
+    times = {}
+    for name, make in makers.items():  # one model in memory at a time: a 1B model four times would not fit
+        try:
+            variant = make()
+        except ImportError:
+            print("opacus is not installed (pip install '.[bench]'): skipped")
+            continue
+        times.update(timed([variant], args))
+        del variant
+        if SETTINGS["device"].startswith("cuda"):
+            torch.cuda.empty_cache()
+    base = times["non-private"]
+    unit = "wall seconds, synchronized" if SETTINGS["device"].startswith("cuda") else "CPU seconds"
+    print(f"{SETTINGS['model']} on {SETTINGS['device']} ({SETTINGS['precision']}), LoRA r=8 on every projection + head, "
+          f"batch {args.batch}, seq {args.seq}, median of {args.repeats} rounds x {args.steps} steps ({unit} per step)")
+    for name, value in times.items():
+        print(f"  {name:<26} {value:8.4f} s   / non-private {value / base:5.2f}")
+    if "opacus" in times:
+        for name in ("govtrain top-2 band", "govtrain full band"):
+            print(f"  {name} / opacus: {times[name] / times['opacus']:.2f}")
 
 
 def mechanisms(args) -> None:
