@@ -20,18 +20,19 @@ from torch import Tensor
 from govtrain.errors import Code, ConfigError
 
 
-def check_batch_first(name: str, inputs: Sequence[Tensor], outputs: Sequence[Tensor], batch: int) -> None:
-    """Refuse the module `name` unless every recorded call's input and output have `batch` rows first."""
+def check_batch_first(name: str, inputs: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], batch: int) -> None:
+    """Refuse the module `name` unless every recorded call's input and output (their shapes) have `batch`
+    rows first."""
     for a, o in zip(inputs, outputs):
-        if a.dim() < 2:
+        if len(a) < 2:
             raise ConfigError(Code.ROUTING_UNCOVERED,
-                              f"{name} is called on a {a.dim()}-dimensional tensor {tuple(a.shape)}, which has no "
+                              f"{name} is called on a {len(a)}-dimensional tensor {tuple(a)}, which has no "
                               f"batch dimension (batch {batch}): its per-sample gradients cannot be separated; "
                               "remove it from lora.target_modules or freeze it")
-        for what, tensor in (("is called on", a), ("returns", o)):
-            if tensor.shape[0] != batch:
+        for what, shape in (("is called on", a), ("returns", o)):
+            if shape[0] != batch:
                 raise ConfigError(Code.ROUTING_UNCOVERED,
-                                  f"{name} {what} a tensor whose first dimension ({tensor.shape[0]}) is not the batch "
+                                  f"{name} {what} a tensor whose first dimension ({shape[0]}) is not the batch "
                                   f"({batch}): its per-sample gradients cannot be separated; remove it from "
                                   "lora.target_modules or freeze it")
 

@@ -101,25 +101,38 @@ def use_ghost(tokens: int, fan_in: int, fan_out: int, strategy: str = "auto") ->
     return strategy == "ghost" or (strategy == "auto" and 2 * tokens * tokens < fan_in * fan_out)
 
 
+def form_early(a: Tensor, g: Tensor, strategy: str = "auto") -> bool:
+    """Whether a Linear call's per-sample gradients should be formed as soon as its output gradient exists
+    (then its input and output gradient are dropped): where they take less memory than those two,
+    out·in ≤ T·(in + out), as a LoRA factor's do. `ghost` and `materialize` keep every pair instead."""
+    tokens = _flat(a).shape[1]
+    fan_in, fan_out = a.shape[-1], g.shape[-1]
+    return strategy == "auto" and fan_in * fan_out <= tokens * (fan_in + fan_out)
+
+
 class Calls:
     """Every call one tapped module made in one chunk's forward, with its output gradients, as the
     router asks of them: per-sample squared norms, a weighted sum over samples, or (PRISM) the
     per-sample gradients of a few rows. `mask` is None or (dim, index) of the parameter."""
 
     def __init__(self, module: nn.Module, inputs: list[Tensor], grads: list[Tensor], *,
-                 strategy: str = "auto") -> None:
+                 strategy: str = "auto", formed: dict[str, Tensor] | None = None) -> None:
+        """`inputs` and `grads` of the calls kept whole; `formed` the per-sample gradients already formed
+        from others (`form_early`), summed over those calls."""
         self.module, self.strategy = module, strategy
+        per = dict(formed or {})
         if isinstance(module, nn.Embedding):
             self.pairs = list(zip(inputs, grads))
-        elif isinstance(module, nn.Linear):  # calls are concatenated along the token axis: one sum over t
+            return
+        if isinstance(module, nn.Linear) and not per:  # calls concatenated along the token axis: one sum over t
             self.a = _flat(inputs[0]) if len(inputs) == 1 else torch.cat([_flat(a) for a in inputs], 1)
             self.g = _flat(grads[0]) if len(grads) == 1 else torch.cat([_flat(g) for g in grads], 1)
-        else:  # LayerNorm: per-sample gradients are [B, D], as small as the batch's activations
-            per: dict[str, Tensor] = {}
-            for a, g in zip(inputs, grads):
-                for leaf, value in layer_norm(module, a, g).items():
-                    per[leaf] = per[leaf] + value if leaf in per else value
-            self.per = per
+            self.per = None
+            return
+        for a, g in zip(inputs, grads):  # a LayerNorm's, or calls of a module some of whose calls were formed
+            for leaf, value in (linear(module, a, g) if isinstance(module, nn.Linear) else layer_norm(module, a, g)).items():
+                per[leaf] = per[leaf] + value if leaf in per else value
+        self.per = per
 
     def _linear(self, leaf: str, rows: Tensor, mask) -> tuple[Tensor, Tensor]:
         a, g = self.a.index_select(0, rows), self.g.index_select(0, rows)
@@ -147,7 +160,7 @@ class Calls:
             for ids, g in self.pairs:
                 out += embedding_norms(self.module, ids.index_select(0, rows), g.index_select(0, rows))
             return out
-        if isinstance(self.module, nn.Linear):
+        if self.per is None:
             a, g = self._linear(leaf, rows, mask)
             if leaf == "bias":
                 return g.sum(1).pow(2).sum(1)
@@ -162,7 +175,7 @@ class Calls:
             batch = self.pairs[0][1].shape[0]
             full = torch.zeros(batch, dtype=weights.dtype, device=weights.device).index_copy_(0, rows, weights)
             return sum(embedding_sum(self.module, ids, g, full) for ids, g in self.pairs)
-        if isinstance(self.module, nn.Linear):
+        if self.per is None:
             a, g = self._linear(leaf, rows, mask)
             g = g * weights.to(g.dtype)[:, None, None]
             return g.sum((0, 1)) if leaf == "bias" else torch.einsum("bto,bti->oi", g, a)
@@ -171,9 +184,9 @@ class Calls:
 
     def per_sample(self, leaf: str, rows: Tensor) -> Tensor:
         """The per-sample gradients themselves, [len(rows), *shape] (PRISM's tangent norms need LoRA factors')."""
-        if isinstance(self.module, nn.Linear):
-            a, g = self.a.index_select(0, rows), self.g.index_select(0, rows)
-            return g.sum(1) if leaf == "bias" else torch.einsum("bto,bti->boi", g, a)
         if isinstance(self.module, nn.Embedding):
             raise ValueError("an embedding's per-sample gradients are not formed")
+        if self.per is None:
+            a, g = self.a.index_select(0, rows), self.g.index_select(0, rows)
+            return g.sum(1) if leaf == "bias" else torch.einsum("bto,bti->boi", g, a)
         return self.per[leaf].index_select(0, rows)

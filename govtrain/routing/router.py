@@ -58,15 +58,29 @@ TAPPED = (nn.Linear, nn.Embedding, nn.LayerNorm)
 
 
 class _Tap:
+    """What one tapped module's calls left in a chunk. The forward hook keeps each call's input and the
+    shapes; the output itself is not kept (it would hold activations autograd has freed). In the backward
+    pass a hook on the output receives its gradient and either forms the call's per-sample gradients at
+    once, where they are smaller than the input and output gradient they come from (a LoRA factor's, a
+    LayerNorm's), dropping both, or keeps the pair for the book-keeping sum (`persample.Calls`)."""
+
     def __init__(self, name: str, module: nn.Module, leaves: dict[str, str]) -> None:
         self.name, self.module = name, module
         self.leaves = leaves  # leaf ("weight") -> full parameter name
-        self.inputs: list[Tensor] = []
-        self.outputs: list[Tensor] = []
+        self.inputs: list[Tensor | None] = []
+        self.shapes: list[tuple[torch.Size, torch.Size]] = []  # (input, output) of each call
+        self.grads: list[Tensor | None] = []  # output gradient of each call kept for book-keeping
+        self.formed: dict[str, Tensor] = {}  # leaf -> per-sample gradient, summed over the calls that formed it
+
+    @property
+    def outputs(self) -> list[torch.Size]:
+        return [out for _, out in self.shapes]
 
     def clear(self) -> None:
         self.inputs.clear()
-        self.outputs.clear()
+        self.shapes.clear()
+        self.grads.clear()
+        self.formed.clear()
 
 
 @dataclass(frozen=True)
@@ -133,6 +147,8 @@ class Router:
         # Only modules holding a parameter some class reaches are recorded: autograd then stops where the
         # deepest reached parameter is, instead of differentiating layers no one may train.
         reached = {part.name for parts in resolution.reach.values() for part in parts}
+        self._reached = reached
+        self._dtype = torch.float32
         self._handles = [tap.module.register_forward_hook(self._hook(tap)) for tap in self.taps.values()
                          if reached.intersection(tap.leaves.values())]
 
@@ -144,10 +160,32 @@ class Router:
     def _hook(self, tap: _Tap):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
             if self._recording:
+                index = len(tap.inputs)
                 tap.inputs.append(args[0].detach())
-                tap.outputs.append(output)
+                tap.shapes.append((args[0].shape, output.shape))
+                tap.grads.append(None)
+                if output.requires_grad:
+                    output.register_hook(lambda g: self._received(tap, index, g))
 
         return hook
+
+    def _received(self, tap: _Tap, index: int, g: Tensor) -> None:
+        """Backward hook on a tapped call's output: form its per-sample gradients now where they are smaller
+        than what they are formed from (then keep neither), else keep the output gradient for later."""
+        a = tap.inputs[index]
+        dtype = self._dtype
+        module = tap.module
+        if isinstance(module, nn.Embedding):
+            tap.grads[index] = g.to(dtype)
+            return
+        a, g = a.to(dtype), g.to(dtype)
+        if isinstance(module, nn.Linear) and not persample.form_early(a, g, self.per_sample):
+            tap.inputs[index], tap.grads[index] = a, g
+            return
+        formed = persample.linear(module, a, g) if isinstance(module, nn.Linear) else persample.layer_norm(module, a, g)
+        for leaf, value in formed.items():
+            tap.formed[leaf] = tap.formed[leaf] + value if leaf in tap.formed else value
+        tap.inputs[index] = None
 
     @contextmanager
     def capture(self) -> Iterator[None]:
@@ -186,7 +224,7 @@ class Router:
     def _check_layout(self, batch: int) -> None:
         """Refuse (before any gradient is taken) a recorded call that does not have the batch first."""
         for tap in self.taps.values():
-            layout.check_batch_first(tap.name, tap.inputs, tap.outputs, batch)
+            layout.check_batch_first(tap.name, [a for a, _ in tap.shapes], tap.outputs, batch)
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -255,27 +293,29 @@ class Router:
         # rounds at ~1e-7) never lets a released per-sample gradient exceed the C_i the accountant charges.
         clip = clip * (1 - 8 * torch.finfo(dtype).eps)
         self._check_layout(batch)  # before autograd: nothing per-sample is formed from a call that is refused
-        taps = [t for t in self.taps.values() if t.outputs]
-        outputs = [o for t in taps for o in t.outputs]
-        grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True) if outputs else []
+        taps = [t for t in self.taps.values() if t.shapes]
+        # Gradients flow to the reached parameters of the recorded modules (autograd stops at the deepest);
+        # the hooks on the recorded outputs see every output gradient on the way (`_received`). What autograd
+        # returns, the non-private sum, is dropped.
+        requested = [self.params[name] for t in taps for name in t.leaves.values() if name in self._reached]
+        self._dtype = dtype
+        if requested:
+            torch.autograd.grad(losses.sum(), requested, allow_unused=True)
         rows = {c: torch.tensor([i for i, k in enumerate(classes) if k == c], dtype=torch.long, device=losses.device)
                 for c in sorted(set(classes))}
 
         # parameter -> (the calls of its module in this chunk, its leaf name): norms and sums are asked of
-        # them; no per-sample gradient is kept (persample.Calls)
+        # them; no per-sample gradient is kept beyond this chunk (persample.Calls)
         calls: dict[str, tuple[persample.Calls, str]] = {}
-        position = 0
         for tap in taps:
-            tap_grads = grads[position:position + len(tap.outputs)]
-            position += len(tap.outputs)
-            kept = [(a if isinstance(tap.module, nn.Embedding) else a.to(dtype), g.to(dtype))  # token ids stay ints
-                    for a, g in zip(tap.inputs, tap_grads) if g is not None]
-            if kept:
-                module_calls = persample.Calls(tap.module, [a for a, _ in kept], [g for _, g in kept],
-                                               strategy=self.per_sample)
-                for leaf, name in tap.leaves.items():
-                    calls[name] = (module_calls, leaf)
-        del grads, outputs
+            kept = [(a, g) for a, g in zip(tap.inputs, tap.grads) if a is not None and g is not None]
+            if not kept and not tap.formed:
+                continue
+            module_calls = persample.Calls(tap.module, [a for a, _ in kept], [g for _, g in kept],
+                                           strategy=self.per_sample, formed=dict(tap.formed))
+            tap.clear()
+            for leaf, name in tap.leaves.items():
+                calls[name] = (module_calls, leaf)
 
         squares: dict[str, Tensor] = {}  # clipping unit (a parameter; a LoRA pair under prism) -> [B]
         for data_class, index in rows.items():
