@@ -320,3 +320,96 @@ def test_prism_and_dp_muon_runs_are_governed_like_dp_sgd(corpus: Corpus, tiny_mo
     expected = {r[0]: r for r in plan.spend_records()}
     for cid, spend in first.items():
         assert (spend["noise_multiplier_u"], spend["eps_u"]) == (expected[cid][2], expected[cid][3]), cid
+
+
+@pytest.fixture(scope="module")
+def headless_model(tmp_path_factory, tiny_model: Path) -> Path:
+    """tiny_model's encoder without a classifier, as a pretrained checkpoint usually is: loading it for
+    sequence classification makes transformers report a newly initialized head."""
+    folder = tmp_path_factory.mktemp("tiny-bert-headless")
+    transformers.BertTokenizerFast.from_pretrained(tiny_model).save_pretrained(folder)
+    torch.manual_seed(0)
+    transformers.BertModel(transformers.BertConfig.from_pretrained(tiny_model)).save_pretrained(folder)
+    return folder
+
+
+def test_train_output_has_no_model_loading_noise(corpus: Corpus, headless_model: Path):
+    """`govtrain train` prints the run, not transformers' weight-loading bar, load report or deprecation
+    warnings; and it leaves the caller's transformers verbosity and progress bars as they were."""
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    _admit(corpus, "pub")
+    heard: list[str] = []  # transformers' own handler holds the stderr of its first use, not the runner's
+
+    class Heard(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            heard.append(record.getMessage())
+
+    handler = Heard()
+    logging.getLogger("transformers").addHandler(handler)
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # shown again even where an earlier test already triggered one
+            result = CliRunner().invoke(cli, ["train", "--config", str(_config(corpus, headless_model, 3)),
+                                              "--ledger", corpus.url, "--insecure-seed", "1"])
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert result.exit_code == 0, result.output
+    said = "\n".join([result.output, *heard, *(f"{w.category.__name__}: {w.message}" for w in caught)])
+    for noise in ("Loading weights", "FutureWarning", "were not initialized", "LOAD REPORT"):
+        assert noise not in said, said
+    assert "test-run: 3 steps; adapter saved to" in result.stdout
+    assert (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()) == (verbosity, bars)
+
+
+def test_progress_text_shows_the_step_pace_time_left_and_epsilon_per_class():
+    from govtrain.train.loop import progress_text
+
+    assert progress_text(0, 25, None, {}) == "step 0/25"
+    assert progress_text(12, 25, 0.84, {"sensitive": 0.5, "public": 0.2851}, 0.69314) == (
+        "step 12/25 | 0.84 s/step | ETA 0:11 | loss 0.693 | public ε 0.285, sensitive ε 0.500")
+    assert progress_text(3, 5000, 2.5, {"public": 1.0}, float("nan")) == (  # an empty batch has no loss
+        "step 3/5000 | 2.50 s/step | ETA 3:28:12 | public ε 1.000")
+    assert progress_text(25, 25, 1.0, {"public": 1.0}).startswith("step 25/25 | 1.00 s/step | ETA 0:00 |")
+
+
+def test_the_run_writes_nothing_before_write_ahead_and_steps_only_inside_it(corpus: Corpus, tiny_model: Path):
+    """The phases in order: prepare and plan_epoch leave the ledger as it was, write_ahead adds this run's
+    spend, and a step outside a written-ahead epoch, or a second plan over a pending one, is refused."""
+    from govtrain.ledger.ledger import Ledger
+    from govtrain.train.config import load_run_config
+    from govtrain.train.run import STATE_FILE, Run
+    from tests.conftest import snapshot
+
+    _admit(corpus, "pub")
+    before = snapshot(corpus.url)
+    with Ledger.open(corpus.url) as ledger:
+        run = Run(load_run_config(_config(corpus, tiny_model, 12)), ledger, insecure_seed=1, log=lambda line: None)
+        run.prepare()
+        with pytest.raises(RuntimeError):
+            run.step()
+        assert run.plan_epoch() and (corpus.dir / "adapter" / STATE_FILE).is_file()
+        assert snapshot(corpus.url) == before  # the plan is saved in the run state, not the ledger
+        with pytest.raises(RuntimeError):
+            run.step()
+        with pytest.raises(RuntimeError):
+            run.plan_epoch()
+        assert run.write_ahead() and snapshot(corpus.url) != before
+        assert run.epsilons()["public"] > 0 and run.epsilons()["restricted"] == 0
+        while not run.epoch_done:
+            run.step()
+        with pytest.raises(RuntimeError):
+            run.step()
+        run.close_epoch()
+        assert run.result.steps == 10 and run.result.epochs == [0] and not run.done
+        assert run.plan_epoch() and run.write_ahead()
+        while not run.epoch_done:
+            run.step()
+        run.close_epoch()
+        assert run.done and run.finish().adapter_sha256 is not None
+    assert not (corpus.dir / "adapter" / STATE_FILE).exists()
+    assert verify_ledger(corpus.url).by_kind["run"] == 1

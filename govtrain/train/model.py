@@ -1,0 +1,100 @@
+"""The run's model: the base model with its LoRA adapters, loaded quietly, on the device the run names.
+
+How the model is loaded and where it runs never changes what a step releases (DESIGN §5: hardware
+never changes the mechanism); what is checked here is refused before any spend is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+from govtrain.errors import Code, ConfigError
+from govtrain.train.config import RunConfig
+
+
+@contextlib.contextmanager
+def quiet_loading() -> Iterator[None]:
+    """transformers' weight-loading bar and load report (a newly initialized classifier head is what a
+    run trains, not news) and the FutureWarnings of loading and wrapping, silenced for this block only:
+    the caller's own transformers verbosity, progress bars and warning filters are restored after it."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def wrap_lora(base, lora, adapters: list[str]):
+    """`base` with the run's LoRA: a default adapter holding the classifier (peft's modules_to_save copy)
+    and one LoRA-only adapter per `adapter` class, all active, every LoRA factor and head copy trainable."""
+    from peft import LoraConfig, get_peft_model
+
+    settings = dict(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules))
+    # peft can have a modules_to_save copy active for one adapter at a time, so the head belongs to the
+    # default adapter (and to the classes with head = true); a class's own adapter holds LoRA factors only.
+    model = get_peft_model(base, LoraConfig(modules_to_save=["classifier", "score"], **settings))
+    for name in adapters:
+        model.add_adapter(name, LoraConfig(**settings))
+    model.base_model.set_adapter(["default", *adapters])  # every adapter in the forward pass
+    for name, param in model.named_parameters():
+        param.requires_grad_(".lora_" in name or ".modules_to_save." in name)
+    return model
+
+
+def load_model(config: RunConfig, adapters: list[str]):
+    """(model with LoRA, tokenizer, folder of the base model), on the CPU in fp32 and in eval mode."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from govtrain.resolver.load import model_path
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    path = Path(model_path(config.model_spec))
+    with quiet_loading():
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=config.file.model.num_labels,
+                                                                  local_files_only=True, dtype=torch.float32)
+        model = wrap_lora(base, config.file.lora, adapters)
+    model.eval()  # no dropout: the per-example loss must not depend on other examples or hidden randomness
+    return model, tokenizer, path
+
+
+def resolve_device(spec: str):
+    """The torch device `training.device` names: auto is CUDA when available, else the CPU. A CUDA device this
+    machine does not have is refused here, before anything is loaded or written."""
+    import torch
+
+    if spec == "auto":
+        return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
+    if spec == "cpu":
+        return torch.device("cpu")
+    index = int(spec.partition(":")[2] or 0)
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if index >= available:
+        raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.device = {spec!r}, but this machine has "
+                                                   f"{available or 'no'} CUDA device{'s' if available != 1 else ''}: "
+                                                   "use cpu or auto")
+    return torch.device("cuda", index)
+
+
+def check_weight_decay(resolution, weight_decay: float) -> None:
+    """Weight decay moves every coordinate of a parameter it is given, so a parameter that a class reaches
+    only in part (attention-head rows or columns) would have its other coordinates shrunk without any
+    gradient: refuse that combination instead of moving coordinates no class may reach."""
+    partial = sorted({part.name for parts in resolution.reach.values() for part in parts if part.dim is not None})
+    if weight_decay > 0 and partial:
+        raise ConfigError(Code.RUN_CONFIG_INVALID, f"optimizer.weight_decay: {len(partial)} parameter(s) are reached "
+                                                   f"only in part by a heads profile (e.g. {partial[0]}); weight decay "
+                                                   "would move their unreached coordinates: set weight_decay = 0")

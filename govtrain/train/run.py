@@ -1,0 +1,401 @@
+"""A training run as named phases (DESIGN §5): prepare, then per ledger epoch plan → write ahead → step … →
+close, then finish.
+
+`prepare` reads the corpus from the ledger, matches the data, loads the model onto its device, resolves
+every class's profile and probes the router: everything that can refuse the run does so before any spend
+is written. `plan_epoch` fixes an epoch's noise schedule from what the ledger says then (other runs'
+spend, withdrawals, retirements) and saves the plan; `write_ahead` puts this run's spend for it in the
+ledger before its steps run; `step` is one logical Poisson batch, computed in physical chunks under the
+run's precision and privatized once by the router; `close_epoch` and `finish` close the ledger epoch and
+record the run. The run state saved along the way lets a killed run resume without under-counting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from govtrain import units
+from govtrain.errors import Code, ConfigError, GovtrainError
+from govtrain.ledger.ledger import Ledger
+from govtrain.train.config import RunConfig
+
+LOG = Callable[[str], None]
+STATE_FILE = "run-state.pt"
+
+
+class BudgetExhausted(GovtrainError):
+    """No contribution is eligible any more: every one is withdrawn or has spent its budget (exit 5)."""
+
+    exit_code = 5
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    steps: int
+    epochs: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    eps_by_class: dict[str, list[float]] = field(default_factory=dict)  # max cumulative eps per class, per epoch
+    adapter_sha256: bytes | None = None
+    exhausted: bool = False
+
+
+def tree_sha256(folder: Path) -> bytes:
+    """SHA-256 over (relative path, SHA-256 of bytes) of every file under `folder`, sorted (a run's
+    resumable state, which is deleted when the run ends, is not part of the adapter)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (STATE_FILE, STATE_FILE + ".tmp")):
+        digest.update(str(path.relative_to(folder)).encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return digest.digest()
+
+
+def _save_state(path: Path, state: dict) -> None:
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    torch.save(state, temporary)
+    os.replace(temporary, path)
+
+
+def _load_state(path: Path, config: RunConfig) -> dict | None:
+    import torch
+
+    if not path.exists():
+        return None
+    state = torch.load(path, weights_only=False, map_location="cpu")
+    if state.get("config_sha256") != config.sha256:
+        raise ConfigError(Code.RUN_CONFIG_INVALID, f"{path} holds the state of a run with another config; restore "
+                                                   "that config to resume it, or move the file away to start afresh")
+    return state
+
+
+def _write_ahead(ledger: Ledger, pending: dict, run_id: str, q_u: int, gone, now: Callable[[], int], log: LOG) -> bool:
+    """Make sure this run's spend for the pending ledger epoch is in the ledger before its steps run
+    (DESIGN §5). True when it is: written now, or written by this same run before a kill. False when
+    another run holds the epoch (its write-ahead charged its own steps, not ours): that epoch is then
+    closed, if it is still open, and the caller plans the next one. Any spend that is not this run's
+    never lets this run's steps go uncharged."""
+    epoch = pending["epoch"]
+    holder = ledger.spend_book().holder(epoch)
+    if holder is None and ledger.epoch() == epoch:
+        records = [r for r in pending["spend"] if r[0] not in gone]  # withdrawn after the plan was made
+        try:
+            ledger.record_spend(epoch, q_u, records, run_id=run_id, epoch_steps=pending["steps"], now=now())
+            return True
+        except GovtrainError as e:  # a concurrent run got the epoch first, or closed it
+            holder = ledger.spend_book().holder(epoch)
+            if e.code is not Code.EPOCH_HELD and ledger.epoch() == epoch:
+                raise
+    if holder == run_id:
+        return True
+    log(f"ledger epoch {epoch} is held by {holder or 'a closed epoch'}: planning the next epoch")
+    ledger.close_epoch(now=now(), epoch=epoch)
+    return False
+
+
+class Run:
+    """One run of `config` against an open ledger. Drive it as `train()` does:
+
+        run.prepare()
+        while not run.done:
+            if run.pending is None and not run.plan_epoch():
+                break                   # nothing eligible: result.exhausted
+            if not run.write_ahead():
+                continue                # another run holds the epoch: plan the next one
+            while not run.epoch_done:
+                run.step()
+            run.close_epoch()
+        run.finish()
+
+    Every phase reads the ledger it needs at that moment, so each can be interrupted (a kill) and the
+    next call with the same config resumes from the saved state. `observe(step, ids)` sees the
+    contributions drawn at each step (for tests and audits of the sampler).
+    """
+
+    def __init__(self, config: RunConfig, ledger: Ledger, *, insecure_seed: int | None = None, log: LOG = print,
+                 now: Callable[[], int] = lambda: int(time.time()), checkpoint_every: int = 10,
+                 observe: Callable[[int, list[str]], None] | None = None) -> None:
+        self.config, self.ledger, self.log, self.now = config, ledger, log, now
+        self.insecure_seed, self.checkpoint_every, self.observe = insecure_seed, checkpoint_every, observe
+        self.total = config.file.training.steps
+        self.state_path = config.output_dir / STATE_FILE
+        self.result: RunResult | None = None  # set by prepare
+        self.pending: dict | None = None  # the epoch in progress and its plan, as the run state saves it
+        self._retired_here: set[str] = set()  # retired by this run's plans (one that affords no step leaves no spend)
+        self._written = False  # the pending epoch's spend is in the ledger: its steps may run
+
+    @property
+    def run_id(self) -> str:
+        return self.result.run_id
+
+    @property
+    def done(self) -> bool:
+        return self.result.steps >= self.total
+
+    @property
+    def epoch_done(self) -> bool:
+        return self.result.steps >= self.pending["first_step"] + self.pending["steps"]
+
+    # -- prepare: everything that can refuse the run, before any spend ---------------------------------
+
+    def prepare(self) -> None:
+        """Match the data to the admitted, not withdrawn contributions; load the model onto its device;
+        resolve the profiles, probe the router and build the update, sampler and scheduler; then resume
+        from the run state, or refuse a fresh run whose id already wrote spend."""
+        import numpy as np
+        import torch
+
+        from govtrain.accounting.spend import SpendCalculator
+        from govtrain.mechanisms.update import Update
+        from govtrain.resolver.model import describe
+        from govtrain.resolver.plan import read_corpus, sampling_rate_for
+        from govtrain.resolver.profile import resolve
+        from govtrain.resolver.schedule import Scheduler
+        from govtrain.routing.layout import probe_batches
+        from govtrain.routing.router import Router
+        from govtrain.routing.sampler import PoissonSampler
+        from govtrain.train.data import load_examples
+        from govtrain.train.model import check_weight_decay, load_model, resolve_device
+
+        config, ledger, log = self.config, self.ledger, self.log
+        training = config.file.training
+        if self.insecure_seed is not None:
+            torch.manual_seed(self.insecure_seed)
+        self.policy = policy = ledger.policy
+        admitted, withdrawn, _ = read_corpus(ledger)
+        admitted = {cid: a for cid, a in admitted.items() if cid not in withdrawn}
+        self.examples = examples = load_examples(config.data_dir, {a.data_sha256: cid for cid, a in admitted.items()},
+                                                 config.file.model.num_labels)
+        if examples.unmatched_files:
+            shown = [n for n in examples.unmatched_files if not n.endswith(".cose")][:5]
+            others = len(examples.unmatched_files) - len(shown)
+            log(f"note: {len(examples.unmatched_files)} file(s) match no admitted contribution and are not trained on"
+                f" ({', '.join(shown)}{f' and {others} more' if others else ''})")
+        for cid in examples.missing:
+            log(f"note: no data file for admitted contribution {cid}; it is not eligible")
+        self.present = present = set(examples.owner)
+        if not present:
+            raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.data: no file in {config.data_dir} matches an "
+                                                       "admitted, not withdrawn contribution")
+        records = sum(admitted[c].records for c in present)
+        q_u, expected_batch = sampling_rate_for(policy, training.expected_batch_size, records,
+                                                option="training.expected_batch_size", code=Code.RUN_CONFIG_INVALID)
+
+        # The model, on its device and at its precision: how the step is computed, never what it releases.
+        adapters = sorted({c.profile.adapter for c in policy.classes.values() if c.profile.kind == "adapter"})
+        self.device = resolve_device(training.device)
+        self.precision, self.chunk = training.precision, training.physical_batch
+        self._autocast = ((lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if self.precision == "bf16"
+                          else contextlib.nullcontext)
+        self.model, self.tokenizer, base = load_model(config, adapters)
+        self.base_sha256 = tree_sha256(base)
+        self.model.to(self.device)  # before the router: its noise generator lives on the parameters' device
+        resolution = resolve(policy.classes, describe(self.model, name=config.model_spec))
+        check_weight_decay(resolution, config.file.optimizer.weight_decay)
+        self.router = Router(self.model, resolution, mechanism=training.mechanism, insecure_seed=self.insecure_seed)
+        self.router.probe(probe_batches(self.tokenizer, config.file.model.max_length))  # batch-first calls only
+        self.update = Update.build(self.model, config.file)
+        self.sampler = PoissonSampler(q_u / units.MICRO, insecure_seed=self.insecure_seed)  # set again per epoch
+        self.epoch_steps = training.epoch_steps or policy.steps_per_epoch
+        if self.epoch_steps > policy.steps_per_epoch:
+            raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.epoch_steps: {self.epoch_steps} is more than the "
+                                                       f"policy's steps_per_epoch ({policy.steps_per_epoch})")
+        self.scheduler = Scheduler(SpendCalculator(policy.accountant, policy.delta_p), resolution.class_groups(),
+                                   sampling_rate_u=q_u, steps_per_epoch=self.epoch_steps)
+
+        # Contributions by index: the sampler draws example indices, `owner` maps each to its contribution.
+        self.ids = ids = sorted(present)
+        position = {c: i for i, c in enumerate(ids)}
+        members = [admitted[c].member for c in ids]
+        self.owner = np.array([position[c] for c in examples.owner], dtype=np.int64)
+        self.signed_clip = {m.contribution_id: m.clip_norm_u / units.MICRO for m in members}
+        self.classes = {m.contribution_id: m.data_class for m in members}
+
+        run_id = training.run_id or f"run-{self.now()}-{os.urandom(4).hex()}"
+        self.result = result = RunResult(run_id, 0)
+        state = _load_state(self.state_path, config)
+        if state is not None:
+            run_id = result.run_id = state["run_id"]
+            result.steps, result.losses = state["step"], state["losses"]
+            result.epochs, result.eps_by_class = state["epochs"], state["eps_by_class"]
+            with torch.no_grad():
+                for name, value in state["trainable"].items():
+                    self.model.get_parameter(name).copy_(value)
+            self.update.load_state_dict(state["update"])
+            self.pending = state["pending"]
+            if self.pending is not None and ledger.epoch() > self.pending["epoch"]:
+                self.pending = None  # the epoch was closed just before the kill
+            log(f"resuming {run_id} at step {result.steps}")
+        elif run_id in ledger.spend_book().runs:
+            raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.run_id: run {run_id!r} already wrote spend to "
+                                                       "this ledger; resume it from its state file, or give this run "
+                                                       "another id")
+        log(f"{run_id}: {self.total} {training.mechanism} steps, q = {q_u / units.MICRO:g} (expected batch "
+            f"{expected_batch:g} of {records} examples from {len(present)} contributions), {policy.accountant} at "
+            f"delta = {policy.delta_p / 1e12:g}")
+
+    # -- per ledger epoch ------------------------------------------------------------------------------
+
+    def plan_epoch(self) -> bool:
+        """Fix the next ledger epoch's schedule from what the ledger says now (q over the live records,
+        s_g, sigma_eff, retirement) and save it to the run state before any of its spend is written, so a
+        kill between the two cannot lose it. False, with `result.exhausted` set, when no contribution is
+        eligible any more."""
+        if self.pending is not None:
+            raise RuntimeError("plan_epoch() with an epoch pending: its written-ahead plan would be replaced")
+        cohorts, q_u, expected_batch = self._corpus_now()
+        if not any(c.eligible for c in cohorts):
+            self.result.exhausted = True
+            return False
+        epoch = self.ledger.epoch()
+        first = self.result.steps
+        steps = min(self.epoch_steps, self.total - first)
+        self.scheduler.sampling_rate_u = q_u
+        plan = self.scheduler.plan_epoch(cohorts, epoch, first, steps)
+        self._retired_here |= {m for c in cohorts if c.retired_at is not None for m in c.members}
+        pending = {"epoch": epoch, "first_step": first, "steps": steps, "q_u": q_u, "expected_batch": expected_batch,
+                   "allowed": {m: s.steps for s in plan.spends for m in s.cohort.members},
+                   "group_std": {tuple(sorted(g)): plan.group_std(g) for g in plan.group_noise_pu},
+                   "spend": plan.spend_records(), "eps": {s.cohort.data_class: 0 for s in plan.spends}}
+        for spend in plan.spends:
+            pending["eps"][spend.cohort.data_class] = max(pending["eps"][spend.cohort.data_class], spend.eps_u)
+        self.pending = pending
+        self._save()
+        return True
+
+    def write_ahead(self) -> bool:
+        """Make sure this run's spend for the pending epoch is in the ledger (written now, or by this run
+        before a kill) and set the epoch's sampling rate, steps per contribution and noise. False when
+        another run holds the epoch: the plan is dropped and the caller plans the next epoch."""
+        import numpy as np
+
+        if self.pending is None:
+            raise RuntimeError("write_ahead() with no epoch planned: call plan_epoch() first")
+        pending, self._written = self.pending, False
+        if pending["spend"] and not _write_ahead(self.ledger, pending, self.run_id, pending["q_u"],
+                                                 self.ledger.store.withdrawals(), self.now, self.log):
+            self.pending = None
+            self._save()
+            return False
+        self.sampler.sampling_rate = pending["q_u"] / units.MICRO
+        self._allowed = np.array([pending["allowed"].get(c, 0) for c in self.ids], dtype=np.int64)
+        self._group_std = {frozenset(k): v for k, v in pending["group_std"].items()}
+        self._written = True
+        return True
+
+    def step(self) -> float:
+        """One logical step of the written-ahead epoch: a Poisson draw over the examples still eligible at
+        this step (withdrawals take effect here), forward and backward in physical chunks under autocast,
+        the router's clipped sum and noise once, then the update. Returns the mean loss (nan: empty batch)."""
+        import numpy as np
+        import torch
+        import torch.nn.functional as F
+
+        if not self._written or self.epoch_done:
+            raise RuntimeError("step() outside a written-ahead epoch: its spend must be in the ledger first")
+        result, router, examples = self.result, self.router, self.examples
+        step = result.steps - self.pending["first_step"]
+        gone = self.ledger.store.withdrawals()
+        live = np.array([self._allowed[i] > step and self.ids[i] not in gone for i in range(len(self.ids))], dtype=bool)
+        chosen = self.sampler.sample(np.flatnonzero(live[self.owner]) if len(self.owner) else np.zeros(0, int))
+        if self.observe is not None:
+            self.observe(result.steps, [examples.owner[i] for i in chosen])
+        chunk, autocast = self.chunk, self._autocast
+        router.begin()
+        loss_sum = 0.0
+        for start in range(0, len(chosen), chunk or max(len(chosen), 1)):  # physical chunks, one logical step
+            part = chosen[start:start + chunk] if chunk else chosen
+            batch = self.tokenizer([examples.texts[i] for i in part], padding=True, truncation=True,
+                                   max_length=self.config.file.model.max_length, return_tensors="pt").to(self.device)
+            labels = torch.tensor([examples.labels[i] for i in part], device=self.device)
+            with router.capture(), autocast():
+                logits = self.model(**batch).logits
+            losses = F.cross_entropy(logits.float(), labels, reduction="none")  # per example, fp32
+            who = [examples.owner[i] for i in part]
+            router.accumulate(losses, [self.classes[c] for c in who], [self.signed_clip[c] for c in who])
+            loss_sum += float(losses.detach().sum())
+            del batch, labels, logits, losses
+        router.finish(self._group_std, self.pending["expected_batch"])  # noise once per logical step
+        loss = loss_sum / len(chosen) if len(chosen) else float("nan")
+        self.update.step(router.noise_std)
+        self.update.zero_grad()
+        result.steps += 1
+        result.losses.append(loss)
+        if result.steps % self.checkpoint_every == 0:
+            self._save()
+        return loss
+
+    def close_epoch(self) -> None:
+        """Close the ledger epoch (unless another run already did), record each class's epsilon and save."""
+        epoch, steps = self.pending["epoch"], self.pending["steps"]
+        self.ledger.close_epoch(now=self.now(), epoch=epoch)
+        result = self.result
+        result.epochs.append(epoch)
+        for name, eps in self.epsilons().items():
+            result.eps_by_class.setdefault(name, []).append(eps)
+        self.pending, self._written = None, False
+        self._save()
+        seen = [x for x in result.losses[-steps:] if x == x]  # empty batches have no loss
+        self.log(f"epoch {epoch}: steps {result.steps}/{self.total}, "
+                 f"loss {sum(seen) / len(seen) if seen else float('nan'):.4f}, "
+                 + ", ".join(f"{n} eps {v[-1]:.3f}" for n, v in sorted(result.eps_by_class.items())))
+
+    def epsilons(self) -> dict[str, float]:
+        """Each policy class's epsilon as charged so far: its contributions' largest cumulative epsilon once
+        the pending epoch's written-ahead spend is counted, else as the last closed epoch left it."""
+        planned = self.pending["eps"] if self.pending is not None else {}
+        closed = self.result.eps_by_class
+        return {name: planned.get(name, 0) / units.MICRO or max(closed.get(name, [])[-1:], default=0.0)
+                for name in self.policy.classes}
+
+    # -- finish ----------------------------------------------------------------------------------------
+
+    def finish(self) -> RunResult:
+        """Save the adapter, record the run entry (mechanism, config, base model, adapter, device, precision)
+        and remove the run state. Called also when the budgets ran out (`result.exhausted`)."""
+        self.router.close()
+        output = self.config.output_dir
+        output.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(output)
+        result = self.result
+        result.adapter_sha256 = tree_sha256(output)
+        device = self.device.type if self.device.type == "cpu" else str(self.device)
+        self.ledger.record_run(result.run_id, self.config.file.training.mechanism, self.config.sha256,
+                               self.base_sha256, result.adapter_sha256, device=device, precision=self.precision,
+                               now=self.now())
+        self.state_path.unlink(missing_ok=True)
+        return result
+
+    # -- helpers ---------------------------------------------------------------------------------------
+
+    def _corpus_now(self):
+        """(cohorts, q_u, expected batch) from what the ledger says now: other runs may have charged these
+        contributions, and some may have withdrawn or retired, since this run started."""
+        from govtrain.resolver.plan import read_corpus, sampling_rate_for
+        from govtrain.resolver.schedule import cohorts_of
+
+        recorded, withdrawn_now, _ = read_corpus(self.ledger)
+        live = sorted(c for c in self.present if c not in withdrawn_now and c in recorded)
+        q, batch = sampling_rate_for(self.policy, self.config.file.training.expected_batch_size,
+                                     sum(recorded[c].records for c in live), option="training.expected_batch_size",
+                                     code=Code.RUN_CONFIG_INVALID)
+        return cohorts_of([recorded[c].member for c in live],
+                          {c: (tuple(recorded[c].history), recorded[c].eps_u) for c in live},
+                          [c for c in live if recorded[c].retired or c in self._retired_here]), q, batch
+
+    def _save(self) -> None:
+        """The run state: trainable weights, the update's state and the pending epoch with its plan."""
+        result = self.result
+        _save_state(self.state_path, {
+            "run_id": result.run_id, "config_sha256": self.config.sha256, "step": result.steps,
+            "losses": result.losses, "epochs": result.epochs, "eps_by_class": result.eps_by_class,
+            "pending": self.pending,
+            "trainable": {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad},
+            "update": self.update.state_dict()})
