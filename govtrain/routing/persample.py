@@ -101,6 +101,11 @@ def use_ghost(tokens: int, fan_in: int, fan_out: int, strategy: str = "auto") ->
     return strategy == "ghost" or (strategy == "auto" and 2 * tokens * tokens < fan_in * fan_out)
 
 
+def _take(tensor: Tensor, rows: Tensor | None) -> Tensor:
+    """The samples `rows` of a batch-first tensor; None means all of them (no copy)."""
+    return tensor if rows is None else tensor.index_select(0, rows)
+
+
 def form_early(a: Tensor, g: Tensor, strategy: str = "auto") -> bool:
     """Whether a Linear call's per-sample gradients should be formed as soon as its output gradient exists
     (then its input and output gradient are dropped): where they take less memory than those two,
@@ -135,7 +140,7 @@ class Calls:
         self.per = per
 
     def _linear(self, leaf: str, rows: Tensor, mask) -> tuple[Tensor, Tensor]:
-        a, g = self.a.index_select(0, rows), self.g.index_select(0, rows)
+        a, g = _take(self.a, rows), _take(self.g, rows)
         if mask is not None:
             dim, index = mask
             if leaf == "bias" or dim == 0:  # rows of the weight (or the bias): output features
@@ -151,14 +156,15 @@ class Calls:
         dim, index = mask
         return per * _keep(per.shape[dim + 1], index, per).reshape([-1 if d == dim + 1 else 1 for d in range(per.dim())])
 
-    def sq_norms(self, leaf: str, rows: Tensor, mask=None) -> Tensor:
-        """‖masked per-sample gradient‖² of parameter `leaf` for the samples `rows`: [len(rows)]."""
+    def sq_norms(self, leaf: str, rows: Tensor | None, mask=None) -> Tensor:
+        """‖masked per-sample gradient‖² of parameter `leaf` for the samples `rows` (None: all): [len(rows)]."""
         if isinstance(self.module, nn.Embedding):
             if mask is not None:
                 raise ValueError("an embedding cannot be reached in part")
-            out = torch.zeros(len(rows), dtype=self.pairs[0][1].dtype, device=rows.device)
+            size = self.pairs[0][1].shape[0] if rows is None else len(rows)
+            out = torch.zeros(size, dtype=self.pairs[0][1].dtype, device=self.pairs[0][1].device)
             for ids, g in self.pairs:
-                out += embedding_norms(self.module, ids.index_select(0, rows), g.index_select(0, rows))
+                out += embedding_norms(self.module, _take(ids, rows), _take(g, rows))
             return out
         if self.per is None:
             a, g = self._linear(leaf, rows, mask)
@@ -167,19 +173,20 @@ class Calls:
             if use_ghost(a.shape[1], a.shape[2], g.shape[2], self.strategy):
                 return ((a @ a.transpose(1, 2)) * (g @ g.transpose(1, 2))).sum((1, 2))
             return torch.einsum("bto,bti->boi", g, a).pow(2).sum((1, 2))  # formed for this parameter only
-        return self._masked(self.per[leaf].index_select(0, rows), mask).pow(2).flatten(1).sum(1)
+        return self._masked(_take(self.per[leaf], rows), mask).pow(2).flatten(1).sum(1)
 
     def weighted_sum(self, leaf: str, rows: Tensor, weights: Tensor, mask=None) -> Tensor:
         """Σ_i weights_i · (masked per-sample gradient of sample rows_i): the parameter's shape."""
         if isinstance(self.module, nn.Embedding):
             batch = self.pairs[0][1].shape[0]
-            full = torch.zeros(batch, dtype=weights.dtype, device=weights.device).index_copy_(0, rows, weights)
+            full = weights if rows is None else \
+                torch.zeros(batch, dtype=weights.dtype, device=weights.device).index_copy_(0, rows, weights)
             return sum(embedding_sum(self.module, ids, g, full) for ids, g in self.pairs)
         if self.per is None:
             a, g = self._linear(leaf, rows, mask)
             g = g * weights.to(g.dtype)[:, None, None]
             return g.sum((0, 1)) if leaf == "bias" else torch.einsum("bto,bti->oi", g, a)
-        per = self._masked(self.per[leaf].index_select(0, rows), mask)
+        per = self._masked(_take(self.per[leaf], rows), mask)
         return torch.tensordot(weights.to(per.dtype), per, dims=([0], [0]))
 
     def per_sample(self, leaf: str, rows: Tensor) -> Tensor:
@@ -187,6 +194,6 @@ class Calls:
         if isinstance(self.module, nn.Embedding):
             raise ValueError("an embedding's per-sample gradients are not formed")
         if self.per is None:
-            a, g = self.a.index_select(0, rows), self.g.index_select(0, rows)
+            a, g = _take(self.a, rows), _take(self.g, rows)
             return g.sum(1) if leaf == "bias" else torch.einsum("bto,bti->boi", g, a)
-        return self.per[leaf].index_select(0, rows)
+        return _take(self.per[leaf], rows)

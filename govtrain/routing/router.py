@@ -319,6 +319,7 @@ class Router:
 
         squares: dict[str, Tensor] = {}  # clipping unit (a parameter; a LoRA pair under prism) -> [B]
         for data_class, index in rows.items():
+            take = None if len(rows) == 1 else index  # one class: every sample, in order, without a copy
             for name, mask in self.masks[data_class].items():
                 if name in self._pair_A or name not in calls:
                     continue  # a lora_A is measured with its lora_B; a parameter with no gradient adds nothing
@@ -328,10 +329,10 @@ class Router:
                     A, B = self._factors(name)
                     partner, partner_leaf = calls[self.pairs[name]]
                     square.index_add_(0, index, prism.projected_sq_norm(
-                        A, B, source.per_sample(leaf, index),
-                        partner.per_sample(partner_leaf, index).transpose(1, 2), grams=self._gram(name)).to(dtype))
+                        A, B, source.per_sample(leaf, take),
+                        partner.per_sample(partner_leaf, take).transpose(1, 2), grams=self._gram(name)).to(dtype))
                 else:
-                    square.index_add_(0, index, source.sq_norms(leaf, index, mask))
+                    square.index_add_(0, index, source.sq_norms(leaf, take, mask))
         norms = sum(squares.values(), torch.zeros(batch, dtype=dtype, device=losses.device)).sqrt()
         if self.mechanism == "dp-muon":  # each unit on its own, to C_i / sqrt(L_i)
             budget = clip / torch.tensor([self.units[c] for c in classes], dtype=clip.dtype, device=clip.device).sqrt()
@@ -345,10 +346,12 @@ class Router:
 
         totals = {name: torch.zeros_like(p, dtype=dtype) for name, p in self.params.items()}
         for data_class, index in rows.items():
+            take = None if len(rows) == 1 else index  # one class: every sample, in order, without a copy
             for name, mask in self.masks[data_class].items():
                 if name in calls:
                     source, leaf = calls[name]
-                    totals[name] += source.weighted_sum(leaf, index, coefficients[name].index_select(0, index), mask)
+                    weights = coefficients[name] if take is None else coefficients[name].index_select(0, index)
+                    totals[name] += source.weighted_sum(leaf, take, weights, mask)
         return totals, StepReport(batch, int(clipped.sum()), float(norms.max()) if batch else 0.0)
 
     def _finish(self, totals: dict[str, Tensor], group_std: Mapping[frozenset, float], expected_batch_size: float) -> None:
