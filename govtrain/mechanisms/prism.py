@@ -20,21 +20,14 @@ a batch of per-sample gradients [b, m, r] goes through with the factors [m, r], 
 of one shape, [P, m, r] (per-sample gradients of such a stack: factors [P, 1, m, r], gradients [P, b, m, r]).
 `Prism` moves its pairs that way, one stack per shape (`stacking.shape_groups`).
 
-Precision. Every r × r matrix that is a product of two tall ones (the Gram matrices M, N, gAᵀgA, and
-`align`'s cross product) is formed in float64, and so are the r × r eigendecompositions and SVDs and the
-pseudo-inverses taken from them: a Gram matrix squares the condition number of its factor, so in float32
-it would lose the small eigenvalues that pseudo-inverses, floors and rank decisions read. The tall work
-that squares nothing (the QR of [A, dA] in `retract`, a tall factor times an r × r matrix, the first
-moments) runs in the factors' dtype, float32 at least: it is backward stable, and its rounding is of the
-size of the rounding of the factors themselves. (`retract_aligned` reads its cross product off the QR's
-R factors, at that precision: it only picks the rotation, which moves neither Z nor the balance.) The
-routing-layer functions (`tangent_lift`, `tangent_noise`, `canonical`) still lift in float64 throughout;
+Precision. Float64 wherever a product squares a condition number or a factorization reads small
+eigenvalues: the Gram matrices M, N, gAᵀgA and `align`'s cross product, the r × r eigendecompositions and
+SVDs and the pseudo-inverses taken from them, and the retraction's orthonormal bases, which come from the
+2r × 2r Gram matrices of [A, dA] and [B, dB] (`_orthonormal`). In float32 any of these would lose the
+small eigenvalues that pseudo-inverses, floors and rank decisions read. Work that squares nothing (the
+first moments, a tall factor times an r × r preconditioner) runs in the factors' dtype, float32 at least.
+The routing-layer functions (`tangent_lift`, `tangent_noise`, `canonical`) lift in float64 throughout;
 `projected_sq_norm` forms its tall products in the gradients' dtype.
-
-Ranks below r (peft starts lora_B at zero, so A = 0 and M = 0 at step 0) are handled with pseudo-inverses
-from one eigendecomposition per Gram matrix: then the "tangent space" is the image of P with Π_A, Π_B the
-projections onto the column spaces actually present, every identity below still holds, and the noise is
-isotropic on that (public) subspace. At A = 0 the first step is dZ = G Π_B, the gradient seen through B.
 """
 
 from __future__ import annotations
@@ -195,12 +188,11 @@ def retract(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, step: float) -> tuple[
     A' = Q_A U_r Σ_r^{1/2}, B' = Q_B V_r Σ_r^{1/2}. Pass step = −lr to descend. Returns tensors of A's
     dtype; batched over leading dimensions.
 
-    The QRs and the products with Q_A, Q_B run in the inputs' dtype (float32 at least): Householder QR is
-    backward stable column by column and nothing there is squared, so their rounding is that of storing
-    the result. The core and its SVD, which decide what is kept, run in float64.
+    Q_A and Q_B come from Gram matrices in float64 (`_orthonormal`, not Householder QR, which batched on
+    CUDA is one factorization per matrix); the core and its SVD are float64 as well.
     """
     QA, QB, WA, WB, _, _ = _retraction(A, B, dA, dB, step)
-    return (QA @ WA.to(QA.dtype)).to(A.dtype), (QB @ WB.to(QB.dtype)).to(B.dtype)
+    return (QA @ WA).to(A.dtype), (QB @ WB).to(B.dtype)
 
 
 def retract_aligned(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, step: float) -> tuple[Tensor, Tensor]:
@@ -210,33 +202,56 @@ def retract_aligned(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, step: float) -
         A'ᵀA + B'ᵀB = W_Aᵀ R_A[:, :r] + W_Bᵀ R_B[:, :r],
 
     an r × r product of 2r × r matrices (float64); its polar factor Q is folded into W_A before the one
-    tall product per factor, Q_A (W_A Q). The cross product carries the QR's rounding (the factors'
-    dtype) rather than float64's; it only chooses the rotation, which changes neither Z nor the balance."""
+    tall product per factor, Q_A (W_A Q). Z and the balance are those of `retract`."""
     QA, QB, WA, WB, RA1, RB1 = _retraction(A, B, dA, dB, step)
     U, _, Vh = torch.linalg.svd(WA.transpose(-1, -2) @ RA1 + WB.transpose(-1, -2) @ RB1)
     Q = U @ Vh
-    return (QA @ (WA @ Q).to(QA.dtype)).to(A.dtype), (QB @ (WB @ Q).to(QB.dtype)).to(B.dtype)
+    return (QA @ (WA @ Q)).to(A.dtype), (QB @ (WB @ Q)).to(B.dtype)
 
 
 def _retraction(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, step: float
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Q_A, Q_B (working dtype), W_A = U_r Σ_r^{1/2}, W_B = V_r Σ_r^{1/2} (float64, zero columns past the
-    core's rank) and R_A[:, :r], R_B[:, :r] (float64) of `retract`."""
+    """Q_A, Q_B, W_A = U_r Σ_r^{1/2}, W_B = V_r Σ_r^{1/2}, R_A[:, :r] and R_B[:, :r] of `retract`, all
+    float64."""
     r = A.shape[-1]
-    work = torch.promote_types(torch.promote_types(A.dtype, dA.dtype), torch.float32)
-    QA, RA = torch.linalg.qr(torch.cat([A.to(work), dA.to(work)], -1))
-    QB, RB = torch.linalg.qr(torch.cat([B.to(work), dB.to(work)], -1))
-    RA, RB = RA.to(torch.float64), RB.to(torch.float64)
+    lead = torch.broadcast_shapes(A.shape[:-2], dA.shape[:-2], B.shape[:-2], dB.shape[:-2])
+    A, dA, B, dB = (t.to(torch.float64).expand(*lead, *t.shape[-2:]) for t in (A, dA, B, dB))
+    (QA, RA), (QB, RB) = _orthonormal(torch.cat([A, dA], -1), torch.cat([B, dB], -1))
     # R_A [[I, s I], [s I, 0]] R_Bᵀ without forming the 2r × 2r block: (R_A1 + s R_A2) R_B1ᵀ + s R_A1 R_B2ᵀ
     core = (RA[..., :r] + step * RA[..., r:]) @ RB[..., :r].transpose(-1, -2) \
         + step * (RA[..., :r] @ RB[..., r:].transpose(-1, -2))
     U, S, Vh = torch.linalg.svd(core)
-    k = min(r, S.shape[-1])
-    root = S[..., :k].sqrt().unsqueeze(-2)
-    WA, WB = U[..., :k] * root, Vh[..., :k, :].transpose(-1, -2) * root
-    if k < r:  # fewer than r rows or columns in the core: the missing directions are zero
-        WA, WB = torch.nn.functional.pad(WA, (0, r - k)), torch.nn.functional.pad(WB, (0, r - k))
-    return QA, QB, WA, WB, RA[..., :r], RB[..., :r]
+    root = S[..., :r].sqrt().unsqueeze(-2)
+    return QA, QB, U[..., :r] * root, Vh[..., :r, :].transpose(-1, -2) * root, RA[..., :r], RB[..., :r]
+
+
+def _orthonormal(*tall: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """X = Q R for each float64 X [..., m, k] (the same k and leading shape for all): Q [..., m, k] with
+    orthonormal columns spanning X's numerical column space and zero columns for the rest, R [..., k, k].
+
+    From Gram matrices rather than Householder QR, so that a stack of pairs takes a few batched products,
+    one batched eigh and one batched Cholesky whatever the device (a batched QR runs one factorization
+    per matrix on CUDA). With D the columns' norms, G = D⁻¹XᵀXD⁻¹ = V Λ Vᵀ gives Q₁ = XD⁻¹ V Λ^{-1/2} over
+    the eigenvalues above k·ε₆₄·λ_max (the numerical rank of a float64 Gram matrix: what it drops is less
+    than √(k·ε₆₄), 6e-8 for k = 16, of the column norms, about float32's unit roundoff), and a Cholesky
+    pass Q₁ᵀQ₁ = L Lᵀ restores the orthogonality that forming G cost (CholeskyQR2): Q = Q₁ L^{-T},
+    R = Lᵀ Λ^{1/2} Vᵀ D. Float64 throughout: a Gram matrix squares X's condition number.
+    """
+    f64 = torch.float64
+    k = tall[0].shape[-1]
+    scales = [X.norm(dim=-2, keepdim=True) for X in tall]
+    scales = [torch.where(d > 0, d, torch.ones_like(d)) for d in scales]
+    tall = [X / d for X, d in zip(tall, scales)]
+    values, vectors = torch.linalg.eigh(torch.stack([X.transpose(-1, -2) @ X for X in tall]))
+    keep = values > values.amax(-1, keepdim=True) * (k * torch.finfo(f64).eps)
+    root = torch.where(keep, values, torch.zeros_like(values)).sqrt()
+    inverse_root = torch.where(keep, 1 / torch.where(keep, root, torch.ones_like(root)), torch.zeros_like(root))
+    first = [X @ (V * w.unsqueeze(-2)) for X, V, w in zip(tall, vectors, inverse_root)]
+    gram2 = torch.stack([Q.transpose(-1, -2) @ Q for Q in first]) + torch.diag_embed((~keep).to(f64))
+    L, _ = torch.linalg.cholesky_ex(gram2)
+    return [(torch.linalg.solve_triangular(l.transpose(-1, -2), Q, upper=True, left=False),
+             l.transpose(-1, -2) @ (V * w.unsqueeze(-2)).transpose(-1, -2) * d)
+            for Q, l, V, w, d in zip(first, L, vectors, root, scales)]
 
 
 def align(A: Tensor, B: Tensor, previous_A: Tensor, previous_B: Tensor) -> tuple[Tensor, Tensor]:
@@ -305,11 +320,12 @@ class Prism:
 
     Batched: the pairs with a gradient are grouped by shape (`stacking.shape_groups`) and each group moves as
     one stack [P, m, r]: one kernel per operation and group, and one batched eigh (of M, N, V̂_A and V̂_B of
-    every pair in the group), two QRs and two SVDs per group (`retract_aligned`), where a loop over the pairs
-    would launch each of these P times. Each pair's moments are views into the group's stacked buffers, so `state` and
-    `state_dict()` keep one entry per pair ({"step", "m_A", "m_B", "v_A", "v_B"}). The first moments are kept
-    in the factors' dtype (float32 at least), like torch's Adam; the r × r second moments in float64, being
-    Gram matrices that are eigendecomposed. A saved state of either dtype loads.
+    every pair in the group), then `retract_aligned`: one batched eigh and one batched Cholesky for the bases
+    of both sides, and two SVDs, per group, where a loop over the pairs would launch each of these P times.
+    Each pair's moments are views into the group's stacked buffers, so `state` and `state_dict()` keep one
+    entry per pair ({"step", "m_A", "m_B", "v_A", "v_B"}). The first moments are kept in the factors' dtype
+    (float32 at least), like torch's Adam; the r × r second moments in float64, being Gram matrices that are
+    eigendecomposed. A saved state of either dtype loads.
     """
 
     def __init__(self, pairs: Mapping[str, tuple[nn.Parameter, nn.Parameter]], *, lr: float,
