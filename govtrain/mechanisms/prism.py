@@ -382,7 +382,7 @@ class Prism:
         # m̂ floor(V̂)^{-1/2} = m (floor(V̂)^{-1/2} / c1): the bias correction rides on the r × r factor
         root_A, root_B = (_floored(values[2 * P:], vectors[2 * P:], floors, self.max_condition, self.eps)
                           / (c1 if isinstance(c1, float) else torch.cat([c1, c1]))).to(work).split(P)
-        new_A, new_B = retract_aligned(A, B, moments["m_A"] @ root_A, moments["m_B"] @ root_B, -self.lr)
+        new_A, new_B = retract_aligned(A64, B64, moments["m_A"] @ root_A, moments["m_B"] @ root_B, -self.lr)
         write(lora_B, new_A)
         write(lora_A, new_B.transpose(-1, -2))
         for p in lora_A + lora_B:
