@@ -7,6 +7,7 @@
 - `dp-muon` (`muon.py`): per-matrix clipping, heavy-ball momentum and Newton–Schulz orthogonalization.
 
 `update.py` builds the optimizer side of each for a model; the routing layer does the privacy side.
+`stacking.py` groups the parameters of one shape so that PRISM and DP-Muon move each group as one batch.
 """
 
 MECHANISMS = ("dpsgd", "prism", "dp-muon")

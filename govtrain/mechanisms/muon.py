@@ -37,6 +37,8 @@ from typing import Literal, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
+from govtrain.mechanisms.stacking import shape_groups
+
 __all__ = ["orient", "unorient", "ns_coefficients", "newton_schulz", "quintic", "QUINTIC", "QUINTIC_STEPS",
            "DPMuon", "unit_clip_norms", "joint_noise_multiplier"]
 
@@ -61,21 +63,25 @@ def ns_coefficients(kappa: int) -> list[float]:
 def newton_schulz(X: Tensor, kappa: int = 2, steps: int = 6) -> Tensor:
     """The seed's orthogonalization of X (any 2-D shape, batched over leading dimensions): q = `steps`
     iterations of Y ← p_κ(Y Yᵀ) Y from Y₀ = 𝒯(X)/max(1, ‖𝒯(X)‖_F), returned in X's orientation and dtype.
-    Runs in float32 at least."""
+    Runs in float32 at least. Each matrix is normalized on its own, so a stack [P, rows, cols] gives what
+    P separate calls give, in (κ + 2) batched products per iteration."""
     if steps < 0:
         raise ValueError(f"the number of Newton–Schulz iterations must be non-negative, not {steps}")
     coefficients = ns_coefficients(kappa)
     dtype = torch.promote_types(X.dtype, torch.float32)
     Y = orient(X.to(dtype))
+    shape = Y.shape
+    Y = Y.reshape(-1, *shape[-2:])
     Y = Y / Y.norm(dim=(-2, -1), keepdim=True).clamp(min=1)
     eye = torch.eye(Y.shape[-2], dtype=dtype, device=Y.device)
+    scaled = [c * eye for c in coefficients]
     for _ in range(steps):
-        E = eye - Y @ Y.transpose(-1, -2)
-        P = coefficients[-1] * eye
-        for c in reversed(coefficients[:-1]):  # Horner in (1 − λ)
-            P = c * eye + E @ P
+        E = torch.baddbmm(eye, Y, Y.transpose(-1, -2), alpha=-1)  # I − Y Yᵀ
+        P = torch.add(scaled[-2], E, alpha=coefficients[-1])  # Horner in (1 − λ), its first step without a product
+        for s in range(kappa - 2, -1, -1):
+            P = torch.baddbmm(scaled[s], E, P)
         Y = P @ Y
-    return unorient(Y, X.shape).to(X.dtype)
+    return unorient(Y.reshape(shape), X.shape).to(X.dtype)
 
 
 def _muon_defaults() -> tuple[tuple[float, float, float], int, float]:
@@ -89,15 +95,18 @@ QUINTIC, QUINTIC_STEPS, _EPS = _muon_defaults()
 
 def quintic(X: Tensor, steps: int = QUINTIC_STEPS, coefficients: tuple[float, float, float] = QUINTIC) -> Tensor:
     """`torch.optim.Muon`'s quintic iteration Y ← aY + (bΛ + cΛ²)Y, Λ = Y Yᵀ, from Y₀ = 𝒯(X)/‖𝒯(X)‖_F
-    (torch.optim.Muon's defaults for a, b, c and the step count; float32 here where torch uses bfloat16)."""
+    (torch.optim.Muon's defaults for a, b, c and the step count; float32 here where torch uses bfloat16).
+    Batched over leading dimensions, each matrix normalized on its own."""
     a, b, c = coefficients
     dtype = torch.promote_types(X.dtype, torch.float32)
     Y = orient(X.to(dtype))
+    shape = Y.shape
+    Y = Y.reshape(-1, *shape[-2:])
     Y = Y / Y.norm(dim=(-2, -1), keepdim=True).clamp(min=_EPS)
     for _ in range(steps):
         L = Y @ Y.transpose(-1, -2)
-        Y = a * Y + (b * L + c * L @ L) @ Y
-    return unorient(Y, X.shape).to(X.dtype)
+        Y = torch.baddbmm(Y, torch.baddbmm(L, L, L, beta=b, alpha=c), Y, beta=a)
+    return unorient(Y.reshape(shape), X.shape).to(X.dtype)
 
 
 def unit_clip_norms(clip_norm: float, units: int) -> list[float]:
@@ -125,6 +134,12 @@ class DPMuon:
 
     with NS the seed's `newton_schulz` (degree `kappa`, `steps` iterations) or `torch.optim.Muon`'s
     `quintic`. Post-processing of g̃_t only; the clipping and noise happen in the routing layer.
+
+    Batched: the matrices with a gradient are grouped by their shape after `orient` (so a 384 × 8 lora_B
+    and an 8 × 384 lora_A share a stack) and dtype, and each group's momentum and iteration run as one
+    stack [P, rows, cols] (each matrix is still normalized on its own). `state[name]` is a view into its
+    group's stacked buffer, in the parameter's own orientation, so `state_dict()` keeps one momentum
+    buffer per matrix.
     """
 
     def __init__(self, params: Mapping[str, nn.Parameter], *, lr: float, momentum: float = 0.9, kappa: int = 3,
@@ -139,6 +154,7 @@ class DPMuon:
         self.params = dict(params)
         self.lr, self.momentum, self.kappa, self.steps, self.iteration = lr, momentum, kappa, steps, iteration
         self.state: dict[str, Tensor] = {}
+        self._stacks: dict[tuple[str, ...], tuple[Tensor, list[Tensor]]] = {}
 
     def orthogonalize(self, X: Tensor) -> Tensor:
         if self.iteration == "quintic":
@@ -147,14 +163,32 @@ class DPMuon:
 
     @torch.no_grad()
     def step(self) -> None:
-        for name, param in self.params.items():
-            if param.grad is None:
-                continue
-            buffer = self.state.get(name)
-            buffer = param.grad.detach().clone() if buffer is None else buffer.mul_(self.momentum).add_(param.grad)
-            self.state[name] = buffer
-            param.add_(self.orthogonalize(buffer).to(param.dtype), alpha=-self.lr)
-            param.grad = None
+        ready = {name: p for name, p in self.params.items() if p.grad is not None}
+        for names in shape_groups(ready, lambda p: (orient(p).shape, p.dtype, p.device)):
+            params = [self.params[name] for name in names]
+            buffer = self._stacked(names)
+            buffer.mul_(self.momentum).add_(torch.stack([orient(p.grad) for p in params]))
+            update = self.orthogonalize(buffer)
+            torch._foreach_add_(params, [unorient(u, p.shape) for u, p in zip(update.unbind(0), params)],
+                                alpha=-self.lr)
+            for p in params:
+                p.grad = None
+
+    def _stacked(self, names: tuple[str, ...]) -> Tensor:
+        """The stacked, oriented momentum of `names`, whose `state` entries are views into it; built again
+        (from `state`, zeros for a first step: β·0 + g̃ is g̃ exactly) when the group is new or changed."""
+        cached = self._stacks.get(names)
+        if cached is not None and all(self.state.get(n) is view for n, view in zip(names, cached[1])):
+            return cached[0]
+        first = self.params[names[0]]
+        buffer = torch.stack([orient(self.state[n]).to(device=first.device, dtype=first.dtype) if n in self.state
+                              else torch.zeros_like(orient(self.params[n])) for n in names])
+        views = [unorient(b, self.params[n].shape) for b, n in zip(buffer.unbind(0), names)]
+        for stale in [other for other in self._stacks if set(other) & set(names)]:
+            del self._stacks[stale]
+        self.state.update(zip(names, views))
+        self._stacks[names] = buffer, views
+        return buffer
 
     def zero_grad(self) -> None:
         for param in self.params.values():
@@ -165,3 +199,4 @@ class DPMuon:
 
     def load_state_dict(self, state: dict) -> None:
         self.state = dict(state["state"])
+        self._stacks = {}

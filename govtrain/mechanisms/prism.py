@@ -16,13 +16,18 @@ which depends on A and B only through Π_A and Π_B, so it is the same for every
 vector is carried as a pair (dA, dB) with dZ = dA Bᵀ + A dBᵀ; nothing here forms an m × n matrix.
 
 Every function takes the factors as [..., m, r] and [..., n, r] and broadcasts over leading dimensions, so
-a batch of per-sample gradients [b, m, r] goes through with the factors [m, r]. The r × r algebra runs in
-float64 whatever the input's dtype, because M and N are squares of the factors and lose half the digits.
+a batch of per-sample gradients [b, m, r] goes through with the factors [m, r], and so does a stack of P pairs
+of one shape, [P, m, r] (per-sample gradients of such a stack: factors [P, 1, m, r], gradients [P, b, m, r]).
+`Prism` moves its pairs that way, one stack per shape (`stacking.shape_groups`).
 
-Ranks below r (peft starts lora_B at zero, so A = 0 and M = 0 at step 0) are handled with pseudo-inverses
-from one eigendecomposition per Gram matrix: then the "tangent space" is the image of P with Π_A, Π_B the
-projections onto the column spaces actually present, every identity below still holds, and the noise is
-isotropic on that (public) subspace. At A = 0 the first step is dZ = G Π_B, the gradient seen through B.
+Precision. Float64 wherever a product squares a condition number or a factorization reads small
+eigenvalues: the Gram matrices M, N, gAᵀgA and `align`'s cross product, the r × r eigendecompositions and
+SVDs and the pseudo-inverses taken from them, and the retraction's orthonormal bases, which come from the
+2r × 2r Gram matrices of [A, dA] and [B, dB] (`_orthonormal`). In float32 any of these would lose the
+small eigenvalues that pseudo-inverses, floors and rank decisions read. Work that squares nothing (the
+first moments, a tall factor times an r × r preconditioner) runs in the factors' dtype, float32 at least.
+The routing-layer functions (`tangent_lift`, `tangent_noise`, `canonical`) lift in float64 throughout;
+`projected_sq_norm` forms its tall products in the gradients' dtype.
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ import torch
 from torch import Tensor, nn
 
 from govtrain.mechanisms.reach import lora_pairs
+from govtrain.mechanisms.stacking import shape_groups, write
 
 __all__ = ["Gram", "gram", "tangent_lift", "intrinsic_sq_norm", "projected_sq_norm", "tangent_noise", "tangent_dimension", "retract",
-           "canonical", "tangent_matrix", "align", "lora_pairs", "floored_inverse_sqrt", "Prism"]
+           "retract_aligned", "canonical", "tangent_matrix", "align", "lora_pairs", "floored_inverse_sqrt", "Prism"]
 
 
 @dataclass(frozen=True)
@@ -120,8 +126,9 @@ def projected_sq_norm(A: Tensor, B: Tensor, gA: Tensor, gB: Tensor, *, grams: tu
     return square.clamp(min=0)
 
 
-def tangent_noise(A: Tensor, B: Tensor, std: float, generator: torch.Generator, *,
-                  grams: tuple[Gram, Gram] | None = None) -> tuple[Tensor, Tensor]:
+def tangent_noise(A: Tensor, B: Tensor, std: float, generator: torch.Generator | None, *,
+                  grams: tuple[Gram, Gram] | None = None, omega: tuple[Tensor, Tensor] | None = None
+                  ) -> tuple[Tensor, Tensor]:
     """A pair (ξA, ξB) whose dZ = ξA Bᵀ + A ξBᵀ is distributed as std · P_{A,B}(Ξ), Ξ an m × n standard
     Gaussian, drawn from two small Gaussians Ω_A (m × r) and Ω_B (n × r):
 
@@ -131,11 +138,18 @@ def tangent_noise(A: Tensor, B: Tensor, std: float, generator: torch.Generator, 
     rest, (I − Π_A) Ξ Π_B, is (I − Π_A)(Ξ Q_B) Q_Bᵀ with Ξ Q_B an m × r standard Gaussian independent of it.)
     The energy is E‖dZ‖² = std² · r(m + n − r) at full rank. The pair is not the canonical lift of its
     dZ; `canonical` gives that.
+
+    `omega` = (Ω_A, Ω_B) passes Gaussians drawn elsewhere instead (then `generator` is unused): for a stack
+    of pairs [P, m, r], drawing Ω_A [P, m, r] and Ω_B [P, n, r] at once draws in another order than a loop
+    over the pairs, and the same Ω give the same noise either way.
     """
     GM, GN = grams if grams is not None else (gram(A), gram(B))
-    A64, B64 = A.to(torch.float64), B.to(torch.float64)
-    omega_A = torch.randn(A.shape, generator=generator, dtype=torch.float64, device=A.device)
-    omega_B = torch.randn(B.shape, generator=generator, dtype=torch.float64, device=B.device)
+    A64 = A.to(torch.float64)
+    if omega is None:
+        omega_A = torch.randn(A.shape, generator=generator, dtype=torch.float64, device=A.device)
+        omega_B = torch.randn(B.shape, generator=generator, dtype=torch.float64, device=B.device)
+    else:
+        omega_A, omega_B = (w.to(torch.float64) for w in omega)
     xi_A = (omega_A - _project(A64, GM.inverse, omega_A)) @ GN.inverse_sqrt
     xi_B = omega_B @ GM.inverse_sqrt
     return std * xi_A, std * xi_B
@@ -170,47 +184,115 @@ def retract(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, step: float) -> tuple[
 
         A Bᵀ + step · dZ = Q_A · R_A [[I, step I], [step I, 0]] R_Bᵀ · Q_Bᵀ,
 
-    so a truncated SVD of that 2r × 2r core gives the answer (Eckart–Young) at O((m + n) r²).
-    Pass step = −lr to descend. Returns tensors of A's dtype.
+    so a truncated SVD U Σ Vᵀ of that 2r × 2r core gives the answer (Eckart–Young) at O((m + n) r²):
+    A' = Q_A U_r Σ_r^{1/2}, B' = Q_B V_r Σ_r^{1/2}. Pass step = −lr to descend. Returns tensors of A's
+    dtype; batched over leading dimensions.
+
+    Q_A and Q_B come from Gram matrices in float64 (`_orthonormal`, not Householder QR, which batched on
+    CUDA is one factorization per matrix); the core and its SVD are float64 as well.
     """
+    QA, QB, WA, WB, _, _ = _retraction(A, B, dA, dB, step)
+    return (QA @ WA).to(A.dtype), (QB @ WB).to(B.dtype)
+
+
+def retract_aligned(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, step: float) -> tuple[Tensor, Tensor]:
+    """`align(*retract(A, B, dA, dB, step), A, B)` without the m × r and n × r products of `align`: A is
+    the first r columns of [A, dA] = Q_A R_A, so with A' = Q_A W_A (W_A = U_r Σ_r^{1/2}),
+
+        A'ᵀA + B'ᵀB = W_Aᵀ R_A[:, :r] + W_Bᵀ R_B[:, :r],
+
+    an r × r product of 2r × r matrices (float64); its polar factor Q is folded into W_A before the one
+    tall product per factor, Q_A (W_A Q). Z and the balance are those of `retract`."""
+    QA, QB, WA, WB, RA1, RB1 = _retraction(A, B, dA, dB, step)
+    U, _, Vh = torch.linalg.svd(WA.transpose(-1, -2) @ RA1 + WB.transpose(-1, -2) @ RB1)
+    Q = U @ Vh
+    return (QA @ (WA @ Q)).to(A.dtype), (QB @ (WB @ Q)).to(B.dtype)
+
+
+def _retraction(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, step: float
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Q_A, Q_B, W_A = U_r Σ_r^{1/2}, W_B = V_r Σ_r^{1/2}, R_A[:, :r] and R_B[:, :r] of `retract`, all
+    float64."""
     r = A.shape[-1]
-    A64, B64, dA64, dB64 = (t.to(torch.float64) for t in (A, B, dA, dB))
-    QA, RA = torch.linalg.qr(torch.cat([A64, dA64], -1))
-    QB, RB = torch.linalg.qr(torch.cat([B64, dB64], -1))
-    eye = torch.eye(r, dtype=torch.float64, device=A.device)
-    K = torch.cat([torch.cat([eye, step * eye], -1), torch.cat([step * eye, torch.zeros_like(eye)], -1)], -2)
-    U, S, Vh = torch.linalg.svd(RA @ K @ RB.transpose(-1, -2))
-    k = min(r, S.shape[-1])
-    root = S[..., :k].sqrt().unsqueeze(-2)
-    new_A = (QA @ U[..., :k]) * root
-    new_B = (QB @ Vh[..., :k, :].transpose(-1, -2)) * root
-    if k < r:  # fewer than r rows or columns in the core: the missing directions are zero
-        new_A = torch.nn.functional.pad(new_A, (0, r - k))
-        new_B = torch.nn.functional.pad(new_B, (0, r - k))
-    return new_A.to(A.dtype), new_B.to(B.dtype)
+    lead = torch.broadcast_shapes(A.shape[:-2], dA.shape[:-2], B.shape[:-2], dB.shape[:-2])
+    A, dA, B, dB = (t.to(torch.float64).expand(*lead, *t.shape[-2:]) for t in (A, dA, B, dB))
+    (QA, RA), (QB, RB) = _orthonormal(torch.cat([A, dA], -1), torch.cat([B, dB], -1))
+    # R_A [[I, s I], [s I, 0]] R_Bᵀ without forming the 2r × 2r block: (R_A1 + s R_A2) R_B1ᵀ + s R_A1 R_B2ᵀ
+    core = (RA[..., :r] + step * RA[..., r:]) @ RB[..., :r].transpose(-1, -2) \
+        + step * (RA[..., :r] @ RB[..., r:].transpose(-1, -2))
+    U, S, Vh = torch.linalg.svd(core)
+    root = S[..., :r].sqrt().unsqueeze(-2)
+    return QA, QB, U[..., :r] * root, Vh[..., :r, :].transpose(-1, -2) * root, RA[..., :r], RB[..., :r]
+
+
+def _orthonormal(*tall: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """X = Q R for each float64 X [..., m, k] (the same k and leading shape for all): Q [..., m, k] with
+    orthonormal columns spanning X's numerical column space and zero columns for the rest, R [..., k, k].
+
+    From Gram matrices rather than Householder QR, so that a stack of pairs takes a few batched products,
+    one batched eigh and one batched Cholesky whatever the device (a batched QR runs one factorization
+    per matrix on CUDA). With D the columns' norms, G = D⁻¹XᵀXD⁻¹ = V Λ Vᵀ gives Q₁ = XD⁻¹ V Λ^{-1/2} over
+    the eigenvalues above k·ε₆₄·λ_max (the numerical rank of a float64 Gram matrix: what it drops is less
+    than √(k·ε₆₄), 6e-8 for k = 16, of the column norms, about float32's unit roundoff), and a Cholesky
+    pass Q₁ᵀQ₁ = L Lᵀ restores the orthogonality that forming G cost (CholeskyQR2): Q = Q₁ L^{-T},
+    R = Lᵀ Λ^{1/2} Vᵀ D. Float64 throughout: a Gram matrix squares X's condition number.
+    """
+    f64 = torch.float64
+    k = tall[0].shape[-1]
+    scales = [X.norm(dim=-2, keepdim=True) for X in tall]
+    scales = [torch.where(d > 0, d, torch.ones_like(d)) for d in scales]
+    tall = [X / d for X, d in zip(tall, scales)]
+    values, vectors = torch.linalg.eigh(torch.stack([X.transpose(-1, -2) @ X for X in tall]))
+    keep = values > values.amax(-1, keepdim=True) * (k * torch.finfo(f64).eps)
+    root = torch.where(keep, values, torch.zeros_like(values)).sqrt()
+    inverse_root = torch.where(keep, 1 / torch.where(keep, root, torch.ones_like(root)), torch.zeros_like(root))
+    first = [X @ (V * w.unsqueeze(-2)) for X, V, w in zip(tall, vectors, inverse_root)]
+    gram2 = torch.stack([Q.transpose(-1, -2) @ Q for Q in first]) + torch.diag_embed((~keep).to(f64))
+    L, _ = torch.linalg.cholesky_ex(gram2)
+    return [(torch.linalg.solve_triangular(l.transpose(-1, -2), Q, upper=True, left=False),
+             l.transpose(-1, -2) @ (V * w.unsqueeze(-2)).transpose(-1, -2) * d)
+            for Q, l, V, w, d in zip(first, L, vectors, root, scales)]
 
 
 def align(A: Tensor, B: Tensor, previous_A: Tensor, previous_B: Tensor) -> tuple[Tensor, Tensor]:
     """(A Q, B Q) for the orthogonal Q closest to mapping the new factors onto the previous ones
     (orthogonal Procrustes on AᵀA_prev + BᵀB_prev). Z and the balance are unchanged; the optimizer's
-    moments, kept in factor coordinates, stay meaningful from one step to the next."""
-    A64, B64 = A.to(torch.float64), B.to(torch.float64)
-    U, _, Vh = torch.linalg.svd(A64.transpose(-1, -2) @ previous_A.to(torch.float64)
-                                + B64.transpose(-1, -2) @ previous_B.to(torch.float64))
-    Q = U @ Vh
-    return (A64 @ Q).to(A.dtype), (B64 @ Q).to(B.dtype)
+    moments, kept in factor coordinates, stay meaningful from one step to the next.
+
+    The cross product is a Gram-like r × r matrix (its small singular values are the squares of the
+    factors' and decide Q), so it and its SVD are float64; the rotation itself runs in A's dtype (float32
+    at least) and changes no singular value. After `retract`, `retract_aligned` does both for less."""
+    f64 = torch.float64
+    U, _, Vh = torch.linalg.svd(A.to(f64).transpose(-1, -2) @ previous_A.to(f64)
+                                + B.to(f64).transpose(-1, -2) @ previous_B.to(f64))
+    work = torch.promote_types(A.dtype, torch.float32)
+    Q = (U @ Vh).to(work)
+    return (A.to(work) @ Q).to(A.dtype), (B.to(work) @ Q).to(B.dtype)
 
 
-def floored_inverse_sqrt(V: Tensor, floor: float, max_condition: float, eps: float) -> Tensor:
+def floored_inverse_sqrt(V: Tensor, floor: float | Tensor, max_condition: float, eps: float) -> Tensor:
     """V^{-1/2} for a symmetric r × r second moment, with every eigenvalue first raised to at least
     `floor` (the noise's share, so the preconditioner cannot whiten DP noise into signal) and to at least
-    λ_max / max_condition (so a collapsing direction cannot blow the step up)."""
-    V = (V + V.transpose(-1, -2)) / 2
-    values, vectors = torch.linalg.eigh(V)
+    λ_max / max_condition (so a collapsing direction cannot blow the step up). Batched over leading
+    dimensions; `floor` is a number or a tensor of V's leading shape (one floor per matrix)."""
+    values, vectors = torch.linalg.eigh((V + V.transpose(-1, -2)) / 2)
+    return _floored(values, vectors, floor, max_condition, eps)
+
+
+def _floored(values: Tensor, vectors: Tensor, floor: float | Tensor, max_condition: float, eps: float) -> Tensor:
     values = values.clamp(min=0) + eps
-    values = torch.maximum(values, torch.full_like(values, floor))
+    if isinstance(floor, Tensor):
+        values = torch.maximum(values, floor.to(values.dtype).unsqueeze(-1))
+    else:
+        values = values.clamp(min=floor)
     values = torch.maximum(values, values.amax(-1, keepdim=True) / max_condition)
     return (vectors * values.rsqrt().unsqueeze(-2)) @ vectors.transpose(-1, -2)
+
+
+def _pinv_trace(values: Tensor, rtol: float) -> Tensor:
+    """tr(M†) from M's eigenvalues, with `gram`'s numerical-rank cutoff."""
+    keep = values > values.amax(-1, keepdim=True).clamp(min=0) * rtol
+    return torch.where(keep, 1 / torch.where(keep, values, torch.ones_like(values)), torch.zeros_like(values)).sum(-1)
 
 
 class Prism:
@@ -223,7 +305,7 @@ class Prism:
         m_A ← β₁ m_A + (1 − β₁) ĝ_A                         (the same for B; bias-corrected)
         V_A ← β₂ V_A + (1 − β₂) ĝ_Aᵀ ĝ_A / m                (r × r; bias-corrected)
         U_A = m̂_A · floor(V̂_A)^{-1/2}
-        (A, B) ← align(Retr_r(A, B, U_A, U_B, −lr))
+        (A, B) ← align(Retr_r(A, B, U_A, U_B, −lr))         (`retract_aligned`)
 
     The floor: the canonical lift of tangent noise τ·P(Ξ) has E[ξ_Aᵀξ_A]/m = τ²(1 − 3r/4m) N†, so the
     eigenvalues of V̂_A are raised to at least `floor` × the mean eigenvalue of that, τ²(1 − 3r/4m) tr(N†)/r
@@ -235,6 +317,15 @@ class Prism:
     equivariant under orthogonal gauges (A Q, B Q) and not under every R in GL(r). The retraction returns
     balanced factors (AᵀA = BᵀB), which pins the gauge down to O(r), and `align` picks the element of O(r)
     closest to the previous factors, so the moments keep meaning the same directions from step to step.
+
+    Batched: the pairs with a gradient are grouped by shape (`stacking.shape_groups`) and each group moves as
+    one stack [P, m, r]: one kernel per operation and group, and one batched eigh (of M, N, V̂_A and V̂_B of
+    every pair in the group), then `retract_aligned`: one batched eigh and one batched Cholesky for the bases
+    of both sides, and two SVDs, per group, where a loop over the pairs would launch each of these P times.
+    Each pair's moments are views into the group's stacked buffers, so `state` and `state_dict()` keep one
+    entry per pair ({"step", "m_A", "m_B", "v_A", "v_B"}). The first moments are kept in the factors' dtype
+    (float32 at least), like torch's Adam; the r × r second moments in float64, being Gram matrices that are
+    eigendecomposed. A saved state of either dtype loads.
     """
 
     def __init__(self, pairs: Mapping[str, tuple[nn.Parameter, nn.Parameter]], *, lr: float,
@@ -245,39 +336,87 @@ class Prism:
         self.pairs = dict(pairs)  # lora_B name -> (lora_A parameter, lora_B parameter)
         self.lr, self.betas, self.floor, self.max_condition, self.eps = lr, betas, floor, max_condition, eps
         self.state: dict[str, dict[str, Tensor | int]] = {}
+        self._stacks: dict[tuple[str, ...], tuple[dict[str, Tensor], list[dict]]] = {}
 
     @torch.no_grad()
     def step(self, noise_std: Mapping[str, float]) -> None:
         """Move every pair that has a gradient; `noise_std[lora_B name]` is τ for that pair (0 if none)."""
+        ready = {k: pair for k, pair in self.pairs.items() if pair[0].grad is not None and pair[1].grad is not None}
+        for keys in shape_groups(ready, lambda pair: (pair[0].shape, pair[1].shape, pair[1].dtype, pair[1].device)):
+            self._step(keys, noise_std)
+
+    def _step(self, keys: tuple[str, ...], noise_std: Mapping[str, float]) -> None:
+        """One step of the pairs `keys`, all of one shape, as one stack."""
+        f64 = torch.float64
         beta1, beta2 = self.betas
-        for key, (lora_A, lora_B) in self.pairs.items():
-            if lora_B.grad is None or lora_A.grad is None:
-                continue
-            A, B = lora_B.detach(), lora_A.detach().transpose(0, 1)
-            gA = lora_B.grad.to(torch.float64)
-            gB = lora_A.grad.transpose(0, 1).to(torch.float64)
-            (m, r), n = A.shape, B.shape[0]
-            state = self.state.setdefault(key, {"step": 0, "m_A": torch.zeros_like(gA), "m_B": torch.zeros_like(gB),
-                                                "v_A": gA.new_zeros(r, r), "v_B": gA.new_zeros(r, r)})
-            state["step"] = t = int(state["step"]) + 1
-            state["m_A"].mul_(beta1).add_(gA, alpha=1 - beta1)
-            state["m_B"].mul_(beta1).add_(gB, alpha=1 - beta1)
-            state["v_A"].mul_(beta2).add_(gA.T @ gA / m, alpha=1 - beta2)
-            state["v_B"].mul_(beta2).add_(gB.T @ gB / n, alpha=1 - beta2)
-            tau2 = float(noise_std.get(key, 0.0)) ** 2
-            GM, GN = gram(A), gram(B)
-            floor_A = self.floor * tau2 * (1 - 0.75 * r / m) * float(torch.trace(GN.inverse)) / r
-            floor_B = self.floor * tau2 * (1 - 0.75 * r / n) * float(torch.trace(GM.inverse)) / r
-            correction1, correction2 = 1 - beta1 ** t, 1 - beta2 ** t
-            U_A = state["m_A"] / correction1 @ floored_inverse_sqrt(state["v_A"] / correction2, floor_A,
-                                                                    self.max_condition, self.eps)
-            U_B = state["m_B"] / correction1 @ floored_inverse_sqrt(state["v_B"] / correction2, floor_B,
-                                                                    self.max_condition, self.eps)
-            new_A, new_B = retract(A, B, U_A, U_B, -self.lr)
-            new_A, new_B = align(new_A, new_B, A, B)
-            lora_B.copy_(new_A)
-            lora_A.copy_(new_B.transpose(0, 1))
-            lora_A.grad = lora_B.grad = None
+        lora_A = [self.pairs[k][0] for k in keys]
+        lora_B = [self.pairs[k][1] for k in keys]
+        A = torch.stack([p.detach() for p in lora_B])  # [P, m, r]
+        B = torch.stack([p.detach() for p in lora_A]).transpose(-1, -2)  # [P, n, r]
+        work = torch.promote_types(A.dtype, torch.float32)
+        gA = torch.stack([p.grad for p in lora_B]).to(work)
+        gB = torch.stack([p.grad for p in lora_A]).transpose(-1, -2).to(work)
+        P, m, r = A.shape
+        n = B.shape[-2]
+        moments, entries = self._stacked(keys, m, n, r, work, A.device)
+        for entry in entries:
+            entry["step"] = int(entry["step"]) + 1
+        c1, c2 = self._corrections([entry["step"] for entry in entries], A.device)
+        moments["m_A"].lerp_(gA, 1 - beta1)  # β₁ m + (1 − β₁) g
+        moments["m_B"].lerp_(gB, 1 - beta1)
+        gA64, gB64 = gA.to(f64), gB.to(f64)
+        moments["v_A"].mul_(beta2).add_(gA64.transpose(-1, -2) @ gA64, alpha=(1 - beta2) / m)
+        moments["v_B"].mul_(beta2).add_(gB64.transpose(-1, -2) @ gB64, alpha=(1 - beta2) / n)
+        # One eigendecomposition for the four r × r matrices of every pair: M and N (their pseudo-inverses'
+        # traces set the floors) and the bias-corrected second moments V̂_A, V̂_B (floored, inverted).
+        A64, B64 = A.to(f64), B.to(f64)
+        square = torch.cat([A64.transpose(-1, -2) @ A64, B64.transpose(-1, -2) @ B64,
+                            moments["v_A"] / c2, moments["v_B"] / c2])
+        values, vectors = torch.linalg.eigh((square + square.transpose(-1, -2)) / 2)
+        rtol = r * torch.finfo(A.dtype).eps  # `gram`'s numerical rank
+        trace_M, trace_N = _pinv_trace(values[:2 * P], rtol).split(P)
+        taus = [float(noise_std.get(k, 0.0)) ** 2 for k in keys]
+        tau2 = taus[0] if len(set(taus)) == 1 else torch.tensor(taus, dtype=f64, device=A.device)
+        floors = torch.cat([self.floor * tau2 * (1 - 0.75 * r / m) * trace_N / r,
+                            self.floor * tau2 * (1 - 0.75 * r / n) * trace_M / r])
+        # m̂ floor(V̂)^{-1/2} = m (floor(V̂)^{-1/2} / c1): the bias correction rides on the r × r factor
+        root_A, root_B = (_floored(values[2 * P:], vectors[2 * P:], floors, self.max_condition, self.eps)
+                          / (c1 if isinstance(c1, float) else torch.cat([c1, c1]))).to(work).split(P)
+        new_A, new_B = retract_aligned(A64, B64, moments["m_A"] @ root_A, moments["m_B"] @ root_B, -self.lr)
+        write(lora_B, new_A)
+        write(lora_A, new_B.transpose(-1, -2))
+        for p in lora_A + lora_B:
+            p.grad = None
+
+    def _corrections(self, steps: list[int], device: torch.device) -> tuple[float | Tensor, float | Tensor]:
+        """Adam's bias corrections 1 − β^t: numbers when the stack's pairs have taken equally many steps
+        (the usual case: no host-to-device copy), else one per pair, [P, 1, 1]."""
+        beta1, beta2 = self.betas
+        if len(set(steps)) == 1:
+            return 1 - beta1 ** steps[0], 1 - beta2 ** steps[0]
+        t = torch.tensor(steps, dtype=torch.float64, device=device).view(-1, 1, 1)
+        return 1 - beta1 ** t, 1 - beta2 ** t
+
+    def _stacked(self, keys: tuple[str, ...], m: int, n: int, r: int, work: torch.dtype, device: torch.device
+                 ) -> tuple[dict[str, Tensor], list[dict]]:
+        """The stacked moments of `keys` and each pair's state entry, whose tensors are views into them.
+        Built again (from `state`, zeros for a pair's first step) when the stack is new, when its pairs'
+        entries were replaced (`load_state_dict`), or when the set of pairs with a gradient changed."""
+        cached = self._stacks.get(keys)
+        if cached is not None and all(self.state.get(k) is entry for k, entry in zip(keys, cached[1])):
+            return cached
+        shapes = {"m_A": ((m, r), work), "m_B": ((n, r), work), "v_A": ((r, r), torch.float64),
+                  "v_B": ((r, r), torch.float64)}
+        moments = {field: torch.stack([self.state[k][field].to(device=device, dtype=dtype) if k in self.state
+                                       else torch.zeros(shape, dtype=dtype, device=device) for k in keys])
+                   for field, (shape, dtype) in shapes.items()}
+        entries = [{"step": int(self.state[k]["step"]) if k in self.state else 0,
+                    **{field: moments[field][i] for field in shapes}} for i, k in enumerate(keys)]
+        for stale in [other for other in self._stacks if set(other) & set(keys)]:
+            del self._stacks[stale]
+        self.state.update(zip(keys, entries))
+        self._stacks[keys] = moments, entries
+        return moments, entries
 
     def zero_grad(self) -> None:
         for lora_A, lora_B in self.pairs.values():
@@ -288,3 +427,4 @@ class Prism:
 
     def load_state_dict(self, state: dict) -> None:
         self.state = {k: dict(v) for k, v in state["state"].items()}
+        self._stacks = {}

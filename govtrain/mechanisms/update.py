@@ -11,6 +11,10 @@
   whole weights); the run's optimizer moves the rest (classifier head, embeddings, biases, norms), as
   Muon is meant to be used.
 
+PRISM and DP-Muon move their parameters in stacks of one shape (`stacking.py`): a step costs a handful
+of batched kernels per shape, not a loop over every LoRA pair or matrix, and their `state_dict()` keeps
+one entry per pair or matrix.
+
 Everything here is post-processing of privatized gradients; nothing reads a per-sample value.
 """
 
