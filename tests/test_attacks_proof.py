@@ -25,6 +25,7 @@ from govtrain.ledger.entries import run_entry
 from govtrain.ledger.proof import verify_proof
 from govtrain.verify.verifier import verify_ledger
 from tests.conftest import TEST_POLICY, Corpus, make_corpus, snapshot
+from tests.test_signed_ledger import _copy, _db
 
 ORIGIN_A = "test.invalid/govtrain/1"
 ORIGIN_B = "test.invalid/govtrain/2"
@@ -41,18 +42,6 @@ def _prove(corpus: Corpus, contribution_id: str, out: Path) -> Path:
     result = CliRunner().invoke(cli, ["ledger", "prove", contribution_id, "--ledger", corpus.url, "--out", str(out)])
     assert result.exit_code == 0, result.output
     return out
-
-
-def _db(url: str) -> Path:
-    return Path(url.removeprefix("sqlite:///"))
-
-
-def _copy(url: str, target: Path) -> str:
-    source, copy = sqlite3.connect(_db(url)), sqlite3.connect(target)
-    source.backup(copy)  # consistent, WAL included
-    source.close()
-    copy.close()
-    return f"sqlite:///{target}"
 
 
 def _tamper(url: str, statement: str, params: tuple = ()) -> None:
