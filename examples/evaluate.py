@@ -27,6 +27,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from govtrain.resolver.load import model_path  # noqa: E402
 from govtrain.train.config import load_run_config  # noqa: E402
+from govtrain.train.model import quiet_loading  # noqa: E402
 
 
 def read(path: Path) -> tuple[list[str], list[int]]:
@@ -43,9 +44,10 @@ def base_model(config):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     path = model_path(config.model_spec)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=config.file.model.num_labels,
-                                                               local_files_only=True)
+    with quiet_loading():  # a fresh classifier head is what is trained: no load report, no FutureWarning
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=config.file.model.num_labels,
+                                                                   local_files_only=True)
     return model, tokenizer
 
 
@@ -64,11 +66,12 @@ def governed(config, adapter: Path):
     from peft import PeftModel
 
     model, tokenizer = base_model(config)
-    model = PeftModel.from_pretrained(model, adapter)
-    names = ["default"]
-    for sub in sorted(p for p in adapter.iterdir() if (p / "adapter_config.json").is_file()):
-        model.load_adapter(sub, adapter_name=sub.name)
-        names.append(sub.name)
+    with quiet_loading():
+        model = PeftModel.from_pretrained(model, adapter)
+        names = ["default"]
+        for sub in sorted(p for p in adapter.iterdir() if (p / "adapter_config.json").is_file()):
+            model.load_adapter(sub, adapter_name=sub.name)
+            names.append(sub.name)
     model.base_model.set_adapter(names)
     return model, tokenizer
 
@@ -79,9 +82,10 @@ def nonprivate(config, train_dir: Path, steps: int, batch: int, seed: int = 0):
     torch.manual_seed(seed)
     model, tokenizer = base_model(config)
     lora = config.file.lora
-    model = peft.get_peft_model(model, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                       target_modules=list(lora.target_modules),
-                                                       modules_to_save=["classifier"]))
+    with quiet_loading():
+        model = peft.get_peft_model(model, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                           target_modules=list(lora.target_modules),
+                                                           modules_to_save=["classifier"]))
     texts, labels = [], []
     for path in sorted(train_dir.glob("contrib-*.jsonl")):
         t, l = read(path)
