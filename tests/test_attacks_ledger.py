@@ -336,3 +336,33 @@ def test_a_proof_built_from_altered_stored_hashes_is_never_handed_out(real: Corp
         with pytest.raises(IntegrityError) as info:
             ledger.prove("early-0")  # entry 1: its proof hashes leaves 2 and 3 together
     assert info.value.code.value == "fork"
+
+
+def test_the_rate_floor_counts_retired_contributions_as_their_summaries_commit(tmp_path: Path):
+    """Compaction drops a retired contribution's admit body; the writer and the verifier both still count its
+    records (from the summary) among the contributions admitted and not withdrawn, so they agree on the floor."""
+    from govtrain.gate.admission import admit
+
+    corpus = make_corpus(tmp_path, f"sqlite:///{tmp_path / 'retired.db'}", BATCH_POLICY)
+    for name in ("gone", "kept", "idle"):
+        data = corpus.data(f"{name}.jsonl", records=3)
+        with corpus.open() as ledger:
+            admit(ledger, corpus.attestation(data, contribution_id=name), data, now=corpus.now)
+    with corpus.open() as ledger:  # 9 live records: q >= 4/9
+        ledger.record_spend(0, 444_445, [("gone", 10, 1_000_000, 1_000_000), ("kept", 10, 1_000_000, 1_000_000)],
+                            run_id="r", epoch_steps=10, now=corpus.now)
+        ledger.withdraw("gone", "leaving", now=corpus.now)  # 6 live records: q >= 4/6
+        ledger.close_epoch(now=corpus.now)
+        ledger.record_spend(1, 666_667, [("kept", 10, 1_000_000, 2_000_000)], run_id="r", epoch_steps=10,
+                            now=corpus.now)
+        ledger.close_epoch(now=corpus.now)
+        redacted = ledger.compact(1, now=corpus.now)  # retires gone (withdrawn) and idle (3 records, live)
+        assert {ledger.store.entry(s.seq).body for s in redacted} == {None}
+        before = snapshot(corpus.url)
+        with pytest.raises(GovtrainError) as info:
+            ledger.record_spend(2, 600_000, [("kept", 10, 1_000_000, 3_000_000)], run_id="r", epoch_steps=10,
+                                now=corpus.now)
+        assert "below 666667" in info.value.detail and snapshot(corpus.url) == before
+        ledger.record_spend(2, 666_667, [("kept", 10, 1_000_000, 3_000_000)], run_id="r", epoch_steps=10,
+                            now=corpus.now)
+    assert verify_ledger(corpus.url, accountant=None).ok

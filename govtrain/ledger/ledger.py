@@ -490,6 +490,11 @@ class Ledger:
                 records[entry["contribution_id"]] = entry["records"]
             else:
                 withdrawn.add(entry["contribution_id"])
+        for _, summary in retention.read_summaries(self.store):  # retired ones count as their summary says
+            for retired in summary["retired"]:
+                records.setdefault(retired["contribution_id"], retired["records"])
+                if retired["withdraw_seq"] is not None:
+                    withdrawn.add(retired["contribution_id"])
         return book, sum(n for cid, n in records.items() if cid not in withdrawn), withdrawn
 
     def record_run(self, run_id: str, mechanism: str, config_sha256: bytes, base_model_sha256: bytes,

@@ -175,6 +175,7 @@ class _Audit:
         self.unauthorised: list[tuple[int, Policy]] = []  # policy entries no checkpoint has covered yet
         self.book = SpendBook()
         self.live_records = 0  # records of the contributions admitted and not withdrawn, so far
+        self._retired_withdrawals: dict[int, int] | None = None  # withdraw seq -> records, of retired ones
         self.last_time = 0
 
     def run(self, trusted: Sequence[str]) -> None:
@@ -260,8 +261,10 @@ class _Audit:
         if stored.kind == "admit" and stored.seq in self.retired:
             self.live_records += self.retired[stored.seq]["records"]
         elif stored.kind == "withdraw":
-            self.live_records -= next((r["records"] for r in self.retired.values()
-                                       if r["withdraw_seq"] == stored.seq), 0)
+            if self._retired_withdrawals is None:
+                self._retired_withdrawals = {r["withdraw_seq"]: r["records"] for r in self.retired.values()
+                                             if r["withdraw_seq"] is not None}
+            self.live_records -= self._retired_withdrawals.get(stored.seq, 0)
 
     def _set_policy(self, seq: int, record: dict) -> None:
         previous = self.policy
