@@ -292,14 +292,8 @@ def main() -> None:
         except ImportError:
             print("opacus is not installed (pip install '.[bench]'): skipped")
     times = timed(variants, args)
-    base = times["non-private"]
-    print(f"MiniLM, LoRA r=8 on {len(TARGETS)} projections + head, batch {args.batch}, seq {args.seq}, 1 thread, "
-          f"median of {args.repeats} rounds x {args.steps} steps (CPU seconds per step)")
-    for name, value in times.items():
-        print(f"  {name:<26} {value:7.3f} s   / non-private {value / base:5.2f}")
-    if "opacus" in times:
-        for name in ("govtrain top-2 band", "govtrain full band"):
-            print(f"  {name} / opacus: {times[name] / times['opacus']:.2f}")
+    report(times, f"MiniLM, LoRA r=8 on {len(TARGETS)} projections + head, batch {args.batch}, seq {args.seq}, "
+                  f"1 thread, median of {args.repeats} rounds x {args.steps} steps (CPU seconds per step)")
     # The same deepest reach (layers 3-5 + head): what mixing three profiles in one batch costs.
     mixed = times["govtrain three profiles"] / times["govtrain top half, one class"]
     print(f"  three profiles / one class of the same depth: {mixed:.2f}")
@@ -339,10 +333,16 @@ def compare(args) -> None:
         del variant
         if SETTINGS["device"].startswith("cuda"):
             torch.cuda.empty_cache()
-    base = times["non-private"]
     unit = "wall seconds, synchronized" if SETTINGS["device"].startswith("cuda") else "CPU seconds"
-    print(f"{SETTINGS['model']} on {SETTINGS['device']} ({SETTINGS['precision']}), LoRA r=8 on every projection + head, "
-          f"batch {args.batch}, seq {args.seq}, median of {args.repeats} rounds x {args.steps} steps ({unit} per step)")
+    report(times, f"{SETTINGS['model']} on {SETTINGS['device']} ({SETTINGS['precision']}), LoRA r=8 on every "
+                  f"projection + head, batch {args.batch}, seq {args.seq}, median of {args.repeats} rounds x "
+                  f"{args.steps} steps ({unit} per step)")
+
+
+def report(times: dict[str, float], header: str) -> None:
+    """Seconds per step of each variant against non-private, and the governed bands against Opacus."""
+    base = times["non-private"]
+    print(header)
     for name, value in times.items():
         print(f"  {name:<26} {value:8.4f} s   / non-private {value / base:5.2f}")
     if "opacus" in times:

@@ -124,6 +124,17 @@ class Corpus:
         return sign_attestation(descriptor, key or self.attester)
 
 
+def append_runs(ledger: Ledger, count: int, now: int) -> None:
+    """`count` run entries in one signed append: bulk for tests of large ledgers."""
+    from govtrain.ledger.entries import run_entry
+
+    with ledger.append(now) as appender:
+        for i in range(count):
+            appender.add("run", now, lambda seq, i=i: run_entry(
+                seq, now, run_id=f"r{i}", mechanism="dpsgd", device="cpu", precision="fp32",
+                config_sha256=bytes(32), base_model_sha256=bytes(32), adapter_sha256=None))
+
+
 def snapshot(url: str) -> tuple[int, bytes | None, int]:
     """(entry count, last leaf hash, admissions): what a rejection must leave unchanged."""
     with Ledger.open(url) as ledger:

@@ -22,7 +22,7 @@ from govtrain.ledger.ledger import Ledger
 from govtrain.ledger.merkle import root_of
 from govtrain.policy.model import Attester, LedgerKey
 from govtrain.verify.verifier import verify_ledger
-from tests.conftest import TEST_POLICY, Corpus, make_corpus, snapshot
+from tests.conftest import Corpus, TEST_POLICY, append_runs, make_corpus, snapshot
 from tests.test_signed_ledger import _admit, _copy, _db, _latest_note, _sql, _verify_cli, real  # noqa: F401
 
 
@@ -157,14 +157,8 @@ def test_signer_refuses_a_database_rolled_back_under_it(real: Corpus, tmp_path: 
 def test_signer_refuses_a_corrupted_subtree_hash(corpus: Corpus):
     """`tree_nodes` caches perfect subtrees (256 leaves and up) and the triggers allow inserts: a bad row
     once made the key sign a wrong root, after which the ledger never verified again."""
-    from govtrain.ledger.entries import run_entry
-
     with corpus.open() as ledger:
-        with ledger.append(corpus.now) as appender:
-            for i in range(300):
-                appender.add("run", corpus.now, lambda seq, i=i: run_entry(
-                    seq, corpus.now, run_id=f"r{i}", mechanism="dpsgd", device="cpu", precision="fp32", config_sha256=bytes(32),
-                    base_model_sha256=bytes(32), adapter_sha256=None))
+        append_runs(ledger, 300, corpus.now)
     _sql(_db(corpus.url), "UPDATE tree_nodes SET hash = zeroblob(32) WHERE height = 8 AND idx = 0")
     before = snapshot(corpus.url)
     with pytest.raises(IntegrityError) as info:

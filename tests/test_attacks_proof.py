@@ -24,7 +24,7 @@ from govtrain.ledger.checkpoint import NoteKey
 from govtrain.ledger.entries import run_entry
 from govtrain.ledger.proof import verify_proof
 from govtrain.verify.verifier import verify_ledger
-from tests.conftest import TEST_POLICY, Corpus, make_corpus, snapshot
+from tests.conftest import Corpus, TEST_POLICY, append_runs, make_corpus, snapshot
 from tests.test_signed_ledger import _copy, _db
 
 ORIGIN_A = "test.invalid/govtrain/1"
@@ -217,11 +217,7 @@ def test_relabelled_and_redacted_entry_is_left_to_the_full_pass(ledger: Corpus):
 def test_kind_check_on_the_parallel_path(corpus: Corpus, tmp_path: Path):
     """Past 2^16 entries the bulk pass splits between two processes; both halves check kinds."""
     with corpus.open() as opened:
-        with opened.append(corpus.now) as appender:
-            for i in range(70_000):
-                appender.add("run", corpus.now, lambda seq, i=i: run_entry(
-                    seq, corpus.now, run_id=f"r{i}", mechanism="dpsgd", device="cpu", precision="fp32", config_sha256=bytes(32),
-                    base_model_sha256=bytes(32), adapter_sha256=None))
+        append_runs(opened, 70_000, corpus.now)
     assert _integrity_only(corpus.url)[0] == 0
     for seq, statement in ((30_000, "UPDATE entries SET kind = 'epoch' WHERE seq = ?"),
                            (69_000, "UPDATE entries SET body = NULL WHERE seq = ?")):

@@ -20,7 +20,7 @@ from govtrain.gate.admission import admit
 from govtrain.ledger.checkpoint import sign_checkpoint
 from govtrain.ledger.ledger import Ledger
 from govtrain.verify.verifier import verify_ledger
-from tests.conftest import Corpus, snapshot
+from tests.conftest import Corpus, append_runs, snapshot
 
 ORIGIN = "test.invalid/govtrain/1"  # TEST_POLICY's origin
 
@@ -466,16 +466,11 @@ def test_integrity_only_passes_and_catches_rollback_and_fork(real: Corpus, tmp_p
 
 
 def test_parallel_integrity_pass_on_a_large_ledger(corpus: Corpus, tmp_path: Path):
-    from govtrain.ledger.entries import run_entry
     from govtrain.ledger.merkle import fold_right
     from govtrain.verify import integrity
 
     with corpus.open() as ledger:
-        with ledger.append(corpus.now) as appender:
-            for i in range(70_000):
-                appender.add("run", corpus.now, lambda seq, i=i: run_entry(
-                    seq, corpus.now, run_id=f"r{i}", mechanism="dpsgd", device="cpu", precision="fp32", config_sha256=bytes(32), base_model_sha256=bytes(32),
-                    adapter_sha256=None))
+        append_runs(ledger, 70_000, corpus.now)
         store = ledger.store
         total = store.size()
         wanted = sorted({p for size in (total, 65_536, 65_537, 12_345, 1) for p in integrity.prefix_parts(size)})
