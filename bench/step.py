@@ -44,15 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
-from govtrain.mechanisms.update import Update  # noqa: E402
-from govtrain.policy.model import DataClass, DepthProfile  # noqa: E402
-from govtrain.resolver.model import describe  # noqa: E402
-from govtrain.resolver.profile import resolve  # noqa: E402
-from govtrain.routing.router import Router  # noqa: E402
+from harness import (TARGETS, Governed, NonPrivate, OpacusStep, data_class, report_rss_growth,  # noqa: E402
+                     rss_growth_in_child, rss_mb, run_file)
+import harness  # noqa: E402
 
-TARGETS = ["query", "key", "value", "attention.output.dense", "intermediate.dense", "output.dense"]
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SETTINGS = {"model": "minilm", "device": "cpu", "precision": "fp32"}  # set once by main()
 
@@ -62,22 +58,11 @@ def layers() -> int:
 
 
 def autocast():
-    import contextlib
-
-    if SETTINGS["precision"] == "bf16":
-        return torch.autocast(torch.device(SETTINGS["device"]).type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    return harness.autocast(SETTINGS["device"], SETTINGS["precision"])
 
 
 def sync() -> None:
-    if SETTINGS["device"].startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def data_class(name: str, **profile) -> DataClass:
-    kind = next(k for k in ("band", "fraction_u", "layers", "adapter") if k in profile)
-    return DataClass(name=name, clip_norm_u=1_000_000, min_noise_multiplier_u=1_000_000, eps_budget_u=1_000_000,
-                     max_eps_budget_u=1_000_000, profile=DepthProfile(kind=kind.removesuffix("_u"), **profile))
+    harness.sync(SETTINGS["device"])
 
 
 def build(seed: int = 0):
@@ -117,76 +102,16 @@ def batch(size: int, seq: int, seed: int):
     return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}, labels.to(device)
 
 
-class NonPrivate:
-    name = "non-private"
-
-    def __init__(self, model):
-        self.model = model
-        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-
-    def step(self, inputs, labels):
-        with autocast():
-            logits = self.model(**inputs).logits
-        loss = F.cross_entropy(logits.float(), labels)
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+def non_private(model):
+    return NonPrivate(model, autocast=autocast)
 
 
-def run_file(mechanism: str):
-    from govtrain.train.config import RunFile
-
-    return RunFile.model_validate({"model": {"base": "minilm"}, "optimizer": {"name": "adamw", "lr": 1e-4},
-                                   "training": {"mechanism": mechanism, "steps": 1, "data": "d", "output": "o"}})
+def governed(model, classes: dict, name: str, mechanism: str = "dpsgd"):
+    return Governed(model, classes, run_file(mechanism), name=name, autocast=autocast)
 
 
-class Governed:
-    def __init__(self, model, classes: dict, name: str, mechanism: str = "dpsgd"):
-        self.name = name
-        self.model = model
-        resolution = resolve(classes, describe(model))
-        self.router = Router(model, resolution, mechanism=mechanism, insecure_seed=0)
-        self.classes = list(classes)
-        self.std = {g.classes: 1.0 for g in resolution.groups if g.classes}
-        self.update = Update.build(model, run_file(mechanism))
-
-    def step(self, inputs, labels):
-        size = labels.shape[0]
-        with self.router.capture(), autocast():
-            logits = self.model(**inputs).logits
-        losses = F.cross_entropy(logits.float(), labels, reduction="none")
-        classes = [self.classes[i % len(self.classes)] for i in range(size)]
-        self.router.privatize(losses, classes, [1.0] * size, self.std, float(size))
-        self.update.step(self.router.noise_std)
-        self.update.zero_grad()
-
-
-class OpacusStep:
-    name = "opacus"
-
-    def __init__(self, model, size: int):
-        from opacus import GradSampleModule
-        from opacus.optimizers import DPOptimizer
-
-        self.model = GradSampleModule(model, batch_first=True, loss_reduction="mean")
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        self.optimizer = DPOptimizer(optimizer, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=size)
-
-    def step(self, inputs, labels):
-        with autocast():
-            logits = self.model(**inputs).logits
-        loss = F.cross_entropy(logits.float(), labels)
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-
-def rss_mb() -> float:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+def opacus(model, size: int):
+    return OpacusStep(model, expected_batch=size, autocast=autocast)
 
 
 def memory(args) -> None:
@@ -194,7 +119,6 @@ def memory(args) -> None:
     CPU, growth of peak RSS over its steps, each variant in its own process."""
     import gc
     import importlib.util
-    import subprocess
 
     full = {"all": data_class("all", band=(0, layers() - 1), head=True)}
     names = ["non-private", "govtrain full band", "govtrain top-2 band", "opacus"]
@@ -220,10 +144,9 @@ def memory(args) -> None:
             gc.collect()
             torch.cuda.empty_cache()
             continue
-        out = subprocess.run([sys.executable, __file__, "--only", name, "--steps", "2", "--batch", str(args.batch),
-                              "--seq", str(args.seq), "--model", SETTINGS["model"], "--precision",
-                              SETTINGS["precision"]], capture_output=True, text=True, check=True).stdout
-        peak[name] = float(next(line.split()[1] for line in out.splitlines() if line.startswith("MEMORY")))
+        peak[name] = rss_growth_in_child([__file__, "--only", name, "--steps", "2", "--batch", str(args.batch),
+                                          "--seq", str(args.seq), "--model", SETTINGS["model"], "--precision",
+                                          SETTINGS["precision"]])
     what = "peak allocated GPU memory over 2 steps" if SETTINGS["device"].startswith("cuda") else \
         "peak RSS growth over 2 steps (after loading), each in its own process"
     print(f"{SETTINGS['model']}, {SETTINGS['precision']}, {what}, batch {args.batch}, seq {args.seq}")
@@ -235,10 +158,10 @@ def variant_makers(args, full=None) -> dict:
     last = layers() - 1
     top2 = {"sensitive": data_class("sensitive", band=(last - 1, last), head=True)}
     full = full or {"all": data_class("all", band=(0, last), head=True)}
-    return {"non-private": lambda: NonPrivate(build()),
-            "govtrain top-2 band": lambda: Governed(build(), top2, "govtrain top-2 band"),
-            "govtrain full band": lambda: Governed(build(), full, "govtrain full band"),
-            "opacus": lambda: OpacusStep(build(), args.batch)}
+    return {"non-private": lambda: non_private(build()),
+            "govtrain top-2 band": lambda: governed(build(), top2, "govtrain top-2 band"),
+            "govtrain full band": lambda: governed(build(), full, "govtrain full band"),
+            "opacus": lambda: opacus(build(), args.batch)}
 
 
 def main() -> None:
@@ -261,11 +184,7 @@ def main() -> None:
     if args.only:  # one variant in this process: memory() reads its peak RSS growth
         variant = variant_makers(args)[args.only]()
         inputs, labels = batch(args.batch, args.seq, 0)
-        before = rss_mb()
-        for _ in range(args.steps):
-            variant.step(inputs, labels)
-        print(f"MEMORY {rss_mb() - before:.1f}")
-        return
+        return report_rss_growth(lambda: [variant.step(inputs, labels) for _ in range(args.steps)])
     if args.memory:
         return memory(args)
     if args.mechanisms:
@@ -279,12 +198,12 @@ def main() -> None:
              "heads": data_class("heads", band=(5, 5), heads=((5, tuple(range(6))),))}
     half = {"public": three["public"]}
     full = {"all": data_class("all", band=(0, 5), head=True)}
-    makers = {"non-private": lambda: NonPrivate(build()),
-              "govtrain top-2 band": lambda: Governed(build(), top2, "govtrain top-2 band"),
-              "govtrain top half, one class": lambda: Governed(build(), half, "govtrain top half, one class"),
-              "govtrain three profiles": lambda: Governed(build(), three, "govtrain three profiles"),
-              "govtrain full band": lambda: Governed(build(), full, "govtrain full band"),
-              "opacus": lambda: OpacusStep(build(), args.batch)}
+    makers = {"non-private": lambda: non_private(build()),
+              "govtrain top-2 band": lambda: governed(build(), top2, "govtrain top-2 band"),
+              "govtrain top half, one class": lambda: governed(build(), half, "govtrain top half, one class"),
+              "govtrain three profiles": lambda: governed(build(), three, "govtrain three profiles"),
+              "govtrain full band": lambda: governed(build(), full, "govtrain full band"),
+              "opacus": lambda: opacus(build(), args.batch)}
     variants = [makers[name]() for name in list(makers)[:-1]]
     if not args.no_opacus:
         try:
@@ -353,10 +272,10 @@ def report(times: dict[str, float], header: str) -> None:
 def mechanisms(args) -> None:
     bands = {"full band": {"all": data_class("all", band=(0, 5), head=True)},
              "top-2 band": {"sensitive": data_class("sensitive", band=(4, 5), head=True)}}
-    variants = [NonPrivate(build())]
+    variants = [non_private(build())]
     for band, classes in bands.items():
         for mechanism in ("dpsgd", "prism", "dp-muon"):
-            variants.append(Governed(build(), classes, f"{mechanism}, {band}", mechanism))
+            variants.append(governed(build(), classes, f"{mechanism}, {band}", mechanism))
     times = timed(variants, args)
     base = times["non-private"]
     print(f"MiniLM, LoRA r=8 on {len(TARGETS)} projections + head, batch {args.batch}, seq {args.seq}, 1 thread, "

@@ -54,11 +54,13 @@ def base_model(config):
 @torch.no_grad()
 def accuracy(model, tokenizer, texts, labels, max_length: int) -> float:
     model.eval()
+    device = next(model.parameters()).device
     correct = 0
     for start in range(0, len(texts), 64):
         batch = tokenizer(texts[start:start + 64], padding=True, truncation=True, max_length=max_length,
-                          return_tensors="pt")
-        correct += int((model(**batch).logits.argmax(-1) == torch.tensor(labels[start:start + 64])).sum())
+                          return_tensors="pt").to(device)
+        predicted = model(**batch).logits.argmax(-1).cpu()
+        correct += int((predicted == torch.tensor(labels[start:start + 64])).sum())
     return correct / len(texts)
 
 

@@ -1,0 +1,185 @@
+"""What the step benchmark (bench/step.py) and the utility benchmark (bench/utility.py) share: the three kinds
+of training step (non-private, governed through the routing layer, Opacus), the policy class and run file
+they are built from, the device's clock and memory readings, and a line naming the machine.
+
+Benchmarks only: every seed here is fixed (`insecure_seed`) so that variants are comparable; nothing here is
+a private run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import subprocess
+import sys
+import warnings
+from typing import Callable, ContextManager
+
+import torch
+import torch.nn.functional as F
+
+from govtrain.mechanisms.update import Update
+from govtrain.policy.model import DataClass, DepthProfile
+from govtrain.resolver.model import describe
+from govtrain.resolver.profile import resolve
+from govtrain.routing.router import Router
+from govtrain.train.config import RunFile
+
+TARGETS = ["query", "key", "value", "attention.output.dense", "intermediate.dense", "output.dense"]
+Autocast = Callable[[], ContextManager]
+
+
+def data_class(name: str, **profile) -> DataClass:
+    """A policy class of one depth profile (band=…, fraction_u=…, layers=… or adapter=…; head=…). Its clip
+    norm, noise floor and budgets are placeholders: a benchmark passes C and σ to the step itself."""
+    kind = next(k for k in ("band", "fraction_u", "layers", "adapter") if k in profile)
+    return DataClass(name=name, clip_norm_u=1_000_000, min_noise_multiplier_u=1_000_000, eps_budget_u=1_000_000,
+                     max_eps_budget_u=1_000_000, profile=DepthProfile(kind=kind.removesuffix("_u"), **profile))
+
+
+def run_file(mechanism: str, *, lr: float = 1e-4, mechanism_lr: float | None = None, targets=TARGETS,
+             max_length: int = 128) -> RunFile:
+    """A RUN.toml for `mechanism`: AdamW at `lr` (for prism and dp-muon, on what their own update does not
+    move), and `mechanism_lr` for [prism] or [muon] (their defaults when None)."""
+    own = {} if mechanism_lr is None else {"lr": mechanism_lr}
+    sections = {"prism": {"prism": own}, "dp-muon": {"muon": own}}.get(mechanism, {})
+    return RunFile.model_validate({
+        "model": {"base": "minilm", "max_length": max_length},
+        "lora": {"r": 8, "alpha": 16, "target_modules": list(targets)},
+        "optimizer": {"name": "adamw", "lr": lr},
+        "training": {"mechanism": mechanism, "steps": 1, "data": "d", "output": "o"}, **sections})
+
+
+def autocast(device: str, precision: str) -> ContextManager:
+    """The forward pass's precision, as `govtrain train` sets it: bf16 autocast, or nothing (fp32)."""
+    if precision == "bf16":
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def sync(device: str) -> None:
+    """Wait for the device, so that a host clock read next times the work queued before it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+class NonPrivate:
+    """Mean loss, `backward()`, AdamW: the reference every private step is compared with."""
+
+    name = "non-private"
+
+    def __init__(self, model, *, lr: float = 1e-4, autocast: Autocast = contextlib.nullcontext) -> None:
+        self.model, self.autocast = model, autocast
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+
+    def step(self, inputs, labels) -> None:
+        with self.autocast():
+            logits = self.model(**inputs).logits
+        F.cross_entropy(logits.float(), labels).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class Governed:
+    """A step as `govtrain train` takes it, without a ledger: per-example losses privatized by the routing
+    layer (the samples' classes cycled over `classes`, each clipped to `clip`, noise σ·C per group, divided by
+    `expected_batch`, or by the batch's own size when None), then the mechanism's `Update`. An empty batch
+    releases noise alone."""
+
+    def __init__(self, model, classes: dict[str, DataClass], run: RunFile, *, noise_multiplier: float = 1.0,
+                 clip: float = 1.0, expected_batch: float | None = None, name: str | None = None,
+                 autocast: Autocast = contextlib.nullcontext, seed: int = 0) -> None:
+        self.model, self.autocast = model, autocast
+        self.name = name or run.training.mechanism
+        resolution = resolve(classes, describe(model))
+        self.router = Router(model, resolution, mechanism=run.training.mechanism, insecure_seed=seed)
+        self.classes, self.clip, self.expected_batch = list(classes), clip, expected_batch
+        self.std = {g.classes: noise_multiplier * clip for g in resolution.groups if g.classes}
+        self.update = Update.build(model, run)
+
+    def step(self, inputs, labels) -> None:
+        size = labels.shape[0]
+        expected = float(self.expected_batch or size)
+        if size == 0:
+            self.router.noise_only(self.std, expected)
+        else:
+            with self.router.capture(), self.autocast():
+                logits = self.model(**inputs).logits
+            losses = F.cross_entropy(logits.float(), labels, reduction="none")
+            classes = [self.classes[i % len(self.classes)] for i in range(size)]
+            self.router.privatize(losses, classes, [self.clip] * size, self.std, expected)
+        self.update.step(self.router.noise_std)
+        self.update.zero_grad()
+
+
+class OpacusStep:
+    """Opacus's DP-SGD on the model's trainable parameters: `GradSampleModule` (hooks) for per-sample
+    gradients, `DPOptimizer` for flat clipping to `clip`, Gaussian noise σ·C and division by the expected batch
+    size, then AdamW. σ is given: Opacus's accountant is not used. Raises ImportError without opacus."""
+
+    name = "opacus"
+
+    def __init__(self, model, *, expected_batch: int, lr: float = 1e-4, noise_multiplier: float = 1.0,
+                 clip: float = 1.0, autocast: Autocast = contextlib.nullcontext,
+                 generator: torch.Generator | None = None) -> None:
+        from opacus import GradSampleModule
+        from opacus.optimizers import DPOptimizer
+
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        # Opacus records activations in training mode only (`step` sets it), so dropout must be off in the model
+        self.model, self.autocast = GradSampleModule(model, batch_first=True, loss_reduction="mean"), autocast
+        self.optimizer = DPOptimizer(torch.optim.AdamW(self.params, lr=lr), noise_multiplier=noise_multiplier,
+                                     max_grad_norm=clip, expected_batch_size=expected_batch, loss_reduction="mean",
+                                     generator=generator)
+
+    def step(self, inputs, labels) -> None:
+        self.model.train()  # an evaluation in between (model.eval()) would stop the recording
+        if labels.shape[0] == 0:  # an empty Poisson batch: no per-sample gradient, noise alone
+            for p in self.params:
+                p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+        else:
+            with self.autocast():
+                logits = self.model(**inputs).logits
+            with warnings.catch_warnings():  # Opacus's hooks fire on module outputs when the inputs are frozen
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                F.cross_entropy(logits.float(), labels).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def rss_mb() -> float:
+    """Peak resident memory of this process so far (VmHWM), in MB."""
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def report_rss_growth(steps: Callable[[], None]) -> None:
+    """Run `steps` and print how much they grew the process's peak RSS, for `rss_growth_in_child`."""
+    before = rss_mb()
+    steps()
+    print(f"MEMORY {rss_mb() - before:.1f}")
+
+
+def rss_growth_in_child(argv: list[str]) -> float:
+    """Peak RSS growth in MB that `python argv…` reports through `report_rss_growth`: each variant measured in a
+    process of its own, since a process's peak never comes down."""
+    out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, check=True).stdout
+    return float(next(line.split()[1] for line in out.splitlines() if line.startswith("MEMORY")))
+
+
+def machine(device: str) -> str:
+    """The machine a figure was measured on: the GPU's name, or the CPU's model and cores; torch's version."""
+    if torch.device(device).type == "cuda":
+        index = torch.device(device).index or 0
+        properties = torch.cuda.get_device_properties(index)
+        where = f"{properties.name} ({properties.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}"
+    else:
+        model = platform.processor() or platform.machine()
+        with contextlib.suppress(OSError), open("/proc/cpuinfo") as handle:
+            model = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), model)
+        where = f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    return f"{where}; torch {torch.__version__}, Python {platform.python_version()}"

@@ -1,0 +1,81 @@
+"""bench/utility.py's core on a tiny random BERT and a few synthetic snippets: every row trains, is tuned on
+the validation split alone and lands in the table (kept from rotting; the real run is the bench itself)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+utility = pytest.importorskip("utility")
+
+WORDS = "good bad movie film great awful plot acting fun dull the a is was and very not".split()
+
+
+def _snippets(count: int, offset: int) -> tuple[list[str], list[int]]:
+    good, bad = ["good", "great", "fun"], ["bad", "awful", "dull"]
+    texts = [f"the {'film' if i % 3 else 'movie'} was very {(good if i % 2 else bad)[(i + offset) % 3]}"
+             for i in range(count)]
+    return texts, [i % 2 for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
+    tokenizer = transformers.BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
+    config = transformers.BertConfig(hidden_size=16, num_hidden_layers=6, num_attention_heads=2, intermediate_size=24,
+                                     vocab_size=len(WORDS) + 5, max_position_embeddings=32, num_labels=2,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+    def load(seed: int):
+        from govtrain.train.model import wrap_lora
+
+        torch.manual_seed(seed)
+        model = wrap_lora(transformers.BertForSequenceClassification(config), utility.run_file("dpsgd").lora, [])
+        return model.eval(), tokenizer
+
+    task = utility.Task(train=_snippets(16, 0), validation=_snippets(8, 1), heldout=_snippets(8, 2))
+    return utility.Setup(task=task, load=load, band=(4, 5), max_length=8, steps=2, batch=4)
+
+
+@pytest.fixture
+def one_thread():
+    """A model this small gains nothing from threads, and on a busy machine waiting for them costs seconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_every_row_trains_and_is_tuned_on_validation_alone(tiny, one_thread):
+    grids = {"non-private": (1e-3, 1e-2), "dpsgd": (1e-2,), "prism": (1e-2,), "dp-muon": (0.02,), "opacus": (1e-2,)}
+    finished = []
+    rows = utility.run_rows(tiny, utility.Performance(), utility.METHODS, [8.0], grids, log=lambda line: None,
+                            done=finished.append, accountant="rdp")  # PLD takes seconds at such a small sigma
+    methods = [m for m in utility.METHODS if m != "opacus" or importlib.util.find_spec("opacus") is not None]
+    assert [row.method for row in rows] == methods and finished == rows
+    private = [row for row in rows if row.epsilon is not None]
+    assert {row.epsilon for row in private} == {8.0} and len({row.sigma for row in private}) == 1
+    assert private[0].sigma > 0
+    for row in rows:
+        assert [t.lr for t in row.trials] == list(grids[row.method])
+        assert row.chosen == max(row.trials, key=lambda t: t.validation)  # the first of equals: max keeps it
+        assert 0 <= row.heldout <= 1 and row.chosen.seconds_per_step > 0
+    text = utility.table(rows, "memory")
+    assert text.count("\n") == len(rows) + 1 and "| non-private | ∞ | - | 0.001, 0.01 |" in text
+
+
+def test_sizes_and_grid_overrides():
+    cpu = utility.parse([])
+    assert (cpu.band, cpu.max_length, cpu.batch) == ((4, 5), 32, 64)
+    cuda = utility.parse(["--device", "cuda", "--steps", "10", "--grid", "prism=0.1,0.2"])
+    assert cuda.band == (0, 5) and cuda.steps == 10 and cuda.grids["prism"] == (0.1, 0.2)
+    with pytest.raises(SystemExit):
+        utility.parse(["--grid", "adam=0.1"])
