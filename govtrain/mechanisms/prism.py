@@ -26,8 +26,8 @@ SVDs and the pseudo-inverses taken from them, and the retraction's orthonormal b
 2r × 2r Gram matrices of [A, dA] and [B, dB] (`_orthonormal`). In float32 any of these would lose the
 small eigenvalues that pseudo-inverses, floors and rank decisions read. Work that squares nothing (the
 first moments, a tall factor times an r × r preconditioner) runs in the factors' dtype, float32 at least.
-The routing-layer functions (`tangent_lift`, `tangent_noise`, `canonical`) lift in float64 throughout;
-`projected_sq_norm` forms its tall products in the gradients' dtype.
+The routing-layer functions (`tangent_lift`, `tangent_noise`, `factor_gradients`, `canonical`) lift in float64
+throughout; `projected_sq_norm` forms its tall products in the gradients' dtype.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ from torch import Tensor, nn
 from govtrain.mechanisms.reach import lora_pairs
 from govtrain.mechanisms.stacking import shape_groups, write
 
-__all__ = ["Gram", "gram", "tangent_lift", "intrinsic_sq_norm", "projected_sq_norm", "tangent_noise", "tangent_dimension", "retract",
-           "retract_aligned", "canonical", "tangent_matrix", "align", "lora_pairs", "floored_inverse_sqrt", "Prism"]
+__all__ = ["Gram", "gram", "grams", "tangent_lift", "intrinsic_sq_norm", "projected_sq_norm", "tangent_noise",
+           "tangent_dimension", "factor_gradients", "retract", "retract_aligned", "canonical", "tangent_matrix",
+           "align", "lora_pairs", "floored_inverse_sqrt", "Prism"]
 
 
 @dataclass(frozen=True)
@@ -57,19 +58,41 @@ class Gram:
 def gram(F: Tensor, *, rtol: float | None = None) -> Gram:
     """M = FᵀF and its pseudo-inverses. Eigenvalues at or below rtol·λ_max (default: r times the machine
     epsilon of F's dtype, the usual numerical-rank rule) count as zero."""
-    F64 = F.to(torch.float64)
-    M = F64.transpose(-1, -2) @ F64
+    return grams(F, rtol=rtol)[0]
+
+
+def grams(*factors: Tensor, rtol: float | None = None) -> list[Gram]:
+    """`gram` of each of `factors`, [..., m_i, r] of one r and dtype (the m_i and the leading shapes may
+    differ), from one batched eigendecomposition of all their Gram matrices: on a GPU an eigh waits for the
+    device, so the routing layer takes those of all its pairs of one rank in one call per step."""
+    r, dtype = factors[0].shape[-1], factors[0].dtype
+    if any(F.shape[-1] != r or F.dtype != dtype for F in factors):
+        raise ValueError("grams needs factors of one rank and dtype")
+    squares = []
+    for F in factors:
+        F64 = F.to(torch.float64)
+        squares.append((F64.transpose(-1, -2) @ F64).reshape(-1, r, r))
+    M = torch.cat(squares) if len(squares) > 1 else squares[0]
     M = (M + M.transpose(-1, -2)) / 2
     values, vectors = torch.linalg.eigh(M)
     if rtol is None:
-        rtol = F.shape[-1] * torch.finfo(F.dtype).eps
+        rtol = r * torch.finfo(dtype).eps
     cutoff = values.amax(-1, keepdim=True).clamp(min=0) * rtol
     keep = values > cutoff
     safe = torch.where(keep, values, torch.ones_like(values))
     inverse = torch.where(keep, 1 / safe, torch.zeros_like(values))
     inverse_sqrt = torch.where(keep, safe.rsqrt(), torch.zeros_like(values))
-    return Gram((vectors * inverse.unsqueeze(-2)) @ vectors.transpose(-1, -2),
-                (vectors * inverse_sqrt.unsqueeze(-2)) @ vectors.transpose(-1, -2), keep.sum(-1))
+    inverse = (vectors * inverse.unsqueeze(-2)) @ vectors.transpose(-1, -2)
+    inverse_sqrt = (vectors * inverse_sqrt.unsqueeze(-2)) @ vectors.transpose(-1, -2)
+    rank = keep.sum(-1)
+    out, start = [], 0
+    for F in factors:
+        lead = F.shape[:-2]
+        end = start + lead.numel()
+        out.append(Gram(inverse[start:end].reshape(*lead, r, r), inverse_sqrt[start:end].reshape(*lead, r, r),
+                        rank[start:end].reshape(lead)))
+        start = end
+    return out
 
 
 def _project(F: Tensor, inverse: Tensor, X: Tensor) -> Tensor:
@@ -126,7 +149,7 @@ def projected_sq_norm(A: Tensor, B: Tensor, gA: Tensor, gB: Tensor, *, grams: tu
     return square.clamp(min=0)
 
 
-def tangent_noise(A: Tensor, B: Tensor, std: float, generator: torch.Generator | None, *,
+def tangent_noise(A: Tensor, B: Tensor, std: float | Tensor, generator: torch.Generator | None, *,
                   grams: tuple[Gram, Gram] | None = None, omega: tuple[Tensor, Tensor] | None = None
                   ) -> tuple[Tensor, Tensor]:
     """A pair (ξA, ξB) whose dZ = ξA Bᵀ + A ξBᵀ is distributed as std · P_{A,B}(Ξ), Ξ an m × n standard
@@ -141,7 +164,8 @@ def tangent_noise(A: Tensor, B: Tensor, std: float, generator: torch.Generator |
 
     `omega` = (Ω_A, Ω_B) passes Gaussians drawn elsewhere instead (then `generator` is unused): for a stack
     of pairs [P, m, r], drawing Ω_A [P, m, r] and Ω_B [P, n, r] at once draws in another order than a loop
-    over the pairs, and the same Ω give the same noise either way.
+    over the pairs, and the same Ω give the same noise either way. For such a stack `std` may be one per
+    pair, [P, 1, 1].
     """
     GM, GN = grams if grams is not None else (gram(A), gram(B))
     A64 = A.to(torch.float64)
@@ -163,13 +187,18 @@ def tangent_dimension(m: int, n: int, r: int) -> int:
 def canonical(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, *, grams: tuple[Gram, Gram] | None = None
               ) -> tuple[Tensor, Tensor]:
     """The canonical lift of the tangent vector dZ = dA Bᵀ + A dBᵀ, from any pair representing it:
-    the lift of the factor gradients dZ B = dA N + A (dBᵀB) and dZᵀA = dB M + B (dAᵀA)."""
+    the lift of its factor gradients (`factor_gradients`)."""
+    return tangent_lift(A, B, *factor_gradients(A, B, dA, dB), grams=grams)
+
+
+def factor_gradients(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor) -> tuple[Tensor, Tensor]:
+    """The factor gradients dZ B = dA N + A (dBᵀB) and dZᵀA = dB M + B (dAᵀA) of the tangent vector
+    dZ = dA Bᵀ + A dBᵀ, in float64: what `tangent_lift` takes, so that the lift of a sum of factor gradients
+    and of such a vector's is the sum of their canonical lifts (the lift is linear)."""
     A, B, dA, dB = (t.to(torch.float64) for t in (A, B, dA, dB))
     M = A.transpose(-1, -2) @ A
     N = B.transpose(-1, -2) @ B
-    gA = dA @ N + A @ (dB.transpose(-1, -2) @ B)
-    gB = dB @ M + B @ (dA.transpose(-1, -2) @ A)
-    return tangent_lift(A, B, gA, gB, grams=grams)
+    return dA @ N + A @ (dB.transpose(-1, -2) @ B), dB @ M + B @ (dA.transpose(-1, -2) @ A)
 
 
 def tangent_matrix(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor) -> Tensor:
