@@ -74,13 +74,13 @@ step "Status"
 show "$BIN/govtrain" ledger status --ledger "$LEDGER"
 show "$BIN/govtrain" ledger status --ledger "$LEDGER" --contribution contrib-07
 
-step "Operator: what would 60 steps cost? (the policy's accountant; profiles resolved on the run's model)"
-show "$BIN/govtrain" privacy epsilon --q 0.02 --sigma 0.8 --steps 60 --delta 1e-5
-show "$BIN/govtrain" privacy sigma --epsilon 3 --delta 1e-5 --q 0.02 --steps 60
+step "Operator: what would 50 steps cost? (the policy's accountant; profiles resolved on the run's model)"
+show "$BIN/govtrain" privacy epsilon --q 0.02 --sigma 0.8 --steps 50 --delta 1e-5
+show "$BIN/govtrain" privacy sigma --epsilon 3 --delta 1e-5 --q 0.02 --steps 50
 "$BIN/govtrain" plan --ledger "$LEDGER" --config examples/run.toml > "$OUT/plan.txt"
 head -n 12 "$OUT/plan.txt"; echo "   ... (the whole plan, per contribution: $OUT/plan.txt)"
 
-step "Operator: 60 governed DP-LoRA steps of ~237 snippets on MiniLM; contrib-05 withdraws while it runs"
+step "Operator: 50 governed DP-LoRA steps of ~237 snippets on MiniLM; contrib-05 withdraws while it runs"
 "$BIN/govtrain" train --config examples/run.toml --ledger "$LEDGER" &
 TRAIN=$!
 until [ "$("$BIN/govtrain" ledger status --ledger "$LEDGER" --json | "$BIN/python" -c 'import json,sys; print(json.load(sys.stdin)["epoch"])')" -ge 1 ]; do
@@ -94,7 +94,7 @@ show "$BIN/govtrain" ledger status --ledger "$LEDGER" --contribution contrib-05
 
 step "Held-out accuracy: the governed adapter next to a non-private LoRA run of the same length"
 show "$BIN/python" examples/evaluate.py --config examples/run.toml --heldout "$OUT/data/heldout.jsonl" \
-  --adapter "$OUT/adapter" --nonprivate-steps 60 --batch 237 --train "$OUT/data"
+  --adapter "$OUT/adapter" --nonprivate-steps 50 --batch 237 --train "$OUT/data"
 show "$BIN/python" examples/plot_epsilon.py --ledger "$LEDGER" --out "$OUT/epsilon.png"
 
 step "Auditor: verify the ledger without any data, against the checkpoint kept earlier"

@@ -16,7 +16,7 @@ EXAMPLE = REPO / "examples" / "run.toml"
 def test_the_example_loads_and_resolves_paths():
     config = load_run_config(EXAMPLE)
     assert config.file.model.base == "minilm" and config.model_spec == "minilm"
-    assert config.file.training.steps == 60 and config.file.optimizer.name == "adamw"
+    assert config.file.training.steps == 50 and config.file.optimizer.name == "adamw"
     assert config.file.model.pooling == "mean" and config.file.lora.layers == [4, 5]
     assert config.file.optimizer.head_lr > config.file.optimizer.lr
     assert config.data_dir == (REPO / "examples" / "../demo-out/data")
@@ -44,8 +44,8 @@ def test_mechanism_sections_take_their_defaults(tmp_path):
 
 @pytest.mark.parametrize("edit, where", [
     (lambda t: t.replace('name = "adamw"', 'name = "lion"'), "optimizer.name"),
-    (lambda t: t.replace("steps = 60 ", "steps = 0 "), "training.steps"),
-    (lambda t: t.replace("steps = 60 ", 'steps = "60" '), "training.steps"),
+    (lambda t: t.replace("steps = 50 ", "steps = 0 "), "training.steps"),
+    (lambda t: t.replace("steps = 50 ", 'steps = "50" '), "training.steps"),
     (lambda t: t.replace("lr = 0.001", "lr = -1.0"), "optimizer.lr"),
     (lambda t: t.replace("lr = 0.001", "lr = nan"), "optimizer.lr"),
     (lambda t: t.replace('"intermediate.dense", "output.dense"', '"dense"'), "lora"),
