@@ -38,17 +38,28 @@ def data_class(name: str, **profile) -> DataClass:
                      max_eps_budget_u=1_000_000, profile=DepthProfile(kind=kind.removesuffix("_u"), **profile))
 
 
-def run_file(mechanism: str, *, lr: float = 1e-4, mechanism_lr: float | None = None, targets=TARGETS,
-             max_length: int = 128) -> RunFile:
+def run_file(mechanism: str, *, lr: float = 1e-4, head_lr: float | None = None, mechanism_lr: float | None = None,
+             targets=TARGETS, max_length: int = 128, pooling: str = "model") -> RunFile:
     """A RUN.toml for `mechanism`: AdamW at `lr` (for prism and dp-muon, on what their own update does not
-    move), and `mechanism_lr` for [prism] or [muon] (their defaults when None)."""
+    move) and `head_lr` for the head, and `mechanism_lr` for [prism] or [muon] (their defaults when None)."""
     own = {} if mechanism_lr is None else {"lr": mechanism_lr}
     sections = {"prism": {"prism": own}, "dp-muon": {"muon": own}}.get(mechanism, {})
+    optimizer = {"name": "adamw", "lr": lr, **({} if head_lr is None else {"head_lr": head_lr})}
     return RunFile.model_validate({
-        "model": {"base": "minilm", "max_length": max_length},
+        "model": {"base": "minilm", "max_length": max_length, "pooling": pooling},
         "lora": {"r": 8, "alpha": 16, "target_modules": list(targets)},
-        "optimizer": {"name": "adamw", "lr": lr},
+        "optimizer": optimizer,
         "training": {"mechanism": mechanism, "steps": 1, "data": "d", "output": "o"}, **sections})
+
+
+def adamw(model, lr: float, head_lr: float | None) -> torch.optim.Optimizer:
+    """AdamW over `model`'s trainable parameters as `govtrain train` builds it (`make_optimizer`): the head,
+    outside the layer stack, at `head_lr` when given, the rest at `lr`."""
+    from govtrain.mechanisms.update import make_optimizer
+    from govtrain.train.config import OptimizerSection
+
+    return make_optimizer(OptimizerSection(name="adamw", lr=lr, head_lr=head_lr),
+                          {n: p for n, p in model.named_parameters() if p.requires_grad})
 
 
 def autocast(device: str, precision: str) -> ContextManager:
@@ -69,9 +80,10 @@ class NonPrivate:
 
     name = "non-private"
 
-    def __init__(self, model, *, lr: float = 1e-4, autocast: Autocast = contextlib.nullcontext) -> None:
+    def __init__(self, model, *, lr: float = 1e-4, head_lr: float | None = None,
+                 autocast: Autocast = contextlib.nullcontext) -> None:
         self.model, self.autocast = model, autocast
-        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+        self.optimizer = adamw(model, lr, head_lr)
 
     def step(self, inputs, labels) -> None:
         with self.autocast():
@@ -120,16 +132,18 @@ class OpacusStep:
 
     name = "opacus"
 
-    def __init__(self, model, *, expected_batch: int, lr: float = 1e-4, noise_multiplier: float = 1.0,
+    def __init__(self, model, *, expected_batch: int, lr: float = 1e-4, head_lr: float | None = None,
+                 noise_multiplier: float = 1.0,
                  clip: float = 1.0, autocast: Autocast = contextlib.nullcontext,
                  generator: torch.Generator | None = None) -> None:
         from opacus import GradSampleModule
         from opacus.optimizers import DPOptimizer
 
         self.params = [p for p in model.parameters() if p.requires_grad]
+        inner = adamw(model, lr, head_lr)  # before wrapping: the parameter names are the model's own
         # Opacus records activations in training mode only (`step` sets it), so dropout must be off in the model
         self.model, self.autocast = GradSampleModule(model, batch_first=True, loss_reduction="mean"), autocast
-        self.optimizer = DPOptimizer(torch.optim.AdamW(self.params, lr=lr), noise_multiplier=noise_multiplier,
+        self.optimizer = DPOptimizer(inner, noise_multiplier=noise_multiplier,
                                      max_grad_norm=clip, expected_batch_size=expected_batch, loss_reduction="mean",
                                      generator=generator)
 

@@ -270,16 +270,19 @@ def report(times: dict[str, float], header: str) -> None:
 
 
 def mechanisms(args) -> None:
-    bands = {"full band": {"all": data_class("all", band=(0, 5), head=True)},
-             "top-2 band": {"sensitive": data_class("sensitive", band=(4, 5), head=True)}}
+    last = layers() - 1
+    bands = {"full band": {"all": data_class("all", band=(0, last), head=True)},
+             "top-2 band": {"sensitive": data_class("sensitive", band=(last - 1, last), head=True)}}
     variants = [non_private(build())]
     for band, classes in bands.items():
         for mechanism in ("dpsgd", "prism", "dp-muon"):
             variants.append(governed(build(), classes, f"{mechanism}, {band}", mechanism))
     times = timed(variants, args)
     base = times["non-private"]
-    print(f"MiniLM, LoRA r=8 on {len(TARGETS)} projections + head, batch {args.batch}, seq {args.seq}, 1 thread, "
-          f"median of {args.repeats} rounds x {args.steps} steps (CPU seconds per step, the update included)")
+    unit = "wall seconds, synchronized" if SETTINGS["device"].startswith("cuda") else "CPU seconds, 1 thread"
+    print(f"{SETTINGS['model']} on {SETTINGS['device']} ({SETTINGS['precision']}), LoRA r=8 on every projection + "
+          f"head, batch {args.batch}, seq {args.seq}, median of {args.repeats} rounds x {args.steps} steps ({unit} "
+          "per step, the update included)")
     for name, value in times.items():
         print(f"  {name:<22} {value:7.3f} s   / non-private {value / base:5.2f}")
     for band in bands:

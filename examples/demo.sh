@@ -17,8 +17,8 @@ expect_rejection() {  # run a command that must be rejected (exit 3) and show it
   [ "$code" -eq 3 ] || { echo "demo: expected exit 3, got $code" >&2; exit 1; }
 }
 
-step "Data: Rotten Tomatoes snippets split by movie into 30 contributions"
-show "$BIN/python" examples/prepare_data.py --out "$OUT/data" --contributions 30 --max-per-contribution 120
+step "Data: all 12,808 labelled Rotten Tomatoes snippets; a tenth of the movies held out, the rest split by movie into 30 contributions"
+show "$BIN/python" examples/prepare_data.py --out "$OUT/data" --contributions 30
 
 step "Keys: the demo's INSECURE attester and ledger keys (keys.example/), and a rogue attester nobody trusts"
 cp keys.example/{policy.toml,attester.key,attester.pub,ledger.key,ledger.pub} "$OUT/keys/"
@@ -32,7 +32,7 @@ step "Contributors: sign attestations (18 public, 8 sensitive, 4 restricted)"
 for i in $(seq -w 0 29); do
   n=$((10#$i))
   if   [ "$n" -lt 18 ]; then class=public;     clip=1.0; sigma=0.8; eps=8
-  elif [ "$n" -lt 26 ]; then class=sensitive;  clip=0.5; sigma=1.2; eps=3
+  elif [ "$n" -lt 26 ]; then class=sensitive;  clip=0.5; sigma=1.0; eps=3
   else                       class=restricted; clip=0.5; sigma=1.6; eps=1; fi
   "$BIN/govtrain" attest "$OUT/data/contrib-$i.jsonl" --key "$OUT/keys/attester.key" \
     --contributor "movie-group-$i" --class "$class" --clip-norm "$clip" --noise-multiplier "$sigma" \
@@ -74,13 +74,13 @@ step "Status"
 show "$BIN/govtrain" ledger status --ledger "$LEDGER"
 show "$BIN/govtrain" ledger status --ledger "$LEDGER" --contribution contrib-07
 
-step "Operator: what would 300 steps cost? (the policy's accountant; profiles resolved on MiniLM)"
-show "$BIN/govtrain" privacy epsilon --q 0.005 --sigma 0.8 --steps 300 --delta 1e-5
-show "$BIN/govtrain" privacy sigma --epsilon 3 --delta 1e-5 --q 0.005 --steps 300
-"$BIN/govtrain" plan --ledger "$LEDGER" --steps 300 --model minilm > "$OUT/plan.txt"
+step "Operator: what would 50 steps cost? (the policy's accountant; profiles resolved on the run's model)"
+show "$BIN/govtrain" privacy epsilon --q 0.02 --sigma 0.8 --steps 50 --delta 1e-5
+show "$BIN/govtrain" privacy sigma --epsilon 3 --delta 1e-5 --q 0.02 --steps 50
+"$BIN/govtrain" plan --ledger "$LEDGER" --config examples/run.toml > "$OUT/plan.txt"
 head -n 12 "$OUT/plan.txt"; echo "   ... (the whole plan, per contribution: $OUT/plan.txt)"
 
-step "Operator: 300 governed DP-LoRA steps on MiniLM (CPU); contrib-05 withdraws while it runs"
+step "Operator: 50 governed DP-LoRA steps of ~237 snippets on MiniLM; contrib-05 withdraws while it runs"
 "$BIN/govtrain" train --config examples/run.toml --ledger "$LEDGER" &
 TRAIN=$!
 until [ "$("$BIN/govtrain" ledger status --ledger "$LEDGER" --json | "$BIN/python" -c 'import json,sys; print(json.load(sys.stdin)["epoch"])')" -ge 1 ]; do
@@ -94,7 +94,7 @@ show "$BIN/govtrain" ledger status --ledger "$LEDGER" --contribution contrib-05
 
 step "Held-out accuracy: the governed adapter next to a non-private LoRA run of the same length"
 show "$BIN/python" examples/evaluate.py --config examples/run.toml --heldout "$OUT/data/heldout.jsonl" \
-  --adapter "$OUT/adapter" --nonprivate-steps 300 --batch 18 --train "$OUT/data"
+  --adapter "$OUT/adapter" --nonprivate-steps 50 --batch 237 --train "$OUT/data"
 show "$BIN/python" examples/plot_epsilon.py --ledger "$LEDGER" --out "$OUT/epsilon.png"
 
 step "Auditor: verify the ledger without any data, against the checkpoint kept earlier"

@@ -25,9 +25,13 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from govtrain.mechanisms.update import make_optimizer  # noqa: E402
 from govtrain.resolver.load import model_path  # noqa: E402
 from govtrain.train.config import load_run_config  # noqa: E402
-from govtrain.train.model import quiet_loading  # noqa: E402
+from govtrain.train.model import for_run, quiet_loading  # noqa: E402
+from govtrain.train.pooling import use_pooling  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as training.device = "auto"
 
 
 def read(path: Path) -> tuple[list[str], list[int]]:
@@ -47,7 +51,7 @@ def base_model(config):
     with quiet_loading():  # a fresh classifier head is what is trained: no load report, no FutureWarning
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=config.file.model.num_labels,
-                                                                   local_files_only=True)
+                                                                   local_files_only=True, dtype=torch.float32)
     return model, tokenizer
 
 
@@ -69,38 +73,33 @@ def governed(config, adapter: Path):
 
     model, tokenizer = base_model(config)
     with quiet_loading():
-        model = PeftModel.from_pretrained(model, adapter)
+        model = PeftModel.from_pretrained(use_pooling(model, config.file.model.pooling), adapter)
         names = ["default"]
         for sub in sorted(p for p in adapter.iterdir() if (p / "adapter_config.json").is_file()):
             model.load_adapter(sub, adapter_name=sub.name)
             names.append(sub.name)
     model.base_model.set_adapter(names)
-    return model, tokenizer
+    return model.to(DEVICE), tokenizer
 
 
 def nonprivate(config, train_dir: Path, steps: int, batch: int, seed: int = 0):
-    import peft
-
     torch.manual_seed(seed)
     model, tokenizer = base_model(config)
-    lora = config.file.lora
     with quiet_loading():
-        model = peft.get_peft_model(model, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                           target_modules=list(lora.target_modules),
-                                                           modules_to_save=["classifier"]))
+        model = for_run(model, config.file, []).to(DEVICE)  # the run's pooling and LoRA: every factor, the head
     texts, labels = [], []
     for path in sorted(train_dir.glob("contrib-*.jsonl")):
         t, l = read(path)
         texts += t
         labels += l
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.file.optimizer.lr)
+    optimizer = make_optimizer(config.file.optimizer, {n: p for n, p in model.named_parameters() if p.requires_grad})
     rng = random.Random(seed)
-    model.train()
+    model.eval()  # as the governed run trains: no dropout
     for _ in range(steps):
         chosen = rng.sample(range(len(texts)), batch)
         inputs = tokenizer([texts[i] for i in chosen], padding=True, truncation=True,
-                           max_length=config.file.model.max_length, return_tensors="pt")
-        loss = F.cross_entropy(model(**inputs).logits, torch.tensor([labels[i] for i in chosen]))
+                           max_length=config.file.model.max_length, return_tensors="pt").to(DEVICE)
+        loss = F.cross_entropy(model(**inputs).logits, torch.tensor([labels[i] for i in chosen], device=DEVICE))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -74,7 +74,7 @@ def test_every_row_trains_and_is_tuned_on_validation_alone(tiny, one_thread):
 
 def test_sizes_and_grid_overrides():
     cpu = utility.parse([])
-    assert (cpu.band, cpu.max_length, cpu.batch) == ((4, 5), 32, 64)
+    assert (cpu.band, cpu.max_length, cpu.batch) == ((4, 5), 32, 128)
     cuda = utility.parse(["--device", "cuda", "--steps", "10", "--grid", "prism=0.1,0.2"])
     assert cuda.band == (0, 5) and cuda.steps == 10 and cuda.grids["prism"] == (0.1, 0.2)
     with pytest.raises(SystemExit):

@@ -119,11 +119,11 @@ def test_prism_noise_is_the_groups_standard_deviation_on_each_tangent_space():
                     dZ = tangent_matrix(A, B, params[name].grad, params[router.pairs[name]].grad.T)
                     ratios.append(float(dZ.pow(2).sum()) / (std ** 2 * tangent_dimension(A.shape[0], B.shape[0], 3)))
                     assert router.noise_std[name] == pytest.approx(std)
-                elif name not in router.pairs.values():
-                    euclidean.append(float(params[name].grad.std()) / std)
+                elif name not in router.pairs.values():  # E[g²] = std², pooled over every coordinate
+                    euclidean.append((float(params[name].grad.pow(2).sum()), params[name].numel() * std ** 2))
     assert len(ratios) == 40 * 9  # nine pairs reached (three modules in layers 1-3), one ratio each per draw
     assert abs(sum(ratios) / len(ratios) - 1) < 0.03
-    assert abs(sum(euclidean) / len(euclidean) - 1) < 0.05
+    assert abs(sum(s for s, _ in euclidean) / sum(e for _, e in euclidean) - 1) < 0.05
 
 
 def test_prism_refuses_a_heads_profile_that_splits_a_lora_pair():

@@ -16,7 +16,9 @@ EXAMPLE = REPO / "examples" / "run.toml"
 def test_the_example_loads_and_resolves_paths():
     config = load_run_config(EXAMPLE)
     assert config.file.model.base == "minilm" and config.model_spec == "minilm"
-    assert config.file.training.steps == 300 and config.file.optimizer.name == "adamw"
+    assert config.file.training.steps == 50 and config.file.optimizer.name == "adamw"
+    assert config.file.model.pooling == "mean" and config.file.lora.layers == [4, 5]
+    assert config.file.optimizer.head_lr > config.file.optimizer.lr
     assert config.data_dir == (REPO / "examples" / "../demo-out/data")
     assert len(config.sha256) == 32
 
@@ -42,14 +44,17 @@ def test_mechanism_sections_take_their_defaults(tmp_path):
 
 @pytest.mark.parametrize("edit, where", [
     (lambda t: t.replace('name = "adamw"', 'name = "lion"'), "optimizer.name"),
-    (lambda t: t.replace("steps = 300", "steps = 0"), "training.steps"),
-    (lambda t: t.replace("steps = 300", 'steps = "300"'), "training.steps"),
-    (lambda t: t.replace("lr = 0.002", "lr = -1.0"), "optimizer.lr"),
-    (lambda t: t.replace("lr = 0.002", "lr = nan"), "optimizer.lr"),
+    (lambda t: t.replace("steps = 50 ", "steps = 0 "), "training.steps"),
+    (lambda t: t.replace("steps = 50 ", 'steps = "50" '), "training.steps"),
+    (lambda t: t.replace("lr = 0.001", "lr = -1.0"), "optimizer.lr"),
+    (lambda t: t.replace("lr = 0.001", "lr = nan"), "optimizer.lr"),
     (lambda t: t.replace('"intermediate.dense", "output.dense"', '"dense"'), "lora"),
     (lambda t: t.replace('mechanism = "dpsgd"', 'mechanism = "magic"'), "training.mechanism"),
     (lambda t: t.replace("[lora]", "[lora]\nrank = 4"), "lora.rank"),
     (lambda t: t.replace("num_labels = 2", "num_labels = 1"), "model.num_labels"),
+    (lambda t: t.replace('pooling = "mean"', 'pooling = "max"'), "model.pooling"),
+    (lambda t: t.replace("layers = [4, 5]", "layers = [4, 4]"), "layers lists a layer twice"),
+    (lambda t: t.replace("head_lr = 0.02", "head_lr = 0"), "optimizer.head_lr"),
     (lambda t: t.replace("[optimizer]", "[optimizer]\nmomentum = 0.9"), "optimizer"),
     (lambda t: t.replace('data = "../demo-out/data"      ', ""), "training.data"),
     (lambda t: t + "\n[prism]\nlr = 0.01\n", "[prism] applies to mechanism = 'prism' only"),
@@ -77,3 +82,33 @@ def test_unreadable_and_non_toml(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_run_config(tmp_path / "bad.toml")
     assert "not valid TOML" in info.value.detail
+
+
+@pytest.mark.parametrize("mechanism", ["dpsgd", "prism", "dp-muon"])
+def test_head_lr_sets_the_step_of_the_parameters_outside_the_layer_stack(mechanism: str):
+    import torch
+
+    from govtrain.mechanisms.update import Update
+    from govtrain.train.config import RunFile
+    from govtrain.train.model import wrap_lora
+    from tests.test_pooling import bert
+
+    run = RunFile.model_validate({"model": {"base": "minilm"}, "lora": {"target_modules": ["query", "value"]},
+                                  "optimizer": {"lr": 0.001, "head_lr": 0.05}, "training": {
+                                      "mechanism": mechanism, "steps": 1, "data": "d", "output": "o"}})
+    model = wrap_lora(bert(), run.lora, [])
+    update = Update.build(model, run)
+    groups = {group["lr"]: {id(p) for p in group["params"]} for group in update.optimizer.param_groups}
+    head = {id(p) for n, p in model.named_parameters() if p.requires_grad and "classifier" in n}
+    assert groups[0.05] == head  # the classifier's weight and bias, and nothing else
+    if mechanism == "dpsgd":  # the LoRA factors: the optimizer's lr (PRISM and DP-Muon step them themselves)
+        assert len(groups[0.001]) == sum(1 for n, p in model.named_parameters() if p.requires_grad and "lora_" in n)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "classifier" in n and p.requires_grad}
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) if p.requires_grad else None
+    update.optimizer.step()
+    for n, p in model.named_parameters():
+        if n in before:  # Adam's first step moves every coordinate by lr
+            assert torch.allclose((before[n] - p.detach()).abs(), torch.full_like(p, 0.05), rtol=1e-4), n
+    assert Update.build(model, run.model_copy(update={"optimizer": run.optimizer.model_copy(
+        update={"head_lr": None})})).optimizer.param_groups[-1]["lr"] == 0.001  # absent: lr

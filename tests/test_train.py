@@ -122,6 +122,7 @@ def test_examples_are_matched_by_digest_and_split_on_newlines_only(tmp_path: Pat
     good.write_text(json.dumps({"text": "one\u2028line", "label": 1}, ensure_ascii=False) + "\n"
                     + json.dumps({"text": "two", "label": 0}) + "\n")
     (tmp_path / "stranger.jsonl").write_text(json.dumps({"text": "x", "label": 0}) + "\n")
+    (tmp_path / "renamed-anything.jsonl.cose").write_bytes(b"\xd2\x84")  # an attestation beside its data: not data
     digests = {hashlib.sha256(good.read_bytes()).digest(): "c1", b"\0" * 32: "c2"}
     examples = load_examples(tmp_path, digests, num_labels=2)
     assert examples.texts == ["one\u2028line", "two"] and examples.owner == ["c1", "c1"]
@@ -334,8 +335,8 @@ def headless_model(tmp_path_factory, tiny_model: Path) -> Path:
 
 
 def test_train_output_has_no_model_loading_noise(corpus: Corpus, headless_model: Path):
-    """`govtrain train` prints the run, not transformers' weight-loading bar, load report or deprecation
-    warnings; and it leaves the caller's transformers verbosity and progress bars as they were."""
+    """`govtrain train` and `govtrain plan --config` print the run, not transformers' weight-loading bar, load
+    report or deprecation warnings; and it leaves the caller's transformers verbosity and progress bars as they were."""
     import logging
     import warnings
 
@@ -356,10 +357,12 @@ def test_train_output_has_no_model_loading_noise(corpus: Corpus, headless_model:
             warnings.simplefilter("always")  # shown again even where an earlier test already triggered one
             result = CliRunner().invoke(cli, ["train", "--config", str(_config(corpus, headless_model, 3)),
                                               "--ledger", corpus.url, "--insecure-seed", "1"])
+            plan = CliRunner().invoke(cli, ["plan", "--config", str(corpus.dir / "run.toml"), "--ledger", corpus.url])
     finally:
         logging.getLogger("transformers").removeHandler(handler)
     assert result.exit_code == 0, result.output
-    said = "\n".join([result.output, *heard, *(f"{w.category.__name__}: {w.message}" for w in caught)])
+    assert plan.exit_code == 0 and "sigma_eff" in plan.output, plan.output
+    said = "\n".join([result.output, plan.output, *heard, *(f"{w.category.__name__}: {w.message}" for w in caught)])
     for noise in ("Loading weights", "FutureWarning", "were not initialized", "LOAD REPORT"):
         assert noise not in said, said
     assert "test-run: 3 steps; adapter saved to" in result.stdout

@@ -136,11 +136,12 @@ def plan_command(ledger_url: str, config_path: str | None, steps: int | None, ex
         layout = None
         if config is not None and model is None:  # the run's own model: LoRA factors and head, as trained
             from govtrain.resolver.load import load_layout
-            from govtrain.train.loop import wrap_lora
+            from govtrain.train.model import for_run, quiet_loading
 
             adapters = sorted({c.profile.adapter for c in opened.policy.classes.values() if c.profile.kind == "adapter"})
-            layout = load_layout(config.model_spec, config.file.model.num_labels,
-                                 wrap=lambda base: wrap_lora(base, config.file.lora, adapters))
+            with quiet_loading():  # peft and transformers deprecation notices are not the operator's business
+                layout = load_layout(config.model_spec, config.file.model.num_labels,
+                                     wrap=lambda base: for_run(base, config.file, adapters))
         elif model is not None:
             from govtrain.resolver.load import load_layout
 

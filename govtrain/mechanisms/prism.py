@@ -18,7 +18,8 @@ vector is carried as a pair (dA, dB) with dZ = dA Bᵀ + A dBᵀ; nothing here f
 Every function takes the factors as [..., m, r] and [..., n, r] and broadcasts over leading dimensions, so
 a batch of per-sample gradients [b, m, r] goes through with the factors [m, r], and so does a stack of P pairs
 of one shape, [P, m, r] (per-sample gradients of such a stack: factors [P, 1, m, r], gradients [P, b, m, r]).
-`Prism` moves its pairs that way, one stack per shape (`stacking.shape_groups`).
+`Prism` moves its pairs that way, one stack per shape (`stacking.shape_groups`), and runs the r × r and 2r × 2r
+factorizations of every stack of one rank in one batched call each (`_retractions`).
 
 Precision. Float64 wherever a product squares a condition number or a factorization reads small
 eigenvalues: the Gram matrices M, N, gAᵀgA and `align`'s cross product, the r × r eigendecompositions and
@@ -26,14 +27,14 @@ SVDs and the pseudo-inverses taken from them, and the retraction's orthonormal b
 2r × 2r Gram matrices of [A, dA] and [B, dB] (`_orthonormal`). In float32 any of these would lose the
 small eigenvalues that pseudo-inverses, floors and rank decisions read. Work that squares nothing (the
 first moments, a tall factor times an r × r preconditioner) runs in the factors' dtype, float32 at least.
-The routing-layer functions (`tangent_lift`, `tangent_noise`, `canonical`) lift in float64 throughout;
-`projected_sq_norm` forms its tall products in the gradients' dtype.
+The routing-layer functions (`tangent_lift`, `tangent_noise`, `factor_gradients`, `canonical`) lift in float64
+throughout; `projected_sq_norm` forms its tall products in the gradients' dtype.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -41,8 +42,9 @@ from torch import Tensor, nn
 from govtrain.mechanisms.reach import lora_pairs
 from govtrain.mechanisms.stacking import shape_groups, write
 
-__all__ = ["Gram", "gram", "tangent_lift", "intrinsic_sq_norm", "projected_sq_norm", "tangent_noise", "tangent_dimension", "retract",
-           "retract_aligned", "canonical", "tangent_matrix", "align", "lora_pairs", "floored_inverse_sqrt", "Prism"]
+__all__ = ["Gram", "gram", "grams", "tangent_lift", "intrinsic_sq_norm", "projected_sq_norm", "tangent_noise",
+           "tangent_dimension", "factor_gradients", "retract", "retract_aligned", "canonical", "tangent_matrix",
+           "align", "lora_pairs", "floored_inverse_sqrt", "Prism"]
 
 
 @dataclass(frozen=True)
@@ -57,19 +59,41 @@ class Gram:
 def gram(F: Tensor, *, rtol: float | None = None) -> Gram:
     """M = FᵀF and its pseudo-inverses. Eigenvalues at or below rtol·λ_max (default: r times the machine
     epsilon of F's dtype, the usual numerical-rank rule) count as zero."""
-    F64 = F.to(torch.float64)
-    M = F64.transpose(-1, -2) @ F64
+    return grams(F, rtol=rtol)[0]
+
+
+def grams(*factors: Tensor, rtol: float | None = None) -> list[Gram]:
+    """`gram` of each of `factors`, [..., m_i, r] of one r and dtype (the m_i and the leading shapes may
+    differ), from one batched eigendecomposition of all their Gram matrices: on a GPU an eigh waits for the
+    device, so the routing layer takes those of all its pairs of one rank in one call per step."""
+    r, dtype = factors[0].shape[-1], factors[0].dtype
+    if any(F.shape[-1] != r or F.dtype != dtype for F in factors):
+        raise ValueError("grams needs factors of one rank and dtype")
+    squares = []
+    for F in factors:
+        F64 = F.to(torch.float64)
+        squares.append((F64.transpose(-1, -2) @ F64).reshape(-1, r, r))
+    M = torch.cat(squares) if len(squares) > 1 else squares[0]
     M = (M + M.transpose(-1, -2)) / 2
     values, vectors = torch.linalg.eigh(M)
     if rtol is None:
-        rtol = F.shape[-1] * torch.finfo(F.dtype).eps
+        rtol = r * torch.finfo(dtype).eps
     cutoff = values.amax(-1, keepdim=True).clamp(min=0) * rtol
     keep = values > cutoff
     safe = torch.where(keep, values, torch.ones_like(values))
     inverse = torch.where(keep, 1 / safe, torch.zeros_like(values))
     inverse_sqrt = torch.where(keep, safe.rsqrt(), torch.zeros_like(values))
-    return Gram((vectors * inverse.unsqueeze(-2)) @ vectors.transpose(-1, -2),
-                (vectors * inverse_sqrt.unsqueeze(-2)) @ vectors.transpose(-1, -2), keep.sum(-1))
+    inverse = (vectors * inverse.unsqueeze(-2)) @ vectors.transpose(-1, -2)
+    inverse_sqrt = (vectors * inverse_sqrt.unsqueeze(-2)) @ vectors.transpose(-1, -2)
+    rank = keep.sum(-1)
+    out, start = [], 0
+    for F in factors:
+        lead = F.shape[:-2]
+        end = start + lead.numel()
+        out.append(Gram(inverse[start:end].reshape(*lead, r, r), inverse_sqrt[start:end].reshape(*lead, r, r),
+                        rank[start:end].reshape(lead)))
+        start = end
+    return out
 
 
 def _project(F: Tensor, inverse: Tensor, X: Tensor) -> Tensor:
@@ -126,7 +150,7 @@ def projected_sq_norm(A: Tensor, B: Tensor, gA: Tensor, gB: Tensor, *, grams: tu
     return square.clamp(min=0)
 
 
-def tangent_noise(A: Tensor, B: Tensor, std: float, generator: torch.Generator | None, *,
+def tangent_noise(A: Tensor, B: Tensor, std: float | Tensor, generator: torch.Generator | None, *,
                   grams: tuple[Gram, Gram] | None = None, omega: tuple[Tensor, Tensor] | None = None
                   ) -> tuple[Tensor, Tensor]:
     """A pair (ξA, ξB) whose dZ = ξA Bᵀ + A ξBᵀ is distributed as std · P_{A,B}(Ξ), Ξ an m × n standard
@@ -141,7 +165,8 @@ def tangent_noise(A: Tensor, B: Tensor, std: float, generator: torch.Generator |
 
     `omega` = (Ω_A, Ω_B) passes Gaussians drawn elsewhere instead (then `generator` is unused): for a stack
     of pairs [P, m, r], drawing Ω_A [P, m, r] and Ω_B [P, n, r] at once draws in another order than a loop
-    over the pairs, and the same Ω give the same noise either way.
+    over the pairs, and the same Ω give the same noise either way. For such a stack `std` may be one per
+    pair, [P, 1, 1].
     """
     GM, GN = grams if grams is not None else (gram(A), gram(B))
     A64 = A.to(torch.float64)
@@ -163,13 +188,18 @@ def tangent_dimension(m: int, n: int, r: int) -> int:
 def canonical(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, *, grams: tuple[Gram, Gram] | None = None
               ) -> tuple[Tensor, Tensor]:
     """The canonical lift of the tangent vector dZ = dA Bᵀ + A dBᵀ, from any pair representing it:
-    the lift of the factor gradients dZ B = dA N + A (dBᵀB) and dZᵀA = dB M + B (dAᵀA)."""
+    the lift of its factor gradients (`factor_gradients`)."""
+    return tangent_lift(A, B, *factor_gradients(A, B, dA, dB), grams=grams)
+
+
+def factor_gradients(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor) -> tuple[Tensor, Tensor]:
+    """The factor gradients dZ B = dA N + A (dBᵀB) and dZᵀA = dB M + B (dAᵀA) of the tangent vector
+    dZ = dA Bᵀ + A dBᵀ, in float64: what `tangent_lift` takes, so that the lift of a sum of factor gradients
+    and of such a vector's is the sum of their canonical lifts (the lift is linear)."""
     A, B, dA, dB = (t.to(torch.float64) for t in (A, B, dA, dB))
     M = A.transpose(-1, -2) @ A
     N = B.transpose(-1, -2) @ B
-    gA = dA @ N + A @ (dB.transpose(-1, -2) @ B)
-    gB = dB @ M + B @ (dA.transpose(-1, -2) @ A)
-    return tangent_lift(A, B, gA, gB, grams=grams)
+    return dA @ N + A @ (dB.transpose(-1, -2) @ B), dB @ M + B @ (dA.transpose(-1, -2) @ A)
 
 
 def tangent_matrix(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor) -> Tensor:
@@ -191,8 +221,7 @@ def retract(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, step: float) -> tuple[
     Q_A and Q_B come from Gram matrices in float64 (`_orthonormal`, not Householder QR, which batched on
     CUDA is one factorization per matrix); the core and its SVD are float64 as well.
     """
-    QA, QB, WA, WB, _, _ = _retraction(A, B, dA, dB, step)
-    return (QA @ WA).to(A.dtype), (QB @ WB).to(B.dtype)
+    return _retractions([(A, B, dA, dB)], step)[0]
 
 
 def retract_aligned(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, step: float) -> tuple[Tensor, Tensor]:
@@ -203,55 +232,82 @@ def retract_aligned(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, step: float) -
 
     an r × r product of 2r × r matrices (float64); its polar factor Q is folded into W_A before the one
     tall product per factor, Q_A (W_A Q). Z and the balance are those of `retract`."""
-    QA, QB, WA, WB, RA1, RB1 = _retraction(A, B, dA, dB, step)
-    U, _, Vh = torch.linalg.svd(WA.transpose(-1, -2) @ RA1 + WB.transpose(-1, -2) @ RB1)
-    Q = U @ Vh
-    return (QA @ (WA @ Q)).to(A.dtype), (QB @ (WB @ Q)).to(B.dtype)
+    return _retractions([(A, B, dA, dB)], step, aligned=True)[0]
 
 
-def _retraction(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, step: float
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Q_A, Q_B, W_A = U_r Σ_r^{1/2}, W_B = V_r Σ_r^{1/2}, R_A[:, :r] and R_B[:, :r] of `retract`, all
-    float64."""
-    r = A.shape[-1]
-    lead = torch.broadcast_shapes(A.shape[:-2], dA.shape[:-2], B.shape[:-2], dB.shape[:-2])
-    A, dA, B, dB = (t.to(torch.float64).expand(*lead, *t.shape[-2:]) for t in (A, dA, B, dB))
-    (QA, RA), (QB, RB) = _orthonormal(torch.cat([A, dA], -1), torch.cat([B, dB], -1))
+def _retractions(stacks: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]], step: float, *, aligned: bool = False
+                 ) -> list[tuple[Tensor, Tensor]]:
+    """`retract` (`retract_aligned` if `aligned`) of each (A, B, dA, dB) of `stacks`, all of one rank r (their
+    m, n and leading shapes may differ): the tall products per stack, and each factorization (the bases'
+    eigh and Cholesky, the core's SVD, the alignment's SVD) once over the small matrices of all the stacks.
+    On a GPU each of those calls waits for the device, so PRISM retracts all its pairs of a rank in one
+    call. Float64 throughout, as `retract` says; results in each A's and B's dtype."""
+    f64 = torch.float64
+    r = stacks[0][0].shape[-1]
+    tall_A, tall_B, dtypes = [], [], []
+    for A, B, dA, dB in stacks:
+        lead = torch.broadcast_shapes(A.shape[:-2], dA.shape[:-2], B.shape[:-2], dB.shape[:-2])
+        dtypes.append((A.dtype, B.dtype))
+        A, dA, B, dB = (t.to(f64).expand(*lead, *t.shape[-2:]) for t in (A, dA, B, dB))
+        tall_A.append(torch.cat([A, dA], -1))
+        tall_B.append(torch.cat([B, dB], -1))
+    first, inverse_T, R = _orthonormal(tall_A + tall_B)
+    RA, RB = R.chunk(2)  # the A sides, then the B sides: as many of each
     # R_A [[I, s I], [s I, 0]] R_Bᵀ without forming the 2r × 2r block: (R_A1 + s R_A2) R_B1ᵀ + s R_A1 R_B2ᵀ
     core = (RA[..., :r] + step * RA[..., r:]) @ RB[..., :r].transpose(-1, -2) \
         + step * (RA[..., :r] @ RB[..., r:].transpose(-1, -2))
     U, S, Vh = torch.linalg.svd(core)
     root = S[..., :r].sqrt().unsqueeze(-2)
-    return QA, QB, U[..., :r] * root, Vh[..., :r, :].transpose(-1, -2) * root, RA[..., :r], RB[..., :r]
+    WA, WB = U[..., :r] * root, Vh[..., :r, :].transpose(-1, -2) * root
+    if aligned:
+        U, _, Vh = torch.linalg.svd(WA.transpose(-1, -2) @ RA[..., :r] + WB.transpose(-1, -2) @ RB[..., :r])
+        Q = U @ Vh
+        WA, WB = WA @ Q, WB @ Q
+    # Q W = Q₁ (L^{-T} W): the basis is never formed, one tall product per factor
+    right = (inverse_T @ torch.cat([WA, WB])).split([X.shape[:-2].numel() for X in first])
+    new = [X @ C.reshape(*X.shape[:-2], *C.shape[-2:]) for X, C in zip(first, right)]
+    count = len(stacks)
+    return [(new_A.to(dtype_A), new_B.to(dtype_B))
+            for new_A, new_B, (dtype_A, dtype_B) in zip(new[:count], new[count:], dtypes)]
 
 
-def _orthonormal(*tall: Tensor) -> list[tuple[Tensor, Tensor]]:
-    """X = Q R for each float64 X [..., m, k] (the same k and leading shape for all): Q [..., m, k] with
-    orthonormal columns spanning X's numerical column space and zero columns for the rest, R [..., k, k].
+def _orthonormal(tall: Sequence[Tensor]) -> tuple[list[Tensor], Tensor, Tensor]:
+    """X = Q R for each float64 X [..., m, k] of `tall` (one k; m and the leading shapes may differ): Q with
+    orthonormal columns spanning X's numerical column space and zero columns for the rest, R k × k. Returns
+    each X's Q₁ below, and L^{-T} and R of all of them, [Σ, k, k]: the X's, each flattened over its leading
+    dimensions, in order. Q = Q₁ L^{-T}, left to the caller to fold into its next product.
 
-    From Gram matrices rather than Householder QR, so that a stack of pairs takes a few batched products,
-    one batched eigh and one batched Cholesky whatever the device (a batched QR runs one factorization
-    per matrix on CUDA). With D the columns' norms, G = D⁻¹XᵀXD⁻¹ = V Λ Vᵀ gives Q₁ = XD⁻¹ V Λ^{-1/2} over
-    the eigenvalues above k·ε₆₄·λ_max (the numerical rank of a float64 Gram matrix: what it drops is less
-    than √(k·ε₆₄), 6e-8 for k = 16, of the column norms, about float32's unit roundoff), and a Cholesky
-    pass Q₁ᵀQ₁ = L Lᵀ restores the orthogonality that forming G cost (CholeskyQR2): Q = Q₁ L^{-T},
-    R = Lᵀ Λ^{1/2} Vᵀ D. Float64 throughout: a Gram matrix squares X's condition number.
+    From Gram matrices rather than Householder QR, so that stacks of pairs take a few batched products per
+    stack and one batched eigh, one batched Cholesky and one batched triangular inverse over all of them,
+    whatever the device (a batched QR runs one factorization per matrix on CUDA). With D the columns'
+    norms, G = D⁻¹XᵀXD⁻¹ = V Λ Vᵀ gives Q₁ = XD⁻¹ V Λ^{-1/2} over the eigenvalues above k·ε₆₄·λ_max (the
+    numerical rank of a float64 Gram matrix: what it drops is less than √(k·ε₆₄), 6e-8 for k = 16, of the
+    column norms, about float32's unit roundoff), and a Cholesky pass Q₁ᵀQ₁ = L Lᵀ restores the
+    orthogonality that forming G cost (CholeskyQR2): Q = Q₁ L^{-T}, R = Lᵀ Λ^{1/2} Vᵀ D. L is well
+    conditioned (Q₁ is orthonormal but for the rounding that forming G cost; a dropped direction gets a unit
+    diagonal), so Q₁ times its inverse, one batched call for all the X's, agrees with a triangular solve
+    against each tall Q₁ to rounding, near-dependent columns included. Float64 throughout: a Gram matrix
+    squares X's condition number.
     """
     f64 = torch.float64
     k = tall[0].shape[-1]
+    sizes = [X.shape[:-2].numel() for X in tall]
     scales = [X.norm(dim=-2, keepdim=True) for X in tall]
     scales = [torch.where(d > 0, d, torch.ones_like(d)) for d in scales]
     tall = [X / d for X, d in zip(tall, scales)]
-    values, vectors = torch.linalg.eigh(torch.stack([X.transpose(-1, -2) @ X for X in tall]))
+    values, vectors = torch.linalg.eigh(torch.cat([(X.transpose(-1, -2) @ X).reshape(-1, k, k) for X in tall]))
     keep = values > values.amax(-1, keepdim=True) * (k * torch.finfo(f64).eps)
     root = torch.where(keep, values, torch.zeros_like(values)).sqrt()
     inverse_root = torch.where(keep, 1 / torch.where(keep, root, torch.ones_like(root)), torch.zeros_like(root))
-    first = [X @ (V * w.unsqueeze(-2)) for X, V, w in zip(tall, vectors, inverse_root)]
-    gram2 = torch.stack([Q.transpose(-1, -2) @ Q for Q in first]) + torch.diag_embed((~keep).to(f64))
-    L, _ = torch.linalg.cholesky_ex(gram2)
-    return [(torch.linalg.solve_triangular(l.transpose(-1, -2), Q, upper=True, left=False),
-             l.transpose(-1, -2) @ (V * w.unsqueeze(-2)).transpose(-1, -2) * d)
-            for Q, l, V, w, d in zip(first, L, vectors, root, scales)]
+    whiten = (vectors * inverse_root.unsqueeze(-2)).split(sizes)
+    first = [X @ W.reshape(*X.shape[:-2], k, k) for X, W in zip(tall, whiten)]
+    gram2 = torch.cat([(Q.transpose(-1, -2) @ Q).reshape(-1, k, k) for Q in first]) \
+        + torch.diag_embed((~keep).to(f64))
+    L, _ = torch.linalg.cholesky_ex(gram2)  # info unread: reading it would wait for the device
+    eye = torch.eye(k, dtype=f64, device=L.device).expand_as(L)
+    inverse_T = torch.linalg.solve_triangular(L.transpose(-1, -2), eye, upper=True, left=False)
+    D = torch.cat([d.reshape(-1, 1, k) for d in scales])
+    return first, inverse_T, L.transpose(-1, -2) @ (vectors * root.unsqueeze(-2)).transpose(-1, -2) * D
 
 
 def align(A: Tensor, B: Tensor, previous_A: Tensor, previous_B: Tensor) -> tuple[Tensor, Tensor]:
@@ -295,6 +351,18 @@ def _pinv_trace(values: Tensor, rtol: float) -> Tensor:
     return torch.where(keep, 1 / torch.where(keep, values, torch.ones_like(values)), torch.zeros_like(values)).sum(-1)
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Stack:
+    """The pairs of one shape with a gradient this step, gathered: factors in float64, moments updated."""
+
+    keys: tuple[str, ...]
+    A: Tensor  # [P, m, r], float64
+    B: Tensor  # [P, n, r], float64
+    moments: dict[str, Tensor]  # m_A [P, m, r], m_B [P, n, r] in the work dtype; v_A, v_B [P, r, r] float64
+    steps: list[int]  # each pair's step count, this step included
+    work: torch.dtype
+
+
 class Prism:
     """PRISM's update for the LoRA pairs: an Adam-like step made gauge-aware and DP-aware, then a retraction.
 
@@ -319,9 +387,11 @@ class Prism:
     closest to the previous factors, so the moments keep meaning the same directions from step to step.
 
     Batched: the pairs with a gradient are grouped by shape (`stacking.shape_groups`) and each group moves as
-    one stack [P, m, r]: one kernel per operation and group, and one batched eigh (of M, N, V̂_A and V̂_B of
-    every pair in the group), then `retract_aligned`: one batched eigh and one batched Cholesky for the bases
-    of both sides, and two SVDs, per group, where a loop over the pairs would launch each of these P times.
+    one stack [P, m, r], one kernel per tall operation and group. The small linear algebra runs once per
+    rank over every group of that rank: one eigh (of M, N, V̂_A and V̂_B of every pair), then
+    `_retractions`: one eigh, one Cholesky and one triangular inverse for the bases of both sides, and two
+    SVDs. On a GPU each such call is a launch and a wait for the device whatever its batch, so a step costs
+    six of them per rank, not six per shape (nor per pair); nothing else in the step reads the device.
     Each pair's moments are views into the group's stacked buffers, so `state` and `state_dict()` keep one
     entry per pair ({"step", "m_A", "m_B", "v_A", "v_B"}). The first moments are kept in the factors' dtype
     (float32 at least), like torch's Adam; the r × r second moments in float64, being Gram matrices that are
@@ -342,11 +412,15 @@ class Prism:
     def step(self, noise_std: Mapping[str, float]) -> None:
         """Move every pair that has a gradient; `noise_std[lora_B name]` is τ for that pair (0 if none)."""
         ready = {k: pair for k, pair in self.pairs.items() if pair[0].grad is not None and pair[1].grad is not None}
+        ranks: dict[tuple, list[_Stack]] = {}
         for keys in shape_groups(ready, lambda pair: (pair[0].shape, pair[1].shape, pair[1].dtype, pair[1].device)):
-            self._step(keys, noise_std)
+            stack = self._gather(keys)
+            ranks.setdefault((stack.A.shape[-1], self.pairs[keys[0]][1].dtype, stack.A.device), []).append(stack)
+        for (r, dtype, device), stacks in ranks.items():
+            self._move(stacks, r, dtype, device, noise_std)
 
-    def _step(self, keys: tuple[str, ...], noise_std: Mapping[str, float]) -> None:
-        """One step of the pairs `keys`, all of one shape, as one stack."""
+    def _gather(self, keys: tuple[str, ...]) -> _Stack:
+        """The pairs `keys`, all of one shape, as one stack, their moments updated with their gradients."""
         f64 = torch.float64
         beta1, beta2 = self.betas
         lora_A = [self.pairs[k][0] for k in keys]
@@ -356,46 +430,54 @@ class Prism:
         work = torch.promote_types(A.dtype, torch.float32)
         gA = torch.stack([p.grad for p in lora_B]).to(work)
         gB = torch.stack([p.grad for p in lora_A]).transpose(-1, -2).to(work)
-        P, m, r = A.shape
+        _, m, r = A.shape
         n = B.shape[-2]
         moments, entries = self._stacked(keys, m, n, r, work, A.device)
         for entry in entries:
             entry["step"] = int(entry["step"]) + 1
-        c1, c2 = self._corrections([entry["step"] for entry in entries], A.device)
         moments["m_A"].lerp_(gA, 1 - beta1)  # β₁ m + (1 − β₁) g
         moments["m_B"].lerp_(gB, 1 - beta1)
         gA64, gB64 = gA.to(f64), gB.to(f64)
         moments["v_A"].mul_(beta2).add_(gA64.transpose(-1, -2) @ gA64, alpha=(1 - beta2) / m)
         moments["v_B"].mul_(beta2).add_(gB64.transpose(-1, -2) @ gB64, alpha=(1 - beta2) / n)
-        # One eigendecomposition for the four r × r matrices of every pair: M and N (their pseudo-inverses'
-        # traces set the floors) and the bias-corrected second moments V̂_A, V̂_B (floored, inverted).
-        A64, B64 = A.to(f64), B.to(f64)
-        square = torch.cat([A64.transpose(-1, -2) @ A64, B64.transpose(-1, -2) @ B64,
-                            moments["v_A"] / c2, moments["v_B"] / c2])
-        values, vectors = torch.linalg.eigh((square + square.transpose(-1, -2)) / 2)
-        rtol = r * torch.finfo(A.dtype).eps  # `gram`'s numerical rank
-        trace_M, trace_N = _pinv_trace(values[:2 * P], rtol).split(P)
-        taus = [float(noise_std.get(k, 0.0)) ** 2 for k in keys]
-        tau2 = taus[0] if len(set(taus)) == 1 else torch.tensor(taus, dtype=f64, device=A.device)
-        floors = torch.cat([self.floor * tau2 * (1 - 0.75 * r / m) * trace_N / r,
-                            self.floor * tau2 * (1 - 0.75 * r / n) * trace_M / r])
-        # m̂ floor(V̂)^{-1/2} = m (floor(V̂)^{-1/2} / c1): the bias correction rides on the r × r factor
-        root_A, root_B = (_floored(values[2 * P:], vectors[2 * P:], floors, self.max_condition, self.eps)
-                          / (c1 if isinstance(c1, float) else torch.cat([c1, c1]))).to(work).split(P)
-        new_A, new_B = retract_aligned(A64, B64, moments["m_A"] @ root_A, moments["m_B"] @ root_B, -self.lr)
-        write(lora_B, new_A)
-        write(lora_A, new_B.transpose(-1, -2))
-        for p in lora_A + lora_B:
-            p.grad = None
+        return _Stack(keys=keys, A=A.to(f64), B=B.to(f64), moments=moments, work=work,
+                      steps=[int(entry["step"]) for entry in entries])
 
-    def _corrections(self, steps: list[int], device: torch.device) -> tuple[float | Tensor, float | Tensor]:
-        """Adam's bias corrections 1 − β^t: numbers when the stack's pairs have taken equally many steps
-        (the usual case: no host-to-device copy), else one per pair, [P, 1, 1]."""
+    def _move(self, stacks: list[_Stack], r: int, dtype: torch.dtype, device: torch.device,
+              noise_std: Mapping[str, float]) -> None:
+        """Precondition and retract the gathered stacks of rank r, each small factorization once for all."""
         beta1, beta2 = self.betas
-        if len(set(steps)) == 1:
-            return 1 - beta1 ** steps[0], 1 - beta2 ** steps[0]
-        t = torch.tensor(steps, dtype=torch.float64, device=device).view(-1, 1, 1)
-        return 1 - beta1 ** t, 1 - beta2 ** t
+        P = sum(len(stack.keys) for stack in stacks)
+        # One eigendecomposition for the four r × r matrices of every pair of every stack, in float64 (Gram
+        # matrices): M and N (their pseudo-inverses' traces set the floors) and the bias-corrected second
+        # moments V̂_A, V̂_B (floored, inverted). In the batch: all M, all N, all V̂_A, all V̂_B.
+        c2 = [_per_pair([1 - beta2 ** t for t in stack.steps], device, (-1, 1, 1)) for stack in stacks]
+        square = torch.cat([*(stack.A.transpose(-1, -2) @ stack.A for stack in stacks),
+                            *(stack.B.transpose(-1, -2) @ stack.B for stack in stacks),
+                            *(stack.moments["v_A"] / c for stack, c in zip(stacks, c2)),
+                            *(stack.moments["v_B"] / c for stack, c in zip(stacks, c2))])
+        values, vectors = torch.linalg.eigh((square + square.transpose(-1, -2)) / 2)
+        trace_M, trace_N = _pinv_trace(values[:2 * P], r * torch.finfo(dtype).eps).split(P)  # `gram`'s rank
+        # the floors: floor·τ²(1 − 3r/4m)·tr(N†)/r for V̂_A, floor·τ²(1 − 3r/4n)·tr(M†)/r for V̂_B
+        tau2 = [(float(noise_std.get(k, 0.0)) ** 2, stack.A.shape[-2], stack.B.shape[-2])
+                for stack in stacks for k in stack.keys]
+        share = _per_pair([self.floor * t * (1 - 0.75 * r / m) for t, m, _ in tau2]
+                          + [self.floor * t * (1 - 0.75 * r / n) for t, _, n in tau2], device)
+        floors = share * torch.cat([trace_N, trace_M]) / r
+        # m̂ floor(V̂)^{-1/2} = m (floor(V̂)^{-1/2} / c1): the bias correction rides on the r × r factor
+        c1 = _per_pair([1 - beta1 ** t for stack in stacks for t in stack.steps] * 2, device, (-1, 1, 1))
+        roots = _floored(values[2 * P:], vectors[2 * P:], floors, self.max_condition, self.eps) / c1
+        sizes = [len(stack.keys) for stack in stacks]
+        root_A, root_B = (part.split(sizes) for part in roots.to(stacks[0].work).split(P))
+        moved = _retractions([(stack.A, stack.B, stack.moments["m_A"] @ a, stack.moments["m_B"] @ b)
+                              for stack, a, b in zip(stacks, root_A, root_B)], -self.lr, aligned=True)
+        for stack, (new_A, new_B) in zip(stacks, moved):
+            lora_A = [self.pairs[k][0] for k in stack.keys]
+            lora_B = [self.pairs[k][1] for k in stack.keys]
+            write(lora_B, new_A)
+            write(lora_A, new_B.transpose(-1, -2))
+            for p in lora_A + lora_B:
+                p.grad = None
 
     def _stacked(self, keys: tuple[str, ...], m: int, n: int, r: int, work: torch.dtype, device: torch.device
                  ) -> tuple[dict[str, Tensor], list[dict]]:
@@ -428,3 +510,15 @@ class Prism:
     def load_state_dict(self, state: dict) -> None:
         self.state = {k: dict(v) for k, v in state["state"].items()}
         self._stacks = {}
+
+
+def _per_pair(values: list[float], device: torch.device, shape: tuple[int, ...] = (-1,)) -> float | Tensor:
+    """One number when all `values` agree (the usual case: nothing to copy), else a float64 tensor of them on
+    `device`, viewed as `shape`, copied without waiting: a plain copy to a GPU waits for the work queued
+    before it."""
+    if len(set(values)) == 1:
+        return values[0]
+    host = torch.tensor(values, dtype=torch.float64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True).view(shape)

@@ -30,15 +30,21 @@ from govtrain.mechanisms.prism import Prism, lora_pairs
 from govtrain.resolver.model import role
 
 
-def make_optimizer(settings, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
-    """The run's `[optimizer]` over `params` (None when there are none)."""
+def make_optimizer(settings, params: Mapping[str, nn.Parameter]) -> torch.optim.Optimizer | None:
+    """The run's `[optimizer]` over the named `params` (None when there are none): those outside the layer
+    stack (the classification head, what a profile's `head = true` reaches) at `head_lr` when it is set,
+    the rest at `lr`."""
     if not params:
         return None
+    head_lr = settings.lr if settings.head_lr is None else settings.head_lr
+    head = [p for n, p in params.items() if role(n).layer is None]
+    stack = [p for n, p in params.items() if role(n).layer is not None]
+    groups = [g for g in ({"params": stack, "lr": settings.lr}, {"params": head, "lr": head_lr}) if g["params"]]
     if settings.name == "sgd":
-        return torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum, weight_decay=settings.weight_decay)
+        return torch.optim.SGD(groups, lr=settings.lr, momentum=settings.momentum, weight_decay=settings.weight_decay)
     if settings.name == "adam":
-        return torch.optim.Adam(params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
-    return torch.optim.AdamW(params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
+        return torch.optim.Adam(groups, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
+    return torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
 
 
 class Update:
@@ -57,16 +63,16 @@ class Update:
             settings = run.prism
             prism = Prism({b: (trainable[a], trainable[b]) for b, a in pairs.items()}, lr=settings.lr,
                           betas=settings.betas, floor=settings.floor, max_condition=settings.max_condition)
-            rest = [p for n, p in trainable.items() if n not in taken]
+            rest = {n: p for n, p in trainable.items() if n not in taken}
             return cls(mechanism, optimizer=make_optimizer(run.optimizer, rest), prism=prism)
         if mechanism == "dp-muon":
             matrices = {n: p for n, p in trainable.items() if p.dim() == 2 and role(n).layer is not None}
             settings = run.muon
             muon = DPMuon(matrices, lr=settings.lr, momentum=settings.momentum, kappa=settings.kappa,
                           steps=settings.steps, iteration=settings.iteration)
-            rest = [p for n, p in trainable.items() if n not in matrices]
+            rest = {n: p for n, p in trainable.items() if n not in matrices}
             return cls(mechanism, optimizer=make_optimizer(run.optimizer, rest), muon=muon)
-        return cls(mechanism, optimizer=make_optimizer(run.optimizer, list(trainable.values())))
+        return cls(mechanism, optimizer=make_optimizer(run.optimizer, trainable))
 
     def step(self, noise_std: Mapping[str, float]) -> None:
         """One step from the privatized `.grad`s; `noise_std` (per parameter, the noise standard deviation

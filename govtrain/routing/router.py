@@ -30,7 +30,8 @@ never who reaches what or how much noise a group gets (so the accounting is DP-S
   jointly with the Euclidean norm of the profile's other parameters. The clipped sum is lifted to the
   tangent space once (the lift is linear, so this is the sum of the per-sample lifts) and gets the
   isotropic tangent Gaussian with the group's s_g: a Gaussian mechanism on the tangent space with
-  sensitivity C_i. `.grad` holds the canonical lift (lora_B.grad = dA, lora_A.grad = dBᵀ).
+  sensitivity C_i. `.grad` holds the canonical lift (lora_B.grad = dA, lora_A.grad = dBᵀ). The pairs
+  are measured, summed, lifted and noised as stacks of one shape (`routing.tangent`).
   Every class must reach a LoRA pair whole or not at all (a heads profile splits one: refused).
 - `dp-muon`: every parameter the sample's profile reaches is clipped on its own to C_i/√L_i (L_i of
   them), so the joint norm stays at most C_i and the group noise s_g ≥ σ_i·C_i covers it as one mechanism
@@ -50,9 +51,9 @@ from torch import Tensor, nn
 from govtrain.errors import Code, ConfigError
 from govtrain.mechanisms import MECHANISMS
 from govtrain.mechanisms.reach import check_reach, lora_pairs
-from govtrain.mechanisms import prism
 from govtrain.resolver.profile import Resolution
 from govtrain.routing import layout, persample
+from govtrain.routing.tangent import TangentStacks
 
 TAPPED = (nn.Linear, nn.Embedding, nn.LayerNorm)
 
@@ -136,11 +137,10 @@ class Router:
         # prism: lora_B name -> lora_A name of each LoRA pair, reached whole or not at all by every class
         check_reach(mechanism, resolution.reach, self.params)
         self.pairs = lora_pairs(self.params) if mechanism == "prism" else {}
-        self._pair_A = {a: b for b, a in self.pairs.items()}
+        self._paired = set(self.pairs) | set(self.pairs.values())  # measured, summed and noised as stacks
         # dp-muon: each parameter a class reaches is clipped on its own to C_i / sqrt(units)
         self.units = {data_class: len(masks) for data_class, masks in self.masks.items()}
         self.noise_std: dict[str, float] = {}  # per reached parameter: the last step's noise std / batch size
-        self._grams: dict[str, tuple[prism.Gram, prism.Gram]] = {}
         self.generator = torch.Generator(device=next(iter(self.params.values())).device if self.params else "cpu")
         self.generator.manual_seed(insecure_seed if insecure_seed is not None else int.from_bytes(os.urandom(8), "big"))
         self._recording = False
@@ -148,6 +148,8 @@ class Router:
         # deepest reached parameter is, instead of differentiating layers no one may train.
         reached = {part.name for parts in resolution.reach.values() for part in parts}
         self._reached = reached
+        self.tangent = TangentStacks(self.params, self.pairs, {c: set(masks) for c, masks in self.masks.items()}
+                                     ) if self.pairs else None
         self._dtype = torch.float32
         self._handles = [tap.module.register_forward_hook(self._hook(tap)) for tap in self.taps.values()
                          if reached.intersection(tap.leaves.values())]
@@ -251,7 +253,8 @@ class Router:
     def begin(self) -> None:
         """Start a logical step: no clipped gradient summed yet."""
         self._totals: dict[str, Tensor] | None = None
-        self._grams.clear()  # the factors do not move within a step
+        if self.tangent is not None:
+            self.tangent.begin()
 
     def accumulate(self, losses: Tensor, classes: Sequence[str], clip_norms: Tensor | Sequence[float]) -> StepReport:
         """Add the clipped per-sample gradients of one chunk (the captured forward that gave `losses`)."""
@@ -272,10 +275,6 @@ class Router:
         totals = self._totals if self._totals is not None else {
             name: torch.zeros_like(p, dtype=_accumulator(p.dtype)) for name, p in self.params.items()}
         self._totals = None
-        for b, a in self.pairs.items():  # prism: the clipped sum's tangent part, as its canonical lift
-            A, B = self._factors(b)
-            dA, dB = prism.tangent_lift(A, B, totals[b], totals[a].transpose(0, 1), grams=self._gram(b))
-            totals[b], totals[a] = dA.to(totals[b].dtype), dB.transpose(0, 1).to(totals[a].dtype)
         self._finish(totals, group_std, expected_batch_size)
 
     def _clipped_sum(self, losses: Tensor, classes: Sequence[str], clip_norms) -> tuple[dict[str, Tensor], StepReport]:
@@ -317,23 +316,19 @@ class Router:
             for leaf, name in tap.leaves.items():
                 calls[name] = (module_calls, leaf)
 
-        squares: dict[str, Tensor] = {}  # clipping unit (a parameter; a LoRA pair under prism) -> [B]
+        squares: dict[str, Tensor] = {}  # clipping unit (a parameter) -> [B]
         for data_class, index in rows.items():
             take = None if len(rows) == 1 else index  # one class: every sample, in order, without a copy
             for name, mask in self.masks[data_class].items():
-                if name in self._pair_A or name not in calls:
-                    continue  # a lora_A is measured with its lora_B; a parameter with no gradient adds nothing
+                if name in self._paired or name not in calls:
+                    continue  # LoRA pairs under prism are measured as stacks; a parameter with no gradient adds nothing
                 square = squares.setdefault(name, torch.zeros(batch, dtype=dtype, device=losses.device))
                 source, leaf = calls[name]
-                if name in self.pairs:  # prism: the norm of the gradient's tangent part, from the pair's factors
-                    A, B = self._factors(name)
-                    partner, partner_leaf = calls[self.pairs[name]]
-                    square.index_add_(0, index, prism.projected_sq_norm(
-                        A, B, source.per_sample(leaf, take),
-                        partner.per_sample(partner_leaf, take).transpose(1, 2), grams=self._gram(name)).to(dtype))
-                else:
-                    square.index_add_(0, index, source.sq_norms(leaf, take, mask))
-        norms = sum(squares.values(), torch.zeros(batch, dtype=dtype, device=losses.device)).sqrt()
+                square.index_add_(0, index, source.sq_norms(leaf, take, mask))
+        paired, measured = torch.zeros(batch, dtype=dtype, device=losses.device), []
+        if self.tangent is not None:  # prism: the squared norms of the pairs' tangent parts, a stack per shape
+            paired, measured = self.tangent.measure(calls, classes, dtype)
+        norms = sum(squares.values(), paired).sqrt()
         if self.mechanism == "dp-muon":  # each unit on its own, to C_i / sqrt(L_i)
             budget = clip / torch.tensor([self.units[c] for c in classes], dtype=clip.dtype, device=clip.device).sqrt()
             coefficients = {name: _coefficient(square.sqrt(), budget) for name, square in squares.items()}
@@ -342,59 +337,48 @@ class Router:
             shared = _coefficient(norms, clip)
             coefficients = {name: shared for name in squares}
             clipped = norms > clip
-        coefficients.update({a: coefficients[b] for b, a in self.pairs.items() if b in coefficients})
 
-        totals = {name: torch.zeros_like(p, dtype=dtype) for name, p in self.params.items()}
+        totals = {name: torch.zeros_like(p, dtype=dtype) for name, p in self.params.items() if name not in self._paired}
         for data_class, index in rows.items():
             take = None if len(rows) == 1 else index  # one class: every sample, in order, without a copy
             for name, mask in self.masks[data_class].items():
-                if name in calls:
+                if name in calls and name not in self._paired:  # the pairs' sums come from their stacks
                     source, leaf = calls[name]
                     weights = coefficients[name] if take is None else coefficients[name].index_select(0, index)
                     totals[name] += source.weighted_sum(leaf, take, weights, mask)
+        if self.tangent is not None:
+            totals.update(self.tangent.clipped_sums(measured, shared))
         return totals, StepReport(batch, int(clipped.sum()), float(norms.max()) if batch else 0.0)
 
     def _finish(self, totals: dict[str, Tensor], group_std: Mapping[frozenset, float], expected_batch_size: float) -> None:
         if not expected_batch_size > 0:
             raise ValueError("the expected batch size must be positive")
-        reached: set[str] = set()
-        self.noise_std = {}
-        for group in self.resolution.groups:
-            if not group.classes:
+        groups = [(group, float(group_std.get(group.classes, 0.0)))
+                  for group in self.resolution.groups if group.classes]
+        self.noise_std = {part.name: std / expected_batch_size for group, std in groups for part in group.parts}
+        if self.tangent is not None:  # prism: the pairs' clipped sums lifted, each with its group's tangent noise
+            pair_std: dict[str, float] = {}
+            for group, std in groups:
+                for part in group.parts:
+                    if part.name in self._paired:
+                        if part.dim is not None:
+                            raise RuntimeError(f"{part.name} is reached in part: check_reach should have refused it")
+                        pair_std[part.name] = std
+            self.tangent.release(totals, pair_std, self.generator)
+        for group, std in groups:
+            if std <= 0:
                 continue
-            std = float(group_std.get(group.classes, 0.0))
             for part in group.parts:
-                reached.add(part.name)
-                self.noise_std[part.name] = std / expected_batch_size
-                if std <= 0 or part.name in self._pair_A:
-                    continue  # a lora_A of a pair gets its noise with its lora_B
-                total = totals[part.name]
-                if part.name in self.pairs:  # prism: isotropic on the pair's tangent space
-                    A, B = self._factors(part.name)
-                    grams = self._gram(part.name)
-                    xi_A, xi_B = prism.canonical(A, B, *prism.tangent_noise(A, B, std, self.generator, grams=grams),
-                                                 grams=grams)
-                    total += xi_A.to(total.dtype)
-                    totals[self.pairs[part.name]] += xi_B.transpose(0, 1).to(total.dtype)
+                if part.name in self._paired:
                     continue
+                total = totals[part.name]
                 noise = torch.normal(0.0, std, size=total.shape, generator=self.generator, device=total.device,
                                      dtype=total.dtype)
                 if part.dim is not None:
                     noise = noise * _keep(noise, part.dim, list(part.index))
                 total += noise
         for name, param in self.params.items():
-            param.grad = (totals[name] / expected_batch_size).to(param.dtype) if name in reached else None
-
-    def _factors(self, lora_B: str) -> tuple[Tensor, Tensor]:
-        """PRISM's (A, B) = (lora_B.weight, lora_A.weightᵀ) of the pair named by its lora_B."""
-        return self.params[lora_B].detach(), self.params[self.pairs[lora_B]].detach().transpose(0, 1)
-
-    def _gram(self, lora_B: str) -> tuple[prism.Gram, prism.Gram]:
-        """The pair's Gram pseudo-inverses, once per step (the factors do not move within a step)."""
-        if lora_B not in self._grams:
-            A, B = self._factors(lora_B)
-            self._grams[lora_B] = (prism.gram(A), prism.gram(B))
-        return self._grams[lora_B]
+            param.grad = (totals[name] / expected_batch_size).to(param.dtype) if name in self.noise_std else None
 
     def _module_of(self, name: str) -> nn.Module:
         return next(t.module for t in self.taps.values() if name in t.leaves.values())

@@ -68,6 +68,9 @@ class ModelSection(_Strict):
     task: Literal["sequence-classification"] = "sequence-classification"
     num_labels: Annotated[int, Field(ge=2, strict=True)] = 2
     max_length: Annotated[int, Field(ge=4, le=4096, strict=True)] = 128
+    pooling: Literal["model", "mean"] = Field(
+        "model", description="model: the architecture's own pooler (BERT: [CLS] -> dense -> tanh); mean: the "
+                             "masked mean of the final hidden states, as sentence-transformers models are trained")
 
 
 class LoraSection(_Strict):
@@ -77,6 +80,10 @@ class LoraSection(_Strict):
     target_modules: list[Annotated[StrictStr, Field(min_length=1)]] = Field(
         default_factory=lambda: ["query", "key", "value", "attention.output.dense"], min_length=1,
         description="module name suffixes that get LoRA factors (peft's target_modules)")
+    layers: list[Annotated[int, Field(ge=0, strict=True)]] | None = Field(
+        None, min_length=1, description="only these transformer layers get LoRA factors (peft's "
+                                        "layers_to_transform); absent: every layer. Autograd stops at the "
+                                        "lowest layer with a trainable factor, so fewer layers train faster")
 
     @model_validator(mode="after")
     def _targets(self) -> "LoraSection":
@@ -86,12 +93,19 @@ class LoraSection(_Strict):
                              "'attention.output.dense', 'intermediate.dense' or 'output.dense'")
         if len(set(self.target_modules)) != len(self.target_modules):
             raise ValueError("target_modules lists a module twice")
+        if self.layers is not None and len(set(self.layers)) != len(self.layers):
+            raise ValueError("layers lists a layer twice")
         return self
 
 
 class OptimizerSection(_Strict):
     name: Literal["sgd", "adam", "adamw"] = "adamw"
     lr: PositiveFloat = 5e-4
+    head_lr: PositiveFloat | None = Field(
+        None, description="learning rate of the trainable parameters outside the layer stack (the classification "
+                          "head, what a profile's head = true reaches); absent: lr. A head is a few thousand "
+                          "coordinates against the LoRA factors' hundred thousand: under DP noise it can take a "
+                          "larger step")
     weight_decay: NonNegativeFloat = 0.0
     momentum: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] = 0.0
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)

@@ -34,7 +34,8 @@ def load_examples(folder: Path, digests: Mapping[bytes, str], num_labels: int) -
     owner: list[str] = []
     unmatched: list[str] = []
     found: set[str] = set()
-    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+    # An attestation kept beside its data (`admit --batch` reads X.cose with X) is never data itself.
+    for path in sorted(p for p in folder.iterdir() if p.is_file() and p.suffix != ".cose"):
         raw = path.read_bytes()
         contribution = digests.get(hashlib.sha256(raw).digest())
         if contribution is None or contribution in found:

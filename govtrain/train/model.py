@@ -42,15 +42,30 @@ def wrap_lora(base, lora, adapters: list[str]):
     from peft import LoraConfig, get_peft_model
 
     settings = dict(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules))
+    if lora.layers is not None:
+        settings["layers_to_transform"] = sorted(lora.layers)
     # peft can have a modules_to_save copy active for one adapter at a time, so the head belongs to the
     # default adapter (and to the classes with head = true); a class's own adapter holds LoRA factors only.
-    model = get_peft_model(base, LoraConfig(modules_to_save=["classifier", "score"], **settings))
+    try:
+        model = get_peft_model(base, LoraConfig(modules_to_save=["classifier", "score"], **settings))
+    except ValueError as e:  # peft: no module matched the targets (in those layers)
+        where = f" in layers {sorted(lora.layers)}" if lora.layers is not None else ""
+        raise ConfigError(Code.RUN_CONFIG_INVALID, f"lora: no module of the model matches target_modules "
+                                                   f"{list(lora.target_modules)}{where} ({e.__class__.__name__}): "
+                                                   "check the names and layer numbers") from None
     for name in adapters:
         model.add_adapter(name, LoraConfig(**settings))
     model.base_model.set_adapter(["default", *adapters])  # every adapter in the forward pass
     for name, param in model.named_parameters():
         param.requires_grad_(".lora_" in name or ".modules_to_save." in name)
     return model
+
+
+def for_run(base, file, adapters: list[str]):
+    """`base` as the run trains it: the pooling of `[model]`, then the LoRA of `[lora]` (`wrap_lora`)."""
+    from govtrain.train.pooling import use_pooling
+
+    return wrap_lora(use_pooling(base, file.model.pooling), file.lora, adapters)
 
 
 def load_model(config: RunConfig, adapters: list[str]):
@@ -66,7 +81,7 @@ def load_model(config: RunConfig, adapters: list[str]):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=config.file.model.num_labels,
                                                                   local_files_only=True, dtype=torch.float32)
-        model = wrap_lora(base, config.file.lora, adapters)
+        model = for_run(base, config.file, adapters)
     model.eval()  # no dropout: the per-example loss must not depend on other examples or hidden randomness
     return model, tokenizer, path
 
