@@ -26,9 +26,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from govtrain.mechanisms.update import make_optimizer  # noqa: E402
-from govtrain.resolver.load import model_path  # noqa: E402
 from govtrain.train.config import load_run_config  # noqa: E402
-from govtrain.train.model import for_run, quiet_loading  # noqa: E402
+from govtrain.train.model import for_run, load_base, quiet_loading  # noqa: E402
 from govtrain.train.pooling import use_pooling  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as training.device = "auto"
@@ -45,13 +44,7 @@ def read(path: Path) -> tuple[list[str], list[int]]:
 
 
 def base_model(config):
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    path = model_path(config.model_spec)
-    with quiet_loading():  # a fresh classifier head is what is trained: no load report, no FutureWarning
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=config.file.model.num_labels,
-                                                                   local_files_only=True, dtype=torch.float32)
+    model, tokenizer, _ = load_base(config)  # as `govtrain train` loads it: fp32, quietly
     return model, tokenizer
 
 

@@ -68,8 +68,9 @@ def for_run(base, file, adapters: list[str]):
     return wrap_lora(use_pooling(base, file.model.pooling), file.lora, adapters)
 
 
-def load_model(config: RunConfig, adapters: list[str]):
-    """(model with LoRA, tokenizer, folder of the base model), on the CPU in fp32 and in eval mode."""
+def load_base(config: RunConfig):
+    """(base model, tokenizer, its folder): the sequence classifier `[model]` names, on the CPU in fp32 (whatever
+    dtype its checkpoint holds), loaded quietly. Training and evaluation both start here."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -81,6 +82,13 @@ def load_model(config: RunConfig, adapters: list[str]):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=config.file.model.num_labels,
                                                                   local_files_only=True, dtype=torch.float32)
+    return base, tokenizer, path
+
+
+def load_model(config: RunConfig, adapters: list[str]):
+    """(model with LoRA, tokenizer, folder of the base model), on the CPU in fp32 and in eval mode."""
+    base, tokenizer, path = load_base(config)
+    with quiet_loading():
         model = for_run(base, config.file, adapters)
     model.eval()  # no dropout: the per-example loss must not depend on other examples or hidden randomness
     return model, tokenizer, path
