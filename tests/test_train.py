@@ -116,6 +116,7 @@ def test_examples_are_matched_by_digest_and_split_on_newlines_only(tmp_path: Pat
     import hashlib
 
     from govtrain.errors import ConfigError
+    from govtrain.tasks import Classification
     from govtrain.train.data import load_examples
 
     good = tmp_path / "renamed-anything.jsonl"
@@ -124,12 +125,12 @@ def test_examples_are_matched_by_digest_and_split_on_newlines_only(tmp_path: Pat
     (tmp_path / "stranger.jsonl").write_text(json.dumps({"text": "x", "label": 0}) + "\n")
     (tmp_path / "renamed-anything.jsonl.cose").write_bytes(b"\xd2\x84")  # an attestation beside its data: not data
     digests = {hashlib.sha256(good.read_bytes()).digest(): "c1", b"\0" * 32: "c2"}
-    examples = load_examples(tmp_path, digests, num_labels=2)
-    assert examples.texts == ["one\u2028line", "two"] and examples.owner == ["c1", "c1"]
+    examples = load_examples(tmp_path, digests, Classification(num_labels=2))
+    assert [e.text for e in examples.items] == ["one\u2028line", "two"] and examples.owner == ["c1", "c1"]
     assert examples.unmatched_files == ["stranger.jsonl"] and examples.missing == ["c2"]
     good.write_text(json.dumps({"text": "x", "label": 5}) + "\n")
     with pytest.raises(ConfigError):
-        load_examples(tmp_path, {hashlib.sha256(good.read_bytes()).digest(): "c1"}, num_labels=2)
+        load_examples(tmp_path, {hashlib.sha256(good.read_bytes()).digest(): "c1"}, Classification(num_labels=2))
 
 
 def test_a_killed_run_resumes_without_under_counting(corpus: Corpus, tiny_model: Path):

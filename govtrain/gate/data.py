@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from govtrain.errors import AdmissionError, Code, GovtrainError
+from govtrain.errors import AdmissionError, Code, ConfigError, GovtrainError
 
 _CHUNK_LINES = 4096
 
@@ -51,3 +51,22 @@ def inspect_data(path: str | os.PathLike, *, error: type[GovtrainError] = Admiss
     except OSError as e:
         raise error(Code.DATA_UNREADABLE, f"cannot read data file {path}: {e.strerror or e}") from e
     return DataSummary(digest.digest(), records, first_bad, reason)
+
+
+def read_rows(path: str | os.PathLike, raw: bytes | None = None) -> list[tuple[int, dict]]:
+    """(line number, record) of every non-blank line of a JSON Lines file (only \\n ends a record); `raw` is
+    the file's bytes when the caller has read them already (to hash them)."""
+    path = Path(path)
+    raw = path.read_bytes() if raw is None else raw
+    rows = []
+    for number, line in enumerate(raw.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ConfigError(Code.BAD_DATA, f"{path.name}:{number}: not JSON ({e.__class__.__name__})") from None
+        if not isinstance(record, dict):
+            raise ConfigError(Code.BAD_DATA, f"{path.name}:{number}: not a JSON object")
+        rows.append((number, record))
+    return rows

@@ -10,6 +10,10 @@ and a test keeps the two identical. Paths are relative to the config file. The c
     num_labels = 2
     max_length = 48
 
+    [data]                       # column names of the data rows (these are the defaults)
+    text_column = "text"
+    label_column = "label"
+
     [lora]
     r = 8
     alpha = 16
@@ -71,6 +75,19 @@ class ModelSection(_Strict):
     pooling: Literal["model", "mean"] = Field(
         "model", description="model: the architecture's own pooler (BERT: [CLS] -> dense -> tanh); mean: the "
                              "masked mean of the final hidden states, as sentence-transformers models are trained")
+
+
+Column = Annotated[StrictStr, Field(min_length=1)]
+
+
+class DataSection(_Strict):
+    """Which columns of a data row the task reads (JSON keys, CSV headers, Parquet or dataset columns)."""
+
+    text_column: Column = "text"
+    label_column: Column = "label"
+    prompt_column: Column = "prompt"
+    completion_column: Column = "completion"
+    messages_column: Column = "messages"
 
 
 class LoraSection(_Strict):
@@ -160,6 +177,7 @@ class TrainingSection(_Strict):
 
 class RunFile(_Strict):
     model: ModelSection
+    data: DataSection = Field(default_factory=DataSection)
     lora: LoraSection = Field(default_factory=LoraSection)
     optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
     training: TrainingSection

@@ -2,35 +2,37 @@
 
 Only admitted bytes are trained on: a file is matched to its contribution by the digest the
 attestation signed, never by its name. Files that match nothing are listed and skipped; an
-admitted contribution with no file is not eligible (and is reported).
+admitted contribution with no file is not eligible (and is reported). Each row becomes an example
+of the run's task (`govtrain.tasks`), which refuses a row it cannot use.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 from govtrain.errors import Code, ConfigError
+from govtrain.gate.data import read_rows
 
 
 @dataclass(frozen=True)
 class Examples:
-    texts: list[str]
-    labels: list[int]
+    items: list[Any]  # the task's examples
     owner: list[str]  # contribution id of each example
     unmatched_files: list[str]
     missing: list[str]  # admitted contributions without a file
 
+    def __len__(self) -> int:
+        return len(self.items)
 
-def load_examples(folder: Path, digests: Mapping[bytes, str], num_labels: int) -> Examples:
-    """`digests` maps each admitted contribution's data SHA-256 to its id."""
+
+def load_examples(folder: Path, digests: Mapping[bytes, str], task) -> Examples:  # type: ignore[no-untyped-def]
+    """`digests` maps each admitted contribution's data SHA-256 to its id; `task` makes each row an example."""
     if not folder.is_dir():
         raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.data: {folder} is not a folder")
-    texts: list[str] = []
-    labels: list[int] = []
+    items: list[Any] = []
     owner: list[str] = []
     unmatched: list[str] = []
     found: set[str] = set()
@@ -42,16 +44,8 @@ def load_examples(folder: Path, digests: Mapping[bytes, str], num_labels: int) -
             unmatched.append(path.name)
             continue
         found.add(contribution)
-        for number, line in enumerate(raw.split(b"\n"), 1):  # JSON Lines: only \n ends a record
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            label = record.get("label")
-            if not isinstance(record.get("text"), str) or not isinstance(label, int) or not 0 <= label < num_labels:
-                raise ConfigError(Code.BAD_DATA, f"{path.name}:{number}: need {{\"text\": str, \"label\": int in "
-                                                 f"[0, {num_labels})}}")
-            texts.append(record["text"])
-            labels.append(label)
+        for number, row in read_rows(path, raw):
+            items.append(task.example(row, f"{path.name}:{number}"))
             owner.append(contribution)
     missing = sorted(set(digests.values()) - found)
-    return Examples(texts, labels, owner, unmatched, missing)
+    return Examples(items, owner, unmatched, missing)

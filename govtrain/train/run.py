@@ -161,6 +161,7 @@ class Run:
         from govtrain.routing.layout import probe_batches
         from govtrain.routing.router import Router
         from govtrain.routing.sampler import PoissonSampler
+        from govtrain.tasks import task_for
         from govtrain.train.data import load_examples
         from govtrain.train.model import check_weight_decay, load_model, resolve_device
 
@@ -171,8 +172,9 @@ class Run:
         self.policy = policy = ledger.policy
         admitted, withdrawn, _ = read_corpus(ledger)
         admitted = {cid: a for cid, a in admitted.items() if cid not in withdrawn}
+        self.task = task_for(config.file)
         self.examples = examples = load_examples(config.data_dir, {a.data_sha256: cid for cid, a in admitted.items()},
-                                                 config.file.model.num_labels)
+                                                 self.task)
         if examples.unmatched_files:
             shown = [n for n in examples.unmatched_files if not n.endswith(".cose")][:5]
             others = len(examples.unmatched_files) - len(shown)
@@ -295,8 +297,6 @@ class Run:
         this step (withdrawals take effect here), forward and backward in physical chunks under autocast,
         the router's clipped sum and noise once, then the update. Returns the mean loss (nan: empty batch)."""
         import numpy as np
-        import torch
-        import torch.nn.functional as F
 
         if not self._written or self.epoch_done:
             raise RuntimeError("step() outside a written-ahead epoch: its spend must be in the ledger first")
@@ -312,16 +312,15 @@ class Run:
         loss_sum = 0.0
         for start in range(0, len(chosen), chunk or max(len(chosen), 1)):  # physical chunks, one logical step
             part = chosen[start:start + chunk] if chunk else chosen
-            batch = self.tokenizer([examples.texts[i] for i in part], padding=True, truncation=True,
-                                   max_length=self.config.file.model.max_length, return_tensors="pt").to(self.device)
-            labels = torch.tensor([examples.labels[i] for i in part], device=self.device)
+            batch = self.task.encode([examples.items[i] for i in part], self.tokenizer, self.config.file.model.max_length,
+                                     self.device)
             with router.capture(), autocast():
-                logits = self.model(**batch).logits
-            losses = F.cross_entropy(logits.float(), labels, reduction="none")  # per example, fp32
+                output = self.model(**batch.inputs)
+            losses = self.task.per_example_loss(output, batch)  # one per example, fp32
             who = [examples.owner[i] for i in part]
             router.accumulate(losses, [self.classes[c] for c in who], [self.signed_clip[c] for c in who])
             loss_sum += float(losses.detach().sum())
-            del batch, labels, logits, losses
+            del batch, output, losses
         router.finish(self._group_std, self.pending["expected_batch"])  # noise once per logical step
         loss = loss_sum / len(chosen) if len(chosen) else float("nan")
         self.update.step(router.noise_std)

@@ -1,0 +1,26 @@
+"""What a run learns (RUN.toml `[model] task`): how a data row becomes an example, how examples become a batch
+of model inputs, and each example's own loss.
+
+    task = task_for(config.file)
+    example = task.example(row, where)                 # validate one row of a contribution's data
+    batch = task.encode(examples, tokenizer, max_length, device)
+    losses = task.per_example_loss(model(**batch.inputs), batch)   # [B]: one loss per example
+
+A loss is always one value per example (DESIGN §5): a mean over one example's tokens is fine, a mean over the
+batch's tokens couples examples and is never formed.
+"""
+
+from __future__ import annotations
+
+from govtrain.tasks.base import Batch, Task
+from govtrain.tasks.classification import Classification
+
+__all__ = ["Batch", "Task", "Classification", "task_for"]
+
+
+def task_for(file) -> Task:  # type: ignore[no-untyped-def]
+    """The task a run file names, with its column names."""
+    model, data = file.model, file.data
+    if model.task == "sequence-classification":
+        return Classification(num_labels=model.num_labels, text_column=data.text_column, label_column=data.label_column)
+    raise ValueError(f"unknown task {model.task!r}")

@@ -1,0 +1,31 @@
+"""The interface every task implements (`govtrain.tasks`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, Sequence
+
+
+@dataclass
+class Batch:
+    """Model inputs (keyword arguments of the forward) and what the loss needs, on one device."""
+
+    inputs: dict[str, Any]
+    targets: Any
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+
+class Task(Protocol):
+    name: str
+
+    def example(self, row: Mapping[str, Any], where: str) -> Any:
+        """One example from one data row, or ConfigError(BAD_DATA) naming `where` (file:row)."""
+
+    def encode(self, examples: Sequence[Any], tokenizer: Any, max_length: int, device: Any) -> Batch:
+        """The batch of `examples`, tokenized, padded and truncated to `max_length`, on `device`."""
+
+    def per_example_loss(self, output: Any, batch: Batch) -> Any:
+        """[len(batch)] float32 losses, each depending on its own example only."""

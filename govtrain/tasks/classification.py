@@ -1,0 +1,43 @@
+"""Sequence classification: a row `{"text": str, "label": int}`; the loss is each example's cross-entropy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from govtrain.errors import Code, ConfigError
+from govtrain.tasks.base import Batch
+
+
+@dataclass(frozen=True)
+class Labelled:
+    text: str
+    label: int
+
+
+@dataclass(frozen=True)
+class Classification:
+    num_labels: int
+    text_column: str = "text"
+    label_column: str = "label"
+    name: str = "sequence-classification"
+
+    def example(self, row: Mapping[str, Any], where: str) -> Labelled:
+        text, label = row.get(self.text_column), row.get(self.label_column)
+        if not isinstance(text, str) or isinstance(label, bool) or not isinstance(label, int) \
+                or not 0 <= label < self.num_labels:
+            raise ConfigError(Code.BAD_DATA, f"{where}: need {{\"{self.text_column}\": str, \"{self.label_column}\": "
+                                             f"int in [0, {self.num_labels})}}")
+        return Labelled(text, label)
+
+    def encode(self, examples: Sequence[Labelled], tokenizer: Any, max_length: int, device: Any) -> Batch:
+        import torch
+
+        inputs = tokenizer([e.text for e in examples], padding=True, truncation=True, max_length=max_length,
+                           return_tensors="pt").to(device)
+        return Batch(dict(inputs), torch.tensor([e.label for e in examples], dtype=torch.long, device=device))
+
+    def per_example_loss(self, output: Any, batch: Batch) -> Any:
+        import torch.nn.functional as F
+
+        return F.cross_entropy(output.logits.float(), batch.targets, reduction="none")
