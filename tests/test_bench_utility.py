@@ -79,3 +79,25 @@ def test_sizes_and_grid_overrides():
     assert cuda.band == (0, 5) and cuda.steps == 10 and cuda.grids["prism"] == (0.1, 0.2)
     with pytest.raises(SystemExit):
         utility.parse(["--grid", "adam=0.1"])
+
+
+def test_the_contribution_unit_draws_movies_and_clips_each_movie_once(tiny, one_thread):
+    """--unit contribution: q is over the movies, a drawn movie brings at most per_contribution snippets, the
+    private rows train through the router's units and Opacus (which has no such unit) is skipped."""
+    from dataclasses import replace
+
+    movies = tuple(i // 5 for i in range(16))  # movies of 5, 5, 5 and 1 snippets
+    setup = replace(tiny, task=replace(tiny.task, movies=movies), unit="contribution", per_contribution=3, batch=2,
+                    steps=6)
+    assert [len(m) for m in setup.task.contributions()] == [5, 5, 5, 1] and setup.sampling_rate == 0.5
+    for chosen, units in utility.draws("dpsgd", setup):
+        assert len(chosen) == len(units) and units == sorted(units)
+        owners = [movies[i] for i in chosen]
+        for unit in set(units):
+            mine = {owners[i] for i, u in enumerate(units) if u == unit}
+            assert len(mine) == 1 and units.count(unit) <= 3  # one movie per unit, at most 3 of its snippets
+    logged = []
+    rows = utility.run_rows(setup, utility.Performance(), ["dpsgd", "opacus"], [8.0], {"dpsgd": (1e-2,)},
+                            log=logged.append, accountant="rdp")
+    assert [row.method for row in rows] == ["dpsgd"] and any("opacus has no contribution-level" in x for x in logged)
+    assert utility.parse(["--unit", "contribution", "--per-contribution", "4"]).per_contribution == 4

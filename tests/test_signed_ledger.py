@@ -350,7 +350,7 @@ def _spend(real: Corpus, contribution: str, *, eps_u: int, epoch: int | None = N
             appender.add("spend", real.now, lambda seq: spend_entry(
                 seq, real.now, contribution_id=contribution, admit_leaf=leaf, run_id=run_id, epoch=epoch,
                 epoch_steps=epoch_steps, steps=steps,
-                sampling_rate_u=q_u, noise_multiplier_u=sigma_u, accountant=accountant, delta_p=delta_p,
+                sampling_rate_u=q_u, noise_multiplier_u=sigma_u, accountant=accountant, delta_p=delta_p, privacy_unit="example",
                 eps_u=eps_u))
 
 

@@ -187,7 +187,7 @@ def ledger_status_command(ledger_url: str, contribution_id: str | None, as_json:
         last = status["last_checkpoint"]
         click.echo(f"{status['origin']}: {status['entries']} entries, epoch {status['epoch']}, "
                    f"{status['checkpoints']} checkpoints (last at size {last['size'] if last else '-'}), "
-                   f"{status['summaries']} summaries")
+                   f"{status['summaries']} summaries; epsilon per {status['privacy_unit']}")
         click.echo(f"{'class':<16}{'admitted':>10}{'withdrawn':>11}")
         for name, counts in sorted(status["classes"].items()):
             click.echo(f"{name:<16}{counts['admitted']:>10}{counts['withdrawn']:>11}")

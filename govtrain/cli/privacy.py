@@ -39,22 +39,38 @@ def privacy() -> None:
 @click.option("--steps", type=click.IntRange(min=1), required=True, help="Number of steps T.")
 @click.option("--delta", type=float, required=True, callback=_probability(one=False), help="Target delta.")
 @click.option("--accountant", type=ACCOUNTANT_CHOICES, default="pld", show_default=True)
+@click.option("--unit", type=click.Choice(["example", "contribution"]), default="example", show_default=True,
+              help="What q samples and epsilon protects: one example, or one whole contribution (the policy's "
+                   "privacy_unit; the accounting is the same at that unit's q).")
+@click.option("--group", "group", type=click.IntRange(min=2), default=None, metavar="K",
+              help="With --unit example: also the group-privacy bound for K examples of one contributor "
+                   "(K*epsilon at K*exp((K-1)*epsilon)*delta), what an example-level run says about a contribution.")
 @json_option
 @reports_errors
-def privacy_epsilon(sampling_rate: float, sigma: float, steps: int, delta: float, accountant: str, as_json: bool) -> None:
+def privacy_epsilon(sampling_rate: float, sigma: float, steps: int, delta: float, accountant: str, unit: str,
+                    group: int | None, as_json: bool) -> None:
     """Epsilon (an upper bound, rounded up to 1e-6) of T steps of the Poisson-subsampled Gaussian."""
     from govtrain.accounting import Bucket, get_accountant
+    from govtrain.accounting.group import group_privacy
 
+    if group is not None and unit != "example":
+        raise ConfigError(Code.BAD_ARGUMENT, "--group converts an example-level epsilon; with --unit contribution the "
+                                             "epsilon already covers the whole contribution")
     result = get_accountant(accountant).epsilon([Bucket(sampling_rate, sigma, steps)], delta)
+    grouped = group_privacy(result.epsilon, delta, group) if group is not None else None
     if as_json:
         emit_json({"ok": True, "accountant": accountant, "epsilon": result.epsilon, "epsilon_u": result.epsilon_u,
                    "estimate": result.estimate, "lower": result.lower, "fallback": result.fallback,
-                   "q": sampling_rate, "sigma": sigma, "steps": steps, "delta": delta})
+                   "q": sampling_rate, "sigma": sigma, "steps": steps, "delta": delta, "unit": unit,
+                   "group": None if grouped is None else {"size": group, "epsilon": grouped[0], "delta": grouped[1]}})
         return
-    line = f"epsilon <= {result.epsilon:.6f} at delta = {delta:g} ({accountant}"
+    line = f"epsilon <= {result.epsilon:.6f} at delta = {delta:g} per {unit} ({accountant}"
     if result.estimate is not None:
         line += f"; estimate {result.estimate:.6f}, lower bound {result.lower:.6f}"
     click.echo(line + ")")
+    if grouped is not None:
+        vacuous = "  (vacuous: delta >= 1)" if grouped[1] >= 1 else ""
+        click.echo(f"a group of {group} examples: epsilon <= {grouped[0]:.6f} at delta = {grouped[1]:.6g}{vacuous}")
     if result.fallback:
         click.echo(f"note: answered by {result.fallback}")
 
@@ -111,7 +127,8 @@ def privacy_sigma(epsilon: float, delta: float, sampling_rate: float | None, ste
               help="A run config (RUN.toml): its steps, batch size, epoch length, model and LoRA; flags override.")
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Steps the run would take.")
 @click.option("--expected-batch-size", type=click.IntRange(min=1), default=None,
-              help="Expected batch size B; q = B / eligible examples, rounded up. Default: the policy's.")
+              help="Expected batch size B; q = B / eligible units (examples, or contributions under "
+                   "privacy_unit = contribution), rounded up. Default: the policy's.")
 @click.option("--model", "model", default=None, metavar="DIR",
               help="A local Hugging Face model directory, or 'minilm', to resolve each profile's parameters.")
 @json_option
@@ -156,9 +173,14 @@ def plan_command(ledger_url: str, config_path: str | None, steps: int | None, ex
 
 
 def _print_plan(plan: dict) -> None:
+    if plan["privacy_unit"] == "contribution":
+        unit = (f"{plan['eligible_contributions']} eligible contributions, each using at most "
+                f"{plan['examples_per_contribution']} of its examples per step; epsilon protects a whole contribution")
+    else:
+        unit = f"{plan['eligible_records']} eligible examples; epsilon protects one example"
     click.echo(f"{plan['steps']} steps from ledger epoch {plan['first_epoch']} ({plan['steps_per_epoch']} steps each), "
-               f"q = {plan['sampling_rate']:g} (expected batch {plan['expected_batch_size']:g} of "
-               f"{plan['eligible_records']} eligible examples), {plan['accountant']} at delta = {plan['delta']:g}")
+               f"q = {plan['sampling_rate']:g} (expected batch {plan['expected_batch_size']:g} of {unit}), "
+               f"{plan['accountant']} at delta = {plan['delta']:g}")
     if plan["compacted"]:
         click.echo(f"note: {plan['compacted']} compacted admission(s) cannot be planned")
     if plan["model"] is None:

@@ -56,6 +56,7 @@ SPECS: dict[str, dict[str, type | tuple[type, ...]]] = {
         "noise_multiplier_u": int,      # sigma_eff, micro-units, rounded down (more conservative)
         "accountant": str,
         "delta_p": int,
+        "privacy_unit": str,            # the header's: what q samples and eps protects (example, contribution)
         "eps_u": int,                   # cumulative epsilon after this epoch, micro-units, rounded up
     },
     "withdraw": {**_COMMON, "contribution_id": str, "admit_leaf": bytes, "reason": str},

@@ -77,6 +77,9 @@ def authorise_policy_change(seq: int, before: Policy, after: Policy, covering_no
     if after.origin != before.origin:
         raise UnauthorisedPolicy(seq, f"a policy change may not rename the ledger ({before.origin!r} to "
                                       f"{after.origin!r})")
+    if after.unit != before.unit:
+        raise UnauthorisedPolicy(seq, f"a policy change may not change the privacy unit ({before.unit} to "
+                                      f"{after.unit}): every epsilon in the ledger is about one unit")
     if covering_note is None:
         raise UnauthorisedPolicy(seq, "no checkpoint covers this policy change")
     try:
@@ -367,6 +370,9 @@ class Ledger:
         old_policy, old_key, old_path = self.policy, self.signing_key(), self._key_path
         if policy.origin != old_policy.origin:
             raise ConfigError(Code.POLICY_INVALID, f"a policy change keeps the ledger's origin ({old_policy.origin!r})")
+        if policy.unit != old_policy.unit:
+            raise ConfigError(Code.POLICY_INVALID, f"a policy change keeps the ledger's privacy unit "
+                                                   f"({old_policy.unit}); start a new ledger for another unit")
         authority = (old_key, self._key_name(old_key))
         new_key = _load_ledger_key(key, policy) if key is not None else old_key
         if raw_public_key(new_key.public_key()) not in {k.public_key for k in policy.ledger_keys}:
@@ -462,7 +468,7 @@ class Ledger:
                 fields = dict(contribution_id=contribution_id, admit_leaf=leaf, run_id=run_id, epoch=epoch,
                               epoch_steps=epoch_steps, steps=steps, sampling_rate_u=sampling_rate_u,
                               noise_multiplier_u=sigma_u, accountant=policy.accountant, delta_p=policy.delta_p,
-                              eps_u=eps_u)
+                              privacy_unit=policy.privacy_unit, eps_u=eps_u)
                 try:
                     book.check(fields, ledger_epoch=ledger_epoch, steps_per_epoch=policy.steps_per_epoch,
                                min_rate_u=floor)
@@ -478,7 +484,8 @@ class Ledger:
         return self._spend_state()[0]
 
     def _spend_state(self) -> tuple[SpendBook, int, set[str]]:
-        """(the spend book, records of the contributions admitted and not withdrawn, the withdrawn ids)."""
+        """(the spend book, sampling units (examples, or contributions) of the contributions admitted and not
+        withdrawn, the withdrawn ids)."""
         book, records, withdrawn = SpendBook(), {}, set()
         for stored in self.store.entries(start=1, kinds=("admit", "spend", "withdraw")):
             if stored.body is None:
@@ -495,7 +502,8 @@ class Ledger:
                 records.setdefault(retired["contribution_id"], retired["records"])
                 if retired["withdraw_seq"] is not None:
                     withdrawn.add(retired["contribution_id"])
-        return book, sum(n for cid, n in records.items() if cid not in withdrawn), withdrawn
+        units = self.policy.sampling_units
+        return book, sum(units(n) for cid, n in records.items() if cid not in withdrawn), withdrawn
 
     def record_run(self, run_id: str, mechanism: str, config_sha256: bytes, base_model_sha256: bytes,
                    adapter_sha256: bytes | None, now: int | None = None, *, device: str = "cpu",

@@ -19,6 +19,8 @@ def ledger_status(ledger: Ledger) -> dict:
     return {
         "ledger": store.url,
         "origin": ledger.policy.origin,
+        "privacy_unit": ledger.policy.privacy_unit,
+        "examples_per_contribution": ledger.policy.examples_per_contribution,
         "entries": store.size(),
         "epoch": ledger.epoch(),
         "checkpoints": len(store.checkpoints()),

@@ -111,8 +111,16 @@ class PolicyFile(_Strict):
     origin: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9._~:/@+-]{1,255}$")]
     delta: PositiveReal
     accountant: Literal["prv", "rdp", "pld"]
-    sampling_rate: PositiveReal | None = None
-    expected_batch_size: PositiveInt | None = None
+    privacy_unit: Literal["example", "contribution"] = Field(
+        "example", description="what a neighbouring dataset differs by: one example, or one whole contribution "
+                               "(sampled at the policy's rate, its examples' gradients averaged, clipped together)")
+    examples_per_contribution: PositiveInt | None = Field(
+        None, description="with privacy_unit = 'contribution': the most examples a sampled contribution uses per "
+                          "step, drawn uniformly from it (public)")
+    sampling_rate: PositiveReal | None = Field(
+        None, description="Poisson rate q over the eligible units (examples, or contributions)")
+    expected_batch_size: PositiveInt | None = Field(
+        None, description="expected units per step (examples, or contributions); q = this over the eligible units")
     steps_per_epoch: PositiveInt
     retention_epochs: PositiveInt
     max_validity_days: PositiveInt = 365
@@ -131,6 +139,9 @@ class PolicyFile(_Strict):
             raise ValueError("sampling_rate must be at most 1")
         if self.delta >= 1:
             raise ValueError("delta must be less than 1")
+        if (self.privacy_unit == "contribution") != (self.examples_per_contribution is not None):
+            raise ValueError("examples_per_contribution is required with privacy_unit = 'contribution' and applies "
+                             "to it only")
         for name, cls in self.classes.items():
             if cls.clip_norm > self.floor.max_clip_norm:
                 raise ValueError(f"classes.{name}.clip_norm exceeds floor.max_clip_norm")
@@ -181,6 +192,8 @@ def policy_from_file(model: PolicyFile, base: Path) -> Policy:
         origin=model.origin,
         delta_p=units.delta_p(model.delta),
         accountant=model.accountant,
+        privacy_unit=model.privacy_unit,
+        examples_per_contribution=model.examples_per_contribution,
         sampling_rate_u=units.to_micro(model.sampling_rate, "up") if model.sampling_rate is not None else None,
         expected_batch_size=model.expected_batch_size,
         steps_per_epoch=model.steps_per_epoch,

@@ -20,6 +20,7 @@ from govtrain.encoding.fields import check_shape
 from govtrain.errors import Code, GovtrainError, IntegrityError
 
 ACCOUNTANTS = ("prv", "rdp", "pld")
+PRIVACY_UNITS = ("example", "contribution")
 PROFILE_KINDS = ("band", "fraction", "layers", "adapter")
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 ORIGIN = re.compile(r"[A-Za-z0-9._~:/@+-]{1,255}")  # a C2SP origin line: schema-less, no spaces
@@ -146,8 +147,12 @@ class Policy:
     origin: str
     delta_p: int
     accountant: str
-    sampling_rate_u: int | None
-    expected_batch_size: int | None
+    # What neighbouring datasets differ by (DESIGN §5): one example, or one whole contribution. Fixed in the
+    # header: a later policy entry may not change it, nor examples_per_contribution.
+    privacy_unit: str
+    examples_per_contribution: int | None  # contribution unit: most examples of a sampled contribution per step
+    sampling_rate_u: int | None  # q over the eligible units
+    expected_batch_size: int | None  # units per step
     steps_per_epoch: int
     retention_epochs: int
     max_validity_s: int
@@ -174,6 +179,12 @@ class Policy:
             raise bad("delta must be in (0, 1) and at least 1e-12")
         if self.accountant not in ACCOUNTANTS:
             raise bad(f"accountant must be one of {', '.join(ACCOUNTANTS)}")
+        if self.privacy_unit not in PRIVACY_UNITS:
+            raise bad(f"privacy_unit must be one of {', '.join(PRIVACY_UNITS)}")
+        if (self.privacy_unit == "contribution") != (self.examples_per_contribution is not None):
+            raise bad("examples_per_contribution is required with privacy_unit = 'contribution' and applies to it only")
+        if self.examples_per_contribution is not None and self.examples_per_contribution < 1:
+            raise bad("examples_per_contribution must be at least 1")
         if (self.sampling_rate_u is None) == (self.expected_batch_size is None):
             raise bad("give exactly one of sampling_rate and expected_batch_size")
         if self.sampling_rate_u is not None and not 0 < self.sampling_rate_u <= 1_000_000:
@@ -222,6 +233,8 @@ class Policy:
             "origin": self.origin,
             "delta_p": self.delta_p,
             "accountant": self.accountant,
+            "privacy_unit": self.privacy_unit,
+            "examples_per_contribution": self.examples_per_contribution,
             "sampling_rate_u": self.sampling_rate_u,
             "expected_batch_size": self.expected_batch_size,
             "steps_per_epoch": self.steps_per_epoch,
@@ -236,6 +249,17 @@ class Policy:
             "attesters": [a.to_record() for a in self.attesters],
             "ledger_keys": [k.to_record() for k in self.ledger_keys],
         }
+
+    @property
+    def unit(self) -> str:
+        """The privacy unit as the header fixes it: 'example', or 'contribution (at most N examples)'."""
+        if self.privacy_unit == "contribution":
+            return f"contribution (at most {self.examples_per_contribution} examples)"
+        return self.privacy_unit
+
+    def sampling_units(self, records: int) -> int:
+        """How many sampling units a contribution of `records` examples is: each example, or the whole of it."""
+        return 1 if self.privacy_unit == "contribution" else records
 
     def digest(self) -> bytes:
         """SHA-256 of the canonical record; identifies the policy a gate or cache was built for."""
@@ -283,6 +307,8 @@ class Policy:
             origin=top["origin"],
             delta_p=top["delta_p"],
             accountant=top["accountant"],
+            privacy_unit=top["privacy_unit"],
+            examples_per_contribution=top["examples_per_contribution"],
             sampling_rate_u=top["sampling_rate_u"],
             expected_batch_size=top["expected_batch_size"],
             steps_per_epoch=top["steps_per_epoch"],
@@ -310,7 +336,8 @@ def _screen(raw: bytes, where: str, error: type[GovtrainError]) -> None:
 
 _NULLABLE_INT = (int, type(None))
 _POLICY_SPEC = {
-    "origin": str, "delta_p": int, "accountant": str, "sampling_rate_u": _NULLABLE_INT,
+    "origin": str, "delta_p": int, "accountant": str, "privacy_unit": str,
+    "examples_per_contribution": _NULLABLE_INT, "sampling_rate_u": _NULLABLE_INT,
     "expected_batch_size": _NULLABLE_INT, "steps_per_epoch": int, "retention_epochs": int,
     "max_validity_s": int, "clock_skew_s": int, "floor": dict, "classes": dict, "attesters": list,
     "ledger_keys": list,

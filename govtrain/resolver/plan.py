@@ -75,8 +75,9 @@ def plan_run(ledger: Ledger, steps: int, expected_batch_size: int | None = None,
     admitted, withdrawn, compacted = read_corpus(ledger)
     eligible = {cid: a for cid, a in admitted.items() if cid not in withdrawn}
     records = sum(a.records for a in eligible.values())
-    q_u, batch = sampling_rate_for(policy, expected_batch_size, records, option="--expected-batch-size",
-                                   code=Code.BAD_ARGUMENT)
+    q_u, batch = sampling_rate_for(policy, expected_batch_size, sum(policy.sampling_units(a.records)
+                                                                    for a in eligible.values()),
+                                   option="--expected-batch-size", code=Code.BAD_ARGUMENT)
 
     classes = dict(policy.classes)
     resolution = None
@@ -121,9 +122,12 @@ def plan_run(ledger: Ledger, steps: int, expected_batch_size: int | None = None,
         "steps": steps,
         "first_epoch": epoch,
         "steps_per_epoch": steps_per_epoch,
+        "privacy_unit": policy.privacy_unit,
+        "examples_per_contribution": policy.examples_per_contribution,
         "sampling_rate": q_u / units.MICRO,
         "expected_batch_size": batch,
         "eligible_records": records,
+        "eligible_contributions": len(eligible),
         "withdrawn": len(withdrawn),
         "compacted": compacted,
         "model": None if layout is None else layout.name,
@@ -137,8 +141,9 @@ def plan_run(ledger: Ledger, steps: int, expected_batch_size: int | None = None,
 
 def sampling_rate_for(policy, expected_batch_size: int | None, records: int, *, option: str,
                       code: Code) -> tuple[int, float]:
-    """(q_u, expected batch size) over `records` eligible examples: the policy's fixed rate, or the expected
-    batch size (`option`, else the policy's) divided by the examples, rounded up (a larger q charges more)."""
+    """(q_u, expected batch size) over `records` eligible sampling units (examples, or contributions under
+    privacy_unit = "contribution": `Policy.sampling_units`): the policy's fixed rate, or the expected batch size
+    (`option`, else the policy's) divided by the units, rounded up (a larger q charges more)."""
     if policy.sampling_rate_u is not None:
         if expected_batch_size is not None:
             raise ConfigError(code, f"this policy fixes sampling_rate = {units.format_micro(policy.sampling_rate_u)}; "
@@ -151,7 +156,8 @@ def sampling_rate_for(policy, expected_batch_size: int | None, records: int, *, 
     if records == 0:
         return 0, batch
     if batch > records:
-        raise ConfigError(code, f"expected batch size {batch} exceeds the {records} eligible examples")
+        raise ConfigError(code, f"expected batch size {batch} exceeds the {records} eligible "
+                                f"{policy.privacy_unit}s")
     return -(-batch * units.MICRO // records), batch
 
 

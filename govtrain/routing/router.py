@@ -231,11 +231,12 @@ class Router:
     # -- the step --------------------------------------------------------------------------------
 
     def privatize(self, losses: Tensor, classes: Sequence[str], clip_norms: Tensor | Sequence[float],
-                  group_std: Mapping[frozenset, float], expected_batch_size: float) -> StepReport:
+                  group_std: Mapping[frozenset, float], expected_batch_size: float,
+                  units: Tensor | Sequence[int] | None = None) -> StepReport:
         """Replace every reachable parameter's `.grad` with the privatized gradient of sum(losses): one logical
-        step on one physical batch (`begin`, `accumulate`, `finish`)."""
+        step on one physical batch (`begin`, `accumulate` (with `units`: per contribution), `finish`)."""
         self.begin()
-        report = self.accumulate(losses, classes, clip_norms)
+        report = self.accumulate(losses, classes, clip_norms, units)
         self.finish(group_std, expected_batch_size)
         return report
 
@@ -256,10 +257,16 @@ class Router:
         if self.tangent is not None:
             self.tangent.begin()
 
-    def accumulate(self, losses: Tensor, classes: Sequence[str], clip_norms: Tensor | Sequence[float]) -> StepReport:
-        """Add the clipped per-sample gradients of one chunk (the captured forward that gave `losses`)."""
+    def accumulate(self, losses: Tensor, classes: Sequence[str], clip_norms: Tensor | Sequence[float],
+                   units: Tensor | Sequence[int] | None = None) -> StepReport:
+        """Add the clipped gradients of one chunk (the captured forward that gave `losses`, one per example).
+
+        Without `units` every example is clipped on its own, and `classes` and `clip_norms` are per example.
+        With `units` (one index in [0, U) per example; DESIGN §5, privacy_unit = "contribution") the examples
+        of a unit are averaged first and the average is what is restricted to the unit's profile and clipped
+        to its C_i: `classes` and `clip_norms` are then per unit. Every example of a unit must be in this chunk."""
         try:
-            totals, report = self._clipped_sum(losses, classes, clip_norms)
+            totals, report = self._clipped_sum(losses, classes, clip_norms, units)
         finally:
             for tap in self.taps.values():
                 tap.clear()
@@ -277,21 +284,30 @@ class Router:
         self._totals = None
         self._finish(totals, group_std, expected_batch_size)
 
-    def _clipped_sum(self, losses: Tensor, classes: Sequence[str], clip_norms) -> tuple[dict[str, Tensor], StepReport]:
-        batch = len(classes)
-        if losses.dim() != 1 or losses.shape[0] != batch:
-            raise ValueError(f"need one loss per example: got shape {tuple(losses.shape)} for {batch} examples")
+    def _clipped_sum(self, losses: Tensor, classes: Sequence[str], clip_norms,
+                     units: Tensor | Sequence[int] | None) -> tuple[dict[str, Tensor], StepReport]:
+        batch = len(classes)  # clipping units: examples, or contributions
+        examples = batch if units is None else len(units)
+        if losses.dim() != 1 or losses.shape[0] != examples:
+            raise ValueError(f"need one loss per example: got shape {tuple(losses.shape)} for {examples} examples")
+        if units is not None:
+            units = torch.as_tensor(units, dtype=torch.long, device=losses.device)
+            counts = torch.bincount(units, minlength=batch) if examples else torch.zeros(batch, dtype=torch.long)
+            if units.dim() != 1 or (examples and (int(units.min()) < 0 or int(units.max()) >= batch)) \
+                    or counts.shape[0] != batch or not bool((counts > 0).all()):
+                raise ValueError(f"need one unit in [0, {batch}) per example, and at least one example per unit")
+            losses = losses / counts[units].to(losses.dtype)  # a unit's gradient is its examples' mean
         unknown = sorted(set(classes) - self.masks.keys())
         if unknown:
             raise ValueError(f"class {unknown[0]!r} has no resolved profile")
         dtype = _accumulator(losses.dtype)  # norms, clipping and sums never below fp32, whatever autocast ran in
         clip = torch.as_tensor(clip_norms, dtype=dtype, device=losses.device)
         if clip.shape != (batch,) or not bool((clip > 0).all()):
-            raise ValueError("need one positive clipping norm per example")
+            raise ValueError("need one positive clipping norm per clipping unit (example or contribution)")
         # Rounding favours privacy: clip to a hair under C_i, so that a norm computed in floating point (fp32
         # rounds at ~1e-7) never lets a released per-sample gradient exceed the C_i the accountant charges.
         clip = clip * (1 - 8 * torch.finfo(dtype).eps)
-        self._check_layout(batch)  # before autograd: nothing per-sample is formed from a call that is refused
+        self._check_layout(examples)  # before autograd: nothing per-sample is formed from a call that is refused
         taps = [t for t in self.taps.values() if t.shapes]
         # Gradients flow to the reached parameters of the recorded modules (autograd stops at the deepest);
         # the hooks on the recorded outputs see every output gradient on the way (`_received`). What autograd
@@ -300,6 +316,9 @@ class Router:
         self._dtype = dtype
         if requested:
             torch.autograd.grad(losses.sum(), requested, allow_unused=True)
+        if units is not None:  # from here on a "sample" is a unit: its examples' gradients summed
+            for tap in taps:
+                _group_calls(tap, units, batch)
         rows = {c: torch.tensor([i for i, k in enumerate(classes) if k == c], dtype=torch.long, device=losses.device)
                 for c in sorted(set(classes))}
 
@@ -382,6 +401,34 @@ class Router:
 
     def _module_of(self, name: str) -> nn.Module:
         return next(t.module for t in self.taps.values() if name in t.leaves.values())
+
+
+def _group_calls(tap: _Tap, units: Tensor, count: int) -> None:
+    """Rewrite what one tapped module recorded so that row u holds unit u's examples: each call's input and
+    output gradient [B, T, ...] become [U, M·T, ...] (a unit's examples side by side along the token axis,
+    zero-padded to the largest unit's M examples; zero rows add nothing to a norm or a sum), and gradients
+    already formed per example are summed per unit. Every per-sample rule then sees units as samples: the
+    gradient of a Linear, LayerNorm or Embedding is a sum over tokens, and a unit's is the sum over its
+    examples' tokens."""
+    sizes = torch.bincount(units, minlength=count)
+    order = torch.argsort(units, stable=True)
+    slot = torch.empty_like(units)  # position of each example inside its unit
+    slot[order] = torch.arange(units.shape[0], device=units.device) - (torch.cumsum(sizes, 0) - sizes)[units[order]]
+    width = int(sizes.max()) if count else 0
+
+    def regroup(x: Tensor, *, ids: bool = False) -> Tensor:
+        out = x.new_zeros((count, width, *x.shape[1:]))
+        out[units, slot] = x
+        if ids:  # an embedding's token ids [B, T]: one row of M·T ids per unit
+            return out.reshape(count, -1)
+        return out if x.dim() == 2 else out.reshape(count, width * x.shape[1], *x.shape[2:])
+
+    embedding = isinstance(tap.module, nn.Embedding)
+    for index, (a, g) in enumerate(zip(tap.inputs, tap.grads)):
+        if a is not None and g is not None:
+            tap.inputs[index], tap.grads[index] = regroup(a, ids=embedding), regroup(g)
+    for leaf, per in tap.formed.items():
+        tap.formed[leaf] = per.new_zeros((count, *per.shape[1:])).index_add_(0, units, per)
 
 
 def _accumulator(dtype: torch.dtype) -> torch.dtype:

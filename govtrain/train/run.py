@@ -187,8 +187,16 @@ class Run:
             raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.data: no file in {config.data_dir} matches an "
                                                        "admitted, not withdrawn contribution")
         records = sum(admitted[c].records for c in present)
-        q_u, expected_batch = sampling_rate_for(policy, training.expected_batch_size, records,
+        q_u, expected_batch = sampling_rate_for(policy, training.expected_batch_size,
+                                                sum(policy.sampling_units(admitted[c].records) for c in present),
                                                 option="training.expected_batch_size", code=Code.RUN_CONFIG_INVALID)
+        self.per_contribution = policy.examples_per_contribution  # None: the privacy unit is the example
+        if self.per_contribution is not None and training.physical_batch is not None \
+                and training.physical_batch < self.per_contribution:
+            raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.physical_batch = {training.physical_batch} is less "
+                                                       "than the policy's examples_per_contribution "
+                                                       f"({self.per_contribution}): a contribution's examples are "
+                                                       "clipped together and must fit in one chunk")
 
         # The model, on its device and at its precision: how the step is computed, never what it releases.
         adapters = sorted({c.profile.adapter for c in policy.classes.values() if c.profile.kind == "adapter"})
@@ -217,6 +225,7 @@ class Run:
         position = {c: i for i, c in enumerate(ids)}
         members = [admitted[c].member for c in ids]
         self.owner = np.array([position[c] for c in examples.owner], dtype=np.int64)
+        self.members = [np.flatnonzero(self.owner == k) for k in range(len(ids))]  # each contribution's examples
         self.signed_clip = {m.contribution_id: m.clip_norm_u / units.MICRO for m in members}
         self.classes = {m.contribution_id: m.data_class for m in members}
 
@@ -239,9 +248,11 @@ class Run:
             raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.run_id: run {run_id!r} already wrote spend to "
                                                        "this ledger; resume it from its state file, or give this run "
                                                        "another id")
-        log(f"{run_id}: {self.total} {training.mechanism} steps, q = {q_u / units.MICRO:g} (expected batch "
-            f"{expected_batch:g} of {records} examples from {len(present)} contributions), {policy.accountant} at "
-            f"delta = {policy.delta_p / 1e12:g}")
+        drawn = (f"{expected_batch:g} of {records} examples from {len(present)} contributions" if
+                 self.per_contribution is None else f"{expected_batch:g} of {len(present)} contributions, at most "
+                 f"{self.per_contribution} examples each: epsilon per contribution")
+        log(f"{run_id}: {self.total} {training.mechanism} steps, q = {q_u / units.MICRO:g} (expected batch {drawn}), "
+            f"{policy.accountant} at delta = {policy.delta_p / 1e12:g}")
 
     # -- per ledger epoch ------------------------------------------------------------------------------
 
@@ -304,25 +315,28 @@ class Run:
         step = result.steps - self.pending["first_step"]
         gone = self.ledger.store.withdrawals()
         live = np.array([self._allowed[i] > step and self.ids[i] not in gone for i in range(len(self.ids))], dtype=bool)
-        chosen = self.sampler.sample(np.flatnonzero(live[self.owner]) if len(self.owner) else np.zeros(0, int))
+        chunks = self._draw(live)
         if self.observe is not None:
-            self.observe(result.steps, [examples.owner[i] for i in chosen])
-        chunk, autocast = self.chunk, self._autocast
+            self.observe(result.steps, [examples.owner[i] for part, _ in chunks for i in part])
+        autocast = self._autocast
         router.begin()
-        loss_sum = 0.0
-        for start in range(0, len(chosen), chunk or max(len(chosen), 1)):  # physical chunks, one logical step
-            part = chosen[start:start + chunk] if chunk else chosen
+        loss_sum, drawn = 0.0, 0
+        for part, units in chunks:  # physical chunks, one logical step
             batch = self.task.encode([examples.items[i] for i in part], self.tokenizer, self.config.file.model.max_length,
                                      self.device)
             with router.capture(), autocast():
                 output = self.model(**batch.inputs)
             losses = self.task.per_example_loss(output, batch)  # one per example, fp32
-            who = [examples.owner[i] for i in part]
-            router.accumulate(losses, [self.classes[c] for c in who], [self.signed_clip[c] for c in who])
+            if units is None:  # each example is clipped on its own
+                who = [examples.owner[i] for i in part]
+            else:  # each contribution's examples are averaged, then clipped together
+                who = [examples.owner[part[i]] for i in range(len(part)) if i == 0 or units[i] != units[i - 1]]
+            router.accumulate(losses, [self.classes[c] for c in who], [self.signed_clip[c] for c in who], units=units)
             loss_sum += float(losses.detach().sum())
+            drawn += len(part)
             del batch, output, losses
         router.finish(self._group_std, self.pending["expected_batch"])  # noise once per logical step
-        loss = loss_sum / len(chosen) if len(chosen) else float("nan")
+        loss = loss_sum / drawn if drawn else float("nan")
         self.update.step(router.noise_std)
         self.update.zero_grad()
         result.steps += 1
@@ -330,6 +344,32 @@ class Run:
         if result.steps % self.checkpoint_every == 0:
             self._save()
         return loss
+
+    def _draw(self, live) -> list[tuple[list[int], list[int] | None]]:  # type: ignore[no-untyped-def]
+        """One step's Poisson draw over the live units, as physical chunks of (example indices, the unit of
+        each example or None). Example unit: q over the live examples, chunks of at most physical_batch.
+        Contribution unit: q over the live contributions, each drawn one using at most examples_per_contribution
+        of its examples (uniformly); chunks hold whole contributions."""
+        import numpy as np
+
+        chunk = self.chunk
+        if self.per_contribution is None:
+            chosen = self.sampler.sample(np.flatnonzero(live[self.owner]) if len(self.owner) else np.zeros(0, int))
+            size = chunk or max(len(chosen), 1)
+            return [(chosen[i:i + size].tolist(), None) for i in range(0, len(chosen), size)]
+        chunks: list[tuple[list[int], list[int] | None]] = []
+        part: list[int] = []
+        units: list[int] = []
+        for k in self.sampler.sample(np.flatnonzero(live)):
+            taken = self.sampler.take(self.members[k], self.per_contribution).tolist()
+            if part and chunk is not None and len(part) + len(taken) > chunk:
+                chunks.append((part, units))
+                part, units = [], []
+            units += [units[-1] + 1 if units else 0] * len(taken)
+            part += taken
+        if part:
+            chunks.append((part, units))
+        return chunks
 
     def close_epoch(self) -> None:
         """Close the ledger epoch (unless another run already did), record each class's epsilon and save."""
@@ -383,8 +423,8 @@ class Run:
         recorded, withdrawn_now, _ = read_corpus(self.ledger)
         live = sorted(c for c in self.present if c not in withdrawn_now and c in recorded)
         q, batch = sampling_rate_for(self.policy, self.config.file.training.expected_batch_size,
-                                     sum(recorded[c].records for c in live), option="training.expected_batch_size",
-                                     code=Code.RUN_CONFIG_INVALID)
+                                     sum(self.policy.sampling_units(recorded[c].records) for c in live),
+                                     option="training.expected_batch_size", code=Code.RUN_CONFIG_INVALID)
         return cohorts_of([recorded[c].member for c in live],
                           {c: (tuple(recorded[c].history), recorded[c].eps_u) for c in live},
                           [c for c in live if recorded[c].retired or c in self._retired_here]), q, batch

@@ -259,12 +259,13 @@ class _Audit:
         """A redacted admit or withdrawal still moves the live records that bound q (step 5), by what its
         summary committed to: a later spend was written while its body was there."""
         if stored.kind == "admit" and stored.seq in self.retired:
-            self.live_records += self.retired[stored.seq]["records"]
+            self.live_records += self.policy.sampling_units(self.retired[stored.seq]["records"])
         elif stored.kind == "withdraw":
             if self._retired_withdrawals is None:
                 self._retired_withdrawals = {r["withdraw_seq"]: r["records"] for r in self.retired.values()
                                              if r["withdraw_seq"] is not None}
-            self.live_records -= self._retired_withdrawals.get(stored.seq, 0)
+            if stored.seq in self._retired_withdrawals:
+                self.live_records -= self.policy.sampling_units(self._retired_withdrawals[stored.seq])
 
     def _set_policy(self, seq: int, record: dict) -> None:
         previous = self.policy
@@ -272,6 +273,9 @@ class _Audit:
             self.policy = Policy.from_record(record)
         except GovtrainError as e:
             raise _Failure(Code.BAD_LEDGER_HEADER, f"entry {seq}: policy: {e.detail}", seq=seq) from e
+        if previous is not None and previous.unit != self.policy.unit:
+            raise _Failure(Code.POLICY_UNAUTHORISED, f"entry {seq}: a policy change may not change the privacy unit "
+                           f"({previous.unit} to {self.policy.unit})", seq=seq)
         if previous is not None:
             self.unauthorised.append((seq, previous))  # step 6: the next checkpoint must carry its signature
         self.policies.append((seq, self.policy))
@@ -321,7 +325,7 @@ class _Audit:
         self.data_files[entry["data_sha256"]] = seq
         self.contributions[entry["contribution_id"]] = _Contribution(
             seq, leaf, entry["data_class"], entry["noise_multiplier_u"], entry["eps_budget_u"], entry["records"])
-        self.live_records += entry["records"]
+        self.live_records += self.policy.sampling_units(entry["records"])
 
     def _withdraw(self, seq: int, entry: dict, leaf: bytes) -> None:
         c = self.contributions.get(entry["contribution_id"])
@@ -331,7 +335,7 @@ class _Audit:
         if c.withdrawn_at is not None:
             raise _Failure(Code.BAD_WITHDRAWAL, f"entry {seq}: already withdrawn by entry {c.withdrawn_at}", seq=seq)
         c.withdrawn_at = seq
-        self.live_records -= c.records
+        self.live_records -= self.policy.sampling_units(c.records)
 
     def _epoch(self, seq: int, entry: dict, leaf: bytes) -> None:
         if entry["epoch"] != self.epoch:
@@ -352,6 +356,8 @@ class _Audit:
             raise bad(f"spend for a contribution withdrawn by entry {c.withdrawn_at}")
         if entry["accountant"] != self.policy.accountant or entry["delta_p"] != self.policy.delta_p:
             raise bad("accountant or delta differs from the policy's")
+        if entry["privacy_unit"] != self.policy.privacy_unit:
+            raise bad(f"privacy unit {entry['privacy_unit']!r} differs from the header's {self.policy.privacy_unit!r}")
         if self.policy.sampling_rate_u is not None and entry["sampling_rate_u"] != self.policy.sampling_rate_u:
             raise bad("sampling rate differs from the policy's")
         if entry["noise_multiplier_u"] < c.noise_multiplier_u:
