@@ -175,7 +175,7 @@ def _batch_items(directory: Path) -> list[tuple[str, bytes, Path]]:
 @click.option("--data", "data_path", type=click.Path(),
               help="The data file or dataset directory the attestation binds.")
 @click.option("--batch", "batch_dir", type=click.Path(file_okay=False),
-              help="Admit every DIR/X.cose with its data file DIR/X (batched commits).")
+              help="Admit every DIR/X.cose with its data DIR/X, a file or dataset directory (batched commits).")
 @ledger_option
 @signing_key_option
 @json_option
