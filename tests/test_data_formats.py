@@ -160,37 +160,42 @@ def test_a_file_can_never_carry_a_tree_hash(tmp_path: Path):
         impostor = impostor.with_suffix(suffix)
 
 
-def test_links_special_files_and_odd_names_are_refused(tmp_path: Path):
-    root = _tree(tmp_path / "t", {"data.arrow": b"x"}, ["data.arrow"])
-    outside = tmp_path / "outside.txt"
-    outside.write_bytes(b"secret")
-    cases = []
-    (root / "link").symlink_to(outside)
-    cases.append(("link", root / "link"))
-    (root / "dirlink").symlink_to(tmp_path, target_is_directory=True)
-    cases.append(("dirlink", root / "dirlink"))
-    os.mkfifo(root / "pipe")
-    cases.append(("pipe", root / "pipe"))
-    bad_name = os.fsencode(root) + b"/\xff.arrow"
-    with open(bad_name, "wb") as handle:
+def _plant_file_link(root: Path, outside: Path) -> None:
+    (root / "link.arrow").symlink_to(outside)
+
+
+def _plant_directory_link(root: Path, outside: Path) -> None:
+    (root / "sub").mkdir()
+    (root / "sub" / "up").symlink_to(outside.parent, target_is_directory=True)
+
+
+def _plant_fifo(root: Path, outside: Path) -> None:
+    os.mkfifo(root / "pipe")  # opened without blocking, then refused
+
+
+def _plant_non_utf8_name(root: Path, outside: Path) -> None:
+    with open(os.fsencode(root) + b"/\xff.arrow", "wb") as handle:
         handle.write(b"y")
-    cases.append(("not UTF-8", Path(os.fsdecode(bad_name))))
-    for what, path in cases:
-        for other in cases:
-            if other[1] != path and (other[1].exists() or other[1].is_symlink()):
-                other[1].rename(tmp_path / f"aside-{other[0]}")
-        with pytest.raises(ConfigError) as e:
-            read_data(root)
-        assert e.value.code is Code.BAD_DATA and "nothing was digested" in e.value.detail, what
-        with pytest.raises(AdmissionError) as e:
-            inspect_data(root)
-        assert e.value.code is Code.BAD_DATA, what
-        for other in cases:
-            if (tmp_path / f"aside-{other[0]}").exists() or (tmp_path / f"aside-{other[0]}").is_symlink():
-                (tmp_path / f"aside-{other[0]}").rename(other[1])
-    for _, path in cases:
-        path.unlink()
-    assert read_data(root).sha256 == tree_sha256({"data.arrow": b"x"})
+
+
+@pytest.mark.parametrize("plant", [_plant_file_link, _plant_directory_link, _plant_fifo, _plant_non_utf8_name])
+def test_links_special_files_and_odd_names_are_refused(tmp_path: Path, plant):
+    root = _tree(tmp_path / "t", {"data.arrow": b"x"}, ["data.arrow"])
+    outside = tmp_path / "outside.arrow"
+    outside.write_bytes(b"secret")
+    plant(root, outside)
+    with pytest.raises(ConfigError) as e:
+        read_data(root)
+    assert e.value.code is Code.BAD_DATA and "nothing was digested" in e.value.detail
+    with pytest.raises(AdmissionError) as e:
+        inspect_data(root)
+    assert e.value.code is Code.BAD_DATA
+
+
+def test_a_tree_without_files_is_refused_and_data_itself_may_be_a_link(tmp_path: Path):
+    root = _tree(tmp_path / "t", {"data.arrow": b"x"}, ["data.arrow"])
+    (tmp_path / "alias").symlink_to(root, target_is_directory=True)
+    assert read_data(tmp_path / "alias").sha256 == read_data(root).sha256 == tree_sha256({"data.arrow": b"x"})
     (root / "data.arrow").unlink()
     (root / "empty").mkdir()
     with pytest.raises(ConfigError) as e:

@@ -6,7 +6,7 @@ The format is picked by the file's suffix, the same way at `attest`, at the gate
 | suffix | format | row | where |
 |---|---|---|---|
 | `.jsonl` `.ndjson` `.json` | JSON Lines: one JSON object per non-blank line; only `\\n` ends a record | the object | `name:LINE` |
-| `.csv` | CSV (RFC 4180 quoting), UTF-8 (a leading BOM is dropped), a header row of unique non-empty names, then one record per row with exactly as many fields; empty lines are skipped | header → cell, a `str`; in `integer_columns` a cell that is a decimal integer literal (`-?[0-9]+`) becomes an `int` | `name:LINE` (where the record starts) |
+| `.csv` | CSV (RFC 4180 quoting), UTF-8 (a leading BOM is dropped), a header row of unique non-empty names, then one record per row with exactly as many fields; empty lines are skipped; a cell holds at most `csv.field_size_limit()` characters | header → cell, a `str`; in `integer_columns` a cell that is a decimal integer literal (`-?[0-9]+`) becomes an `int` | `name:LINE` (where the record starts) |
 | `.parquet` | Apache Parquet | column → value, as pyarrow converts it | `name:row N` |
 
 CSV has no types, so a label column of digits would otherwise reach the task as text: the caller names the
