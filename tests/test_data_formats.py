@@ -22,7 +22,8 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 from govtrain.attest.attest import attest  # noqa: E402
 from govtrain.cli.main import cli  # noqa: E402
-from govtrain.data import TREE_DOMAIN, BadData, data_rows, inspect_data, read_data, tree_sha256  # noqa: E402
+from govtrain.data import (TREE_DOMAIN, BadData, data_rows, inspect_data, read_data,  # noqa: E402
+                           require_columns, tree_sha256)
 from govtrain.errors import AdmissionError, Code, ConfigError  # noqa: E402
 from govtrain.gate.admission import admit  # noqa: E402
 from govtrain.tasks import Classification  # noqa: E402
@@ -412,7 +413,8 @@ def test_a_missing_column_is_one_bad_data_line_naming_the_row_and_column(saved_d
     with pytest.raises(ConfigError) as e:
         load_examples(folder, {read_data(entry).sha256: "c"}, task, integer_columns=("rating",))
     assert e.value.code is Code.BAD_DATA and e.value.line().count("\n") == 0
-    assert e.value.detail.startswith(f"{where}: ") and '"rating"' in e.value.detail
+    assert e.value.detail == (f"{where}: no column 'rating' (the row has 'review', 'stars'); [data] in RUN.toml "
+                              "names the columns to read")
 
 
 def test_bytes_read_as_another_format_than_attested_are_refused(tmp_path: Path):
@@ -437,3 +439,15 @@ def test_a_bad_record_found_in_training_is_bad_data(tmp_path: Path):
     assert (e.value.code, e.value.detail) == (Code.BAD_DATA, "r.csv:3: 1 fields, the header has 2")
     with pytest.raises(BadData):
         list(data_rows(read_data(path)))
+
+
+def test_require_columns_names_the_first_missing_column_and_what_the_row_has():
+    require_columns({"a": 1, "b": 2}, ("b", "a"), "x.csv:2")
+    wide = {f"c{i:02d}": i for i in range(10)}
+    for row, detail in (({}, "x.csv:2: no column 'a' (the row has none)"),
+                        ({"a": 1}, "x.csv:2: no column 'b' (the row has 'a')"),
+                        (wide, "x.csv:2: no column 'a' (the row has 'c00', 'c01', 'c02', 'c03', 'c04', 'c05', 'c06', "
+                               "'c07', …)")):
+        with pytest.raises(ConfigError) as e:
+            require_columns(row, ("a", "b"), "x.csv:2")
+        assert e.value.code is Code.BAD_DATA and e.value.detail.startswith(detail), e.value.detail
