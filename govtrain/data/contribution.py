@@ -39,6 +39,11 @@ class DataBytes:
     raw: bytes | None = None
     tree: Tree | None = None
 
+    @property
+    def name(self) -> str:
+        """How errors name it: the file or directory name (of the working directory for ".")."""
+        return self.path.name or self.path.absolute().name
+
 
 def read_data(path: str | os.PathLike, *, error: type[GovtrainError] = ConfigError) -> DataBytes:
     """Read and digest a data file or dataset directory; `error` is the family of the one-line error."""
@@ -58,10 +63,10 @@ def read_data(path: str | os.PathLike, *, error: type[GovtrainError] = ConfigErr
 def data_rows(data: DataBytes, *, integer_columns: Collection[str] = ()) -> Iterator[Row]:
     """The rows of data read by `read_data`; raises `BadData` at the first record that cannot be read."""
     if data.tree is not None:
-        return dataset_rows(data.tree, data.path.name)
+        return dataset_rows(data.tree, data.name)
     assert data.raw is not None
-    _refuse_tree_domain(data.raw, data.path.name)
-    return file_rows(data.raw, data.path.name, data.path.suffix, integer_columns)
+    _refuse_tree_domain(data.raw, data.name)
+    return file_rows(data.raw, data.name, data.path.suffix, integer_columns)
 
 
 def inspect_data(path: str | os.PathLike, *, error: type[GovtrainError] = AdmissionError) -> DataSummary:

@@ -65,10 +65,11 @@ def tree_sha256(files: dict[str, bytes]) -> bytes:
 def read_tree(root: Path) -> Tree:
     """Every regular file under `root`, read once, and their tree hash. Raises `BadData` for what the tree
     hash refuses and `OSError` when a file cannot be read."""
+    label = root.name or root.absolute().name
     files: dict[str, bytes] = {}
-    _walk(root, "", files, root.name)
+    _walk(root, "", files, label)
     if not files:
-        raise BadData(root.name, "the directory holds no file")
+        raise BadData(label, "the directory holds no file")
     ordered = dict(sorted(files.items(), key=lambda item: item[0].encode("utf-8")))
     return Tree(ordered, tree_sha256(ordered))
 

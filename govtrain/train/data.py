@@ -51,7 +51,7 @@ def load_examples(folder: Path, digests: Mapping[bytes, str], task, *,  # type: 
         found.add(contribution)
         rows = _rows(data, integer_columns)
         if records is not None and len(rows) != records[contribution]:
-            raise ConfigError(Code.BAD_DATA, f"{data.path.name}: {len(rows)} records read, the attestation of "
+            raise ConfigError(Code.BAD_DATA, f"{data.name}: {len(rows)} records read, the attestation of "
                                              f"{contribution} declares {records[contribution]}; keep the name "
                                              "(and suffix) the data was attested with")
         for where, row in rows:
