@@ -133,6 +133,30 @@ def test_examples_are_matched_by_digest_and_split_on_newlines_only(tmp_path: Pat
         load_examples(tmp_path, {hashlib.sha256(good.read_bytes()).digest(): "c1"}, Classification(num_labels=2))
 
 
+def test_train_reads_csv_examples_by_the_data_columns_of_run_toml(corpus: Corpus, tiny_model: Path):
+    """CSV cells are text: the run turns its `label_column`'s integer cells into labels, and checks the count."""
+    import csv
+
+    from govtrain.attest.attest import attest
+
+    path = corpus.dir / "data" / "reviews.csv"
+    path.parent.mkdir(exist_ok=True)
+    with path.open("w", newline="") as handle:
+        csv.writer(handle).writerows([("review", "stars"), *((f"{WORDS[i % 9]} movie", i % 2) for i in range(20))])
+    cose, _ = attest(path, key=corpus.attester_key, contributor="c", data_class="public", clip_norm="1",
+                     noise_multiplier="1", eps_budget="5", valid_days=7, contribution_id="csv", now=corpus.now)
+    with corpus.open() as ledger:
+        admit(ledger, cose, path, now=corpus.now)
+    config = _config(corpus, tiny_model, 2, extra='[data]\ntext_column = "review"\nlabel_column = "stars"')
+    result = CliRunner().invoke(cli, ["train", "--config", str(config), "--ledger", corpus.url, "--insecure-seed",
+                                      "1", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["steps"] == 2
+    config.write_text(config.read_text().replace('"stars"', '"rating"'))
+    result = CliRunner().invoke(cli, ["train", "--config", str(config), "--ledger", corpus.url])
+    assert result.exit_code == 2 and result.stderr.startswith("error[bad_data]: reviews.csv:2: no column 'rating'")
+
+
 def test_a_killed_run_resumes_without_under_counting(corpus: Corpus, tiny_model: Path):
     from govtrain.ledger.entries import decode_entry
     from govtrain.train.config import load_run_config

@@ -1,4 +1,4 @@
-"""The contributor's side: describe a data file and sign the description."""
+"""The contributor's side: describe a data file or dataset directory and sign the description."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from govtrain.attest.cose import sign_attestation
 from govtrain.attest.descriptor import CONTRIBUTION_ID, Descriptor, new_descriptor
 from govtrain.attest.keys import load_private_key
 from govtrain.errors import Code, ConfigError, GovtrainError
-from govtrain.gate.data import inspect_data
+from govtrain.data import inspect_data
 
 DEFAULT_VALID_DAYS = 90
 
@@ -40,8 +40,8 @@ def attest(
     """
     private_key = load_private_key(key)
     summary = inspect_data(data, error=ConfigError)
-    if summary.first_bad_line is not None:
-        raise ConfigError(Code.BAD_DATA, f"{data} line {summary.first_bad_line}: {summary.bad_reason}")
+    if summary.problem is not None:
+        raise ConfigError(Code.BAD_DATA, summary.problem)
     if summary.records == 0:
         raise ConfigError(Code.BAD_DATA, f"{data} holds no records")
     if not 1 <= valid_days <= 36_500:

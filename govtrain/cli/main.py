@@ -105,7 +105,7 @@ def init(policy_path: str, ledger_url: str, key_path: str, as_json: bool) -> Non
 
 
 @cli.command("attest", cls=Command, context_settings=CONTEXT_SETTINGS)
-@click.argument("data", type=click.Path(dir_okay=False))
+@click.argument("data", type=click.Path())
 @click.option("--key", "key_path", required=True, type=click.Path(dir_okay=False), help="Attester private key.")
 @click.option("--contributor", required=True, help="Contributor identity.")
 @click.option("--class", "data_class", required=True, help="Admissibility class, as named by the policy.")
@@ -121,7 +121,10 @@ def init(policy_path: str, ledger_url: str, key_path: str, as_json: bool) -> Non
 def attest_command(data: str, key_path: str, contributor: str, data_class: str, clip_norm: str,
                    noise_multiplier: str, eps_budget: str, valid_days: int, contribution_id: str | None,
                    out_path: str, as_json: bool) -> None:
-    """Sign an attestation (COSE_Sign1) describing a contribution's data file."""
+    """Sign an attestation (COSE_Sign1) describing a contribution's data.
+
+    DATA is a .jsonl, .csv or .parquet file, or a directory written by datasets' save_to_disk.
+    """
     from govtrain.attest.attest import attest
 
     cose, descriptor = attest(data, key=key_path, contributor=contributor, data_class=data_class,
@@ -169,9 +172,10 @@ def _batch_items(directory: Path) -> list[tuple[str, bytes, Path]]:
 
 @cli.command("admit", cls=Command, context_settings=CONTEXT_SETTINGS)
 @click.argument("attestation", required=False, type=click.Path(dir_okay=False))
-@click.option("--data", "data_path", type=click.Path(dir_okay=False), help="The data file the attestation binds.")
+@click.option("--data", "data_path", type=click.Path(),
+              help="The data file or dataset directory the attestation binds.")
 @click.option("--batch", "batch_dir", type=click.Path(file_okay=False),
-              help="Admit every DIR/X.cose with its data file DIR/X (batched commits).")
+              help="Admit every DIR/X.cose with its data DIR/X, a file or dataset directory (batched commits).")
 @ledger_option
 @signing_key_option
 @json_option

@@ -24,8 +24,8 @@ from typing import Sequence
 
 from govtrain.attest.cose import ParsedAttestation, parse_attestation, sig_structure, verify_signature
 from govtrain.attest.descriptor import Descriptor
+from govtrain.data import DataSummary, inspect_data
 from govtrain.errors import AdmissionError, AttestationError, Code, GovtrainError
-from govtrain.gate.data import DataSummary, inspect_data
 from govtrain.policy.model import Policy
 from govtrain.policy.trust import TrustedKey, TrustStore
 from govtrain.units import format_micro
@@ -239,17 +239,20 @@ class Gate:
 
     def check_data(self, verified: VerifiedAttestation, data: str | Path,
                    summary: DataSummary | None = None) -> DataSummary:
-        """11. The data file is the one the descriptor binds, with the declared number of records."""
+        """11. The data (a file, or a dataset directory by its tree hash) is the one the descriptor binds, every
+        record reads, and there are as many as declared. The digest comes first: data that is not the bound
+        data is reported as such, whatever it holds."""
         d = verified.descriptor
         summary = inspect_data(data) if summary is None else summary
         if summary.sha256 != d.data_sha256:
+            what = "tree hash" if Path(data).is_dir() else "SHA-256"
             raise AdmissionError(
                 Code.DIGEST_MISMATCH,
-                f"SHA-256 of {data} is {summary.sha256.hex()[:16]}…, the attestation binds "
+                f"{what} of {data} is {summary.sha256.hex()[:16]}…, the attestation binds "
                 f"{d.data_sha256.hex()[:16]}…",
             )
-        if summary.first_bad_line is not None:
-            raise AdmissionError(Code.BAD_DATA, f"{data} line {summary.first_bad_line}: {summary.bad_reason}")
+        if summary.problem is not None:
+            raise AdmissionError(Code.BAD_DATA, summary.problem)
         if summary.records != d.records:
             raise AdmissionError(
                 Code.RECORD_COUNT_MISMATCH, f"{data} holds {summary.records} records, the attestation declares {d.records}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from govtrain.data.columns import require_columns
 from govtrain.errors import Code, ConfigError
 from govtrain.tasks.base import Batch
 
@@ -23,7 +24,8 @@ class Classification:
     name: str = "sequence-classification"
 
     def example(self, row: Mapping[str, Any], where: str) -> Labelled:
-        text, label = row.get(self.text_column), row.get(self.label_column)
+        require_columns(row, (self.text_column, self.label_column), where)
+        text, label = row[self.text_column], row[self.label_column]
         if not isinstance(text, str) or isinstance(label, bool) or not isinstance(label, int) \
                 or not 0 <= label < self.num_labels:
             raise ConfigError(Code.BAD_DATA, f"{where}: need {{\"{self.text_column}\": str, \"{self.label_column}\": "

@@ -173,8 +173,9 @@ class Run:
         admitted, withdrawn, _ = read_corpus(ledger)
         admitted = {cid: a for cid, a in admitted.items() if cid not in withdrawn}
         self.task = task_for(config.file)
-        self.examples = examples = load_examples(config.data_dir, {a.data_sha256: cid for cid, a in admitted.items()},
-                                                 self.task)
+        self.examples = examples = load_examples(
+            config.data_dir, {a.data_sha256: cid for cid, a in admitted.items()}, self.task,
+            records={cid: a.records for cid, a in admitted.items()}, integer_columns=(config.file.data.label_column,))
         if examples.unmatched_files:
             shown = [n for n in examples.unmatched_files if not n.endswith(".cose")][:5]
             others = len(examples.unmatched_files) - len(shown)
