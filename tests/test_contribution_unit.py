@@ -306,3 +306,47 @@ def test_plan_and_privacy_epsilon_speak_of_the_unit(tmp_path):
     refused = CliRunner().invoke(cli, ["privacy", "epsilon", "--q", "0.02", "--sigma", "1", "--steps", "50",
                                        "--delta", "1e-5", "--unit", "contribution", "--group", "3"])
     assert refused.exit_code == 2 and "error[" in refused.stderr
+
+
+def test_whole_contributions_in_separate_chunks_sum_to_the_unchunked_step():
+    """`govtrain train` packs whole contributions into physical chunks: the chunks' clipped sums add up to the
+    one-chunk step (noise aside, drawn once in `finish`)."""
+    net = model()
+    router = Router(net, resolve(CLASSES, describe(net)), insecure_seed=0)
+    ids, attention, labels = unit_batch()
+    released = []
+    for chunks in ([[0, 1, 2]], [[0, 2], [1]]):
+        router.begin()
+        for keep in chunks:
+            rows = [i for i, u in enumerate(UNITS) if u in keep]
+            renumber = {u: k for k, u in enumerate(keep)}
+            with router.capture():
+                losses = losses_of(net, ids[rows], attention[rows], labels[rows])
+            router.accumulate(losses, [UNIT_CLASSES[u] for u in keep], UNIT_CLIP[keep],
+                              units=[renumber[UNITS[i]] for i in rows])
+        router.finish({}, expected_batch_size=3.0)
+        released.append({n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None})
+    assert released[0].keys() == released[1].keys() and released[0]
+    for name in released[0]:
+        assert torch.allclose(released[0][name], released[1][name], atol=1e-12), name
+
+
+def test_an_expected_batch_counts_contributions_not_examples(tmp_path):
+    """Under a policy that fixes the expected batch size, q is that many contributions over the eligible
+    contributions (3 of 120 examples each): 1/3, never 1/360."""
+    from click.testing import CliRunner
+
+    from govtrain.cli.main import cli
+    from tests.conftest import TEST_POLICY, make_corpus
+    from tests.test_train import _admit
+
+    text = TEST_POLICY.replace("sampling_rate = 0.01\n", 'privacy_unit = "contribution"\n'
+                               "examples_per_contribution = 4\nexpected_batch_size = 1\n")
+    corpus = make_corpus(tmp_path, f"sqlite:///{tmp_path / 'ledger.db'}", text)
+    for name in ("c1", "c2", "c3"):
+        _admit(corpus, name, records=120)
+    plan = json.loads(CliRunner().invoke(cli, ["plan", "--ledger", corpus.url, "--steps", "5", "--json"]).stdout)
+    assert plan["sampling_rate"] == 0.333334 and plan["eligible_records"] == 360
+    with corpus.open() as ledger:  # the ledger's floor on q counts contributions too
+        with pytest.raises(Exception, match="below"):
+            ledger.record_spend(0, 300_000, [("c1", 5, 2_000_000, 1)], run_id="r", epoch_steps=5, now=corpus.now)
