@@ -157,11 +157,13 @@ class CausalLM:
 
 
 def token_losses(output: Any, batch: Batch) -> tuple[Any, Any]:
-    """([B] summed cross-entropy of each example's target tokens, [B] their count), fp32: logits at position t
-    predict the token at t + 1."""
+    """([B] summed cross-entropy of each example's target tokens, [B] their count), in fp32 or wider (bf16 logits
+    are widened, float64 ones kept): logits at position t predict the token at t + 1."""
+    import torch
     import torch.nn.functional as F
 
-    logits = output.logits[:, :-1].float()
+    logits = output.logits[:, :-1]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     labels = batch.targets[:, 1:]
     per_token = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE, reduction="none")
     return per_token.sum(1), (labels != IGNORE).sum(1).to(per_token.dtype)
