@@ -145,3 +145,27 @@ def test_eval_errors_are_one_line(tmp_path: Path):
         assert json.loads(result.stdout)["code"] == "bad_data"
     absent = _eval("--config", str(config_path), "--data", str(tmp_path / "absent.jsonl"))
     assert absent.exit_code == 2 and absent.stderr.startswith("error[data_unreadable]: --data ")
+
+
+def test_the_demos_non_private_reference_is_scored_by_govtrain_eval(tmp_path: Path, tiny_model: Path):  # noqa: F811
+    """examples/nonprivate.py on a tiny case: it trains the run's model and saves an adapter `govtrain eval` loads,
+    so the demo scores both rows one way."""
+    import importlib.util
+
+    from tests.conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("nonprivate", REPO / "examples" / "nonprivate.py")
+    nonprivate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nonprivate)
+    config_path = _config(tmp_path, tiny_model, "sequence-classification", 'pooling = "mean"\n[optimizer]\nlr = 0.02')
+    rows = [{"text": f"{WORDS[i % 2]} movie {WORDS[9 + i % 8]}", "label": i % 2} for i in range(24)]
+    train = _write(tmp_path / "contrib-00.jsonl", rows)
+    config = load_run_config(config_path)
+    model, tokenizer = nonprivate.train_nonprivate(config, [train], steps=30, batch=8)
+    model.save_pretrained(tmp_path / "nonprivate")
+    heldout = _write(tmp_path / "heldout.jsonl", rows)
+    result = _eval("--config", str(config_path), "--data", str(heldout), "--adapter", str(tmp_path / "nonprivate"),
+                   "--json")
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.stdout)
+    assert body["accuracy"] == 1.0 and body["majority"] == 0.5  # "good" against "bad" is learnt in 30 steps

@@ -82,9 +82,10 @@ class CausalLM:
         chat, pair = self.messages_column in row, self.prompt_column in row or self.completion_column in row
         text = self.text_column in row
         if chat + pair + text != 1:
+            pair_form = f"{{\"{self.prompt_column}\": str, \"{self.completion_column}\": str}}"
+            chat_form = f"{{\"{self.messages_column}\": [{{\"role\": str, \"content\": str}}, ...]}}"
             raise ConfigError(Code.BAD_DATA, f"{where}: need exactly one of {{\"{self.text_column}\": str}}, "
-                                             f"{{\"{self.prompt_column}\": str, \"{self.completion_column}\": str}} or "
-                                             f"{{\"{self.messages_column}\": [{{\"role\": str, \"content\": str}}, ...]}}")
+                                             f"{pair_form} or {chat_form}")
         if chat:
             return self._chat(row[self.messages_column], where)
         if pair:
