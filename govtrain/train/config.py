@@ -6,13 +6,16 @@ and a test keeps the two identical. Paths are relative to the config file. The c
 
     [model]
     base = "minilm"              # the bundled all-MiniLM-L6-v2, or a local Hugging Face directory
-    task = "sequence-classification"
-    num_labels = 2
+    task = "sequence-classification"   # or "causal-lm" (govtrain/tasks/causal_lm.py: rows, targets, padding)
+    num_labels = 2               # sequence-classification only
     max_length = 48
 
     [data]                       # column names of the data rows (these are the defaults)
     text_column = "text"
-    label_column = "label"
+    label_column = "label"       # sequence-classification
+    prompt_column = "prompt"     # causal-lm: {prompt, completion}, or {messages}, or {text}
+    completion_column = "completion"
+    messages_column = "messages"
 
     [lora]
     r = 8
