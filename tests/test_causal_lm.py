@@ -339,3 +339,17 @@ def test_a_row_without_a_target_refuses_the_run_before_any_spend(corpus: Corpus,
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith("error[bad_data]: long.jsonl:1: no target token within model.max_length = 16")
     assert snapshot(corpus.url) == before
+
+
+def test_plan_resolves_profiles_on_the_causal_lm_a_run_config_names(corpus: Corpus, tiny_llama: Path):
+    """`govtrain plan --config` builds the causal LM (no classifier head) with the run's LoRA: the profiles
+    reach the LoRA factors of their layers and nothing outside the stack."""
+    _contribution(corpus, "text", _rows("text", 10))
+    config = _run_toml(corpus, tiny_llama, 10)
+    result = CliRunner().invoke(cli, ["plan", "--ledger", corpus.url, "--config", str(config), "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert plan["classes"]["public"]["layers"] == "3-5" and plan["classes"]["sensitive"]["layers"] == "4-5"
+    # q, v and o LoRA pairs in each reached layer and nothing else (head = true finds no head to reach)
+    classes = plan["classes"]
+    assert classes["public"]["parameters"] == 3 * 3 * 2 and classes["sensitive"]["parameters"] == 2 * 3 * 2
