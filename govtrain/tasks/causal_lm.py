@@ -80,8 +80,8 @@ class CausalLM:
         """One of the three forms, by which columns the row has; a row with columns of two forms is refused
         rather than guessed at."""
         chat, pair = self.messages_column in row, self.prompt_column in row or self.completion_column in row
-        text = self.text_column in row
-        if chat + pair + text != 1:
+        plain = self.text_column in row
+        if chat + pair + plain != 1:
             pair_form = f"{{\"{self.prompt_column}\": str, \"{self.completion_column}\": str}}"
             chat_form = f"{{\"{self.messages_column}\": [{{\"role\": str, \"content\": str}}, ...]}}"
             raise ConfigError(Code.BAD_DATA, f"{where}: need exactly one of {{\"{self.text_column}\": str}}, "
