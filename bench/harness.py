@@ -75,34 +75,51 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def classification_losses(output, labels):
+    """Each example's cross-entropy against its label: the per-example loss of a sequence classifier."""
+    return F.cross_entropy(output.logits.float(), labels, reduction="none")
+
+
+def causal_lm_losses(output, targets):
+    """Each example's mean next-token cross-entropy over its target tokens (`targets`: [B, T], -100 elsewhere),
+    as `task = "causal-lm"` computes it."""
+    from govtrain.tasks import Batch, CausalLM
+
+    return CausalLM().per_example_loss(output, Batch({}, targets))
+
+
+Losses = Callable[..., torch.Tensor]
+
+
 class NonPrivate:
     """Mean loss, `backward()`, AdamW: the reference every private step is compared with."""
 
     name = "non-private"
 
     def __init__(self, model, *, lr: float = 1e-4, head_lr: float | None = None,
-                 autocast: Autocast = contextlib.nullcontext) -> None:
-        self.model, self.autocast = model, autocast
+                 autocast: Autocast = contextlib.nullcontext, losses: Losses = classification_losses) -> None:
+        self.model, self.autocast, self.losses = model, autocast, losses
         self.optimizer = adamw(model, lr, head_lr)
 
     def step(self, inputs, labels) -> None:
         with self.autocast():
-            logits = self.model(**inputs).logits
-        F.cross_entropy(logits.float(), labels).backward()
+            output = self.model(**inputs)
+        self.losses(output, labels).mean().backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
 
 class Governed:
-    """A step as `govtrain train` takes it, without a ledger: per-example losses privatized by the routing
-    layer (the samples' classes cycled over `classes`, each clipped to `clip`, noise σ·C per group, divided by
-    `expected_batch`, or by the batch's own size when None), then the mechanism's `Update`. An empty batch
-    releases noise alone."""
+    """A step as `govtrain train` takes it, without a ledger: per-example losses (`losses`; classification's by
+    default) privatized by the routing layer (the samples' classes cycled over `classes`, each clipped to `clip`,
+    noise σ·C per group, divided by `expected_batch`, or by the batch's own size when None), then the mechanism's
+    `Update`. An empty batch releases noise alone."""
 
     def __init__(self, model, classes: dict[str, DataClass], run: RunFile, *, noise_multiplier: float = 1.0,
                  clip: float = 1.0, expected_batch: float | None = None, name: str | None = None,
-                 autocast: Autocast = contextlib.nullcontext, seed: int = 0) -> None:
-        self.model, self.autocast = model, autocast
+                 autocast: Autocast = contextlib.nullcontext, seed: int = 0,
+                 losses: Losses = classification_losses) -> None:
+        self.model, self.autocast, self.losses = model, autocast, losses
         self.name = name or run.training.mechanism
         resolution = resolve(classes, describe(model))
         self.router = Router(model, resolution, mechanism=run.training.mechanism, insecure_seed=seed)
@@ -119,8 +136,8 @@ class Governed:
             self.router.noise_only(self.std, expected)
         else:
             with self.router.capture(), self.autocast():
-                logits = self.model(**inputs).logits
-            losses = F.cross_entropy(logits.float(), labels, reduction="none")
+                output = self.model(**inputs)
+            losses = self.losses(output, labels)
             clipped = size if units is None else max(units) + 1
             classes = [self.classes[i % len(self.classes)] for i in range(clipped)]
             self.router.privatize(losses, classes, [self.clip] * clipped, self.std, expected, units=units)

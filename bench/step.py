@@ -3,6 +3,7 @@
     .venv/bin/python bench/step.py [--repeats 7] [--batch 32] [--seq 48]
     .venv/bin/python bench/step.py --memory [--device cuda] [--model bert-base|llama-1b] [--precision bf16]
     .venv/bin/python bench/step.py --device cuda [--model ...]      # wall seconds, synchronized
+    .venv/bin/python bench/step.py --task causal-lm [--model tiny-llama|small-llama]
 
 `--model` picks the bundled MiniLM (default), or randomly initialised BERT-base (12 x 768) or a ~1.1B
 Llama (16 x 2048, TinyLlama's shape) with LoRA on every projection and the classification head. On CUDA
@@ -21,6 +22,12 @@ median over --repeats rounds of --steps steps, so the shared VM's drift hits eve
   compared with the one class of the same depth;
 - govtrain (full band): one class reaching all six layers and the head;
 - opacus: Opacus `GradSampleModule` hooks mode (per-sample gradients, clipping, noise) when installed.
+
+With --task causal-lm it times causal-LM routing (`task = "causal-lm"`: each example's loss the mean of its own
+next-token cross-entropy) against a non-private step on a randomly initialised Llama: `--model tiny-llama` (the
+tests' shape: hidden 32, 2 layers, 4 query / 2 key-value heads, vocab 64) or `small-llama` (hidden 256, 4 layers,
+8 / 2 heads, vocab 4096). LoRA r = 8 on every projection, no trainable head (the LM head stays frozen), one class
+over every layer; every token after the first is a target, and the ratio govtrain / non-private is printed.
 
 With --mechanisms it times the three training mechanisms instead, each over the full band and the top-2
 band, the update included (DP-SGD: AdamW; PRISM: lift, intrinsic norm, tangent noise, preconditioner,
@@ -114,6 +121,59 @@ def opacus(model, size: int):
     return OpacusStep(model, expected_batch=size, autocast=autocast)
 
 
+CAUSAL_LLAMAS = {"tiny-llama": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=64),
+                 "small-llama": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                                     num_key_value_heads=2, vocab_size=4096)}
+
+
+def build_causal(seed: int = 0):
+    """A random Llama causal LM with the run's LoRA as `govtrain train` builds it for task = "causal-lm"."""
+    import transformers
+
+    from govtrain.train.config import LoraSection
+    from govtrain.train.model import quiet_loading, wrap_lora
+
+    torch.manual_seed(seed)
+    shape = CAUSAL_LLAMAS[SETTINGS["model"]]
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(max_position_embeddings=512, **shape))
+    with quiet_loading():
+        model = wrap_lora(base, LoraSection(r=8, alpha=16, target_modules=LLAMA_TARGETS), [], heads=())
+    return model.eval().to(SETTINGS["device"])
+
+
+def causal_batch(size: int, seq: int, seed: int):
+    """Random token ids, every token after the first a target (a text row)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, CAUSAL_LLAMAS[SETTINGS["model"]]["vocab_size"], (size, seq), generator=generator)
+    targets = ids.clone()
+    targets[:, 0] = -100
+    device = SETTINGS["device"]
+    return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}, targets.to(device)
+
+
+def causal(args) -> None:
+    """Causal-LM routing (one class over every layer) against a non-private step, interleaved."""
+    from harness import causal_lm_losses
+
+    layers_ = CAUSAL_LLAMAS[SETTINGS["model"]]["num_hidden_layers"]
+    every = {"all": data_class("all", band=(0, layers_ - 1))}
+    variants = [NonPrivate(build_causal(), autocast=autocast, losses=causal_lm_losses),
+                Governed(build_causal(), every, run_file("dpsgd"), name="govtrain causal-lm, every layer",
+                         autocast=autocast, losses=causal_lm_losses)]
+    times = timed(variants, args, make_batch=causal_batch)
+    unit = "wall seconds per step, synchronized" if SETTINGS["device"].startswith("cuda") else \
+        "CPU seconds per step, 1 thread"
+    shape = CAUSAL_LLAMAS[SETTINGS["model"]]
+    print(f"{SETTINGS['model']} (random; hidden {shape['hidden_size']}, {layers_} layers, "
+          f"{shape['num_attention_heads']}/{shape['num_key_value_heads']} heads, vocab {shape['vocab_size']}) causal LM "
+          f"on {SETTINGS['device']}, LoRA r=8 on {len(LLAMA_TARGETS)} projections, batch {args.batch}, seq {args.seq}, "
+          f"median of {args.repeats} rounds x {args.steps} steps ({unit})")
+    base = times["non-private"]
+    for name, value in times.items():
+        print(f"  {name:<34} {value:8.4f} s   / non-private {value / base:5.2f}")
+
+
 def memory(args) -> None:
     """Peak memory of each variant on its own: on CUDA, peak allocated over its steps (weights included); on the
     CPU, growth of peak RSS over its steps, each variant in its own process."""
@@ -174,13 +234,23 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true",
                         help="peak memory per variant instead: each in its own process, growth of peak RSS over its steps")
     parser.add_argument("--mechanisms", action="store_true", help="time dpsgd, prism and dp-muon against each other")
-    parser.add_argument("--model", choices=["minilm", "bert-base", "llama-1b"], default="minilm")
+    parser.add_argument("--model", choices=["minilm", "bert-base", "llama-1b", *CAUSAL_LLAMAS], default=None,
+                        help="default: minilm; tiny-llama with --task causal-lm")
+    parser.add_argument("--task", choices=["sequence-classification", "causal-lm"], default="sequence-classification")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--only", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    causal_lm = args.task == "causal-lm"
+    args.model = args.model or ("tiny-llama" if causal_lm else "minilm")
+    if causal_lm != (args.model in CAUSAL_LLAMAS):
+        parser.error(f"--model {args.model} is not a {args.task} model here")
+    if causal_lm and (args.memory or args.mechanisms or args.only):
+        parser.error("--task causal-lm times steps only: drop --memory and --mechanisms")
     SETTINGS.update(model=args.model, device=args.device, precision=args.precision)
     torch.set_num_threads(1)
+    if causal_lm:
+        return causal(args)
     if args.only:  # one variant in this process: memory() reads its peak RSS growth
         variant = variant_makers(args)[args.only]()
         inputs, labels = batch(args.batch, args.seq, 0)
@@ -219,11 +289,11 @@ def main() -> None:
     print(f"  peak RSS of the process: {rss_mb():.0f} MB")
 
 
-def timed(variants, args) -> dict[str, float]:
+def timed(variants, args, make_batch=None) -> dict[str, float]:
     """Median seconds per step of each variant, interleaved: CPU seconds on the CPU, synchronized wall seconds
     on CUDA."""
     clock = time.perf_counter if SETTINGS["device"].startswith("cuda") else time.process_time
-    inputs, labels = batch(args.batch, args.seq, 0)
+    inputs, labels = (make_batch or batch)(args.batch, args.seq, 0)
     for variant in variants:  # warm up
         variant.step(inputs, labels)
     times: dict[str, list[float]] = {v.name: [] for v in variants}

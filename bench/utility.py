@@ -78,7 +78,9 @@ from govtrain.resolver.model import describe  # noqa: E402
 from govtrain.resolver.profile import resolve  # noqa: E402
 from govtrain.routing.layout import probe_batches  # noqa: E402
 from govtrain.routing.sampler import PoissonSampler  # noqa: E402
-from evaluate import accuracy  # noqa: E402  (examples/evaluate.py)
+from govtrain.tasks import Classification  # noqa: E402
+from govtrain.tasks.classification import Labelled  # noqa: E402
+from govtrain.train.evaluate import evaluate  # noqa: E402
 from harness import (Governed, NonPrivate, OpacusStep, autocast, data_class, machine,  # noqa: E402
                      report_rss_growth, rss_growth_in_child, run_file, sync)
 
@@ -158,6 +160,12 @@ class Row:
     chosen: Trial
     heldout: float
     memory_mb: float | None  # on the CPU, the method's peak RSS growth measured in a process of its own
+
+
+def accuracy(model, tokenizer, texts: list[str], labels: list[int], max_length: int) -> float:
+    """Accuracy on (texts, labels), scored by `govtrain eval`'s own function: every row and the demo alike."""
+    examples = [Labelled(text, label) for text, label in zip(texts, labels)]
+    return evaluate(model, tokenizer, Classification(num_labels=2), examples, max_length, batch_size=64)["accuracy"]
 
 
 def movie_task(validation_max: int | None = None, seed: int = 0) -> Task:

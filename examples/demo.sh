@@ -93,8 +93,10 @@ show "$BIN/govtrain" ledger status --ledger "$LEDGER"
 show "$BIN/govtrain" ledger status --ledger "$LEDGER" --contribution contrib-05
 
 step "Held-out accuracy: the governed adapter next to a non-private LoRA run of the same length"
-show "$BIN/python" examples/evaluate.py --config examples/run.toml --heldout "$OUT/data/heldout.jsonl" \
-  --adapter "$OUT/adapter" --nonprivate-steps 50 --batch 237 --train "$OUT/data"
+show "$BIN/govtrain" eval --config examples/run.toml --data "$OUT/data/heldout.jsonl" --adapter "$OUT/adapter" --json
+show "$BIN/python" examples/nonprivate.py --config examples/run.toml --train "$OUT/data" --steps 50 --batch 237 \
+  --out "$OUT/nonprivate"
+show "$BIN/govtrain" eval --config examples/run.toml --data "$OUT/data/heldout.jsonl" --adapter "$OUT/nonprivate" --json
 show "$BIN/python" examples/plot_epsilon.py --ledger "$LEDGER" --out "$OUT/epsilon.png"
 
 step "Auditor: verify the ledger without any data, against the checkpoint kept earlier"

@@ -211,7 +211,7 @@ def tiny_deberta(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-deberta")
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    transformers.BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
+    transformers.BertTokenizerFast(vocab=str(folder / "vocab.txt")).save_pretrained(folder)
     torch.manual_seed(0)
     config = deberta_config(layers=6, vocab_size=len(vocab), num_labels=2)
     transformers.DebertaV2ForSequenceClassification(config).save_pretrained(folder)

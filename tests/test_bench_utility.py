@@ -29,7 +29,7 @@ def _snippets(count: int, offset: int) -> tuple[list[str], list[int]]:
 def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-bert")
     (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
-    tokenizer = transformers.BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
+    tokenizer = transformers.BertTokenizerFast(vocab=str(folder / "vocab.txt"))
     config = transformers.BertConfig(hidden_size=16, num_hidden_layers=6, num_attention_heads=2, intermediate_size=24,
                                      vocab_size=len(WORDS) + 5, max_position_embeddings=32, num_labels=2,
                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)

@@ -25,7 +25,8 @@ def tiny_model(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-bert")
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    transformers.BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
+    # vocab=, not vocab_file=: transformers 5 ignores the latter and every word would be [UNK]
+    transformers.BertTokenizerFast(vocab=str(folder / "vocab.txt")).save_pretrained(folder)
     torch.manual_seed(0)
     config = transformers.BertConfig(hidden_size=16, num_hidden_layers=6, num_attention_heads=2, intermediate_size=24,
                                      vocab_size=len(vocab), max_position_embeddings=64, num_labels=2)

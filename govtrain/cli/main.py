@@ -23,6 +23,7 @@ from govtrain.cli.output import (
     reports_errors,
     signing_key_option,
 )
+from govtrain.cli.eval import eval_command
 from govtrain.cli.ledger import ledger as ledger_group
 from govtrain.cli.privacy import plan_command
 from govtrain.cli.privacy import privacy as privacy_group
@@ -253,6 +254,7 @@ cli.add_command(ledger_group)
 cli.add_command(privacy_group)
 cli.add_command(plan_command)
 cli.add_command(train_command)
+cli.add_command(eval_command)
 
 
 def main() -> None:

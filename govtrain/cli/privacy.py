@@ -158,7 +158,8 @@ def plan_command(ledger_url: str, config_path: str | None, steps: int | None, ex
             adapters = sorted({c.profile.adapter for c in opened.policy.classes.values() if c.profile.kind == "adapter"})
             with quiet_loading():  # peft and transformers deprecation notices are not the operator's business
                 layout = load_layout(config.model_spec, config.file.model.num_labels,
-                                     wrap=lambda base: for_run(base, config.file, adapters))
+                                     wrap=lambda base: for_run(base, config.file, adapters),
+                                     task=config.file.model.task)
         elif model is not None:
             from govtrain.resolver.load import load_layout
 

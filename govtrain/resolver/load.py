@@ -29,18 +29,20 @@ def model_path(spec: str) -> Path:
     return path
 
 
-def load_layout(spec: str, num_labels: int = 2, wrap=None) -> ModelLayout:
-    """The layout of the sequence-classification model `spec` names: every parameter trainable, or, with
-    `wrap` (e.g. the run's LoRA), whatever the wrapped model leaves trainable."""
+def load_layout(spec: str, num_labels: int = 2, wrap=None, task: str = "sequence-classification") -> ModelLayout:
+    """The layout of the model `spec` names for `task` (a sequence classifier, or a causal LM with its own LM
+    head): every parameter trainable, or, with `wrap` (e.g. the run's LoRA), whatever the wrapped model leaves
+    trainable."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     path = model_path(spec)
     try:
         import torch
-        from transformers import AutoConfig, AutoModelForSequenceClassification
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
         config = AutoConfig.from_pretrained(path, num_labels=num_labels, local_files_only=True)
+        auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
         with torch.device("meta"):
-            model = AutoModelForSequenceClassification.from_config(config)
+            model = auto.from_config(config)
             if wrap is not None:
                 model = wrap(model)
     except (OSError, ValueError, KeyError) as e:

@@ -24,8 +24,18 @@ class Task(Protocol):
     def example(self, row: Mapping[str, Any], where: str) -> Any:
         """One example from one data row, or ConfigError(BAD_DATA) naming `where` (file:row)."""
 
+    def check(self, examples: Sequence[Any], tokenizer: Any, max_length: int) -> None:
+        """ConfigError(BAD_DATA) naming the first example `encode` could not use (e.g. one truncation would
+        leave without a target); called before a run writes any spend."""
+
     def encode(self, examples: Sequence[Any], tokenizer: Any, max_length: int, device: Any) -> Batch:
         """The batch of `examples`, tokenized, padded and truncated to `max_length`, on `device`."""
 
     def per_example_loss(self, output: Any, batch: Batch) -> Any:
         """[len(batch)] float32 losses, each depending on its own example only."""
+
+    def tally(self, output: Any, batch: Batch) -> dict[str, float]:
+        """Counts an evaluation sums over batches (examples, correct answers, target tokens, summed loss)."""
+
+    def report(self, totals: Mapping[str, float]) -> dict[str, Any]:
+        """The evaluation's figures from the summed counts of every batch (`govtrain eval`)."""

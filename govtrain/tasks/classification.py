@@ -32,6 +32,9 @@ class Classification:
                                              f"int in [0, {self.num_labels})}}")
         return Labelled(text, label)
 
+    def check(self, examples: Sequence[Labelled], tokenizer: Any, max_length: int) -> None:
+        """Nothing to refuse: truncation never leaves a labelled example without its target (the label)."""
+
     def encode(self, examples: Sequence[Labelled], tokenizer: Any, max_length: int, device: Any) -> Batch:
         import torch
 
@@ -43,3 +46,16 @@ class Classification:
         import torch.nn.functional as F
 
         return F.cross_entropy(output.logits.float(), batch.targets, reduction="none")
+
+    def tally(self, output: Any, batch: Batch) -> dict[str, float]:
+        predicted = output.logits.argmax(-1)
+        counts = {"examples": len(batch), "correct": int((predicted == batch.targets).sum())}
+        for label in batch.targets.tolist():
+            counts[f"label {label}"] = counts.get(f"label {label}", 0) + 1
+        return counts
+
+    def report(self, totals: Mapping[str, float]) -> dict[str, Any]:
+        """Accuracy, and that of always answering the set's most frequent label: the floor a model must beat."""
+        n = int(totals["examples"])
+        majority = max((v for k, v in totals.items() if k.startswith("label ")), default=0)
+        return {"task": self.name, "examples": n, "accuracy": totals["correct"] / n, "majority": majority / n}

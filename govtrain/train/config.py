@@ -6,13 +6,16 @@ and a test keeps the two identical. Paths are relative to the config file. The c
 
     [model]
     base = "minilm"              # the bundled all-MiniLM-L6-v2, or a local Hugging Face directory
-    task = "sequence-classification"
-    num_labels = 2
+    task = "sequence-classification"   # or "causal-lm" (govtrain/tasks/causal_lm.py: rows, targets, padding)
+    num_labels = 2               # sequence-classification only
     max_length = 48
 
     [data]                       # column names of the data rows (these are the defaults)
     text_column = "text"
-    label_column = "label"
+    label_column = "label"       # sequence-classification
+    prompt_column = "prompt"     # causal-lm: {prompt, completion}, or {messages}, or {text}
+    completion_column = "completion"
+    messages_column = "messages"
 
     [lora]
     r = 8
@@ -69,12 +72,22 @@ class _Strict(BaseModel):
 
 class ModelSection(_Strict):
     base: StrictStr = Field(description="'minilm' (bundled) or a local Hugging Face model directory")
-    task: Literal["sequence-classification"] = "sequence-classification"
-    num_labels: Annotated[int, Field(ge=2, strict=True)] = 2
+    task: Literal["sequence-classification", "causal-lm"] = Field(
+        "sequence-classification", description="sequence-classification: {text, label} rows, a classifier head; "
+                                               "causal-lm: {text}, {prompt, completion} or {messages} rows, "
+                                               "next-token loss on the target tokens, the model's own LM head")
+    num_labels: Annotated[int, Field(ge=2, strict=True)] = Field(2, description="sequence-classification only")
     max_length: Annotated[int, Field(ge=4, le=4096, strict=True)] = 128
     pooling: Literal["model", "mean"] = Field(
         "model", description="model: the architecture's own pooler (BERT: [CLS] -> dense -> tanh); mean: the "
                              "masked mean of the final hidden states, as sentence-transformers models are trained")
+
+    @model_validator(mode="after")
+    def _pooling(self) -> "ModelSection":
+        if self.task == "causal-lm" and self.pooling != "model":
+            raise ValueError("pooling applies to sequence-classification only: a causal LM predicts every next "
+                             "token and pools nothing; remove model.pooling")
+        return self
 
 
 Column = Annotated[StrictStr, Field(min_length=1)]

@@ -29,6 +29,8 @@ def quiet_loading() -> Iterator[None]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
+            # peft switches a GPT-2 Conv1D target to fan_in_fan_out itself, as it must: not news either
+            warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False", category=UserWarning)
             yield
     finally:
         hf_logging.set_verbosity(verbosity)
@@ -36,9 +38,13 @@ def quiet_loading() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def wrap_lora(base, lora, adapters: list[str]):
-    """`base` with the run's LoRA: a default adapter holding the classifier (peft's modules_to_save copy)
-    and one LoRA-only adapter per `adapter` class, all active, every LoRA factor and head copy trainable."""
+HEADS = ("classifier", "score")  # a sequence classifier's new head, trained in full (peft's modules_to_save)
+
+
+def wrap_lora(base, lora, adapters: list[str], heads: tuple[str, ...] = HEADS):
+    """`base` with the run's LoRA: a default adapter holding the `heads` (peft's modules_to_save copy; none for
+    a causal LM, whose LM head, often tied to the input embedding, stays frozen) and one LoRA-only adapter per
+    `adapter` class, all active, every LoRA factor and head copy trainable."""
     from peft import LoraConfig, get_peft_model
 
     settings = dict(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules))
@@ -47,7 +53,7 @@ def wrap_lora(base, lora, adapters: list[str]):
     # peft can have a modules_to_save copy active for one adapter at a time, so the head belongs to the
     # default adapter (and to the classes with head = true); a class's own adapter holds LoRA factors only.
     try:
-        model = get_peft_model(base, LoraConfig(modules_to_save=["classifier", "score"], **settings))
+        model = get_peft_model(base, LoraConfig(modules_to_save=list(heads) or None, **settings))
     except ValueError as e:  # peft: no module matched the targets (in those layers)
         where = f" in layers {sorted(lora.layers)}" if lora.layers is not None else ""
         raise ConfigError(Code.RUN_CONFIG_INVALID, f"lora: no module of the model matches target_modules "
@@ -62,27 +68,48 @@ def wrap_lora(base, lora, adapters: list[str]):
 
 
 def for_run(base, file, adapters: list[str]):
-    """`base` as the run trains it: the pooling of `[model]`, then the LoRA of `[lora]` (`wrap_lora`)."""
+    """`base` as the run trains it: the pooling of `[model]`, then the LoRA of `[lora]` (`wrap_lora`); a causal
+    LM gets no pooling and no trainable head."""
     from govtrain.train.pooling import use_pooling
 
+    if file.model.task == "causal-lm":
+        return wrap_lora(base, file.lora, adapters, heads=())
     return wrap_lora(use_pooling(base, file.model.pooling), file.lora, adapters)
 
 
 def load_base(config: RunConfig):
-    """(base model, tokenizer, its folder): the sequence classifier `[model]` names, on the CPU in fp32 (whatever
-    dtype its checkpoint holds), loaded quietly. Training and evaluation both start here."""
+    """(base model, tokenizer, its folder): the model `[model]` names for its task (a sequence classifier, or a
+    causal LM with its own LM head), on the CPU in fp32 (whatever dtype its checkpoint holds), loaded quietly.
+    Training and evaluation both start here."""
     import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     from govtrain.resolver.load import model_path
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     path = Path(model_path(config.model_spec))
+    section = config.file.model
     with quiet_loading():
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=config.file.model.num_labels,
-                                                                  local_files_only=True, dtype=torch.float32)
+        if section.task == "causal-lm":
+            base = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+            use_eos_for_padding(tokenizer, path)
+        else:
+            base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=section.num_labels,
+                                                                      local_files_only=True, dtype=torch.float32)
     return base, tokenizer, path
+
+
+def use_eos_for_padding(tokenizer, path: Path) -> None:
+    """GPT-2 and Llama tokenizers have no pad token: pad with EOS, as is usual. A padded position has its
+    attention mask off and is never a target (the causal-LM task marks targets by position, not by id), so
+    which id fills it changes nothing. A tokenizer with neither token cannot pad: refused."""
+    if tokenizer.pad_token is not None:
+        return
+    if tokenizer.eos_token is None:
+        raise ConfigError(Code.RUN_CONFIG_INVALID, f"{path}: the tokenizer has neither a pad nor an EOS token, so "
+                                                   "batches cannot be padded: set pad_token in tokenizer_config.json")
+    tokenizer.pad_token = tokenizer.eos_token
 
 
 def load_model(config: RunConfig, adapters: list[str]):

@@ -206,6 +206,7 @@ class Run:
         self._autocast = ((lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if self.precision == "bf16"
                           else contextlib.nullcontext)
         self.model, self.tokenizer, base = load_model(config, adapters)
+        self.task.check(examples.items, self.tokenizer, config.file.model.max_length)  # e.g. no target token left
         self.base_sha256 = tree_sha256(base)
         self.model.to(self.device)  # before the router: its noise generator lives on the parameters' device
         resolution = resolve(policy.classes, describe(self.model, name=config.model_spec))

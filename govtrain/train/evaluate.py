@@ -1,0 +1,81 @@
+"""Held-out evaluation of a trained adapter (`govtrain eval`): accuracy for a classifier, per-token loss and
+perplexity for a causal LM, on a data file in the run's task format.
+
+    model, tokenizer = load_trained(config, adapter)     # the run's base, pooling and every saved adapter
+    examples = read_examples(path, task_for(config.file))
+    figures = evaluate(model, tokenizer, task, examples, max_length)
+
+Evaluation reads no ledger and writes nothing: it is not training, spends no budget, and its data need no
+attestation. Everything that scores a model (the CLI, the demo's non-private reference, the utility bench)
+goes through `evaluate`, so the figures compared side by side are computed one way.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any, Sequence
+
+from govtrain.errors import Code, ConfigError
+from govtrain.train.config import RunConfig
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def read_examples(path: Path, task) -> list[Any]:  # type: ignore[no-untyped-def]
+    """Every row of the data file at `path` as the task's example; a row the task cannot use is refused
+    (BAD_DATA, naming file and row)."""
+    from govtrain.gate.data import read_rows
+
+    if not path.is_file():
+        raise ConfigError(Code.DATA_UNREADABLE, f"--data {path}: no such file")
+    examples = [task.example(row, f"{path.name}:{number}") for number, row in read_rows(path)]
+    if not examples:
+        raise ConfigError(Code.BAD_DATA, f"--data {path}: no rows to evaluate on")
+    return examples
+
+
+def load_trained(config: RunConfig, adapter: Path):
+    """(model, tokenizer): the run's base model as training built it (its loader, its pooling) with the adapter
+    folder `govtrain train` saved (the default adapter and one sub-folder per `adapter` class), all active as in
+    training, in eval mode."""
+    from peft import PeftModel
+
+    from govtrain.train.model import load_base, quiet_loading
+    from govtrain.train.pooling import use_pooling
+
+    if not (adapter / ADAPTER_CONFIG).is_file():
+        raise ConfigError(Code.BAD_ARGUMENT, f"--adapter {adapter}: no {ADAPTER_CONFIG} there; name the folder "
+                                             "`govtrain train` saved (training.output)")
+    base, tokenizer, _ = load_base(config)
+    if config.file.model.task == "sequence-classification":
+        base = use_pooling(base, config.file.model.pooling)  # the pooling the adapter was trained under
+    with quiet_loading():
+        model = PeftModel.from_pretrained(base, adapter)
+        names = ["default"]
+        for folder in sorted(p for p in adapter.iterdir() if (p / ADAPTER_CONFIG).is_file()):
+            model.load_adapter(folder, adapter_name=folder.name)
+            names.append(folder.name)
+    model.base_model.set_adapter(names)
+    return model.eval(), tokenizer
+
+
+def evaluate(model, tokenizer, task, examples: Sequence[Any], max_length: int, *,  # type: ignore[no-untyped-def]
+             batch_size: int = 32) -> dict[str, Any]:
+    """The task's figures (`task.report`) over `examples`, in batches of `batch_size`, without gradients. The
+    model's mode is left as it was found."""
+    import torch
+
+    task.check(examples, tokenizer, max_length)
+    device = next(model.parameters()).device
+    totals: Counter = Counter()
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(examples), batch_size):
+                batch = task.encode(examples[start:start + batch_size], tokenizer, max_length, device)
+                totals.update(task.tally(model(**batch.inputs), batch))
+    finally:
+        model.train(training)
+    return task.report(totals)
