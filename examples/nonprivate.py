@@ -34,7 +34,7 @@ def train_nonprivate(config, files: list[Path], steps: int, batch: int, seed: in
     """The run's model (no adapter classes), trained without privacy: (model, tokenizer)."""
     torch.manual_seed(seed)
     task = task_for(config.file)
-    examples = [e for path in files for e in read_examples(path, task)]
+    examples = [e for path in files for e in read_examples(path, task, (config.file.data.label_column,))]
     model, tokenizer, _ = load_model(config, [])  # the run's pooling and LoRA, in eval mode: no dropout
     device = resolve_device(config.file.training.device)
     model.to(device)

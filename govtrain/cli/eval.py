@@ -27,7 +27,7 @@ def eval_command(config_path: str, data_path: str, adapter_path: str | None, as_
 
     config = load_run_config(config_path)
     task = task_for(config.file)
-    examples = read_examples(Path(data_path), task)  # bad data is refused before the model loads
+    examples = read_examples(Path(data_path), task, (config.file.data.label_column,))  # refused before loading
     adapter = Path(adapter_path) if adapter_path is not None else config.output_dir
     model, tokenizer = load_trained(config, adapter)
     model.to(resolve_device(config.file.training.device))

@@ -2,7 +2,7 @@
 perplexity for a causal LM, on a data file in the run's task format.
 
     model, tokenizer = load_trained(config, adapter)     # the run's base, pooling and every saved adapter
-    examples = read_examples(path, task_for(config.file))
+    examples = read_examples(path, task_for(config.file), (config.file.data.label_column,))
     figures = evaluate(model, tokenizer, task, examples, max_length)
 
 Evaluation reads no ledger and writes nothing: it is not training, spends no budget, and its data need no
@@ -22,14 +22,19 @@ from govtrain.train.config import RunConfig
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def read_examples(path: Path, task) -> list[Any]:  # type: ignore[no-untyped-def]
-    """Every row of the data file at `path` as the task's example; a row the task cannot use is refused
-    (BAD_DATA, naming file and row)."""
-    from govtrain.gate.data import read_rows
+def read_examples(path: Path, task, integer_columns: Sequence[str] = ()) -> list[Any]:  # type: ignore[no-untyped-def]
+    """Every row of the data at `path` (any format training reads: a JSON Lines, CSV or Parquet file, or a saved
+    dataset directory) as the task's example; a row the task cannot use is refused (BAD_DATA, naming file and
+    row). `integer_columns`: the CSV columns whose integer cells become `int` (the label), as in training."""
+    from govtrain.data import BadData, data_rows, read_data
 
-    if not path.is_file():
-        raise ConfigError(Code.DATA_UNREADABLE, f"--data {path}: no such file")
-    examples = [task.example(row, f"{path.name}:{number}") for number, row in read_rows(path)]
+    if not path.exists():
+        raise ConfigError(Code.DATA_UNREADABLE, f"--data {path}: no such file or directory")
+    try:
+        rows = list(data_rows(read_data(path), integer_columns=integer_columns))
+    except BadData as e:
+        raise ConfigError(Code.BAD_DATA, str(e)) from None
+    examples = [task.example(row, where) for where, row in rows]
     if not examples:
         raise ConfigError(Code.BAD_DATA, f"--data {path}: no rows to evaluate on")
     return examples
