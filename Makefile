@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench schemas vectors readme clean
+.PHONY: demo demo-contribution test bench schemas vectors readme clean
 
 # torch first, pinned to the release whose CPU wheel lies on this machine's disk; a bare `torch`
 # requirement resolved later would pull a multi-GB CUDA build. The bundled model and data packages
@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	bash examples/demo.sh
+
+demo-contribution: $(STAMP)
+	bash examples/demo_contribution.sh
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -61,8 +61,10 @@ def main() -> None:
             files.setdefault(movies.setdefault(row["movie_name"], len(movies)), []).append(line)
         else:  # a second, independent hash spreads the training movies over the contributions
             files[bucket(row["movie_name"], args.contributions, salt="contribution:")].append(line)
-    if args.per_movie:
-        files = {i: lines for i, lines in files.items() if lines}
+    if args.per_movie:  # two names of one movie with the same snippets would be the same data twice: keep one
+        seen: set[tuple[str, ...]] = set()
+        files = {i: lines for i, lines in files.items()
+                 if lines and not (tuple(lines) in seen or seen.add(tuple(lines)))}
     name = "movie-{:04d}.jsonl" if args.per_movie else "contrib-{:02d}.jsonl"
     for i, lines in files.items():
         (args.out / name.format(i)).write_text("\n".join(lines) + "\n", encoding="utf-8")
