@@ -176,18 +176,20 @@ def _head_part(name: str, param: Param, heads: tuple[int, ...], layout: ModelLay
             expected = layout.num_kv_heads * d
         else:
             units_, expected = list(heads), layout.num_heads * d
-        if param.shape[0] != expected:
-            raise ConfigError(Code.PROFILE_UNRESOLVABLE,
-                              f"{where}: {name} has {param.shape[0]} output rows, not the {expected} its heads imply")
+        dim = layout.feature_dim(name, "out")
+        if param.shape[dim] != expected:
+            raise ConfigError(Code.PROFILE_UNRESOLVABLE, f"{where}: {name} has {param.shape[dim]} output features, "
+                                                         f"not the {expected} its heads imply")
         rows = tuple(i for j in units_ for i in range(j * d, (j + 1) * d))
-        return Part(name, 0, rows) if rows else None
+        return Part(name, dim, rows) if rows else None
     if OUT.search(r.module):
         if not (r.peft_part == "lora_A" or r.peft_part in (None, "modules_to_save") and r.leaf == "weight"):
             return None  # its bias, lora_B and magnitude mix every head's input
-        if len(param.shape) != 2 or param.shape[1] != layout.num_heads * d:
+        dim = layout.feature_dim(name, "in")  # a Conv1D's input features are its rows
+        if len(param.shape) != 2 or param.shape[dim] != layout.num_heads * d:
             raise ConfigError(Code.PROFILE_UNRESOLVABLE,
-                              f"{where}: {name} does not have the {layout.num_heads * d} input columns its heads imply")
-        return Part(name, 1, tuple(i for h in heads for i in range(h * d, (h + 1) * d)))
+                              f"{where}: {name} does not have the {layout.num_heads * d} input features its heads imply")
+        return Part(name, dim, tuple(i for h in heads for i in range(h * d, (h + 1) * d)))
     return None  # MLP, norms and anything else in a head-restricted layer
 
 

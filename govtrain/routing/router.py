@@ -55,7 +55,7 @@ from govtrain.resolver.profile import Resolution
 from govtrain.routing import layout, persample
 from govtrain.routing.tangent import TangentStacks
 
-TAPPED = (nn.Linear, nn.Embedding, nn.LayerNorm)
+TAPPED = (*persample.LINEAR, nn.Embedding, nn.LayerNorm)  # and RMSNorms that pass `persample.check_rms_norm`
 
 
 class _Tap:
@@ -106,20 +106,18 @@ class Router:
         self.resolution = resolution
         params = dict(model.named_parameters())
         owner: dict[str, tuple[str, nn.Module, str]] = {}
+        holder: dict[int, str] = {}  # a trainable parameter -> the first module path that holds it
         for module_name, module in model.named_modules():
             for leaf, param in module.named_parameters(recurse=False):
                 if param.requires_grad:
-                    owner[f"{module_name}.{leaf}" if module_name else leaf] = (module_name, module, leaf)
+                    path = f"{module_name}.{leaf}" if module_name else leaf
+                    _check_unshared(holder.setdefault(id(param), path), path)
+                    owner[path] = (module_name, module, leaf)
         trainable = [n for n, p in params.items() if p.requires_grad]
         self.taps: dict[str, _Tap] = {}
         for name in trainable:
             module_name, module, leaf = owner[name]
-            if not isinstance(module, TAPPED):
-                raise ConfigError(Code.ROUTING_UNCOVERED,
-                                  f"trainable parameter {name} belongs to a {type(module).__name__}, which no routing "
-                                  "hook covers: freeze it or use Linear, Embedding and LayerNorm modules")
-            if isinstance(module, nn.Embedding):
-                persample.check_embedding(module, name)
+            _check_covered(module, name)
             tap = self.taps.setdefault(module_name, _Tap(module_name, module, {}))
             tap.leaves[leaf] = name
         layout_names = {p.name for p in resolution.layout.trainable()}
@@ -181,10 +179,10 @@ class Router:
             tap.grads[index] = g.to(dtype)
             return
         a, g = a.to(dtype), g.to(dtype)
-        if isinstance(module, nn.Linear) and not persample.form_early(a, g, self.per_sample):
+        if isinstance(module, persample.LINEAR) and not persample.form_early(a, g, self.per_sample):
             tap.inputs[index], tap.grads[index] = a, g
             return
-        formed = persample.linear(module, a, g) if isinstance(module, nn.Linear) else persample.layer_norm(module, a, g)
+        formed = persample.grads_of(module, a, g)
         for leaf, value in formed.items():
             tap.formed[leaf] = tap.formed[leaf] + value if leaf in tap.formed else value
         tap.inputs[index] = None
@@ -382,6 +380,33 @@ class Router:
 
     def _module_of(self, name: str) -> nn.Module:
         return next(t.module for t in self.taps.values() if name in t.leaves.values())
+
+
+def _check_unshared(first: str, path: str) -> None:
+    """Refuse a trainable parameter that two modules hold (tied embeddings): each module's hook would see only
+    its own calls, so a sample's gradient would be formed from part of its uses."""
+    if first != path:
+        raise ConfigError(Code.ROUTING_UNCOVERED,
+                          f"trainable parameter {first} is also {path} (tied weights): its per-sample gradients "
+                          "cannot be formed from one module's calls; freeze it or untie it")
+
+
+def _check_covered(module: nn.Module, name: str) -> None:
+    """Refuse (`routing_uncovered`) a trainable parameter whose module has no exact per-sample rule."""
+    if isinstance(module, TAPPED):
+        if isinstance(module, nn.Embedding):
+            persample.check_embedding(module, name)
+        return
+    if persample.is_rms_norm(module):
+        try:
+            persample.check_rms_norm(module, name)
+        except ValueError as e:
+            raise ConfigError(Code.ROUTING_UNCOVERED, f"trainable parameter {e}, so no routing hook covers it: "
+                                                      "freeze it") from e
+        return
+    raise ConfigError(Code.ROUTING_UNCOVERED,
+                      f"trainable parameter {name} belongs to a {type(module).__name__}, which no routing hook covers: "
+                      "freeze it or use Linear, Conv1D, Embedding, LayerNorm and RMSNorm modules")
 
 
 def _accumulator(dtype: torch.dtype) -> torch.dtype:
