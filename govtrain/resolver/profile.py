@@ -12,8 +12,15 @@ Rules (DESIGN §4-5), each chosen so that an unclear case reaches *less*:
   q/k/v projections (weight, bias, and peft's `lora_B`) and the input columns of the output projection
   (weight and `lora_A`) that belong to them. Nothing else in that layer is reached: the MLP, the layer
   norms, the output projection's bias and the LoRA factors that mix heads (`lora_A` of q/k/v, `lora_B` of
-  the output projection). With grouped-query attention a key/value head is reached only if every query
-  head that shares it is permitted. Fused qkv projections cannot be split this way and are refused.
+  the output projection). Fused qkv projections (GPT-2's c_attn, GPT-NeoX's query_key_value) cannot be
+  split this way and are refused. A GPT-2 Conv1D stores its weight [in, out], so there a head's input
+  features are rows of `attn.c_proj` (`ModelLayout.feature_dim`).
+- Grouped-query attention (Llama, Mistral, Qwen2 with num_key_value_heads < num_attention_heads): key/value
+  head j serves query heads j·g .. j·g + g - 1 (g = heads / kv heads, as transformers' `repeat_kv` lays
+  them out). A heads profile reaches key/value head j only if it reaches every query head that shares it:
+  heads [0] on 4 query / 2 kv heads reaches no row of k_proj or v_proj (kv head 0 also serves query head
+  1), heads [0, 1] reaches kv head 0's rows. Never more than the profile says: a kv head's gradient
+  carries the signal of every query head that reads it.
 - `adapter = "name"` reaches exactly the trainable parameters of that peft adapter (its LoRA factors
   and its `modules_to_save` copies); no other class reaches them.
 - Trainable parameters outside the layer stack (embeddings, pooler, final norm, the classifier head)
@@ -171,7 +178,11 @@ def _head_part(name: str, param: Param, heads: tuple[int, ...], layout: ModelLay
         # weight, bias, lora_B and a DoRA magnitude are all laid out by output row
         kind = qkv.group(1)
         if kind in ("key", "value", "k_proj", "v_proj") and layout.num_kv_heads != layout.num_heads:
-            size = layout.num_heads // layout.num_kv_heads
+            if layout.num_heads % layout.num_kv_heads:
+                raise ConfigError(Code.PROFILE_UNRESOLVABLE,
+                                  f"{where}: {layout.num_heads} query heads cannot share {layout.num_kv_heads} "
+                                  "key/value heads in equal groups")
+            size = layout.num_heads // layout.num_kv_heads  # kv head j serves query heads j*size .. (j+1)*size - 1
             units_ = [j for j in range(layout.num_kv_heads) if all(h in heads for h in range(j * size, (j + 1) * size))]
             expected = layout.num_kv_heads * d
         else:
