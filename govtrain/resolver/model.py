@@ -25,6 +25,10 @@ PEFT_PART = re.compile(
 QKV = re.compile(r"(?:^|\.)(query|key|value|q_proj|k_proj|v_proj)$")
 # BERT's attention.output.dense, GPT-NeoX's attention.dense, GPT-2's attn.c_proj (not mlp.c_proj), Llama's o_proj.
 OUT = re.compile(r"(?:^|\.)(?:attention\.output\.dense|attention\.dense|attn\.c_proj|o_proj|out_proj)$")
+# Mixture of experts: an experts module holding fused [E, ...] parameters, one module per expert, a router.
+EXPERTS = re.compile(r"(?:^|\.)experts$")
+EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)(?:\.|$)")
+ROUTER = re.compile(r"(?:^|\.)(?:gate|router)$")
 FUSED = re.compile(r"(?:^|\.)(?:c_attn|qkv_proj|query_key_value|Wqkv|qkv)$")
 
 
@@ -76,11 +80,12 @@ class ModelLayout:
     name: str = "model"
     # modules (peft's wrapping removed) whose weight is stored [in, out], as GPT-2's Conv1D: y = x W + b
     transposed: frozenset[str] = frozenset()
+    num_experts: int | None = None  # experts per mixture-of-experts layer, None for a dense model
 
     @classmethod
     def from_params(cls, params: Iterable[Param], *, num_layers: int | None = None, num_heads: int | None = None,
                     num_kv_heads: int | None = None, head_dim: int | None = None, name: str = "model",
-                    transposed: Iterable[str] = ()) -> "ModelLayout":
+                    transposed: Iterable[str] = (), num_experts: int | None = None) -> "ModelLayout":
         params = tuple(params)
         stacks = {p.name[:STACK.search(p.name).start()] for p in params if STACK.search(p.name)}
         if len(stacks) > 1:
@@ -96,7 +101,7 @@ class ModelLayout:
                               f"{name}: parameters name layer {seen - 1} but the config has {num_layers} layers")
         if num_heads is not None and num_kv_heads is None:
             num_kv_heads = num_heads
-        return cls(params, num_layers, num_heads, num_kv_heads, head_dim, name, frozenset(transposed))
+        return cls(params, num_layers, num_heads, num_kv_heads, head_dim, name, frozenset(transposed), num_experts)
 
     def feature_dim(self, name: str, side: str) -> int:
         """The dimension of parameter `name` that runs over a module's `side` ("out" or "in") features: a
@@ -131,4 +136,5 @@ def describe(model: Any, name: str | None = None) -> ModelLayout:
     return ModelLayout.from_params(
         params, num_layers=read("num_hidden_layers", "n_layer", "num_layers"), num_heads=num_heads,
         num_kv_heads=read("num_key_value_heads"), head_dim=head_dim,
-        name=name or getattr(config, "_name_or_path", None) or type(model).__name__, transposed=transposed)
+        name=name or getattr(config, "_name_or_path", None) or type(model).__name__, transposed=transposed,
+        num_experts=read("num_local_experts", "num_experts"))

@@ -21,6 +21,13 @@ Rules (DESIGN §4-5), each chosen so that an unclear case reaches *less*:
   heads [0] on 4 query / 2 kv heads reaches no row of k_proj or v_proj (kv head 0 also serves query head
   1), heads [0, 1] reaches kv head 0's rows. Never more than the profile says: a kv head's gradient
   carries the signal of every query head that reads it.
+- `experts = {layer: [e, ...]}` restricts a named layer of a mixture-of-experts model to those experts:
+  their slices (dimension 0) of an experts module's fused parameters ([E, ...], Mixtral's gate_up_proj and
+  down_proj), or their whole modules where each expert is its own module (`experts.3.w1`, LoRA included).
+  Nothing else in that layer is reached (attention only through `heads` on the same layer); peft's LoRA on
+  a fused expert parameter mixes every expert and is not reached.
+- Routers (an MoE block's `gate`/`router`) are reached only with `router = true`, whatever the depth
+  profile: a router's gradient carries every expert's signal, as the head carries every layer's.
 - `adapter = "name"` reaches exactly the trainable parameters of that peft adapter (its LoRA factors
   and its `modules_to_save` copies); no other class reaches them.
 - Trainable parameters outside the layer stack (embeddings, pooler, final norm, the classifier head)
@@ -40,7 +47,7 @@ from typing import Mapping
 from govtrain import units
 from govtrain.errors import Code, ConfigError
 from govtrain.policy.model import DataClass, DepthProfile
-from govtrain.resolver.model import FUSED, OUT, QKV, ModelLayout, Param, role
+from govtrain.resolver.model import EXPERT, EXPERTS, FUSED, OUT, QKV, ROUTER, ModelLayout, Param, role
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +139,8 @@ def resolve(classes: Mapping[str, DataClass], layout: ModelLayout) -> Resolution
             reach[name], layers[name] = parts, ()
             continue
         chosen = profile_layers(profile, layout.num_layers, where)
-        heads = dict(profile.heads or ())
+        heads, experts = dict(profile.heads or ()), dict(profile.experts or ())
+        _check_experts(experts, layout, where)
         parts_list: list[Part] = []
         for pname, param in params.items():
             r = role(pname)
@@ -142,12 +150,9 @@ def resolve(classes: Mapping[str, DataClass], layout: ModelLayout) -> Resolution
                 if profile.head:
                     parts_list.append(Part(pname))
             elif r.layer in chosen:
-                if r.layer in heads:
-                    part = _head_part(pname, param, heads[r.layer], layout, where)
-                    if part is not None:
-                        parts_list.append(part)
-                else:
-                    parts_list.append(Part(pname))
+                part = _layer_part(pname, param, profile, heads.get(r.layer), experts.get(r.layer), layout, where)
+                if part is not None:
+                    parts_list.append(part)
         if not parts_list:
             holding = sorted({role(n).layer for n in params} - {None})
             raise ConfigError(Code.PROFILE_UNMATCHED,
@@ -156,6 +161,43 @@ def resolve(classes: Mapping[str, DataClass], layout: ModelLayout) -> Resolution
                               f"{format_ranges(holding) or 'none'}{' and outside the stack' if _outside(params) else ''})")
         reach[name], layers[name] = tuple(parts_list), chosen
     return Resolution(layout, reach, layers, _groups(params, reach), params)
+
+
+def _layer_part(name: str, param: Param, profile: DepthProfile, heads: tuple[int, ...] | None,
+                experts: tuple[int, ...] | None, layout: ModelLayout, where: str) -> Part | None:
+    """What of parameter `name`, in one of the profile's layers, the profile reaches. A layer named in heads or
+    experts reaches only those heads' and experts' parts; a router only with `router = true`."""
+    r = role(name)
+    if ROUTER.search(r.module):  # granted by router = true, in a layer whose MoE block the profile reaches
+        return Part(name) if profile.router and (heads is None or experts is not None) else None
+    if experts is not None and (EXPERT.search(r.module) or EXPERTS.search(r.module)):
+        return _expert_part(name, param, experts, layout)
+    if heads is not None:
+        return _head_part(name, param, heads, layout, where)
+    return None if experts is not None else Part(name)
+
+
+def _check_experts(experts: Mapping[int, tuple[int, ...]], layout: ModelLayout, where: str) -> None:
+    if experts and layout.num_experts is None:
+        raise ConfigError(Code.PROFILE_UNRESOLVABLE, f"{where}: experts need a mixture-of-experts model "
+                                                     f"(num_local_experts or num_experts), which {layout.name} is not")
+    too_big = [e for chosen in experts.values() for e in chosen if e >= (layout.num_experts or 0)]
+    if too_big:
+        raise ConfigError(Code.PROFILE_OUT_OF_RANGE,
+                          f"{where}: names expert {too_big[0]} but the model has {layout.num_experts} experts")
+
+
+def _expert_part(name: str, param: Param, experts: tuple[int, ...], layout: ModelLayout) -> Part | None:
+    """One expert's module (`experts.3.w1`, its LoRA included) is reached whole or not at all; the fused
+    parameters of an experts module ([E, ...]: Mixtral's gate_up_proj, down_proj) by their expert slices
+    along dimension 0. peft's LoRA on a fused parameter mixes every expert's slice: not reached."""
+    r = role(name)
+    item = EXPERT.search(r.module)
+    if item is not None:
+        return Part(name) if int(item.group(1)) in experts else None
+    if r.peft_part is not None or not param.shape or param.shape[0] != layout.num_experts:
+        return None
+    return Part(name, 0, tuple(experts))
 
 
 def _head_part(name: str, param: Param, heads: tuple[int, ...], layout: ModelLayout, where: str) -> Part | None:
@@ -241,9 +283,10 @@ def describe_profile(profile: DepthProfile) -> str:
         text = f"layers {list(profile.layers)}"
     else:
         return f"adapter {profile.adapter!r}"
-    if profile.heads:
-        text += f", heads {{{', '.join(f'{layer}: {list(h)}' for layer, h in profile.heads)}}}"
-    return text + (", head" if profile.head else "")
+    for what, mask in (("heads", profile.heads), ("experts", profile.experts)):
+        if mask:
+            text += f", {what} {{{', '.join(f'{layer}: {list(i)}' for layer, i in mask)}}}"
+    return text + (", head" if profile.head else "") + (", router" if profile.router else "")
 
 
 def _outside(params: Mapping[str, Param]) -> bool:
