@@ -229,8 +229,8 @@ def test_gpt_neox_heads_reach_the_dense_output_projection_only_when_qkv_is_froze
 
 # -- grouped-query attention: 4 query heads share 2 key/value heads (kv head j serves q heads 2j, 2j+1) ------------
 
-def gqa_net():
-    net = base("llama")
+def gqa_net(family: str = "llama"):
+    net = base(family)
     for name, param in net.named_parameters():
         param.requires_grad_(".layers.3.self_attn." in name)
     return net
@@ -254,13 +254,17 @@ def test_gqa_a_kv_head_is_reached_only_with_every_query_head_that_shares_it():
         assert grad.shape == (8, HIDDEN) and grad[4:].abs().max() == 0 and grad[:4].abs().max() > 0  # kv head 0 rows
 
 
-def test_gqa_heads_through_the_router_match_the_loop():
-    net = gqa_net()
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # Qwen2's q/k/v biases follow their heads' rows
+def test_gqa_heads_through_the_router_match_the_loop(family: str):
+    net = gqa_net(family)
     classes = {"pair": cls("pair", band=(3, 3), heads=((3, (2, 3)),)), "one": cls("one", band=(3, 3), heads=((3, (1,)),))}
     resolution = resolve(classes, describe(net))
     k_parts = [p for p in resolution.reach["pair"] if p.name.endswith("k_proj.weight")]
     assert [(p.dim, p.index) for p in k_parts] == [(0, tuple(range(4, 8)))]  # kv head 1
     assert not any("k_proj" in p.name or "v_proj" in p.name for p in resolution.reach["one"])
+    if family == "qwen2":
+        bias = {p.name: p for p in resolution.reach["pair"]}["model.layers.3.self_attn.k_proj.bias"]
+        assert (bias.dim, bias.index) == (0, tuple(range(4, 8)))
     assert_matches_the_loop(net, resolution, ["pair", "one", "pair", "one", "pair"])
 
 

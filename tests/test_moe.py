@@ -10,9 +10,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
 
 from govtrain.errors import ConfigError  # noqa: E402
-from govtrain.resolver.model import describe, role  # noqa: E402
+from govtrain.resolver.model import ModelLayout, Param, describe, role  # noqa: E402
 from govtrain.resolver.profile import resolve  # noqa: E402
 from govtrain.routing.router import Router  # noqa: E402
 from tests.test_families import VOCAB, assert_matches_the_loop, base, batch, routed  # noqa: E402
@@ -115,3 +116,28 @@ def test_a_block_that_does_not_flatten_tokens_sample_by_sample_is_refused():
         Router(net, resolve(CLASSES, describe(net)))
     assert info.value.code.value == "routing_uncovered" and "model.layers.0.mlp" in info.value.detail
     assert "flattened sample by sample" in info.value.detail
+
+
+def test_routers_found_by_their_class_need_router_true():
+    """DBRX keeps its router's Linear at `ffn.router.layer`: `describe` names the router by its class."""
+    params = [Param("transformer.blocks.0.ffn.router.layer.weight", (EXPERTS, 16)),
+              Param("transformer.blocks.0.ffn.experts.mlp.w1", (EXPERTS, 24, 16))]
+    layout = ModelLayout.from_params(params, num_experts=EXPERTS, routers={"transformer.blocks.0.ffn.router"})
+    depth = resolve({"c": cls("c", band=(0, 0))}, layout).reach["c"]
+    assert [p.name for p in depth] == ["transformer.blocks.0.ffn.experts.mlp.w1"]
+    granted = resolve({"c": cls("c", band=(0, 0), router=True)}, layout).reach["c"]
+    assert {p.name for p in granted} == {p.name for p in params}
+    assert describe(mixtral()).routers == {f"model.layers.{i}.mlp.gate" for i in range(2)}
+
+
+def test_lora_attention_with_trainable_experts_matches_the_loop():
+    net = peft.get_peft_model(mixtral(), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"],
+                                                         init_lora_weights=False, lora_dropout=0.0))
+    for name, param in net.named_parameters():
+        param.requires_grad_(".lora_" in name or ".experts." in name or name.endswith("gate.weight"))
+    net.to(torch.float64).eval()
+    resolution = resolve(CLASSES, describe(net))
+    experts_reach = {p.name for p in resolution.reach["experts"]}
+    assert experts_reach == {f"base_model.model.{L}experts.{leaf}" for L in (L0, L1)
+                             for leaf in ("gate_up_proj", "down_proj")}  # no LoRA of the experts' layers' attention
+    assert_matches_the_loop(net, resolution, ["experts", "routed", "depth", "routed", "depth"])

@@ -47,7 +47,7 @@ from typing import Mapping
 from govtrain import units
 from govtrain.errors import Code, ConfigError
 from govtrain.policy.model import DataClass, DepthProfile
-from govtrain.resolver.model import EXPERT, EXPERTS, FUSED, OUT, QKV, ROUTER, ModelLayout, Param, role
+from govtrain.resolver.model import EXPERT, EXPERTS, FUSED, OUT, QKV, ModelLayout, Param, role
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +168,7 @@ def _layer_part(name: str, param: Param, profile: DepthProfile, heads: tuple[int
     """What of parameter `name`, in one of the profile's layers, the profile reaches. A layer named in heads or
     experts reaches only those heads' and experts' parts; a router only with `router = true`."""
     r = role(name)
-    if ROUTER.search(r.module):  # granted by router = true, in a layer whose MoE block the profile reaches
+    if layout.is_router(r.module):  # granted by router = true, in a layer whose MoE block the profile reaches
         return Part(name) if profile.router and (heads is None or experts is not None) else None
     if experts is not None and (EXPERT.search(r.module) or EXPERTS.search(r.module)):
         return _expert_part(name, param, experts, layout)
