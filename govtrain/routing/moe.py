@@ -24,12 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from govtrain.routing.persample import Mismatch
+
 EXPERT_LEAVES = frozenset({"gate_up_proj", "down_proj"})
 _FLOAT32 = {"rtol": 1e-4, "atol": 1e-5}  # float32 rounding on a probe of unit-scale values
-
-
-class Mismatch(ValueError):
-    """A block that does not compute what the per-sample rules assume."""
 
 
 def is_router(module: nn.Module) -> bool:
@@ -120,11 +118,11 @@ def check_block(block: nn.Module, name: str) -> None:
     experts = [c for c in children.values() if is_experts(c)]
     if len(routers) != 1 or len(experts) != 1:
         raise Mismatch(f"{name} does not hold exactly one top-k router and one experts module")
-    seen: dict[str, tuple] = {}
+    seen: dict[str, list[tuple]] = {"router": [], "experts": []}
 
     def keep(key: str):  # a forward hook that returns None, so the output stands
         def hook(module: nn.Module, args: tuple, out) -> None:
-            seen.setdefault(key, (args, out))
+            seen[key].append((args, out))
         return hook
 
     handles = [module.register_forward_hook(keep(key)) for key, module in (("router", routers[0]),
@@ -138,14 +136,17 @@ def check_block(block: nn.Module, name: str) -> None:
     finally:
         for handle in handles:
             handle.remove()
-    if seen.keys() != {"router", "experts"}:
+    if len(seen["router"]) != 1 or len(seen["experts"]) != 1:
         raise Mismatch(f"{name} did not call its router and its experts once each on a probe")
-    _check_router(routers[0], seen["router"], x, name)
-    _check_experts(experts[0], seen["experts"], x, name, generator)
+    _check_router(routers[0], seen["router"][0], x, name)
+    _check_experts(experts[0], seen["experts"][0], x, name, generator)
 
 
 def _check_router(router: nn.Module, call: tuple, x: Tensor, name: str) -> None:
-    (tokens, *_), out = call
+    args, out = call
+    if len(args) != 1 or not isinstance(out, tuple):
+        raise Mismatch(f"{name} does not call its router on the tokens alone, returning (logits, ...)")
+    tokens = args[0]
     if not torch.equal(tokens, x.reshape(-1, x.shape[-1])):
         raise Mismatch(f"{name}'s router does not see the block's tokens flattened sample by sample")
     if not torch.allclose(out[0], F.linear(tokens, router.weight), **_FLOAT32):
@@ -153,7 +154,10 @@ def _check_router(router: nn.Module, call: tuple, x: Tensor, name: str) -> None:
 
 
 def _check_experts(experts: nn.Module, call: tuple, x: Tensor, name: str, generator: torch.Generator) -> None:
-    (tokens, index, weights), out = call
+    args, out = call
+    if len(args) != 3:
+        raise Mismatch(f"{name} does not call its experts as experts(tokens, top_k_index, top_k_weights)")
+    tokens, index, weights = args
     if not torch.equal(tokens, x.reshape(-1, x.shape[-1])):
         raise Mismatch(f"{name}'s experts do not see the block's tokens flattened sample by sample")
     g = torch.randn(out.shape, generator=generator, dtype=torch.float32)

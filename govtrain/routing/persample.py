@@ -58,6 +58,10 @@ def layer_norm(module: nn.LayerNorm, a: Tensor, g: Tensor) -> dict[str, Tensor]:
     return grads
 
 
+class Mismatch(ValueError):
+    """A module that does not compute what its per-sample rule assumes (found by a probe before a run)."""
+
+
 RMS_NORMS = ("RMSNorm",)  # Hugging Face's Llama, Mistral, Qwen2 and Mixtral norms, and torch's own
 
 
@@ -96,7 +100,7 @@ def check_rms_norm(module: nn.Module, name: str) -> None:
     expected = probe_module.weight.detach() * rms_normalized(probe_module, x)
     if not (torch.allclose(out, expected, rtol=1e-9, atol=1e-12)
             and torch.allclose(grad, rms_norm(probe_module, x, g)["weight"].sum(0), rtol=1e-9, atol=1e-12)):
-        raise ValueError(f"{name}: {type(module).__name__} does not compute weight * x / rms(x)")
+        raise Mismatch(f"{name}: {type(module).__name__} does not compute weight * x / rms(x)")
 
 
 def _float64_copy(module: nn.Module) -> nn.Module:

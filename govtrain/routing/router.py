@@ -426,7 +426,7 @@ def _check_covered(model: nn.Module, module_name: str, module: nn.Module, name: 
         if block not in checked:
             try:
                 moe.check_block(model.get_submodule(block), block)
-            except moe.Mismatch as e:
+            except persample.Mismatch as e:
                 raise ConfigError(Code.ROUTING_UNCOVERED, f"trainable parameter {name}: {e}, so no routing hook "
                                                           "covers it: freeze it") from e
             checked.add(block)
@@ -434,7 +434,7 @@ def _check_covered(model: nn.Module, module_name: str, module: nn.Module, name: 
     if persample.is_rms_norm(module):
         try:
             persample.check_rms_norm(module, name)
-        except ValueError as e:
+        except persample.Mismatch as e:
             raise ConfigError(Code.ROUTING_UNCOVERED, f"trainable parameter {e}, so no routing hook covers it: "
                                                       "freeze it") from e
         return
