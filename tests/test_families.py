@@ -164,6 +164,15 @@ def test_lora_depth_profiles_reach_exactly_their_layers_and_match_the_loop(famil
     assert all(role(p.name).peft_part in ("lora_A", "lora_B") for parts in resolution.reach.values() for p in parts)
     assert_matches_the_loop(net, resolution, WHO)
 
+    alone = resolve({"middle": DEPTH["middle"]}, describe(net))
+    ids, attention = batch()
+    _, grads = routed(net, alone, ids, attention, ["middle"] * 5, torch.full((5,), 50.0, dtype=torch.float64))
+    for name, grad in grads.items():
+        if role(name).layer in (1, 2):
+            assert grad is not None and grad.abs().max() > 0, name
+        else:
+            assert grad is None, name  # outside the band: no gradient, no noise, frozen
+
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_base_weights_conv1d_and_norms_match_the_loop(family: str):

@@ -141,3 +141,22 @@ def test_lora_attention_with_trainable_experts_matches_the_loop():
     assert experts_reach == {f"base_model.model.{L}experts.{leaf}" for L in (L0, L1)
                              for leaf in ("gate_up_proj", "down_proj")}  # no LoRA of the experts' layers' attention
     assert_matches_the_loop(net, resolution, ["experts", "routed", "depth", "routed", "depth"])
+
+
+def test_removing_one_example_moves_the_clipped_sum_by_at_most_its_clip_norm():
+    from tests.test_families import losses_of
+    from tests.test_routing import assert_removing_one_moves_the_release_by_at_most_its_clip_norm
+
+    net = mixtral()
+    router = Router(net, resolve(CLASSES, describe(net)), insecure_seed=0)
+    ids, attention = batch(6)
+    who = ["experts", "routed", "depth", "experts", "routed", "depth"]
+    clip = torch.tensor([0.02, 50.0, 0.05, 50.0, 0.01, 0.03], dtype=torch.float64)
+
+    def released(keep):
+        with router.capture():
+            losses = losses_of(net, ids[keep], attention[keep])
+        router.privatize(losses, [who[i] for i in keep], clip[keep], {}, expected_batch_size=1.0)
+        return {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+
+    assert_removing_one_moves_the_release_by_at_most_its_clip_norm(released, clip)
