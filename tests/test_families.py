@@ -266,7 +266,8 @@ def test_gqa_a_kv_head_is_reached_only_with_every_query_head_that_shares_it():
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # Qwen2's q/k/v biases follow their heads' rows
 def test_gqa_heads_through_the_router_match_the_loop(family: str):
     net = gqa_net(family)
-    classes = {"pair": cls("pair", band=(3, 3), heads=((3, (2, 3)),)), "one": cls("one", band=(3, 3), heads=((3, (1,)),))}
+    classes = {"pair": cls("pair", band=(3, 3), heads=((3, (2, 3)),)),
+               "one": cls("one", band=(3, 3), heads=((3, (1,)),))}
     resolution = resolve(classes, describe(net))
     k_parts = [p for p in resolution.reach["pair"] if p.name.endswith("k_proj.weight")]
     assert [(p.dim, p.index) for p in k_parts] == [(0, tuple(range(4, 8)))]  # kv head 1

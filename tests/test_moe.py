@@ -53,7 +53,8 @@ def test_describe_and_resolve_experts_and_routers():
     assert set(reach["experts"]) == {L0 + "experts.gate_up_proj", L0 + "experts.down_proj",
                                      L1 + "experts.gate_up_proj", L1 + "experts.down_proj"}  # nothing else there
     assert reach["experts"][L0 + "experts.gate_up_proj"].index == (1,)
-    assert (reach["experts"][L1 + "experts.down_proj"].dim, reach["experts"][L1 + "experts.down_proj"].index) == (0, (1, 2))
+    down = reach["experts"][L1 + "experts.down_proj"]
+    assert (down.dim, down.index) == (0, (1, 2)) and down.describe() == f"{L1}experts.down_proj[experts 1-2]"
     assert L1 + "gate.weight" in reach["routed"] and reach["routed"][L1 + "gate.weight"].dim is None
     assert L0 + "gate.weight" not in reach["depth"]  # a router needs router = true, whatever the depth
     assert reach["depth"][L0 + "experts.gate_up_proj"].dim is None  # an unrestricted layer: every expert

@@ -66,7 +66,8 @@ class Part:
     def describe(self) -> str:
         if self.dim is None:
             return self.name
-        return f"{self.name}[{'rows' if self.dim == 0 else 'columns'} {format_ranges(self.index)}]"
+        what = "experts" if EXPERTS.search(role(self.name).module) else "rows" if self.dim == 0 else "columns"
+        return f"{self.name}[{what} {format_ranges(self.index)}]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +158,8 @@ def resolve(classes: Mapping[str, DataClass], layout: ModelLayout) -> Resolution
             holding = sorted({role(n).layer for n in params} - {None})
             raise ConfigError(Code.PROFILE_UNMATCHED,
                               f"{where}: reaches no trainable parameter of {layout.name} (layers {list(chosen)}"
-                              f"{', heads restricted' if heads else ''}; trainable parameters sit in layers "
+                              f"{', heads restricted' if heads else ''}{', experts restricted' if experts else ''}; "
+                              "trainable parameters sit in layers "
                               f"{format_ranges(holding) or 'none'}{' and outside the stack' if _outside(params) else ''})")
         reach[name], layers[name] = tuple(parts_list), chosen
     return Resolution(layout, reach, layers, _groups(params, reach), params)
@@ -240,8 +242,8 @@ def _head_part(name: str, param: Param, heads: tuple[int, ...], layout: ModelLay
             return None  # its bias, lora_B and magnitude mix every head's input
         dim = layout.feature_dim(name, "in")  # a Conv1D's input features are its rows
         if len(param.shape) != 2 or param.shape[dim] != layout.num_heads * d:
-            raise ConfigError(Code.PROFILE_UNRESOLVABLE,
-                              f"{where}: {name} does not have the {layout.num_heads * d} input features its heads imply")
+            raise ConfigError(Code.PROFILE_UNRESOLVABLE, f"{where}: {name} does not have the "
+                                                         f"{layout.num_heads * d} input features its heads imply")
         return Part(name, dim, tuple(i for h in heads for i in range(h * d, (h + 1) * d)))
     return None  # MLP, norms and anything else in a head-restricted layer
 
