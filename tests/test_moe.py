@@ -161,3 +161,16 @@ def test_removing_one_example_moves_the_clipped_sum_by_at_most_its_clip_norm():
         return {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
 
     assert_removing_one_moves_the_release_by_at_most_its_clip_norm(released, clip)
+
+
+def test_lora_on_the_fused_expert_parameters_is_refused():
+    """peft's target_parameters multiplies its factors into the weight: they are never called on tokens, so no
+    hook could see a sample's share of their gradient. Nor does an experts profile reach them: they mix experts."""
+    net = peft.get_peft_model(mixtral(), peft.LoraConfig(r=2, target_modules=[], init_lora_weights=False,
+                                                         target_parameters=["mlp.experts.gate_up_proj"]))
+    layout = describe(net)
+    restricted = resolve({"c": cls("c", band=(0, 1), experts=((0, (1,)),))}, layout).reach["c"]
+    assert not any(".lora_" in p.name and role(p.name).layer == 0 for p in restricted)
+    with pytest.raises(ConfigError) as info:
+        Router(net, resolve({"c": cls("c", band=(0, 1))}, layout))
+    assert info.value.code.value == "routing_uncovered" and "target_parameters" in info.value.detail
