@@ -146,7 +146,9 @@ def test_rms_norm_rule_and_its_check():
     a = torch.randn(3, 5, 6, generator=generator, dtype=torch.float64)
     g = torch.randn(3, 5, 6, generator=generator, dtype=torch.float64)
     per = _autograd_per_sample(module, a, g)
+    weight = module.weight
     source = persample.Calls(module, [a], [g])
+    assert module.weight is weight and isinstance(weight, nn.Parameter)  # the rule ran on a copy
     assert torch.allclose(source.per_sample("weight", torch.arange(3)), per["weight"], rtol=1e-9)
     assert torch.allclose(source.sq_norms("weight", None), per["weight"].pow(2).sum(1), rtol=1e-9)
 

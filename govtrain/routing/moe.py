@@ -108,7 +108,7 @@ def check_block(block: nn.Module, name: str) -> None:
     experts see the block's [B, T, D] input flattened row by row (token n is sample n // T, exactly); the
     router's logits are x Wᵀ; and the experts' weight gradients, summed over samples, are autograd's (to
     float32 rounding). Raises ValueError naming the first thing that differs."""
-    probe = copy.deepcopy(block).to(torch.float32)
+    probe = copy.deepcopy(block).to(device="cpu", dtype=torch.float32)  # the probe's tensors are on the CPU
     probe._forward_hooks.clear()
     probe._forward_pre_hooks.clear()
     for param in probe.parameters():

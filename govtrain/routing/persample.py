@@ -67,10 +67,14 @@ RMS_NORMS = ("RMSNorm",)  # Hugging Face's Llama, Mistral, Qwen2 and Mixtral nor
 
 def rms_normalized(module: nn.Module, a: Tensor) -> Tensor:
     """x/rms(x) exactly as the module computes it (Llama's norms normalize in fp32 whatever the input dtype):
-    its own forward with a weight of ones, which `check_rms_norm` has shown to be linear in the weight."""
+    its own forward with a weight of ones, which `check_rms_norm` has shown to be linear in the weight. It
+    runs on a shallow copy with its own parameter table, and `forward` is called directly, so neither the
+    model's module nor any hook on it (the router's own among them) is touched."""
+    bare = copy.copy(module)
+    bare._parameters = {**module._parameters, "weight": torch.ones(module.weight.shape, dtype=a.dtype,
+                                                                    device=a.device)}
     with torch.no_grad():
-        return torch.func.functional_call(module, {"weight": torch.ones(module.weight.shape, dtype=a.dtype,
-                                                                        device=a.device)}, (a,))
+        return bare.forward(a)
 
 
 def rms_norm(module: nn.Module, a: Tensor, g: Tensor) -> dict[str, Tensor]:
@@ -89,7 +93,7 @@ def check_rms_norm(module: nn.Module, name: str) -> None:
     """Refuse an RMSNorm whose output is not its weight times what it computes at weight one (Gemma's
     (1 + w), a bias, w²): on a random probe at a random weight, both its output and its weight's gradient
     must match the rule's, else the rule would clip and sum something other than the sample's gradient.
-    The probe runs in float64 on a copy; the model is not touched."""
+    The probe runs in float64 on a CPU copy; the model is not touched."""
     probe_module = _float64_copy(module)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, module.weight.shape[0], generator=generator, dtype=torch.float64)
@@ -104,7 +108,7 @@ def check_rms_norm(module: nn.Module, name: str) -> None:
 
 
 def _float64_copy(module: nn.Module) -> nn.Module:
-    clone = copy.deepcopy(module).to(torch.float64)
+    clone = copy.deepcopy(module).to(device="cpu", dtype=torch.float64)  # the probe's tensors are on the CPU
     with torch.no_grad():  # a weight of ones would hide a (1 + w) or w² form: probe at a random point
         clone.weight.copy_(torch.rand(clone.weight.shape, generator=torch.Generator().manual_seed(1),
                                       dtype=torch.float64) + 0.5)
