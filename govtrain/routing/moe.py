@@ -14,6 +14,10 @@ land in another's row, and is refused (`routing_uncovered`).
   of the tokens routed to it and forms per-token outer products (d_out ⊗ h for down_proj, d_h ⊗ x for
   gate_up_proj, d_h from autograd through the activation), summed per sample: [B, E, ...]. A class's
   `experts` profile then keeps its experts' slices (dimension 1 of these) and zeroes the others.
+
+Cost: the experts' per-sample gradients are formed whole, B × (every expert's weights) per call, as a
+materialized Linear's are; there is no ghost-norm shortcut for them yet. Fine for small MoE models and
+physical chunks of a few examples; a full-size Mixtral needs `training.physical_batch` kept small.
 """
 
 from __future__ import annotations
@@ -107,7 +111,7 @@ def check_block(block: nn.Module, name: str) -> None:
     transformers' grouped-matmul experts take nothing wider) what the rules assume: the router and the
     experts see the block's [B, T, D] input flattened row by row (token n is sample n // T, exactly); the
     router's logits are x Wᵀ; and the experts' weight gradients, summed over samples, are autograd's (to
-    float32 rounding). Raises ValueError naming the first thing that differs."""
+    float32 rounding). Raises `Mismatch` naming the first thing that differs."""
     probe = copy.deepcopy(block).to(device="cpu", dtype=torch.float32)  # the probe's tensors are on the CPU
     probe._forward_hooks.clear()
     probe._forward_pre_hooks.clear()
