@@ -174,3 +174,15 @@ def test_lora_on_the_fused_expert_parameters_is_refused():
     with pytest.raises(ConfigError) as info:
         Router(net, resolve({"c": cls("c", band=(0, 1))}, layout))
     assert info.value.code.value == "routing_uncovered" and "target_parameters" in info.value.detail
+
+
+def test_one_module_per_expert_is_reached_whole_or_not_at_all():
+    """The older Mixtral layout (`block_sparse_moe.experts.N.w1`, LoRA on each expert's Linear) by name."""
+    stem = "model.layers.0.block_sparse_moe."
+    params = [Param(stem + f"experts.{e}.w1.lora_{f}.default.weight", (2, 16) if f == "A" else (24, 2))
+              for e in range(EXPERTS) for f in "AB"] + [Param(stem + "gate.weight", (EXPERTS, 16)),
+                                                        Param("model.layers.0.self_attn.q_proj.weight", (16, 16))]
+    layout = ModelLayout.from_params(params, num_experts=EXPERTS)
+    reach = resolve({"c": cls("c", band=(0, 0), experts=((0, (0, 2)),))}, layout).reach["c"]
+    assert {p.name for p in reach} == {stem + f"experts.{e}.w1.lora_{f}.default.weight" for e in (0, 2) for f in "AB"}
+    assert all(p.dim is None for p in reach)
