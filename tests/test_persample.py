@@ -96,3 +96,65 @@ def test_the_hybrid_rule_picks_ghost_norms_where_they_are_cheaper():
     assert not persample.use_ghost(tokens=1, fan_in=4096, fan_out=4096, strategy="materialize")
     with pytest.raises(ValueError):
         persample.use_ghost(1, 1, 1, strategy="fast")
+
+
+def _autograd_per_sample(module: nn.Module, a: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each sample's gradient of <module(a_i), g_i> by autograd, one sample at a time."""
+    out: dict[str, list[torch.Tensor]] = {}
+    for i in range(a.shape[0]):
+        params = dict(module.named_parameters())
+        grads = torch.autograd.grad((module(a[i:i + 1]) * g[i:i + 1]).sum(), list(params.values()))
+        for leaf, grad in zip(params, grads):
+            out.setdefault(leaf, []).append(grad)
+    return {leaf: torch.stack(values) for leaf, values in out.items()}
+
+
+@pytest.mark.parametrize("strategy", ["ghost", "materialize", "auto"])
+def test_conv1d_weight_is_the_transpose_and_masks_follow_its_layout(strategy: str):
+    """GPT-2's Conv1D stores [in, out]: dim 0 masks input features, dim 1 output features."""
+    from transformers.pytorch_utils import Conv1D
+
+    generator = torch.Generator().manual_seed(3)
+    module = Conv1D(5, 3).double()  # nf = 5 outputs, nx = 3 inputs: weight [3, 5]
+    nn.init.normal_(module.weight, generator=generator)
+    a = torch.randn(4, 6, 3, generator=generator, dtype=torch.float64)
+    g = torch.randn(4, 6, 5, generator=generator, dtype=torch.float64)
+    per = _autograd_per_sample(module, a, g)
+    assert per["weight"].shape == (4, 3, 5)
+    weights = torch.rand(4, generator=generator, dtype=torch.float64)
+    for formed in (False, True):
+        source = persample.Calls(module, [] if formed else [a], [] if formed else [g], strategy=strategy,
+                                 formed=persample.linear(module, a, g) if formed else None)
+        for mask in [None, (0, torch.tensor([0, 2])), (1, torch.tensor([1, 4]))]:
+            expected = _mask(per["weight"], mask)
+            assert torch.allclose(source.sq_norms("weight", None, mask), expected.pow(2).flatten(1).sum(1), rtol=1e-9)
+            assert torch.allclose(source.weighted_sum("weight", None, weights, mask),
+                                  torch.tensordot(weights, expected, dims=([0], [0])), rtol=1e-9)
+        bias_mask = (0, torch.tensor([4]))
+        assert torch.allclose(source.weighted_sum("bias", None, weights, bias_mask),
+                              torch.tensordot(weights, _mask(per["bias"], bias_mask), dims=([0], [0])), rtol=1e-9)
+        assert torch.allclose(source.per_sample("weight", torch.arange(4)), per["weight"], rtol=1e-9)
+
+
+def test_rms_norm_rule_and_its_check():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    generator = torch.Generator().manual_seed(4)
+    module = LlamaRMSNorm(6).double()
+    nn.init.uniform_(module.weight, 0.5, 1.5, generator=generator)
+    persample.check_rms_norm(module, "norm")  # passes: w * x / rms(x)
+    a = torch.randn(3, 5, 6, generator=generator, dtype=torch.float64)
+    g = torch.randn(3, 5, 6, generator=generator, dtype=torch.float64)
+    per = _autograd_per_sample(module, a, g)
+    weight = module.weight
+    source = persample.Calls(module, [a], [g])
+    assert module.weight is weight and isinstance(weight, nn.Parameter)  # the rule ran on a copy
+    assert torch.allclose(source.per_sample("weight", torch.arange(3)), per["weight"], rtol=1e-9)
+    assert torch.allclose(source.sq_norms("weight", None), per["weight"].pow(2).sum(1), rtol=1e-9)
+
+    class OnePlusRMSNorm(LlamaRMSNorm):  # Gemma's form: (1 + w) * x / rms(x)
+        def forward(self, x):
+            return super().forward(x) / self.weight * (1 + self.weight)
+
+    with pytest.raises(ValueError, match="does not compute"):
+        persample.check_rms_norm(OnePlusRMSNorm(6).double(), "norm")

@@ -86,6 +86,12 @@ INVALID = [
                                    d["classes"]["public"].update(layers=[3, 3])), "layers"),
     ("heads_outside_band", lambda d: d["classes"]["sensitive"].update(heads={"2": [0]}), "outside the band"),
     ("heads_with_adapter", lambda d: d["classes"]["restricted"].update(heads={"1": [0]}), "adapter"),
+    ("experts_outside_band", lambda d: d["classes"]["sensitive"].update(experts={"2": [0]}), "outside the band"),
+    ("experts_with_adapter", lambda d: d["classes"]["restricted"].update(experts={"1": [0]}), "adapter"),
+    ("experts_repeated", lambda d: d["classes"]["sensitive"].update(experts={"5": [1, 1]}), "distinct expert"),
+    ("experts_empty", lambda d: d["classes"]["sensitive"].update(experts={"5": []}), "distinct expert"),
+    ("router_with_adapter", lambda d: d["classes"]["restricted"].update(router=True), "router"),
+    ("router_not_bool", lambda d: d["classes"]["sensitive"].update(router=1), "classes.sensitive.router"),
     ("adapter_name", lambda d: d["classes"]["restricted"].update(adapter="bad name"), "adapter"),
     ("class_name", lambda d: d["classes"].update({"bad name": d["classes"]["public"]}), "classes"),
     ("no_classes", lambda d: d.update(classes={}), "classes"),
@@ -157,3 +163,23 @@ def test_record_round_trip_and_tamper(keys):
     tampered["extra"] = 1
     with pytest.raises(IntegrityError):
         Policy.from_record(tampered)
+
+
+def test_experts_and_router_round_trip_and_leave_other_records_unchanged(keys):
+    plain, _ = load_policy(keys / "policy.toml")
+    assert all("experts" not in cls.to_record()["profile"] and "router" not in cls.to_record()["profile"]
+               for cls in plain.classes.values())  # a policy without them keeps its canonical bytes
+    doc = _example()
+    doc["classes"]["sensitive"].update(experts={"5": [1, 3], "4": [0]}, router=True)
+    policy, _ = load_policy(_write(keys, doc))
+    profile = policy.classes["sensitive"].profile
+    assert profile.experts == ((4, (0,)), (5, (1, 3))) and profile.router
+    assert policy.classes["sensitive"].to_record()["profile"]["experts"] == [[4, [0]], [5, [1, 3]]]
+    record = cbor.decode(cbor.encode(policy.to_record()))
+    assert Policy.from_record(record).digest() == policy.digest()
+    for mutate in (lambda p: p.update(router=False), lambda p: p.update(experts=None),
+                   lambda p: p.update(experts=[[5, [1, 3]], [4, [0]]]), lambda p: p.update(experts=[[5, "x"]])):
+        tampered = cbor.decode(cbor.encode(policy.to_record()))
+        mutate(tampered["classes"]["sensitive"]["profile"])
+        with pytest.raises(IntegrityError):  # not canonical, unsorted, or not a list of indices
+            Policy.from_record(tampered)

@@ -212,11 +212,12 @@ def test_a_trainable_parameter_no_hook_covers_refuses_to_start():
     net = transformers.GPT2LMHeadModel(config)
     for param in net.parameters():
         param.requires_grad_(False)
-    net.transformer.h[1].attn.c_attn.weight.requires_grad_(True)  # a transformers Conv1D
+    net.transformer.h[1].extra = torch.nn.PReLU()  # a trainable weight in a module no per-sample rule covers
     resolution = resolve({"c": cls("c", band=(1, 1))}, describe(net))
     with pytest.raises(ConfigError) as info:
         Router(net, resolution)
-    assert info.value.code.value == "routing_uncovered" and "Conv1D" in info.value.detail
+    assert info.value.code.value == "routing_uncovered" and "PReLU" in info.value.detail
+    assert "transformer.h.1.extra.weight" in info.value.detail
 
 
 def test_bad_inputs_are_refused():

@@ -77,6 +77,10 @@ class ClassFile(_Strict):
         None, description="the class trains only this named LoRA adapter"
     )
     head: StrictBool = Field(False, description="whether the class may reach the classifier head")
+    experts: dict[Annotated[str, Field(pattern=r"^[0-9]+$")], list[NonNegativeInt]] | None = Field(
+        None, description="layer index -> permitted mixture-of-experts experts, inside the permitted layers"
+    )
+    router: StrictBool = Field(False, description="whether the class may reach the MoE routers of its layers")
 
     @model_validator(mode="after")
     def _relations(self) -> "ClassFile":
@@ -167,6 +171,9 @@ def _profile(cls: ClassFile) -> DepthProfile:
         if cls.heads is not None else None,
         adapter=cls.adapter,
         head=cls.head,
+        experts=tuple(sorted((int(layer), tuple(experts)) for layer, experts in cls.experts.items()))
+        if cls.experts is not None else None,
+        router=cls.router,
     )
 
 

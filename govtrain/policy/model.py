@@ -42,9 +42,11 @@ class DepthProfile:
     heads: tuple[tuple[int, tuple[int, ...]], ...] | None = None
     adapter: str | None = None
     head: bool = False  # the classifier head and other parameters outside the layer stack
+    experts: tuple[tuple[int, tuple[int, ...]], ...] | None = None  # layer -> the MoE experts it may reach there
+    router: bool = False  # the MoE routers (gates) of its layers: reached only when granted, as the head is
 
     def to_record(self) -> dict:
-        return {
+        record = {
             "kind": self.kind,
             "band": list(self.band) if self.band is not None else None,
             "fraction_u": list(self.fraction_u) if self.fraction_u is not None else None,
@@ -53,6 +55,12 @@ class DepthProfile:
             "adapter": self.adapter,
             "head": self.head,
         }
+        # Written only when set, so that every policy without them keeps its canonical bytes (and header hash).
+        if self.experts is not None:
+            record["experts"] = [[layer, list(experts)] for layer, experts in self.experts]
+        if self.router:
+            record["router"] = True
+        return record
 
     def validate(self, where: str, error: type[GovtrainError]) -> None:
         def bad(detail: str) -> GovtrainError:
@@ -83,21 +91,29 @@ class DepthProfile:
                 raise bad("layers must be a non-empty list of distinct non-negative layer indices")
         if self.adapter is not None and not ADAPTER_NAME.fullmatch(self.adapter):
             raise bad("adapter must be 1-64 characters from [A-Za-z0-9_-]")
-        if self.heads is not None:
-            if self.kind == "adapter":
-                raise bad("heads restrict layers; they cannot be combined with an adapter profile")
-            if not self.heads:
-                raise bad("heads must name at least one layer")
-            layers = [layer for layer, _ in self.heads]
-            if layers != sorted(set(layers)):
-                raise bad("heads must name each layer once")
-            for layer, heads in self.heads:
-                if self.band is not None and not self.band[0] <= layer <= self.band[1]:
-                    raise bad(f"heads names layer {layer}, outside the band {list(self.band)}")
-                if self.layers is not None and layer not in self.layers:
-                    raise bad(f"heads names layer {layer}, which is not in layers")
-                if not heads or any(h < 0 for h in heads) or list(heads) != sorted(set(heads)):
-                    raise bad(f"heads of layer {layer} must be a non-empty list of distinct head indices")
+        for what, mask in (("heads", self.heads), ("experts", self.experts)):
+            if mask is not None:
+                self._validate_mask(what, mask, bad)
+        if self.router and self.kind == "adapter":
+            raise bad("router reaches the MoE routers of the class's layers; an adapter profile has no layers")
+
+    def _validate_mask(self, what: str, mask: tuple[tuple[int, tuple[int, ...]], ...], bad) -> None:
+        """heads or experts: {layer: [index, ...]} inside the profile's own layers."""
+        unit = what.removesuffix("s")
+        if self.kind == "adapter":
+            raise bad(f"{what} restrict layers; they cannot be combined with an adapter profile")
+        if not mask:
+            raise bad(f"{what} must name at least one layer")
+        layers = [layer for layer, _ in mask]
+        if layers != sorted(set(layers)):
+            raise bad(f"{what} must name each layer once")
+        for layer, indices in mask:
+            if self.band is not None and not self.band[0] <= layer <= self.band[1]:
+                raise bad(f"{what} names layer {layer}, outside the band {list(self.band)}")
+            if self.layers is not None and layer not in self.layers:
+                raise bad(f"{what} names layer {layer}, which is not in layers")
+            if not indices or any(i < 0 for i in indices) or list(indices) != sorted(set(indices)):
+                raise bad(f"{what} of layer {layer} must be a non-empty list of distinct {unit} indices")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -275,7 +291,8 @@ class Policy:
         classes = {}
         for name, raw in shape.typed(top["classes"], dict, "policy.classes").items():
             cls_map = shape.map(raw, _CLASS_SPEC, f"policy.classes.{name}")
-            prof = shape.map(cls_map["profile"], _PROFILE_SPEC, f"policy.classes.{name}.profile")
+            prof = shape.map(cls_map["profile"], _PROFILE_SPEC, f"policy.classes.{name}.profile",
+                             optional=_PROFILE_OPTIONAL)
             classes[name] = DataClass(
                 name=name,
                 clip_norm_u=cls_map["clip_norm_u"],
@@ -290,6 +307,8 @@ class Policy:
                     heads=shape.heads(prof["heads"]),
                     adapter=prof["adapter"],
                     head=prof["head"],
+                    experts=shape.heads(prof.get("experts"), "experts"),
+                    router=prof.get("router", False),
                 ),
             )
         attesters = []
@@ -347,7 +366,8 @@ _CLASS_SPEC = {"clip_norm_u": int, "min_noise_multiplier_u": int, "eps_budget_u"
                "max_eps_budget_u": int, "profile": dict}
 _PROFILE_SPEC = {"kind": str, "band": (list, type(None)), "fraction_u": (list, type(None)),
                  "layers": (list, type(None)), "heads": (list, type(None)), "adapter": (str, type(None)),
-                 "head": bool}
+                 "head": bool, "experts": list, "router": bool}
+_PROFILE_OPTIONAL = frozenset({"experts", "router"})  # absent unless set (`DepthProfile.to_record`)
 _ATTESTER_SPEC = {"name": str, "public_key": bytes, "classes": list}
 _LEDGER_KEY_SPEC = {"name": str, "public_key": bytes}
 
@@ -358,9 +378,9 @@ class _RecordShape:
     def __init__(self, error: type[GovtrainError]) -> None:
         self.error = error
 
-    def map(self, obj: Any, spec: dict, what: str) -> dict:
+    def map(self, obj: Any, spec: dict, what: str, optional: frozenset[str] = frozenset()) -> dict:
         try:
-            return check_shape(obj, spec, what=what, error=self.error)
+            return check_shape(obj, spec, what=what, error=self.error, optional=optional)
         except GovtrainError as e:
             raise _invalid(self.error, e.detail) from e
 
@@ -376,12 +396,13 @@ class _RecordShape:
             raise _invalid(self.error, f"profile.{what} must be a list of {length or 'some'} integers")
         return tuple(obj)
 
-    def heads(self, obj: Any) -> tuple[tuple[int, tuple[int, ...]], ...] | None:
+    def heads(self, obj: Any, what: str = "heads") -> tuple[tuple[int, tuple[int, ...]], ...] | None:
+        """heads or experts: a list of [layer, [index, ...]] pairs."""
         if obj is None:
             return None
         result = []
         for pair in obj:
             if type(pair) is not list or len(pair) != 2 or type(pair[0]) is not int or type(pair[1]) is not list:
-                raise _invalid(self.error, "profile.heads must be a list of [layer, [head, ...]] pairs")
-            result.append((pair[0], self.int_tuple(pair[1], "heads") or ()))
+                raise _invalid(self.error, f"profile.{what} must be a list of [layer, [index, ...]] pairs")
+            result.append((pair[0], self.int_tuple(pair[1], what) or ()))
         return tuple(result)

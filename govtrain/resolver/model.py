@@ -23,7 +23,12 @@ PEFT_PART = re.compile(
     r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector|modules_to_save)\.([^.]+)(?:\.|$)")
 # Attention projections whose output rows (q, k, v) or input columns (o) are laid out head by head.
 QKV = re.compile(r"(?:^|\.)(query|key|value|q_proj|k_proj|v_proj)$")
-OUT = re.compile(r"(?:^|\.)(?:attention\.output\.dense|o_proj|out_proj)$")
+# BERT's attention.output.dense, GPT-NeoX's attention.dense, GPT-2's attn.c_proj (not mlp.c_proj), Llama's o_proj.
+OUT = re.compile(r"(?:^|\.)(?:attention\.output\.dense|attention\.dense|attn\.c_proj|o_proj|out_proj)$")
+# Mixture of experts: an experts module holding fused [E, ...] parameters, one module per expert, a router.
+EXPERTS = re.compile(r"(?:^|\.)experts$")
+EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)(?:\.|$)")
+ROUTER = re.compile(r"(?:^|\.)(?:gate|router)$")
 FUSED = re.compile(r"(?:^|\.)(?:c_attn|qkv_proj|query_key_value|Wqkv|qkv)$")
 
 
@@ -73,10 +78,17 @@ class ModelLayout:
     num_kv_heads: int | None = None
     head_dim: int | None = None
     name: str = "model"
+    # modules (peft's wrapping removed) whose weight is stored [in, out], as GPT-2's Conv1D: y = x W + b
+    transposed: frozenset[str] = frozenset()
+    num_experts: int | None = None  # experts per mixture-of-experts layer, None for a dense model
+    # MoE routers found by their class (`…Router`, `…Gating`), besides the `gate`/`router` names ROUTER knows
+    routers: frozenset[str] = frozenset()
 
     @classmethod
     def from_params(cls, params: Iterable[Param], *, num_layers: int | None = None, num_heads: int | None = None,
-                    num_kv_heads: int | None = None, head_dim: int | None = None, name: str = "model") -> "ModelLayout":
+                    num_kv_heads: int | None = None, head_dim: int | None = None, name: str = "model",
+                    transposed: Iterable[str] = (), num_experts: int | None = None,
+                    routers: Iterable[str] = ()) -> "ModelLayout":
         params = tuple(params)
         stacks = {p.name[:STACK.search(p.name).start()] for p in params if STACK.search(p.name)}
         if len(stacks) > 1:
@@ -92,7 +104,19 @@ class ModelLayout:
                               f"{name}: parameters name layer {seen - 1} but the config has {num_layers} layers")
         if num_heads is not None and num_kv_heads is None:
             num_kv_heads = num_heads
-        return cls(params, num_layers, num_heads, num_kv_heads, head_dim, name)
+        return cls(params, num_layers, num_heads, num_kv_heads, head_dim, name, frozenset(transposed), num_experts,
+                   frozenset(routers))
+
+    def is_router(self, module: str) -> bool:
+        """Whether `module` (peft's wrapping removed) is an MoE router or lies inside one (DBRX's router.layer)."""
+        return bool(ROUTER.search(module)) or any(module == r or module.startswith(r + ".") for r in self.routers)
+
+    def feature_dim(self, name: str, side: str) -> int:
+        """The dimension of parameter `name` that runs over a module's `side` ("out" or "in") features: a
+        Linear weight is [out, in], a Conv1D weight [in, out]; peft's LoRA factors are Linear either way."""
+        r = role(name)
+        flipped = r.module in self.transposed and r.leaf == "weight" and r.peft_part in (None, "modules_to_save")
+        return (0 if side == "out" else 1) ^ int(flipped)
 
     def trainable(self) -> list[Param]:
         return [p for p in self.params if p.trainable]
@@ -112,10 +136,15 @@ def describe(model: Any, name: str | None = None) -> ModelLayout:
                 return value
         return None
 
+    # Conv1D by name (no torch import here): transformers.pytorch_utils.Conv1D, whose weight is [in, out]
+    transposed = {role(f"{n}.weight").module for n, m in model.named_modules() if type(m).__name__ == "Conv1D"}
+    routers = {role(f"{n}.weight").module for n, m in model.named_modules()
+               if type(m).__name__.endswith(("Router", "Gating"))}
     num_heads = read("num_attention_heads", "n_head", "num_heads")
     hidden = read("hidden_size", "n_embd", "d_model")
     head_dim = read("head_dim") or (hidden // num_heads if hidden and num_heads else None)
     return ModelLayout.from_params(
         params, num_layers=read("num_hidden_layers", "n_layer", "num_layers"), num_heads=num_heads,
         num_kv_heads=read("num_key_value_heads"), head_dim=head_dim,
-        name=name or getattr(config, "_name_or_path", None) or type(model).__name__)
+        name=name or getattr(config, "_name_or_path", None) or type(model).__name__, transposed=transposed,
+        num_experts=read("num_local_experts", "num_experts"), routers=routers)

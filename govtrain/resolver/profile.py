@@ -12,8 +12,22 @@ Rules (DESIGN §4-5), each chosen so that an unclear case reaches *less*:
   q/k/v projections (weight, bias, and peft's `lora_B`) and the input columns of the output projection
   (weight and `lora_A`) that belong to them. Nothing else in that layer is reached: the MLP, the layer
   norms, the output projection's bias and the LoRA factors that mix heads (`lora_A` of q/k/v, `lora_B` of
-  the output projection). With grouped-query attention a key/value head is reached only if every query
-  head that shares it is permitted. Fused qkv projections cannot be split this way and are refused.
+  the output projection). Fused qkv projections (GPT-2's c_attn, GPT-NeoX's query_key_value) cannot be
+  split this way and are refused. A GPT-2 Conv1D stores its weight [in, out], so there a head's input
+  features are rows of `attn.c_proj` (`ModelLayout.feature_dim`).
+- Grouped-query attention (Llama, Mistral, Qwen2 with num_key_value_heads < num_attention_heads): key/value
+  head j serves query heads j·g .. j·g + g - 1 (g = heads / kv heads, as transformers' `repeat_kv` lays
+  them out). A heads profile reaches key/value head j only if it reaches every query head that shares it:
+  heads [0] on 4 query / 2 kv heads reaches no row of k_proj or v_proj (kv head 0 also serves query head
+  1), heads [0, 1] reaches kv head 0's rows. Never more than the profile says: a kv head's gradient
+  carries the signal of every query head that reads it.
+- `experts = {layer: [e, ...]}` restricts a named layer of a mixture-of-experts model to those experts:
+  their slices (dimension 0) of an experts module's fused parameters ([E, ...], Mixtral's gate_up_proj and
+  down_proj), or their whole modules where each expert is its own module (`experts.3.w1`, LoRA included).
+  Nothing else in that layer is reached (attention only through `heads` on the same layer); peft's LoRA on
+  a fused expert parameter mixes every expert and is not reached.
+- Routers (an MoE block's `gate`/`router`) are reached only with `router = true`, whatever the depth
+  profile: a router's gradient carries every expert's signal, as the head carries every layer's.
 - `adapter = "name"` reaches exactly the trainable parameters of that peft adapter (its LoRA factors
   and its `modules_to_save` copies); no other class reaches them.
 - Trainable parameters outside the layer stack (embeddings, pooler, final norm, the classifier head)
@@ -33,7 +47,7 @@ from typing import Mapping
 from govtrain import units
 from govtrain.errors import Code, ConfigError
 from govtrain.policy.model import DataClass, DepthProfile
-from govtrain.resolver.model import FUSED, OUT, QKV, ModelLayout, Param, role
+from govtrain.resolver.model import EXPERT, EXPERTS, FUSED, OUT, QKV, ModelLayout, Param, role
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +66,8 @@ class Part:
     def describe(self) -> str:
         if self.dim is None:
             return self.name
-        return f"{self.name}[{'rows' if self.dim == 0 else 'columns'} {format_ranges(self.index)}]"
+        what = "experts" if EXPERTS.search(role(self.name).module) else "rows" if self.dim == 0 else "columns"
+        return f"{self.name}[{what} {format_ranges(self.index)}]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +140,8 @@ def resolve(classes: Mapping[str, DataClass], layout: ModelLayout) -> Resolution
             reach[name], layers[name] = parts, ()
             continue
         chosen = profile_layers(profile, layout.num_layers, where)
-        heads = dict(profile.heads or ())
+        heads, experts = dict(profile.heads or ()), dict(profile.experts or ())
+        _check_experts(experts, layout, where)
         parts_list: list[Part] = []
         for pname, param in params.items():
             r = role(pname)
@@ -135,20 +151,55 @@ def resolve(classes: Mapping[str, DataClass], layout: ModelLayout) -> Resolution
                 if profile.head:
                     parts_list.append(Part(pname))
             elif r.layer in chosen:
-                if r.layer in heads:
-                    part = _head_part(pname, param, heads[r.layer], layout, where)
-                    if part is not None:
-                        parts_list.append(part)
-                else:
-                    parts_list.append(Part(pname))
+                part = _layer_part(pname, param, profile, heads.get(r.layer), experts.get(r.layer), layout, where)
+                if part is not None:
+                    parts_list.append(part)
         if not parts_list:
             holding = sorted({role(n).layer for n in params} - {None})
             raise ConfigError(Code.PROFILE_UNMATCHED,
                               f"{where}: reaches no trainable parameter of {layout.name} (layers {list(chosen)}"
-                              f"{', heads restricted' if heads else ''}; trainable parameters sit in layers "
+                              f"{', heads restricted' if heads else ''}{', experts restricted' if experts else ''}; "
+                              "trainable parameters sit in layers "
                               f"{format_ranges(holding) or 'none'}{' and outside the stack' if _outside(params) else ''})")
         reach[name], layers[name] = tuple(parts_list), chosen
     return Resolution(layout, reach, layers, _groups(params, reach), params)
+
+
+def _layer_part(name: str, param: Param, profile: DepthProfile, heads: tuple[int, ...] | None,
+                experts: tuple[int, ...] | None, layout: ModelLayout, where: str) -> Part | None:
+    """What of parameter `name`, in one of the profile's layers, the profile reaches. A layer named in heads or
+    experts reaches only those heads' and experts' parts; a router only with `router = true`."""
+    r = role(name)
+    if layout.is_router(r.module):  # granted by router = true, in a layer whose MoE block the profile reaches
+        return Part(name) if profile.router and (heads is None or experts is not None) else None
+    if experts is not None and (EXPERT.search(r.module) or EXPERTS.search(r.module)):
+        return _expert_part(name, param, experts, layout)
+    if heads is not None:
+        return _head_part(name, param, heads, layout, where)
+    return None if experts is not None else Part(name)
+
+
+def _check_experts(experts: Mapping[int, tuple[int, ...]], layout: ModelLayout, where: str) -> None:
+    if experts and layout.num_experts is None:
+        raise ConfigError(Code.PROFILE_UNRESOLVABLE, f"{where}: experts need a mixture-of-experts model "
+                                                     f"(num_local_experts or num_experts), which {layout.name} is not")
+    too_big = [e for chosen in experts.values() for e in chosen if e >= (layout.num_experts or 0)]
+    if too_big:
+        raise ConfigError(Code.PROFILE_OUT_OF_RANGE,
+                          f"{where}: names expert {too_big[0]} but the model has {layout.num_experts} experts")
+
+
+def _expert_part(name: str, param: Param, experts: tuple[int, ...], layout: ModelLayout) -> Part | None:
+    """One expert's module (`experts.3.w1`, its LoRA included) is reached whole or not at all; the fused
+    parameters of an experts module ([E, ...]: Mixtral's gate_up_proj, down_proj) by their expert slices
+    along dimension 0. peft's LoRA on a fused parameter mixes every expert's slice: not reached."""
+    r = role(name)
+    item = EXPERT.search(r.module)
+    if item is not None:
+        return Part(name) if int(item.group(1)) in experts else None
+    if r.peft_part is not None or not param.shape or param.shape[0] != layout.num_experts:
+        return None
+    return Part(name, 0, tuple(experts))
 
 
 def _head_part(name: str, param: Param, heads: tuple[int, ...], layout: ModelLayout, where: str) -> Part | None:
@@ -171,23 +222,29 @@ def _head_part(name: str, param: Param, heads: tuple[int, ...], layout: ModelLay
         # weight, bias, lora_B and a DoRA magnitude are all laid out by output row
         kind = qkv.group(1)
         if kind in ("key", "value", "k_proj", "v_proj") and layout.num_kv_heads != layout.num_heads:
-            size = layout.num_heads // layout.num_kv_heads
+            if layout.num_heads % layout.num_kv_heads:
+                raise ConfigError(Code.PROFILE_UNRESOLVABLE,
+                                  f"{where}: {layout.num_heads} query heads cannot share {layout.num_kv_heads} "
+                                  "key/value heads in equal groups")
+            size = layout.num_heads // layout.num_kv_heads  # kv head j serves query heads j*size .. (j+1)*size - 1
             units_ = [j for j in range(layout.num_kv_heads) if all(h in heads for h in range(j * size, (j + 1) * size))]
             expected = layout.num_kv_heads * d
         else:
             units_, expected = list(heads), layout.num_heads * d
-        if param.shape[0] != expected:
-            raise ConfigError(Code.PROFILE_UNRESOLVABLE,
-                              f"{where}: {name} has {param.shape[0]} output rows, not the {expected} its heads imply")
+        dim = layout.feature_dim(name, "out")
+        if param.shape[dim] != expected:
+            raise ConfigError(Code.PROFILE_UNRESOLVABLE, f"{where}: {name} has {param.shape[dim]} output features, "
+                                                         f"not the {expected} its heads imply")
         rows = tuple(i for j in units_ for i in range(j * d, (j + 1) * d))
-        return Part(name, 0, rows) if rows else None
+        return Part(name, dim, rows) if rows else None
     if OUT.search(r.module):
         if not (r.peft_part == "lora_A" or r.peft_part in (None, "modules_to_save") and r.leaf == "weight"):
             return None  # its bias, lora_B and magnitude mix every head's input
-        if len(param.shape) != 2 or param.shape[1] != layout.num_heads * d:
-            raise ConfigError(Code.PROFILE_UNRESOLVABLE,
-                              f"{where}: {name} does not have the {layout.num_heads * d} input columns its heads imply")
-        return Part(name, 1, tuple(i for h in heads for i in range(h * d, (h + 1) * d)))
+        dim = layout.feature_dim(name, "in")  # a Conv1D's input features are its rows
+        if len(param.shape) != 2 or param.shape[dim] != layout.num_heads * d:
+            raise ConfigError(Code.PROFILE_UNRESOLVABLE, f"{where}: {name} does not have the "
+                                                         f"{layout.num_heads * d} input features its heads imply")
+        return Part(name, dim, tuple(i for h in heads for i in range(h * d, (h + 1) * d)))
     return None  # MLP, norms and anything else in a head-restricted layer
 
 
@@ -228,9 +285,10 @@ def describe_profile(profile: DepthProfile) -> str:
         text = f"layers {list(profile.layers)}"
     else:
         return f"adapter {profile.adapter!r}"
-    if profile.heads:
-        text += f", heads {{{', '.join(f'{layer}: {list(h)}' for layer, h in profile.heads)}}}"
-    return text + (", head" if profile.head else "")
+    for what, mask in (("heads", profile.heads), ("experts", profile.experts)):
+        if mask:
+            text += f", {what} {{{', '.join(f'{layer}: {list(i)}' for layer, i in mask)}}}"
+    return text + (", head" if profile.head else "") + (", router" if profile.router else "")
 
 
 def _outside(params: Mapping[str, Param]) -> bool:

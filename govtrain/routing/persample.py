@@ -19,9 +19,16 @@ the input's features, which masks the gradient exactly.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from transformers.pytorch_utils import Conv1D
+
+# Modules whose weight gradient is Σ_t g_t a_tᵀ: nn.Linear ([out, in]) and GPT-2's Conv1D, which stores the
+# same matrix transposed ([in, out], y = x W + b) and gets the transposed gradient.
+LINEAR = (nn.Linear, Conv1D)
 
 
 def _flat(x: Tensor) -> Tensor:
@@ -29,11 +36,12 @@ def _flat(x: Tensor) -> Tensor:
     return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
-def linear(module: nn.Linear, a: Tensor, g: Tensor) -> dict[str, Tensor]:
+def linear(module: nn.Module, a: Tensor, g: Tensor) -> dict[str, Tensor]:
+    """An nn.Linear's per-sample gradients, or a Conv1D's (its weight is [in, out]: the transpose)."""
     a, g = _flat(a), _flat(g)
     grads = {}
     if module.weight.requires_grad:
-        grads["weight"] = torch.einsum("bto,bti->boi", g, a)
+        grads["weight"] = torch.einsum("bto,bti->bio" if isinstance(module, Conv1D) else "bto,bti->boi", g, a)
     if module.bias is not None and module.bias.requires_grad:
         grads["bias"] = g.sum(1)
     return grads
@@ -48,6 +56,73 @@ def layer_norm(module: nn.LayerNorm, a: Tensor, g: Tensor) -> dict[str, Tensor]:
     if module.bias is not None and module.bias.requires_grad:
         grads["bias"] = g.sum(dims) if dims else g
     return grads
+
+
+class Mismatch(ValueError):
+    """A module that does not compute what its per-sample rule assumes (found by a probe before a run)."""
+
+
+RMS_NORMS = ("RMSNorm",)  # Hugging Face's Llama, Mistral, Qwen2 and Mixtral norms, and torch's own
+
+
+def rms_normalized(module: nn.Module, a: Tensor) -> Tensor:
+    """x/rms(x) exactly as the module computes it (Llama's norms normalize in fp32 whatever the input dtype):
+    its own forward with a weight of ones, which `check_rms_norm` has shown to be linear in the weight. It
+    runs on a shallow copy with its own parameter table, and `forward` is called directly, so neither the
+    model's module nor any hook on it (the router's own among them) is touched."""
+    bare = copy.copy(module)
+    bare._parameters = {**module._parameters, "weight": torch.ones(module.weight.shape, dtype=a.dtype,
+                                                                    device=a.device)}
+    with torch.no_grad():
+        return bare.forward(a)
+
+
+def rms_norm(module: nn.Module, a: Tensor, g: Tensor) -> dict[str, Tensor]:
+    """y = w ⊙ x/rms(x): the per-sample gradient of w is Σ_t g_t ⊙ x_t/rms(x_t)."""
+    normalized = rms_normalized(module, a).to(g.dtype)
+    dims = tuple(range(1, a.dim() - 1))
+    return {"weight": (g * normalized).sum(dims) if dims else g * normalized}
+
+
+def is_rms_norm(module: nn.Module) -> bool:
+    return type(module).__name__.endswith(RMS_NORMS) and isinstance(getattr(module, "weight", None), nn.Parameter) \
+        and module.weight.dim() == 1 and getattr(module, "bias", None) is None
+
+
+def check_rms_norm(module: nn.Module, name: str) -> None:
+    """Refuse an RMSNorm whose output is not its weight times what it computes at weight one (Gemma's
+    (1 + w), a bias, w²): on a random probe at a random weight, both its output and its weight's gradient
+    must match the rule's, else the rule would clip and sum something other than the sample's gradient.
+    The probe runs in float64 on a CPU copy; the model is not touched."""
+    probe_module = _float64_copy(module)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, module.weight.shape[0], generator=generator, dtype=torch.float64)
+    g = torch.randn(2, 3, module.weight.shape[0], generator=generator, dtype=torch.float64)
+    with torch.enable_grad():
+        out = probe_module(x)
+        (grad,) = torch.autograd.grad(out, probe_module.weight, g)
+    expected = probe_module.weight.detach() * rms_normalized(probe_module, x)
+    if not (torch.allclose(out, expected, rtol=1e-9, atol=1e-12)
+            and torch.allclose(grad, rms_norm(probe_module, x, g)["weight"].sum(0), rtol=1e-9, atol=1e-12)):
+        raise Mismatch(f"{name}: {type(module).__name__} does not compute weight * x / rms(x)")
+
+
+def _float64_copy(module: nn.Module) -> nn.Module:
+    clone = copy.deepcopy(module).to(device="cpu", dtype=torch.float64)  # the probe's tensors are on the CPU
+    with torch.no_grad():  # a weight of ones would hide a (1 + w) or w² form: probe at a random point
+        clone.weight.copy_(torch.rand(clone.weight.shape, generator=torch.Generator().manual_seed(1),
+                                      dtype=torch.float64) + 0.5)
+    clone.weight.requires_grad_(True)
+    return clone
+
+
+def grads_of(module: nn.Module, a: Tensor, g: Tensor) -> dict[str, Tensor]:
+    """The per-sample gradients of one call of a Linear, Conv1D, LayerNorm or RMSNorm module."""
+    if isinstance(module, LINEAR):
+        return linear(module, a, g)
+    if isinstance(module, nn.LayerNorm):
+        return layer_norm(module, a, g)
+    return rms_norm(module, a, g)
 
 
 def _embedding_rows(module: nn.Embedding, ids: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -129,13 +204,14 @@ class Calls:
         if isinstance(module, nn.Embedding):
             self.pairs = list(zip(inputs, grads))
             return
-        if isinstance(module, nn.Linear) and not per:  # calls concatenated along the token axis: one sum over t
+        self.transposed = isinstance(module, Conv1D)  # its weight is [in, out]: dim 0 is the input features
+        if isinstance(module, LINEAR) and not per:  # calls concatenated along the token axis: one sum over t
             self.a = _flat(inputs[0]) if len(inputs) == 1 else torch.cat([_flat(a) for a in inputs], 1)
             self.g = _flat(grads[0]) if len(grads) == 1 else torch.cat([_flat(g) for g in grads], 1)
             self.per = None
             return
         for a, g in zip(inputs, grads):  # a LayerNorm's, or calls of a module some of whose calls were formed
-            for leaf, value in (linear(module, a, g) if isinstance(module, nn.Linear) else layer_norm(module, a, g)).items():
+            for leaf, value in grads_of(module, a, g).items():
                 per[leaf] = per[leaf] + value if leaf in per else value
         self.per = per
 
@@ -143,7 +219,7 @@ class Calls:
         a, g = _take(self.a, rows), _take(self.g, rows)
         if mask is not None:
             dim, index = mask
-            if leaf == "bias" or dim == 0:  # rows of the weight (or the bias): output features
+            if leaf == "bias" or dim == (1 if self.transposed else 0):  # the output features
                 g = g * _keep(g.shape[-1], index, g)
             else:  # columns of the weight: input features
                 a = a * _keep(a.shape[-1], index, a)
@@ -185,7 +261,9 @@ class Calls:
         if self.per is None:
             a, g = self._linear(leaf, rows, mask)
             g = g * weights.to(g.dtype)[:, None, None]
-            return g.sum((0, 1)) if leaf == "bias" else torch.einsum("bto,bti->oi", g, a)
+            if leaf == "bias":
+                return g.sum((0, 1))
+            return torch.einsum("bto,bti->io" if self.transposed else "bto,bti->oi", g, a)
         per = self._masked(_take(self.per[leaf], rows), mask)
         return torch.tensordot(weights.to(per.dtype), per, dims=([0], [0]))
 
@@ -195,5 +273,7 @@ class Calls:
             raise ValueError("an embedding's per-sample gradients are not formed")
         if self.per is None:
             a, g = _take(self.a, rows), _take(self.g, rows)
-            return g.sum(1) if leaf == "bias" else torch.einsum("bto,bti->boi", g, a)
+            if leaf == "bias":
+                return g.sum(1)
+            return torch.einsum("bto,bti->bio" if self.transposed else "bto,bti->boi", g, a)
         return _take(self.per[leaf], rows)

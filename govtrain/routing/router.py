@@ -52,10 +52,10 @@ from govtrain.errors import Code, ConfigError
 from govtrain.mechanisms import MECHANISMS
 from govtrain.mechanisms.reach import check_reach, lora_pairs
 from govtrain.resolver.profile import Resolution
-from govtrain.routing import layout, persample
+from govtrain.routing import layout, moe, persample
 from govtrain.routing.tangent import TangentStacks
 
-TAPPED = (nn.Linear, nn.Embedding, nn.LayerNorm)
+TAPPED = (*persample.LINEAR, nn.Embedding, nn.LayerNorm)  # and RMSNorms that pass `persample.check_rms_norm`
 
 
 class _Tap:
@@ -67,6 +67,8 @@ class _Tap:
 
     def __init__(self, name: str, module: nn.Module, leaves: dict[str, str]) -> None:
         self.name, self.module = name, module
+        # an MoE router or experts module sees its block's tokens flattened: the block whose [B, T] it needs
+        self.block = name.rpartition(".")[0] if moe.is_moe(module) else None
         self.leaves = leaves  # leaf ("weight") -> full parameter name
         self.inputs: list[Tensor | None] = []
         self.shapes: list[tuple[torch.Size, torch.Size]] = []  # (input, output) of each call
@@ -106,20 +108,19 @@ class Router:
         self.resolution = resolution
         params = dict(model.named_parameters())
         owner: dict[str, tuple[str, nn.Module, str]] = {}
+        holder: dict[int, str] = {}  # a trainable parameter -> the first module path that holds it
         for module_name, module in model.named_modules():
             for leaf, param in module.named_parameters(recurse=False):
                 if param.requires_grad:
-                    owner[f"{module_name}.{leaf}" if module_name else leaf] = (module_name, module, leaf)
+                    path = f"{module_name}.{leaf}" if module_name else leaf
+                    _check_unshared(holder.setdefault(id(param), path), path)
+                    owner[path] = (module_name, module, leaf)
         trainable = [n for n, p in params.items() if p.requires_grad]
         self.taps: dict[str, _Tap] = {}
+        checked: set[str] = set()
         for name in trainable:
             module_name, module, leaf = owner[name]
-            if not isinstance(module, TAPPED):
-                raise ConfigError(Code.ROUTING_UNCOVERED,
-                                  f"trainable parameter {name} belongs to a {type(module).__name__}, which no routing "
-                                  "hook covers: freeze it or use Linear, Embedding and LayerNorm modules")
-            if isinstance(module, nn.Embedding):
-                persample.check_embedding(module, name)
+            _check_covered(model, module_name, module, name, checked)
             tap = self.taps.setdefault(module_name, _Tap(module_name, module, {}))
             tap.leaves[leaf] = name
         layout_names = {p.name for p in resolution.layout.trainable()}
@@ -153,6 +154,10 @@ class Router:
         self._dtype = torch.float32
         self._handles = [tap.module.register_forward_hook(self._hook(tap)) for tap in self.taps.values()
                          if reached.intersection(tap.leaves.values())]
+        self._grids: dict[str, tuple[int, ...]] = {}  # MoE block -> the [B, T] of its last input
+        for block in {tap.block for tap in self.taps.values() if tap.block is not None}:
+            self._handles.append(model.get_submodule(block).register_forward_pre_hook(
+                lambda _, args, block=block: self._grids.__setitem__(block, tuple(args[0].shape[:-1]) if args else ())))
 
     def close(self) -> None:
         for handle in self._handles:
@@ -163,8 +168,12 @@ class Router:
         def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
             if self._recording:
                 index = len(tap.inputs)
-                tap.inputs.append(args[0].detach())
-                tap.shapes.append((args[0].shape, output.shape))
+                if tap.block is not None:  # tokens flattened by the block: recorded against its [B, T]
+                    saved, shapes, output = moe.record(module, args, output, self._grids.get(tap.block, ()))
+                else:
+                    saved, shapes = args[0].detach(), (args[0].shape, output.shape)
+                tap.inputs.append(saved)
+                tap.shapes.append(shapes)
                 tap.grads.append(None)
                 if output.requires_grad:
                     output.register_hook(lambda g: self._received(tap, index, g))
@@ -180,11 +189,17 @@ class Router:
         if isinstance(module, nn.Embedding):
             tap.grads[index] = g.to(dtype)
             return
+        if tap.block is not None:
+            formed = moe.grads(module, a, g, tap.shapes[index], dtype)
+            for leaf, value in formed.items():
+                tap.formed[leaf] = tap.formed[leaf] + value if leaf in tap.formed else value
+            tap.inputs[index] = None
+            return
         a, g = a.to(dtype), g.to(dtype)
-        if isinstance(module, nn.Linear) and not persample.form_early(a, g, self.per_sample):
+        if isinstance(module, persample.LINEAR) and not persample.form_early(a, g, self.per_sample):
             tap.inputs[index], tap.grads[index] = a, g
             return
-        formed = persample.linear(module, a, g) if isinstance(module, nn.Linear) else persample.layer_norm(module, a, g)
+        formed = persample.grads_of(module, a, g)
         for leaf, value in formed.items():
             tap.formed[leaf] = tap.formed[leaf] + value if leaf in tap.formed else value
         tap.inputs[index] = None
@@ -429,6 +444,50 @@ def _group_calls(tap: _Tap, units: Tensor, count: int) -> None:
             tap.inputs[index], tap.grads[index] = regroup(a, ids=embedding), regroup(g)
     for leaf, per in tap.formed.items():
         tap.formed[leaf] = per.new_zeros((count, *per.shape[1:])).index_add_(0, units, per)
+
+
+def _check_unshared(first: str, path: str) -> None:
+    """Refuse a trainable parameter that two modules hold (tied embeddings): each module's hook would see only
+    its own calls, so a sample's gradient would be formed from part of its uses."""
+    if first != path:
+        raise ConfigError(Code.ROUTING_UNCOVERED,
+                          f"trainable parameter {first} is also {path} (tied weights): its per-sample gradients "
+                          "cannot be formed from one module's calls; freeze it or untie it")
+
+
+def _check_covered(model: nn.Module, module_name: str, module: nn.Module, name: str, checked: set[str]) -> None:
+    """Refuse (`routing_uncovered`) a trainable parameter whose module has no exact per-sample rule: checks
+    that run a probe (RMSNorm, MoE blocks) run once per module or block (`checked`)."""
+    if ".lora_" in module_name:
+        layer = model.get_submodule(module_name.rpartition(".lora_")[0])
+        if type(layer).__name__ == "ParamWrapper":  # peft's target_parameters: factors multiplied, never called
+            raise ConfigError(Code.ROUTING_UNCOVERED,
+                              f"trainable parameter {name} is a LoRA factor on a parameter (peft target_parameters), "
+                              "which no routing hook covers: target modules instead, or freeze it")
+    if isinstance(module, TAPPED):
+        if isinstance(module, nn.Embedding):
+            persample.check_embedding(module, name)
+        return
+    if moe.is_moe(module):
+        block = module_name.rpartition(".")[0]
+        if block not in checked:
+            try:
+                moe.check_block(model.get_submodule(block), block)
+            except persample.Mismatch as e:
+                raise ConfigError(Code.ROUTING_UNCOVERED, f"trainable parameter {name}: {e}, so no routing hook "
+                                                          "covers it: freeze it") from e
+            checked.add(block)
+        return
+    if persample.is_rms_norm(module):
+        try:
+            persample.check_rms_norm(module, name)
+        except persample.Mismatch as e:
+            raise ConfigError(Code.ROUTING_UNCOVERED, f"trainable parameter {e}, so no routing hook covers it: "
+                                                      "freeze it") from e
+        return
+    raise ConfigError(Code.ROUTING_UNCOVERED,
+                      f"trainable parameter {name} belongs to a {type(module).__name__}, which no routing hook covers: "
+                      "freeze it or use Linear, Conv1D, Embedding, LayerNorm, RMSNorm and Mixtral-style MoE modules")
 
 
 def _accumulator(dtype: torch.dtype) -> torch.dtype:
