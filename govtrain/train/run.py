@@ -306,9 +306,10 @@ class Run:
         return True
 
     def step(self) -> float:
-        """One logical step of the written-ahead epoch: a Poisson draw over the examples still eligible at
-        this step (withdrawals take effect here), forward and backward in physical chunks under autocast,
-        the router's clipped sum and noise once, then the update. Returns the mean loss (nan: empty batch)."""
+        """One logical step of the written-ahead epoch: a Poisson draw over the units (examples, or whole
+        contributions) still eligible at this step (withdrawals take effect here), forward and backward in
+        physical chunks under autocast, the router's clipped sum (per example, or per contribution's mean) and
+        noise once, then the update. Returns the mean loss per example drawn (nan: empty batch)."""
         import numpy as np
 
         if not self._written or self.epoch_done:
