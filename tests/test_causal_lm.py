@@ -239,6 +239,8 @@ def test_mean_pooling_is_refused_for_a_causal_lm():
     RunFile.model_validate({"model": {"base": "x", "task": "causal-lm"}, **base})
     with pytest.raises(ValueError, match="pooling applies to sequence-classification only"):
         RunFile.model_validate({"model": {"base": "x", "task": "causal-lm", "pooling": "mean"}, **base})
+    with pytest.raises(ValueError, match="num_labels applies to sequence-classification only"):
+        RunFile.model_validate({"model": {"base": "x", "task": "causal-lm", "num_labels": 2}, **base})
 
 
 # -- govtrain train end to end on a tiny random Llama ----------------------------------------------

@@ -451,3 +451,10 @@ def test_require_columns_names_the_first_missing_column_and_what_the_row_has():
         with pytest.raises(ConfigError) as e:
             require_columns(row, ("a", "b"), "x.csv:2")
         assert e.value.code is Code.BAD_DATA and e.value.detail.startswith(detail), e.value.detail
+
+
+def test_a_pretty_printed_json_array_is_told_the_format(tmp_path: Path):
+    data = tmp_path / "reviews.json"
+    data.write_text(json.dumps([{"text": "fine", "label": 1}], indent=2))
+    summary = inspect_data(data)
+    assert summary.problem.startswith("reviews.json:1: not JSON") and "one object per line" in summary.problem

@@ -49,10 +49,14 @@ def json_lines_rows(lines: Iterable[bytes], name: str) -> Iterator[Row]:
         try:
             record = json.loads(line)
         except (UnicodeDecodeError, ValueError) as e:
-            raise BadData(where, f"not JSON ({e.__class__.__name__})") from None
+            raise BadData(where, f"not JSON ({e.__class__.__name__}){_ONE_PER_LINE}") from None
         if not isinstance(record, dict):
-            raise BadData(where, "not a JSON object")
+            raise BadData(where, f"not a JSON object{_ONE_PER_LINE}")
         yield where, record
+
+
+# A pretty-printed JSON array fails on its first line: say what the format is rather than only that it is wrong.
+_ONE_PER_LINE = "; .jsonl, .ndjson and .json files are JSON Lines: one object per line"
 
 
 def csv_rows(raw: bytes, name: str, integer_columns: Collection[str] = ()) -> Iterator[Row]:

@@ -87,6 +87,9 @@ class ModelSection(_Strict):
         if self.task == "causal-lm" and self.pooling != "model":
             raise ValueError("pooling applies to sequence-classification only: a causal LM predicts every next "
                              "token and pools nothing; remove model.pooling")
+        if self.task == "causal-lm" and "num_labels" in self.model_fields_set:
+            raise ValueError("num_labels applies to sequence-classification only: a causal LM's targets are its "
+                             "vocabulary; remove model.num_labels")
         return self
 
 
