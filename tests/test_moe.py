@@ -163,17 +163,69 @@ def test_removing_one_example_moves_the_clipped_sum_by_at_most_its_clip_norm():
     assert_removing_one_moves_the_release_by_at_most_its_clip_norm(released, clip)
 
 
-def test_lora_on_the_fused_expert_parameters_is_refused():
-    """peft's target_parameters multiplies its factors into the weight: they are never called on tokens, so no
-    hook could see a sample's share of their gradient. Nor does an experts profile reach them: they mix experts."""
-    net = peft.get_peft_model(mixtral(), peft.LoraConfig(r=2, target_modules=[], init_lora_weights=False,
-                                                         target_parameters=["mlp.experts.gate_up_proj"]))
-    layout = describe(net)
-    restricted = resolve({"c": cls("c", band=(0, 1), experts=((0, (1,)),))}, layout).reach["c"]
-    assert not any(".lora_" in p.name and role(p.name).layer == 0 for p in restricted)
+def fused_lora(seed: int = 0):
+    """peft's LoRA on both fused expert parameters (target_parameters), factors random (not B = 0), float64."""
+    config = peft.LoraConfig(r=2, target_modules=[], init_lora_weights=False,
+                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    torch.manual_seed(seed)
+    return peft.get_peft_model(mixtral(seed), config).to(torch.float64).eval()
+
+
+def test_lora_on_the_fused_expert_parameters_matches_the_loop():
+    """The factors are multiplied into the weight (W + s·B·A) and never called on tokens: their per-sample
+    gradients come from the fused weight's, by the chain rule. Whole layers and an experts profile."""
+    net = fused_lora()
+    classes = {"all": cls("all", band=(0, 1)), "one": cls("one", band=(0, 1), experts=((0, (1,)), (1, (2, 3))))}
+    resolution = resolve(classes, describe(net))
+    factors = [p.name for p in resolution.reach["all"] if ".lora_" in p.name]
+    assert len(factors) == 8  # A and B on gate_up_proj and down_proj, in both layers
+    assert_matches_the_loop(net, resolution, ["all", "one", "all", "one", "one", "all"])
+
+
+def test_an_experts_profile_reaches_only_its_experts_factor_rows_and_columns():
+    net = fused_lora(1)
+    ids, attention = batch()
+    clip = torch.full((5,), 50.0, dtype=torch.float64)
+    resolution = resolve({"one": cls("one", band=(0, 0), experts=((0, (1,)),))}, describe(net))
+    _, grads = routed(net, resolution, ids, attention, ["one"] * 5, clip)
+    factors = {n: g for n, g in grads.items() if ".lora_" in n and role(n).layer == 0}
+    assert len(factors) == 4
+    for name, grad in factors.items():
+        rank = 2
+        if ".lora_A." in name:  # [E·r, in]: expert e's rows e·r … e·r+r−1
+            mine = grad.reshape(EXPERTS, rank, -1)
+            assert mine[1].abs().max() > 0, name
+            assert all(mine[e].abs().max() == 0 for e in range(EXPERTS) if e != 1), name
+        else:  # [out, r·E]: expert e's columns k·E + e
+            mine = grad.reshape(grad.shape[0], rank, EXPERTS)
+            assert mine[:, :, 1].abs().max() > 0, name
+            assert all(mine[:, :, e].abs().max() == 0 for e in range(EXPERTS) if e != 1), name
+    assert all(grad is None for name, grad in grads.items() if name not in factors)
+
+
+def test_the_factor_rows_and_columns_of_an_expert_are_the_ones_peft_multiplies_into_its_slice():
+    """The resolver's layout of expert e's factors (lora_A rows e·r…, lora_B columns k·E+e), checked against
+    peft's own delta weight: zeroing them zeroes expert e's slice of W + s·B·A and leaves the others."""
+    net = fused_lora()
+    wrapper = next(m for m in net.modules() if type(m).__name__ == "ParamWrapper" and m.parameter_name == "down_proj")
+    resolution = resolve({"one": cls("one", band=(0, 1), experts=((0, (2,)), (1, (2,))))}, describe(net))
+    parts = {p.name: p for p in resolution.reach["one"]}
+    with torch.no_grad():
+        before = wrapper.get_delta_weight("default").clone()
+        for factor in (wrapper.lora_A["default"].weight, wrapper.lora_B["default"].weight):
+            name = next(n for n, p in net.named_parameters() if p is factor)
+            index = torch.tensor(parts[name].index)
+            factor.index_fill_(parts[name].dim, index, 0.0)
+            after = wrapper.get_delta_weight("default")
+            assert after[2].abs().max() == 0 and before[2].abs().max() > 0
+            assert all(torch.equal(after[e], before[e]) for e in range(EXPERTS) if e != 2)
+
+
+def test_prism_refuses_lora_on_fused_expert_parameters():
+    net = fused_lora()
     with pytest.raises(ConfigError) as info:
-        Router(net, resolve({"c": cls("c", band=(0, 1))}, layout))
-    assert info.value.code.value == "routing_uncovered" and "target_parameters" in info.value.detail
+        Router(net, resolve({"c": cls("c", band=(0, 1))}, describe(net)), mechanism="prism")
+    assert info.value.code.value == "routing_uncovered" and "one pair per expert" in info.value.detail
 
 
 def test_one_module_per_expert_is_reached_whole_or_not_at_all():

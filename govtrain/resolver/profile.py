@@ -24,8 +24,9 @@ Rules (DESIGN §4-5), each chosen so that an unclear case reaches *less*:
 - `experts = {layer: [e, ...]}` restricts a named layer of a mixture-of-experts model to those experts:
   their slices (dimension 0) of an experts module's fused parameters ([E, ...], Mixtral's gate_up_proj and
   down_proj), or their whole modules where each expert is its own module (`experts.3.w1`, LoRA included).
-  Nothing else in that layer is reached (attention only through `heads` on the same layer); peft's LoRA on
-  a fused expert parameter mixes every expert and is not reached.
+  Nothing else in that layer is reached (attention only through `heads` on the same layer). peft's LoRA on
+  a fused expert parameter (target_parameters) keeps one factor pair per expert side by side: a class
+  reaches its experts' rows of lora_A and columns of lora_B (`_expert_part`).
 - Routers (an MoE block's `gate`/`router`) are reached only with `router = true`, whatever the depth
   profile: a router's gradient carries every expert's signal, as the head carries every layer's.
 - `adapter = "name"` reaches exactly the trainable parameters of that peft adapter (its LoRA factors
@@ -66,7 +67,9 @@ class Part:
     def describe(self) -> str:
         if self.dim is None:
             return self.name
-        what = "experts" if EXPERTS.search(role(self.name).module) else "rows" if self.dim == 0 else "columns"
+        named = role(self.name)
+        what = ("experts" if EXPERTS.search(named.module) and named.peft_part is None else
+                "rows" if self.dim == 0 else "columns")
         return f"{self.name}[{what} {format_ranges(self.index)}]"
 
 
@@ -192,12 +195,23 @@ def _check_experts(experts: Mapping[int, tuple[int, ...]], layout: ModelLayout, 
 def _expert_part(name: str, param: Param, experts: tuple[int, ...], layout: ModelLayout) -> Part | None:
     """One expert's module (`experts.3.w1`, its LoRA included) is reached whole or not at all; the fused
     parameters of an experts module ([E, ...]: Mixtral's gate_up_proj, down_proj) by their expert slices
-    along dimension 0. peft's LoRA on a fused parameter mixes every expert's slice: not reached."""
+    along dimension 0. peft's LoRA on a fused parameter (target_parameters) keeps one pair per expert side by
+    side, lora_A [E·r, in] (expert e: rows e·r … e·r+r−1) and lora_B [out, r·E] (expert e: columns k·E+e): a
+    class reaches its experts' rows and columns of them."""
     r = role(name)
     item = EXPERT.search(r.module)
     if item is not None:
         return Part(name) if int(item.group(1)) in experts else None
-    if r.peft_part is not None or not param.shape or param.shape[0] != layout.num_experts:
+    count = layout.num_experts or 0
+    if r.peft_part in ("lora_A", "lora_B") and len(param.shape) == 2:
+        dim = 0 if r.peft_part == "lora_A" else 1
+        if count < 1 or param.shape[dim] % count:
+            return None
+        rank = param.shape[dim] // count
+        index = ([e * rank + k for e in experts for k in range(rank)] if dim == 0 else
+                 [k * count + e for k in range(rank) for e in experts])
+        return Part(name, dim, tuple(sorted(index)))
+    if r.peft_part is not None or not param.shape or param.shape[0] != count:
         return None
     return Part(name, 0, tuple(experts))
 

@@ -62,26 +62,33 @@ def record(module: nn.Module, args: tuple, output, grid: tuple[int, ...]):
     flat = len(grid) == 2 and x.dim() == 2 and x.shape[0] == grid[0] * grid[1]
     in_shape = (*grid, x.shape[-1]) if flat else tuple(x.shape)
     out_shape = (*grid, out.shape[-1]) if flat else tuple(out.shape)
-    saved = x.detach() if is_router(module) else (x.detach(), args[1].detach(), args[2].detach())
+    # The experts' weights as this call used them: under peft's LoRA on the fused parameters (target_parameters)
+    # they are W + s·B·A only while the wrapper's forward runs, so they are kept now, not read in backward.
+    saved = x.detach() if is_router(module) else (x.detach(), args[1].detach(), args[2].detach(),
+                                                    module.gate_up_proj.detach(), module.down_proj.detach())
     return saved, (torch.Size(in_shape), torch.Size(out_shape)), out
 
 
-def grads(module: nn.Module, saved, g: Tensor, shapes, dtype: torch.dtype) -> dict[str, Tensor]:
-    """The per-sample gradients [B, *param.shape] of one router or experts call."""
+def grads(module: nn.Module, saved, g: Tensor, shapes, dtype: torch.dtype, *, every: bool = False) -> dict[str, Tensor]:
+    """The per-sample gradients [B, *param.shape] of one router or experts call (`every`: of both expert
+    weights, trainable or not, as LoRA factors on them need)."""
     batch, tokens = shapes[0][0], shapes[0][1]
     if is_router(module):
         a = saved.to(dtype).reshape(batch, tokens, -1)
         return {"weight": torch.einsum("bto,bti->boi", g.to(dtype).reshape(batch, tokens, -1), a)}
-    x, index, weights = saved
-    return experts_grads(module, x.to(dtype), index, weights.to(dtype), g.to(dtype), batch, tokens)
+    x, index, weights, gate_up, down = saved
+    return experts_grads(module, x.to(dtype), index, weights.to(dtype), g.to(dtype), batch, tokens,
+                         weights_used=(gate_up, down), every=every)
 
 
 def experts_grads(module: nn.Module, x: Tensor, index: Tensor, weights: Tensor, g: Tensor, batch: int,
-                  tokens: int) -> dict[str, Tensor]:
+                  tokens: int, *, weights_used: tuple[Tensor, Tensor] | None = None,
+                  every: bool = False) -> dict[str, Tensor]:
     """Per-sample gradients of the experts' fused weights from the call's tokens x [N, D], their top-k experts
-    `index` and routing `weights` [N, K], and the output gradient g [N, D]."""
-    gate_up = module.gate_up_proj.detach().to(x.dtype)
-    down = module.down_proj.detach().to(x.dtype)
+    `index` and routing `weights` [N, K], and the output gradient g [N, D]; `weights_used` are the (gate_up,
+    down) weights the call computed with (default: the module's now)."""
+    gate_up, down = weights_used if weights_used is not None else (module.gate_up_proj, module.down_proj)
+    gate_up, down = gate_up.detach().to(x.dtype), down.detach().to(x.dtype)
     sample = torch.arange(x.shape[0], device=x.device) // tokens
     per_gate_up = torch.zeros(batch, *gate_up.shape, dtype=x.dtype, device=x.device)
     per_down = torch.zeros(batch, *down.shape, dtype=x.dtype, device=x.device)
@@ -99,11 +106,41 @@ def experts_grads(module: nn.Module, x: Tensor, index: Tensor, weights: Tensor, 
         per_down[:, expert] = torch.einsum("nb,nd,ni->bdi", owner, d_out, act.detach())
         per_gate_up[:, expert] = torch.einsum("nb,nj,nd->bjd", owner, d_h, xs)
     out = {}
-    if module.gate_up_proj.requires_grad:
+    if every or module.gate_up_proj.requires_grad:
         out["gate_up_proj"] = per_gate_up
-    if module.down_proj.requires_grad:
+    if every or module.down_proj.requires_grad:
         out["down_proj"] = per_down
     return out
+
+
+# -- peft's LoRA on the fused expert parameters (LoraConfig.target_parameters) ------------------------------
+
+def innermost(module: nn.Module) -> nn.Module:
+    """The module under peft's parameter wrappers (ParamWrapper.base_layer, nested once per targeted parameter)."""
+    while type(module).__name__ == "ParamWrapper":
+        module = module.base_layer
+    return module
+
+
+def is_fused_lora(wrapper: nn.Module) -> bool:
+    """A peft ParamWrapper whose factors act on a Mixtral-layout experts module's fused [E, out, in] parameter."""
+    return (type(wrapper).__name__ == "ParamWrapper" and is_experts(innermost(wrapper))
+            and getattr(wrapper, "_did_swap_in_out_features", False) and getattr(wrapper, "num_experts", 1) > 1)
+
+
+def lora_grads(wrapper: nn.Module, adapter: str, per_weight: Tensor) -> dict[str, Tensor]:
+    """Per-sample gradients of one adapter's factors on one fused expert parameter, from that parameter's
+    per-sample gradients G [B, E, out, in] (`experts_grads`) by the chain rule through the weight peft computes,
+    W_e + s·B_e A_e with A_e = lora_A.reshape(E, r, in)[e] and B_e = lora_B.reshape(out, r, E)[:, :, e]:
+    dA_e = s·B_eᵀ G_e and dB_e = s·G_e A_eᵀ, laid out as the factors are ({"A": [B, E·r, in], "B": [B, out, r·E]})."""
+    experts, scaling = wrapper.num_experts, wrapper.scaling[adapter]
+    a = wrapper.lora_A[adapter].weight.detach().to(per_weight.dtype)
+    b = wrapper.lora_B[adapter].weight.detach().to(per_weight.dtype)
+    a3 = a.reshape(experts, -1, a.shape[-1])  # [E, r, in]
+    b3 = b.reshape(b.shape[0], -1, experts)  # [out, r, E]
+    d_a = scaling * torch.einsum("ore,beoi->beri", b3, per_weight).reshape(per_weight.shape[0], *a.shape)
+    d_b = scaling * torch.einsum("beoi,eri->bore", per_weight, a3).reshape(per_weight.shape[0], *b.shape)
+    return {"A": d_a, "B": d_b}
 
 
 def check_block(block: nn.Module, name: str) -> None:
@@ -117,7 +154,8 @@ def check_block(block: nn.Module, name: str) -> None:
     probe._forward_pre_hooks.clear()
     for param in probe.parameters():
         param.requires_grad_(True)
-    children = {child_name: child for child_name, child in probe.named_children() if is_moe(child)}
+    children = {child_name: innermost(child) for child_name, child in probe.named_children()
+                if is_moe(innermost(child))}
     routers = [c for c in children.values() if is_router(c)]
     experts = [c for c in children.values() if is_experts(c)]
     if len(routers) != 1 or len(experts) != 1:
@@ -126,7 +164,8 @@ def check_block(block: nn.Module, name: str) -> None:
 
     def keep(key: str):  # a forward hook that returns None, so the output stands
         def hook(module: nn.Module, args: tuple, out) -> None:
-            seen[key].append((args, out))
+            used = (module.gate_up_proj.detach(), module.down_proj.detach()) if key == "experts" else None
+            seen[key].append((args, out, used))
         return hook
 
     handles = [module.register_forward_hook(keep(key)) for key, module in (("router", routers[0]),
@@ -147,7 +186,7 @@ def check_block(block: nn.Module, name: str) -> None:
 
 
 def _check_router(router: nn.Module, call: tuple, x: Tensor, name: str) -> None:
-    args, out = call
+    args, out, _ = call
     if len(args) != 1 or not isinstance(out, tuple):
         raise Mismatch(f"{name} does not call its router on the tokens alone, returning (logits, ...)")
     tokens = args[0]
@@ -158,7 +197,7 @@ def _check_router(router: nn.Module, call: tuple, x: Tensor, name: str) -> None:
 
 
 def _check_experts(experts: nn.Module, call: tuple, x: Tensor, name: str, generator: torch.Generator) -> None:
-    args, out = call
+    args, out, used = call
     if len(args) != 3:
         raise Mismatch(f"{name} does not call its experts as experts(tokens, top_k_index, top_k_weights)")
     tokens, index, weights = args
@@ -169,7 +208,7 @@ def _check_experts(experts: nn.Module, call: tuple, x: Tensor, name: str, genera
     expected = torch.autograd.grad(out, params, g)
     wide = {"dtype": torch.float64}
     per = experts_grads(experts, tokens.detach().to(**wide), index, weights.detach().to(**wide), g.to(**wide),
-                        x.shape[0], x.shape[1])
+                        x.shape[0], x.shape[1], weights_used=used, every=True)
     for leaf, total in zip(("gate_up_proj", "down_proj"), expected):
         if not torch.allclose(per[leaf].sum(0), total.to(**wide), **_FLOAT32):
             raise Mismatch(f"{name}'s experts do not compute w · down(act(gate x) ⊙ up x) per token")

@@ -68,8 +68,11 @@ class _Tap:
     def __init__(self, name: str, module: nn.Module, leaves: dict[str, str]) -> None:
         self.name, self.module = name, module
         # an MoE router or experts module sees its block's tokens flattened: the block whose [B, T] it needs
-        self.block = name.rpartition(".")[0] if moe.is_moe(module) else None
+        self.block = name.replace(".base_layer", "").rpartition(".")[0] if moe.is_moe(module) else None
         self.leaves = leaves  # leaf ("weight") -> full parameter name
+        # peft's LoRA on this experts module's fused parameters: leaf ("lora_A:default:gate_up_proj") -> (its
+        # ParamWrapper, adapter, fused parameter, "A" or "B"); formed from that parameter's per-sample gradient
+        self.lora: dict[str, tuple[nn.Module, str, str, str]] = {}
         self.inputs: list[Tensor | None] = []
         self.shapes: list[tuple[torch.Size, torch.Size]] = []  # (input, output) of each call
         self.grads: list[Tensor | None] = []  # output gradient of each call kept for book-keeping
@@ -120,6 +123,20 @@ class Router:
         checked: set[str] = set()
         for name in trainable:
             module_name, module, leaf = owner[name]
+            fused = _fused_lora(model, module_name)
+            if fused is not None:  # a LoRA factor peft multiplies into an experts module's fused parameter
+                wrapper, path, adapter, factor = fused
+                if mechanism == "prism":
+                    raise ConfigError(Code.ROUTING_UNCOVERED,
+                                      f"trainable parameter {name}: LoRA on fused expert parameters holds one pair per "
+                                      "expert side by side, not one rank-r pair: use dpsgd or dp-muon")
+                module_name, module = path, moe.innermost(wrapper)
+                _check_covered(model, module_name, module, name, checked)
+                tap = self.taps.setdefault(module_name, _Tap(module_name, module, {}))
+                leaf = f"lora_{factor}:{adapter}:{wrapper.parameter_name}"
+                tap.lora[leaf] = (wrapper, adapter, wrapper.parameter_name, factor)
+                tap.leaves[leaf] = name
+                continue
             _check_covered(model, module_name, module, name, checked)
             tap = self.taps.setdefault(module_name, _Tap(module_name, module, {}))
             tap.leaves[leaf] = name
@@ -190,7 +207,10 @@ class Router:
             tap.grads[index] = g.to(dtype)
             return
         if tap.block is not None:
-            formed = moe.grads(module, a, g, tap.shapes[index], dtype)
+            formed = moe.grads(module, a, g, tap.shapes[index], dtype, every=bool(tap.lora))
+            for leaf, (wrapper, adapter, fused, factor) in tap.lora.items():  # the chain rule through W + s·B·A
+                formed[leaf] = moe.lora_grads(wrapper, adapter, formed[fused])[factor]
+            formed = {leaf: value for leaf, value in formed.items() if leaf in tap.leaves}
             for leaf, value in formed.items():
                 tap.formed[leaf] = tap.formed[leaf] + value if leaf in tap.formed else value
             tap.inputs[index] = None
@@ -455,6 +475,22 @@ def _check_unshared(first: str, path: str) -> None:
                           "cannot be formed from one module's calls; freeze it or untie it")
 
 
+def _fused_lora(model: nn.Module, module_name: str) -> tuple[nn.Module, str, str, str] | None:
+    """(its ParamWrapper, the experts module's path, adapter, "A" or "B") for a LoRA factor module that peft's
+    target_parameters put on a Mixtral-layout experts module's fused parameter; None for any other module."""
+    if ".lora_A." not in module_name and ".lora_B." not in module_name:
+        return None
+    head, factor, adapter = module_name.rpartition(".lora_")[0], module_name.rpartition(".lora_")[2][0], \
+        module_name.rpartition(".")[2]
+    wrapper = model.get_submodule(head)
+    if not moe.is_fused_lora(wrapper):
+        return None
+    path = head
+    while type(model.get_submodule(path)).__name__ == "ParamWrapper":
+        path += ".base_layer"
+    return wrapper, path, adapter, factor
+
+
 def _check_covered(model: nn.Module, module_name: str, module: nn.Module, name: str, checked: set[str]) -> None:
     """Refuse (`routing_uncovered`) a trainable parameter whose module has no exact per-sample rule: checks
     that run a probe (RMSNorm, MoE blocks) run once per module or block (`checked`)."""
@@ -469,7 +505,7 @@ def _check_covered(model: nn.Module, module_name: str, module: nn.Module, name: 
             persample.check_embedding(module, name)
         return
     if moe.is_moe(module):
-        block = module_name.rpartition(".")[0]
+        block = module_name.replace(".base_layer", "").rpartition(".")[0]
         if block not in checked:
             try:
                 moe.check_block(model.get_submodule(block), block)
