@@ -49,7 +49,7 @@ def load_examples(folder: Path, digests: Mapping[bytes, str], task, *,  # type: 
             unmatched.append(_label(data.path))
             continue
         found.add(contribution)
-        rows = _rows(data, integer_columns)
+        rows = rows_of(data, integer_columns)
         if records is not None and len(rows) != records[contribution]:
             raise ConfigError(Code.BAD_DATA, f"{data.name}: {len(rows)} records read, the attestation of "
                                              f"{contribution} declares {records[contribution]}; keep the name "
@@ -77,7 +77,8 @@ def _entries(folder: Path, unmatched: list[str]) -> Iterator[DataBytes]:
         yield data
 
 
-def _rows(data: DataBytes, integer_columns: Collection[str]) -> list[tuple[str, dict]]:
+def rows_of(data: DataBytes, integer_columns: Collection[str]) -> list[tuple[str, dict]]:
+    """Every (where, row) of data `read_data` read; the first unreadable record is one BAD_DATA error."""
     try:
         return list(data_rows(data, integer_columns=integer_columns))
     except BadData as e:

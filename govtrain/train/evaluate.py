@@ -26,14 +26,12 @@ def read_examples(path: Path, task, integer_columns: Sequence[str] = ()) -> list
     """Every row of the data at `path` (any format training reads: a JSON Lines, CSV or Parquet file, or a saved
     dataset directory) as the task's example; a row the task cannot use is refused (BAD_DATA, naming file and
     row). `integer_columns`: the CSV columns whose integer cells become `int` (the label), as in training."""
-    from govtrain.data import BadData, data_rows, read_data
+    from govtrain.data import read_data
+    from govtrain.train.data import rows_of
 
     if not path.exists():
         raise ConfigError(Code.DATA_UNREADABLE, f"--data {path}: no such file or directory")
-    try:
-        rows = list(data_rows(read_data(path), integer_columns=integer_columns))
-    except BadData as e:
-        raise ConfigError(Code.BAD_DATA, str(e)) from None
+    rows = rows_of(read_data(path), integer_columns)
     examples = [task.example(row, where) for where, row in rows]
     if not examples:
         raise ConfigError(Code.BAD_DATA, f"--data {path}: no rows to evaluate on")
