@@ -2,8 +2,23 @@
 
 The pipeline, one stage per subpackage: `attest` (descriptors, COSE attestations, keys) →
 `policy` (the corpus policy, the trust store) → `gate` (admissibility and admission) →
-`ledger` (entries, the ledger) → `verify` (the auditor's verifier). `cli` is the command line.
-Importing govtrain imports no torch.
+`ledger` (entries, the ledger) → `verify` (the auditor's verifier) → `train` (governed training; its
+library API is `govtrain.GovernedRun`). `cli` is the command line. Importing govtrain imports no torch:
+`GovernedRun` and `GovernedBatch` are loaded on first use.
 """
 
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+__all__ = ["GovernedBatch", "GovernedRun", "__version__"]
+
+if TYPE_CHECKING:
+    from govtrain.train.governed import GovernedBatch, GovernedRun
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("GovernedRun", "GovernedBatch"):
+        from govtrain.train import governed
+
+        return getattr(governed, name)
+    raise AttributeError(f"module 'govtrain' has no attribute {name!r}")

@@ -34,6 +34,8 @@ class Code(str, Enum):
     PROFILE_UNMATCHED = "profile_unmatched"  # a class whose profile reaches no trainable parameter
     ROUTING_UNCOVERED = "routing_uncovered"  # a trainable parameter no routing hook can privatize
     MECHANISM_UNSUPPORTED = "mechanism_unsupported"  # the training mechanism cannot run this policy's profiles
+    UNGOVERNED_BATCH = "ungoverned_batch"  # a batch, loader or training forward govtrain's sampler did not draw
+    SAMPLING_MISMATCH = "sampling_mismatch"  # the sampler's rate is not the rate the ledger's spend charged
 
     # -- encoding: the strict deterministic-CBOR decoder (DESIGN §2) ----------------------
     TOO_LARGE = "too_large"

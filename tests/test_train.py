@@ -406,6 +406,16 @@ def test_progress_text_shows_the_step_pace_time_left_and_epsilon_per_class():
     assert progress_text(25, 25, 1.0, {"public": 1.0}).startswith("step 25/25 | 1.00 s/step | ETA 0:00 |")
 
 
+def _step(run) -> None:
+    """One logical step through the run's phases, as `GovernedRun.batches` takes it."""
+    for chunk in run.draw():
+        batch = run.encode(chunk)
+        with run.forward():
+            output = run.model(**batch.inputs)
+        run.accumulate(chunk, run.task.per_example_loss(output, batch))
+    run.apply()
+
+
 def test_the_run_writes_nothing_before_write_ahead_and_steps_only_inside_it(corpus: Corpus, tiny_model: Path):
     """The phases in order: prepare and plan_epoch leave the ledger as it was, write_ahead adds this run's
     spend, and a step outside a written-ahead epoch, or a second plan over a pending one, is refused."""
@@ -420,24 +430,24 @@ def test_the_run_writes_nothing_before_write_ahead_and_steps_only_inside_it(corp
         run = Run(load_run_config(_config(corpus, tiny_model, 12)), ledger, insecure_seed=1, log=lambda line: None)
         run.prepare()
         with pytest.raises(RuntimeError):
-            run.step()
+            run.draw()
         assert run.plan_epoch() and (corpus.dir / "adapter" / STATE_FILE).is_file()
         assert snapshot(corpus.url) == before  # the plan is saved in the run state, not the ledger
         with pytest.raises(RuntimeError):
-            run.step()
+            run.draw()
         with pytest.raises(RuntimeError):
             run.plan_epoch()
         assert run.write_ahead() and snapshot(corpus.url) != before
         assert run.epsilons()["public"] > 0 and run.epsilons()["restricted"] == 0
         while not run.epoch_done:
-            run.step()
+            _step(run)
         with pytest.raises(RuntimeError):
-            run.step()
+            run.draw()
         run.close_epoch()
         assert run.result.steps == 10 and run.result.epochs == [0] and not run.done
         assert run.plan_epoch() and run.write_ahead()
         while not run.epoch_done:
-            run.step()
+            _step(run)
         run.close_epoch()
         assert run.done and run.finish().adapter_sha256 is not None
     assert not (corpus.dir / "adapter" / STATE_FILE).exists()

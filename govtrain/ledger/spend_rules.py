@@ -49,6 +49,7 @@ class SpendBook:
     holders: dict[int, tuple[str, int]] = field(default_factory=dict)  # epoch -> (run_id, epoch_steps)
     runs: dict[str, tuple[int, bool]] = field(default_factory=dict)  # run -> (first epoch_steps, ended)
     charged: dict[str, _Charged] = field(default_factory=dict)  # contribution -> its latest spend
+    rates: dict[int, set[int]] = field(default_factory=dict)  # epoch -> the sampling rates its spend charged
 
     def check(self, entry: dict, *, ledger_epoch: int, steps_per_epoch: int, min_rate_u: int | None) -> None:
         """Raise `SpendRuleError` if `entry` (a decoded spend, or its fields) breaks a rule."""
@@ -87,6 +88,7 @@ class SpendBook:
             first_length, _ = self.runs.get(run, (length, False))
             self.runs[run] = (first_length, length < first_length)
             self.holders[epoch] = (run, length)
+        self.rates.setdefault(epoch, set()).add(entry["sampling_rate_u"])
         self.charged[entry["contribution_id"]] = _Charged(epoch, entry["eps_u"], entry["steps"] < length)
 
     def holder(self, epoch: int) -> str | None:

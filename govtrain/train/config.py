@@ -49,15 +49,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import sys
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError, model_validator
 
 from govtrain.errors import Code, ConfigError
-from govtrain.policy.config import read_toml_file, schema_of
+from govtrain.policy.config import format_errors, read_toml_file, schema_of
 
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -243,6 +244,26 @@ def load_run_config(path: str | Path) -> RunConfig:
     file, raw = read_toml_file(path, RunFile, what="run config", unreadable=Code.RUN_CONFIG_INVALID,
                                invalid=Code.RUN_CONFIG_INVALID)
     return RunConfig(file, hashlib.sha256(raw).digest(), path.resolve().parent)
+
+
+def run_config(value: "RunConfig | Mapping[str, Any] | str | os.PathLike[str]", *,
+               base: str | os.PathLike[str] | None = None) -> RunConfig:
+    """A `RunConfig` from a RUN.toml path, from its contents as a dict (relative paths start at `base`, by
+    default the working directory; its SHA-256 is over its canonical JSON), or as given."""
+    if isinstance(value, RunConfig):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        return load_run_config(value)
+    if not isinstance(value, Mapping):
+        raise TypeError(f"a run config is a RUN.toml path, a dict or a RunConfig, not {type(value).__name__}")
+    try:
+        file = RunFile.model_validate(value)
+        raw = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    except ValidationError as e:
+        raise ConfigError(Code.RUN_CONFIG_INVALID, f"run config: {format_errors(e)}") from e
+    except (TypeError, ValueError) as e:
+        raise ConfigError(Code.RUN_CONFIG_INVALID, f"run config: not plain TOML values ({e})") from e
+    return RunConfig(file, hashlib.sha256(raw).digest(), Path(base or Path.cwd()).resolve())
 
 
 def json_schema() -> dict:

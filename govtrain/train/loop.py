@@ -1,6 +1,7 @@
 """`govtrain train`: governed DP-LoRA on admitted contributions only (DESIGN §5-7).
 
-`train()` is the front door: it opens the ledger and drives a `Run` (`run.py`) through its phases.
+`train()` is the front door: the loop of the library API (`governed.GovernedRun`, which drives a `Run`,
+`run.py`, through its phases) with a progress bar.
 `prepare` refuses what it must before any spend; then per ledger epoch the noise schedule is fixed from
 public metadata (s_g, sigma_eff, retirement) in `plan_epoch`, the epoch's spend is written ahead to the
 ledger with its signed checkpoint in `write_ahead`, and only then do its steps run. Each `step`
@@ -19,7 +20,6 @@ import time
 from typing import Callable, Mapping
 
 from govtrain.errors import Code
-from govtrain.ledger.ledger import Ledger
 from govtrain.train.config import RunConfig
 from govtrain.train.model import check_weight_decay, resolve_device, wrap_lora  # noqa: F401 (their old home)
 from govtrain.train.run import LOG, STATE_FILE, BudgetExhausted, Run, RunResult, tree_sha256  # noqa: F401
@@ -75,33 +75,31 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
     """
     from tqdm import tqdm
 
+    from govtrain.train.governed import GovernedRun
+
     show = progress and sys.stderr.isatty()
-    with Ledger.open(ledger_url, key=key) as ledger:
-        run = Run(config, ledger, insecure_seed=insecure_seed, log=_above_the_bar(log) if show else log, now=now,
-                  checkpoint_every=checkpoint_every, observe=observe)
-        run.prepare()
-        result = run.result
-        bar = tqdm(total=run.total, initial=result.steps, disable=not show, dynamic_ncols=True, file=sys.stderr,
-                   bar_format="|{bar:20}| {desc}", desc=progress_text(result.steps, run.total, None, run.epsilons()))
-        started, done_here = time.perf_counter(), 0
-        with bar:
-            while not run.done:
-                if run.pending is None and not run.plan_epoch():
-                    break  # no contribution is eligible any more
-                if not run.write_ahead():
-                    continue  # another run holds this ledger epoch: plan the next one
-                while not run.epoch_done:
-                    loss = run.step()
-                    done_here += 1
-                    if show:
-                        pace = (time.perf_counter() - started) / done_here
-                        bar.set_description_str(progress_text(result.steps, run.total, pace, run.epsilons(), loss),
-                                                refresh=False)
-                    bar.update(1)
-                    if interrupt_after_steps is not None and done_here >= interrupt_after_steps:
-                        raise KeyboardInterrupt(f"test hook: interrupted after {done_here} steps")
-                run.close_epoch()
-        run.finish()
+    bar = tqdm(total=config.file.training.steps, disable=not show, dynamic_ncols=True, file=sys.stderr,
+               bar_format="|{bar:20}| {desc}")
+    pace = {"started": time.perf_counter(), "steps": 0}
+
+    def stepped(step: int, loss: float) -> None:
+        pace["steps"] += 1
+        if show:
+            seconds = (time.perf_counter() - pace["started"]) / pace["steps"]
+            bar.set_description_str(progress_text(step, run.total_steps, seconds, run.epsilons(), loss), refresh=False)
+        bar.update(1)
+        if interrupt_after_steps is not None and pace["steps"] >= interrupt_after_steps:
+            raise KeyboardInterrupt(f"test hook: interrupted after {pace['steps']} steps")
+
+    with bar, GovernedRun.open(config, ledger_url, key=key, insecure_seed=insecure_seed,
+                               log=_above_the_bar(log) if show else log, now=now, checkpoint_every=checkpoint_every,
+                               observe=observe, on_step=stepped) as run:
+        bar.update(run.steps)
+        bar.set_description_str(progress_text(run.steps, run.total_steps, None, run.epsilons()))
+        for batch in run.batches():  # the API's loop, as a user's own code would write it
+            output = run.model(**batch.inputs)
+            run.step(run.per_example_loss(output, batch))
+        result = run.save()
     if result.exhausted:
         raise BudgetExhausted(Code.BUDGET_EXCEEDED, f"no contribution is eligible after {result.steps} steps: "
                                                     "every one is withdrawn or has spent its budget (adapter saved)")

@@ -36,6 +36,19 @@ class BudgetExhausted(GovtrainError):
 
 
 @dataclass
+class Chunk:
+    """One physical chunk of a logical step: its examples (indices into the run's examples), the unit of
+    each (None: each example is its own unit), each example's contribution, and per unit its class and
+    signed clipping norm."""
+
+    indices: list[int]
+    units: list[int] | None
+    owners: list[str]
+    classes: list[str]
+    clips: list[float]
+
+
+@dataclass
 class RunResult:
     run_id: str
     steps: int
@@ -110,9 +123,18 @@ class Run:
             if not run.write_ahead():
                 continue                # another run holds the epoch: plan the next one
             while not run.epoch_done:
-                run.step()
+                chunks = run.draw()         # the logical step's Poisson draw, in physical chunks
+                for chunk in chunks:
+                    batch = run.encode(chunk)
+                    with run.forward():
+                        output = run.model(**batch.inputs)
+                    run.accumulate(chunk, run.task.per_example_loss(output, batch))
+                run.apply()                 # noise once, then the update
             run.close_epoch()
         run.finish()
+
+    `GovernedRun` (`governed.py`) is that loop as a library API: its `batches()` runs these phases and hands
+    out the chunks, so a user's own loop, the Hugging Face Trainer and `govtrain train` take one path.
 
     Every phase reads the ledger it needs at that moment, so each can be interrupted (a kill) and the
     next call with the same config resumes from the saved state. `observe(step, ids)` sees the
@@ -130,6 +152,8 @@ class Run:
         self.pending: dict | None = None  # the epoch in progress and its plan, as the run state saves it
         self._retired_here: set[str] = set()  # retired by this run's plans (one that affords no step leaves no spend)
         self._written = False  # the pending epoch's spend is in the ledger: its steps may run
+        self._charged_rates: set[int] | None = None  # the sampling rates the pending epoch's spend charged
+        self._loss_sum, self._drawn = 0.0, 0  # the logical step in progress
 
     @property
     def run_id(self) -> str:
@@ -302,51 +326,79 @@ class Run:
         self.sampler.sampling_rate = pending["q_u"] / units.MICRO
         self._allowed = np.array([pending["allowed"].get(c, 0) for c in self.ids], dtype=np.int64)
         self._group_std = {frozenset(k): v for k, v in pending["group_std"].items()}
+        self._charged_rates = self.ledger.spend_book().rates.get(pending["epoch"]) if pending["spend"] else None
         self._written = True
         return True
 
-    def step(self) -> float:
-        """One logical step of the written-ahead epoch: a Poisson draw over the units (examples, or whole
-        contributions) still eligible at this step (withdrawals take effect here), forward and backward in
-        physical chunks under autocast, the router's clipped sum (per example, or per contribution's mean) and
-        noise once, then the update. Returns the mean loss per example drawn (nan: empty batch)."""
+    def draw(self) -> list[Chunk]:
+        """The next logical step's Poisson draw over the units (examples, or whole contributions) still
+        eligible at this step (withdrawals take effect here), as physical chunks; starts the router's step.
+        The caller encodes each chunk, runs the forward under `forward()`, hands its per-example losses to
+        `accumulate`, and then calls `apply` once (also when the draw is empty: the noise is still drawn)."""
         import numpy as np
 
         if not self._written or self.epoch_done:
-            raise RuntimeError("step() outside a written-ahead epoch: its spend must be in the ledger first")
-        result, router, examples = self.result, self.router, self.examples
+            raise RuntimeError("a step outside a written-ahead epoch: its spend must be in the ledger first")
+        self._check_rate()
+        result, examples = self.result, self.examples
         step = result.steps - self.pending["first_step"]
         gone = self.ledger.store.withdrawals()
         live = np.array([self._allowed[i] > step and self.ids[i] not in gone for i in range(len(self.ids))], dtype=bool)
-        chunks = self._draw(live)
-        if self.observe is not None:
-            self.observe(result.steps, [examples.owner[i] for part, _ in chunks for i in part])
-        autocast = self._autocast
-        router.begin()
-        loss_sum, drawn = 0.0, 0
-        for part, units in chunks:  # physical chunks, one logical step
-            batch = self.task.encode([examples.items[i] for i in part], self.tokenizer, self.config.file.model.max_length,
-                                     self.device)
-            with router.capture(), autocast():
-                output = self.model(**batch.inputs)
-            losses = self.task.per_example_loss(output, batch)  # one per example, fp32
-            if units is None:  # each example is clipped on its own
-                who = [examples.owner[i] for i in part]
+        chunks = []
+        for part, unit in self._draw(live):
+            owners = [examples.owner[i] for i in part]
+            if unit is None:  # each example is clipped on its own
+                who = owners
             else:  # each contribution's examples are averaged, then clipped together
-                who = [examples.owner[part[i]] for i in range(len(part)) if i == 0 or units[i] != units[i - 1]]
-            router.accumulate(losses, [self.classes[c] for c in who], [self.signed_clip[c] for c in who], units=units)
-            loss_sum += float(losses.detach().sum())
-            drawn += len(part)
-            del batch, output, losses
-        router.finish(self._group_std, self.pending["expected_batch"])  # noise once per logical step
-        loss = loss_sum / drawn if drawn else float("nan")
-        self.update.step(router.noise_std)
+                who = [owners[i] for i in range(len(part)) if i == 0 or unit[i] != unit[i - 1]]
+            chunks.append(Chunk(part, unit, owners, [self.classes[c] for c in who], [self.signed_clip[c] for c in who]))
+        if self.observe is not None:
+            self.observe(result.steps, [c for chunk in chunks for c in chunk.owners])
+        self.router.begin()
+        self._loss_sum, self._drawn = 0.0, 0
+        return chunks
+
+    def encode(self, chunk: Chunk):  # type: ignore[no-untyped-def]
+        """The task's batch of `chunk`'s examples, on the run's device."""
+        return self.task.encode([self.examples.items[i] for i in chunk.indices], self.tokenizer,
+                                self.config.file.model.max_length, self.device)
+
+    @contextlib.contextmanager
+    def forward(self):  # type: ignore[no-untyped-def]
+        """Where a chunk's forward runs: the router records the tapped calls, under the run's precision."""
+        with self.router.capture(), self._autocast():
+            yield
+
+    def accumulate(self, chunk: Chunk, losses) -> None:  # type: ignore[no-untyped-def]
+        """Add `chunk`'s clipped gradients (per example, or per contribution's mean) from its per-example
+        `losses`, computed from the forward just run under `forward()`."""
+        self.router.accumulate(losses, chunk.classes, chunk.clips, units=chunk.units)
+        self._loss_sum += float(losses.detach().sum())
+        self._drawn += len(chunk.indices)
+
+    def apply(self) -> float:
+        """Close the logical step: the router's noise once per group, then the update. Returns the mean
+        loss per example drawn (nan: empty batch)."""
+        self.router.finish(self._group_std, self.pending["expected_batch"])
+        loss = self._loss_sum / self._drawn if self._drawn else float("nan")
+        self.update.step(self.router.noise_std)
         self.update.zero_grad()
+        result = self.result
         result.steps += 1
         result.losses.append(loss)
         if result.steps % self.checkpoint_every == 0:
             self._save()
         return loss
+
+    def _check_rate(self) -> None:
+        """The sampler draws at the rate the ledger's spend for this epoch charged, or the step does not run."""
+        charged = self._charged_rates
+        used = round(self.sampler.sampling_rate * units.MICRO)
+        if charged is not None and charged != {used}:
+            raise ConfigError(Code.SAMPLING_MISMATCH, f"the sampler draws at q = {used / units.MICRO:g}, but the "
+                                                      f"ledger charged epoch {self.pending['epoch']} at q = "
+                                                      f"{', '.join(f'{q / units.MICRO:g}' for q in sorted(charged))}: "
+                                                      "the sampling rate is the run's, never set it by hand")
 
     def _draw(self, live) -> list[tuple[list[int], list[int] | None]]:  # type: ignore[no-untyped-def]
         """One step's Poisson draw over the live units, as physical chunks of (example indices, the unit of

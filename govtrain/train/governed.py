@@ -1,0 +1,292 @@
+"""`GovernedRun`: governed training from your own code. `govtrain train` and the Hugging Face integration
+(`govtrain.integrations.hf`) drive this same object, so every path samples, privatizes and charges alike.
+
+    with GovernedRun.open("run.toml", "sqlite:///ledger.db", key="keys/ledger.key") as run:
+        for batch in run.batches():              # Poisson over the eligible data; withdrawals take effect
+            out = run.model(**batch.inputs)
+            run.step(run.per_example_loss(out, batch))   # clip; at a logical step's end, noise and update
+        result = run.save()                      # adapter + run entry
+
+The run owns sampling. `batches()` plans each ledger epoch, writes its spend ahead, then hands out every
+logical Poisson batch in physical chunks (`GovernedBatch`, at most `training.physical_batch` examples);
+`step(losses)` adds a chunk's clipped per-sample gradients and, after the step's last chunk, draws the
+noise once and moves the parameters. A forward of `run.model` on a governed batch runs under the router's
+capture and the run's precision (forward hooks on the model: its type and state_dict keys are unchanged).
+Anything that would train on batches the sampler did not draw is refused (`ungoverned_batch`): a loader
+or sampler handed to `batches()`, a forward with gradients enabled outside a governed batch, a second
+forward of one batch, a loss for a batch that is not the one waiting. The accountant's q holds only if
+govtrain drew the batch.
+
+Leaving the `with` block before the last step keeps the run's state in `<output>/run-state.pt`: opening
+the same config again resumes it (same run id, same ledger history; spend already written is never
+written again). An exception (a kill) keeps the last checkpoint, as `govtrain train` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+
+from govtrain.errors import Code, ConfigError
+from govtrain.tasks.base import Batch
+from govtrain.train.config import RunConfig, run_config
+from govtrain.train.run import LOG, Chunk, Run, RunResult
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from govtrain.ledger.ledger import Ledger
+
+_NOT_YOURS = ("the accountant's q holds only for batches govtrain's Poisson sampler drew: iterate run.batches() "
+              "and put your data in training.data")
+
+
+@dataclass
+class GovernedBatch(Batch):
+    """One physical chunk of a logical Poisson step: the model's keyword `inputs` and the task's `targets`
+    on the run's device. `step` counts logical steps over the whole run; `chunk` of `chunks` places this one
+    in its step (the optimizer moves after the last)."""
+
+    step: int = 0
+    chunk: int = 0
+    chunks: int = 1
+    _drawn: Chunk | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def last(self) -> bool:
+        return self.chunk == self.chunks - 1
+
+
+@dataclass
+class _Waiting:
+    batch: GovernedBatch
+    forwarded: bool = False
+
+
+class GovernedRun:
+    """An open governed run: its ledger, its model (a peft model on its device) and its sampler."""
+
+    def __init__(self, run: Run, ledger: "Ledger", *, on_step: Callable[[int, float], None] | None = None) -> None:
+        import torch
+
+        self._run, self._ledger, self._on_step = run, ledger, on_step
+        self._waiting: _Waiting | None = None
+        self._forward: contextlib.ExitStack | None = None
+        self._iterating = self._saved = self._closed = False
+        self._torch = torch
+        self._hooks = [run.model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+                       run.model.register_forward_hook(self._after_forward, always_call=True)]
+
+    @classmethod
+    def open(cls, config: RunConfig | Mapping[str, Any] | str | Path, ledger_url: str, *, key: str | Path | None = None,
+             insecure_seed: int | None = None, log: LOG = print, now: Callable[[], int] = lambda: int(time.time()),
+             checkpoint_every: int = 10, observe: Callable[[int, list[str]], None] | None = None,
+             on_step: Callable[[int, float], None] | None = None) -> "GovernedRun":
+        """Open the ledger at `ledger_url` and prepare the run `config` describes (a RUN.toml path, its
+        contents as a dict, or a `RunConfig`): match the data to the admitted contributions, load the model,
+        resolve the profiles and probe the router. Everything that can refuse the run does so here, before any
+        spend is written; a config whose run state exists resumes it. `key` signs the ledger's entries;
+        `insecure_seed` (tests only) fixes sampling and noise; `on_step(step, loss)` is called after every
+        logical step, `observe(step, contribution_ids)` with every draw."""
+        from govtrain.ledger.ledger import Ledger
+
+        config = run_config(config)
+        ledger = Ledger.open(ledger_url, key=key)
+        try:
+            run = Run(config, ledger, insecure_seed=insecure_seed, log=log, now=now, checkpoint_every=checkpoint_every,
+                      observe=observe)
+            run.prepare()
+            return cls(run, ledger, on_step=on_step)
+        except BaseException:
+            ledger.close()
+            raise
+
+    def __enter__(self) -> "GovernedRun":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None and not self._saved and (self._run.pending is not None or self._run.result.steps):
+            self._run._save()  # between logical steps: what is saved is exactly what the ledger charged for
+            self._run.log(f"{self.run_id} paused at step {self.steps}/{self.total_steps}: open the same config again "
+                          "to resume it")
+        self.close()
+
+    def close(self) -> None:
+        """Remove the model's hooks and close the ledger (done by the `with` block)."""
+        if self._closed:
+            return
+        self._closed = True
+        for hook in self._hooks:
+            hook.remove()
+        self._run.router.close()
+        self._ledger.close()
+
+    # -- what the run holds ----------------------------------------------------------------------------
+
+    @property
+    def model(self) -> "nn.Module":
+        """The peft model being trained, on its device. Call it on a governed batch's inputs."""
+        return self._run.model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._run.tokenizer
+
+    @property
+    def config(self) -> RunConfig:
+        return self._run.config
+
+    @property
+    def ledger(self) -> "Ledger":
+        return self._ledger
+
+    @property
+    def run_id(self) -> str:
+        return self._run.run_id
+
+    @property
+    def steps(self) -> int:
+        """Logical steps taken so far (a resumed run counts those before the resume)."""
+        return self._run.result.steps
+
+    @property
+    def total_steps(self) -> int:
+        return self._run.total
+
+    @property
+    def result(self) -> RunResult:
+        return self._run.result
+
+    @property
+    def sampling_rate(self) -> float | None:
+        """The q the current epoch's spend charged, which the sampler draws at (None: no epoch written)."""
+        return self._run.pending["q_u"] / 1e6 if self._run.pending is not None else None
+
+    def epsilons(self) -> dict[str, float]:
+        """Each class's epsilon as charged so far, the epoch written ahead included."""
+        return self._run.epsilons()
+
+    # -- the loop --------------------------------------------------------------------------------------
+
+    def batches(self, loader: object = None) -> Iterator[GovernedBatch]:
+        """Every physical chunk of every remaining logical step, each planned epoch's spend written ahead
+        first. Ends when the run has taken `training.steps` steps, or when no contribution is eligible any
+        more (`result.exhausted`). Call `step(losses)` on each batch before asking for the next."""
+        if loader is not None:
+            raise ConfigError(Code.UNGOVERNED_BATCH, f"run.batches() got a {type(loader).__name__}: it draws its "
+                                                     f"own batches, and {_NOT_YOURS}")
+        if self._iterating:
+            raise RuntimeError("run.batches() is already being iterated")
+        if self._closed:
+            raise RuntimeError("the run is closed")
+        self._iterating = True
+        run = self._run
+        try:
+            while not run.done:
+                if run.pending is None and not run.plan_epoch():
+                    run.log(f"no contribution is eligible after {run.result.steps} steps: every one is withdrawn or "
+                            "has spent its budget")
+                    return
+                if not run.write_ahead():
+                    continue  # another run holds this ledger epoch: plan the next one
+                while not run.epoch_done:
+                    chunks = run.draw()
+                    for index, chunk in enumerate(chunks):
+                        encoded = run.encode(chunk)
+                        batch = GovernedBatch(encoded.inputs, encoded.targets, encoded.extra, step=run.result.steps,
+                                              chunk=index, chunks=len(chunks), _drawn=chunk)
+                        self._waiting = _Waiting(batch)
+                        yield batch
+                        if self._waiting is not None:
+                            raise RuntimeError("call run.step(losses) on each batch before asking for the next")
+                    if not chunks:  # an empty draw is still a step: its noise is drawn and the update runs
+                        self._end_step()
+                run.close_epoch()
+        finally:
+            self._iterating, self._waiting = False, None
+
+    def per_example_loss(self, output: Any, batch: GovernedBatch) -> "torch.Tensor":
+        """The task's loss of each example in `batch` (fp32, shape [len(batch)]), from the model's `output`."""
+        self._check_waiting(batch)
+        return self._run.task.per_example_loss(output, batch)
+
+    def step(self, losses: "torch.Tensor") -> float | None:
+        """Add the clipped per-sample gradients of the waiting batch from its per-example `losses` (one value
+        per example, each depending on its own example only). After the logical step's last chunk, noise the
+        sum once, move the parameters and return the step's mean loss per example; None before that."""
+        waiting = self._waiting
+        if waiting is None:
+            raise ConfigError(Code.UNGOVERNED_BATCH, f"run.step() with no batch waiting: {_NOT_YOURS}")
+        if not waiting.forwarded:
+            raise ConfigError(Code.UNGOVERNED_BATCH, "run.step() before run.model ran on the waiting batch: its "
+                                                     "losses must come from that forward")
+        size = len(waiting.batch)
+        if getattr(losses, "shape", None) != (size,):
+            raise ValueError(f"run.step() needs one loss per example, shape ({size},); got shape "
+                             f"{tuple(getattr(losses, 'shape', ()))}: use run.per_example_loss, or a reduction='none' "
+                             "loss averaged over each example's own tokens")
+        self._run.accumulate(waiting.batch._drawn, losses)
+        self._waiting = None
+        return self._end_step() if waiting.batch.last else None
+
+    def save(self) -> RunResult:
+        """Save the adapter to the config's output folder and record the run entry (adapter and config hashes,
+        mechanism, device, precision). The run must have taken all its steps, or run out of eligible
+        contributions (`result.exhausted`)."""
+        run = self._run
+        if self._saved:
+            raise RuntimeError("the run is already saved")
+        if not (run.done or run.result.exhausted):
+            raise RuntimeError(f"the run has taken {run.result.steps} of {run.total} steps: iterate run.batches() to "
+                               "the end, or leave the with block to keep its state and resume later")
+        for hook in self._hooks:  # the saved model carries no hook of the run
+            hook.remove()
+        result = run.finish()
+        self._saved = True
+        return result
+
+    # -- internals -------------------------------------------------------------------------------------
+
+    def _end_step(self) -> float:
+        loss = self._run.apply()
+        if self._on_step is not None:
+            self._on_step(self._run.result.steps, loss)
+        return loss
+
+    def _check_waiting(self, batch: object) -> None:
+        if self._waiting is None or batch is not self._waiting.batch:
+            raise ConfigError(Code.UNGOVERNED_BATCH, f"this batch is not the one run.batches() is waiting on: "
+                                                     f"{_NOT_YOURS}")
+
+    def _before_forward(self, module: "nn.Module", args: tuple, kwargs: dict) -> None:
+        waiting = self._waiting
+        passed = [*args, *kwargs.values()]
+        if waiting is not None and not waiting.forwarded and \
+                not all(any(value is given for given in passed) for value in waiting.batch.inputs.values()):
+            if self._torch.is_grad_enabled():
+                raise ConfigError(Code.UNGOVERNED_BATCH, "a forward of run.model with gradients enabled on other "
+                                                         f"inputs than the waiting batch's: {_NOT_YOURS} (run other "
+                                                         "forwards under torch.no_grad())")
+            return
+        if waiting is None or waiting.forwarded:
+            if self._torch.is_grad_enabled() and self._iterating:
+                raise ConfigError(Code.UNGOVERNED_BATCH, ("a second forward of run.model on one batch" if waiting
+                                                          else "a forward of run.model with gradients enabled outside "
+                                                          "a batch of run.batches()") +
+                                  f": {_NOT_YOURS} (run other forwards under torch.no_grad())")
+            return
+        if not self._torch.is_grad_enabled():
+            raise ConfigError(Code.UNGOVERNED_BATCH, "the forward of a governed batch ran under torch.no_grad(): its "
+                                                     "per-sample gradients cannot be formed")
+        waiting.forwarded = True
+        self._forward = contextlib.ExitStack()
+        self._forward.enter_context(self._run.forward())
+
+    def _after_forward(self, module: "nn.Module", args: tuple, output: Any) -> None:
+        if self._forward is not None:
+            self._forward, forward = None, self._forward
+            forward.close()
