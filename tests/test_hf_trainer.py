@@ -1,0 +1,202 @@
+"""`govtrain.integrations.hf`: the Hugging Face Trainer and TRL's SFTTrainer train a `GovernedRun`. The
+Trainer path gives the privatized gradients, adapter and ledger spend of `govtrain train` on the same seed;
+the user keeps TrainingArguments, logging, evaluation and callbacks; the model is not wrapped; and whatever
+would break the run's sampling or its accounting is refused before anything is written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import govtrain  # noqa: E402
+from govtrain.errors import Code, ConfigError  # noqa: E402
+from govtrain.integrations.hf import GovernedOptimizer, GovernedTrainer  # noqa: E402
+from govtrain.train.config import load_run_config  # noqa: E402
+from govtrain.train.run import tree_sha256  # noqa: E402
+from govtrain.verify.verifier import verify_ledger  # noqa: E402
+from tests.conftest import snapshot  # noqa: E402
+from tests.test_api import QUIET, _corpus, _spend  # noqa: E402
+from tests.test_train import _config, tiny_model  # noqa: E402,F401
+
+EXTRA = "physical_batch = 7\nexpected_batch_size = 16"
+
+
+def _arguments(tmp_path: Path, **overrides) -> transformers.TrainingArguments:
+    settings = dict(output_dir=str(tmp_path / "trainer"), use_cpu=True, logging_steps=2, save_strategy="no",
+                    lr_scheduler_type="constant", report_to=[], disable_tqdm=True)
+    return transformers.TrainingArguments(**{**settings, **overrides})
+
+
+def _recording_updates(monkeypatch) -> list[dict[str, torch.Tensor]]:
+    """Every privatized gradient the update steps on, as it is handed to the optimizer."""
+    from govtrain.mechanisms.update import Update
+
+    seen: list[dict[str, torch.Tensor]] = []
+    original = Update.step
+
+    def step(self, noise_std):
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        seen.append({str(i): p.grad.clone() for g in groups for i, p in enumerate(g["params"]) if p.grad is not None})
+        return original(self, noise_std)
+
+    monkeypatch.setattr(Update, "step", step)
+    return seen
+
+
+class _Log(transformers.TrainerCallback):
+    def __init__(self) -> None:
+        self.logs: list[dict] = []
+        self.steps: list[int] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+
+
+def test_the_trainer_path_gives_the_cli_paths_gradients_adapter_and_spend(tmp_path: Path, tiny_model: Path,
+                                                                         monkeypatch):
+    from govtrain.train.loop import train
+
+    cli, hf = _corpus(tmp_path, "cli"), _corpus(tmp_path, "hf")
+    updates = _recording_updates(monkeypatch)
+    train(load_run_config(_config(cli, tiny_model, 12, extra=EXTRA)), cli.url, insecure_seed=5, **QUIET)
+    cli_updates = list(updates)
+    updates.clear()
+
+    log = _Log()
+    with govtrain.GovernedRun.open(_config(hf, tiny_model, 12, extra=EXTRA), hf.url, insecure_seed=5, **QUIET) as run:
+        model, keys = run.model, list(run.model.state_dict())
+        trainer = GovernedTrainer(run, args=_arguments(tmp_path), callbacks=[log])
+        assert trainer.model is model and type(trainer.model).__name__ == "PeftModel"
+        assert isinstance(trainer.optimizer, GovernedOptimizer)
+        trainer.train()
+        assert run.steps == 12 and run.result.adapter_sha256 is not None  # train() saved and recorded the run
+    assert list(model.state_dict()) == keys
+    assert len(updates) == len(cli_updates) == 12
+    for ours, theirs in zip(updates, cli_updates):
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert tree_sha256(hf.dir / "adapter") == tree_sha256(cli.dir / "adapter")
+    assert _spend(hf.url) == _spend(cli.url)
+    assert verify_ledger(hf.url).by_kind["run"] == 1
+    assert log.steps == list(range(1, len(log.steps) + 1)) and log.steps[-1] <= 12  # an empty draw is no Trainer step
+    assert any("loss" in entry for entry in log.logs)  # the Trainer's own logging of the governed loss
+
+
+def test_the_users_trainer_settings_evaluation_and_schedule_apply(tmp_path: Path, tiny_model: Path):
+    """Evaluation runs (under no_grad, between governed steps), compute_metrics and callbacks see it, and the
+    Trainer's schedule scales the run's optimizer's learning rate (here linearly to zero)."""
+    import numpy as np
+
+    corpus = _corpus(tmp_path, "eval")
+    log = _Log()
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 6), corpus.url, insecure_seed=1, **QUIET) as run:
+        tokenizer = run.tokenizer
+        rows = [tokenizer(text) | {"labels": label} for text, label in (("good movie", 1), ("awful film", 0))] * 4
+        metrics = lambda prediction: {"accuracy": float(np.mean(prediction.predictions.argmax(-1)  # noqa: E731
+                                                                == prediction.label_ids))}
+        trainer = GovernedTrainer(run, args=_arguments(tmp_path, lr_scheduler_type="linear", eval_strategy="steps",
+                                                       eval_steps=3, per_device_eval_batch_size=4),
+                                  eval_dataset=rows, compute_metrics=metrics, callbacks=[log],
+                                  data_collator=None, processing_class=tokenizer)
+        lr = trainer.optimizer.param_groups[0]["lr"]
+        trainer.train()
+        assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.0)  # the linear schedule ran to zero
+        assert lr == pytest.approx(0.01)  # RUN.toml's lr, which the schedule scales
+        assert "eval_accuracy" in trainer.evaluate()
+    assert any("eval_accuracy" in entry for entry in log.logs)
+    assert verify_ledger(corpus.url).by_kind["run"] == 1
+
+
+@pytest.mark.parametrize("given, code, says", [
+    ({"train_dataset": [{"input_ids": [1, 2]}]}, Code.UNGOVERNED_BATCH, "train_dataset"),
+    ({"data_collator": lambda rows: rows}, Code.UNGOVERNED_BATCH, "data_collator"),
+    ({"compute_loss_func": lambda *a, **k: 0}, Code.RUN_CONFIG_INVALID, "per_example_loss"),
+    ({"args": {"gradient_accumulation_steps": 4}}, Code.RUN_CONFIG_INVALID, "gradient_accumulation_steps"),
+    ({"args": {"max_steps": 50}}, Code.RUN_CONFIG_INVALID, "training.steps"),
+    ({"args": {"bf16": True}}, Code.RUN_CONFIG_INVALID, "bf16"),
+    ({"args": {"gradient_checkpointing": True}}, Code.RUN_CONFIG_INVALID, "gradient_checkpointing"),
+])
+def test_what_would_break_the_runs_sampling_or_accounting_is_refused(tmp_path: Path, tiny_model: Path, given, code,
+                                                                     says):
+    corpus = _corpus(tmp_path, "refused")
+    before = snapshot(corpus.url)
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 4), corpus.url, insecure_seed=1, **QUIET) as run:
+        weights = {n: p.detach().clone() for n, p in run.model.named_parameters() if p.requires_grad}
+        arguments = given.pop("args", {})
+        with pytest.raises(ConfigError) as refused:
+            GovernedTrainer(run, args=_arguments(tmp_path, **arguments), **given)
+        assert refused.value.code is code and says in refused.value.detail
+        assert all(torch.equal(weights[n], p) for n, p in run.model.named_parameters() if p.requires_grad)
+    assert snapshot(corpus.url) == before
+
+
+def test_a_trainer_resuming_its_own_checkpoint_or_searching_is_refused(tmp_path: Path, tiny_model: Path):
+    corpus = _corpus(tmp_path, "resume")
+    before = snapshot(corpus.url)
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 4), corpus.url, insecure_seed=1, **QUIET) as run:
+        trainer = GovernedTrainer(run, args=_arguments(tmp_path))
+        with pytest.raises(ConfigError, match="resumes from its own state"):
+            trainer.train(resume_from_checkpoint=True)
+        with pytest.raises(ConfigError, match="govtrain tune"):
+            trainer.train(trial={"learning_rate": 1e-3})
+        with pytest.raises(ConfigError) as refused:  # a training step on a batch the run did not draw
+            trainer.training_step(run.model, run.tokenizer(["good movie"], return_tensors="pt"))
+        assert refused.value.code is Code.UNGOVERNED_BATCH
+        with pytest.raises(RuntimeError, match="without a governed step"):
+            trainer.optimizer.step()
+    assert snapshot(corpus.url) == before
+
+
+def test_the_sft_trainer_trains_a_causal_lm_run_and_refuses_packing(tmp_path: Path):
+    trl = pytest.importorskip("trl")
+    from govtrain.integrations.hf import GovernedSFTTrainer
+    from tests import causal_models
+    from tests.test_causal_lm import _rows, _run_toml
+
+    model = causal_models.save(tmp_path / "tiny-llama", "llama", layers=6)
+    corpus = _corpus_lm(tmp_path)
+    from tests.test_causal_lm import _contribution
+
+    _contribution(corpus, "pairs", _rows("pair", 40))
+    _contribution(corpus, "chats", _rows("chat", 40))
+    config = _run_toml(corpus, model, 4)
+    config.write_text(config.read_text() + "expected_batch_size = 8\n")
+    settings = dict(output_dir=str(tmp_path / "sft"), use_cpu=True, save_strategy="no", report_to=[],
+                    lr_scheduler_type="constant", disable_tqdm=True, logging_steps=1, bf16=False,
+                    gradient_checkpointing=False)  # TRL's defaults are True: the run's precision governs
+    before = snapshot(corpus.url)
+    with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=3, **QUIET) as run:
+        with pytest.raises(ConfigError, match="packing"):
+            GovernedSFTTrainer(run, args=trl.SFTConfig(**settings, packing=True))
+        assert snapshot(corpus.url) == before
+        trainer = GovernedSFTTrainer(run, args=trl.SFTConfig(**settings))
+        assert trainer.model is run.model
+        trainer.train()
+        assert run.steps == 4
+    assert verify_ledger(corpus.url).by_kind["run"] == 1
+
+
+def _corpus_lm(tmp_path: Path):
+    from tests.test_api import BATCH_POLICY
+    from tests.conftest import make_corpus
+
+    folder = tmp_path / "lm"
+    folder.mkdir()
+    return make_corpus(folder, f"sqlite:///{folder / 'ledger.db'}", BATCH_POLICY)
+
+
+def test_the_sft_trainer_refuses_a_classification_run(tmp_path: Path, tiny_model: Path):
+    trl = pytest.importorskip("trl")
+    from govtrain.integrations.hf import GovernedSFTTrainer
+
+    corpus = _corpus(tmp_path, "cls")
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 2), corpus.url, insecure_seed=1, **QUIET) as run:
+        with pytest.raises(ConfigError, match="causal-lm"):
+            GovernedSFTTrainer(run, args=trl.SFTConfig(output_dir=str(tmp_path / "sft"), use_cpu=True, report_to=[],
+                                                       bf16=False, gradient_checkpointing=False))
