@@ -34,6 +34,7 @@ class Code(str, Enum):
     PROFILE_UNMATCHED = "profile_unmatched"  # a class whose profile reaches no trainable parameter
     ROUTING_UNCOVERED = "routing_uncovered"  # a trainable parameter no routing hook can privatize
     MECHANISM_UNSUPPORTED = "mechanism_unsupported"  # the training mechanism cannot run this policy's profiles
+    STALE_PARAMETERS = "stale_parameters"  # a privatized gradient the update would not apply to the model
 
     # -- encoding: the strict deterministic-CBOR decoder (DESIGN §2) ----------------------
     TOO_LARGE = "too_large"

@@ -1,0 +1,154 @@
+"""Training-health guards: a privatized gradient that would not move the model, BatchNorm in a trainable
+region, modules called more than once, and losses that are not one value per example."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from torch import nn  # noqa: E402
+
+from govtrain.errors import Code, ConfigError  # noqa: E402
+from govtrain.mechanisms.update import Update  # noqa: E402
+from govtrain.resolver.model import describe  # noqa: E402
+from govtrain.resolver.profile import resolve  # noqa: E402
+from govtrain.routing.router import Router  # noqa: E402
+from tests.test_mechanism_routing import WHOLE, run_file  # noqa: E402
+from tests.test_routing import batch, losses_of, model  # noqa: E402
+
+MECHANISMS = ["dpsgd", "prism", "dp-muon"]
+LORA_B = "base_model.model.bert.encoder.layer.1.attention.self.query.lora_B.default.weight"
+HEAD = "base_model.model.classifier.modules_to_save.default.weight"
+
+
+def privatize(net, router) -> None:
+    """One privatized gradient of the test batch, both classes, some noise on every reached group."""
+    ids, attention, labels, classes, clip = batch()
+    with router.capture():
+        losses = losses_of(net, ids, attention, labels)
+    group_std = {g.classes: 0.3 for g in router.resolution.groups if g.classes}
+    router.privatize(losses, classes, clip.float(), group_std, expected_batch_size=6.0)
+
+
+def snapshot(net) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def replace(net, name: str) -> nn.Parameter:
+    """Put a new Parameter with the same value in `name`'s place (as user code or assign=True loading does)."""
+    module_name, _, leaf = name.rpartition(".")
+    module = net.get_submodule(module_name)
+    old = getattr(module, leaf)
+    setattr(module, leaf, nn.Parameter(old.detach().clone()))
+    return old
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_normal_steps_of_every_mechanism_pass_the_stale_parameter_check(mechanism):
+    net = model(torch.float32)
+    router = Router(net, resolve(WHOLE, describe(net)), mechanism=mechanism, insecure_seed=0)
+    update = Update.build(net, run_file(mechanism))
+    before = snapshot(net)
+    for _ in range(3):
+        privatize(net, router)
+        update.step(router.noise_std)
+        update.zero_grad()
+    moved = {n for n, p in net.named_parameters() if not torch.equal(p, before[n])}
+    assert LORA_B in moved and HEAD in moved  # the check ran on steps that moved the stack and the head
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest.mark.parametrize("name", [LORA_B, HEAD])
+def test_a_parameter_replaced_after_the_run_was_built_is_refused_before_anything_moves(mechanism, name):
+    """Router and update both built, then the parameter replaced: the router writes `.grad` to the old
+    tensor, the optimizer would move it, and the model's new tensor would never train."""
+    net = model(torch.float32)
+    router = Router(net, resolve(WHOLE, describe(net)), mechanism=mechanism, insecure_seed=0)
+    update = Update.build(net, run_file(mechanism))
+    old = replace(net, name)
+    privatize(net, router)
+    assert old.grad is not None
+    before, old_value = snapshot(net), old.detach().clone()
+    with pytest.raises(ConfigError) as info:
+        update.step(router.noise_std)
+    assert info.value.code is Code.STALE_PARAMETERS and info.value.exit_code == 2
+    assert name in info.value.detail and "no longer holds" in info.value.detail
+    assert "build the router and the update after" in info.value.detail.lower()
+    assert all(torch.equal(p, before[n]) for n, p in net.named_parameters())  # nothing moved
+    assert torch.equal(old, old_value)
+    assert update.optimizer is None or not update.optimizer.state
+    assert update.prism is None or not update.prism.state
+    assert update.muon is None or not update.muon.state
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest.mark.parametrize("name", [LORA_B, HEAD])
+def test_a_parameter_replaced_between_the_update_and_the_router_is_refused_before_anything_moves(mechanism, name):
+    """The update holds the old tensor, the router writes `.grad` to the model's new one: no optimizer
+    would apply it."""
+    net = model(torch.float32)
+    update = Update.build(net, run_file(mechanism))
+    replace(net, name)
+    router = Router(net, resolve(WHOLE, describe(net)), mechanism=mechanism, insecure_seed=0)
+    privatize(net, router)
+    assert net.get_parameter(name).grad is not None
+    before = snapshot(net)
+    with pytest.raises(ConfigError) as info:
+        update.step(router.noise_std)
+    assert info.value.code is Code.STALE_PARAMETERS
+    assert name in info.value.detail and "no optimizer applies" in info.value.detail
+    assert all(torch.equal(p, before[n]) for n, p in net.named_parameters())
+
+
+def test_loading_with_assign_true_after_the_run_was_built_is_refused():
+    net = model(torch.float32)
+    router = Router(net, resolve(WHOLE, describe(net)), insecure_seed=0)
+    update = Update.build(net, run_file("dpsgd"))
+    net.load_state_dict({n: v.clone() for n, v in net.state_dict().items()}, assign=True)
+    privatize(net, router)
+    before = snapshot(net)
+    with pytest.raises(ConfigError) as info:
+        update.step(router.noise_std)
+    assert info.value.code is Code.STALE_PARAMETERS
+    assert all(torch.equal(p, before[n]) for n, p in net.named_parameters())
+
+
+class _Skipping(torch.optim.SGD):
+    """An SGD that leaves one parameter where it is, whatever its gradient."""
+
+    def __init__(self, params, skip):
+        super().__init__(params, lr=0.1)
+        self.skip = skip
+
+    def step(self, closure=None):
+        grad, self.skip.grad = self.skip.grad, None
+        try:
+            return super().step(closure)
+        finally:
+            self.skip.grad = grad
+
+
+def test_a_parameter_the_optimizer_skips_is_reported_after_the_step():
+    net = model(torch.float32)
+    router = Router(net, resolve(WHOLE, describe(net)), insecure_seed=0)
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    update = Update("dpsgd", optimizer=_Skipping(trainable, net.get_parameter(HEAD)), model=net)
+    privatize(net, router)
+    with pytest.raises(ConfigError) as info:
+        update.step(router.noise_std)
+    assert info.value.code is Code.STALE_PARAMETERS
+    assert HEAD in info.value.detail and "did not move" in info.value.detail
+
+
+def test_a_fused_optimizer_which_writes_without_bumping_versions_is_no_false_positive():
+    net = model(torch.float32)
+    router = Router(net, resolve(WHOLE, describe(net)), insecure_seed=0)
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    update = Update("dpsgd", optimizer=torch.optim.Adam(trainable, lr=0.1, fused=True), model=net)
+    before = snapshot(net)
+    privatize(net, router)
+    update.step(router.noise_std)
+    assert not torch.equal(net.get_parameter(HEAD), before[HEAD])
