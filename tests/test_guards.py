@@ -152,3 +152,30 @@ def test_a_fused_optimizer_which_writes_without_bumping_versions_is_no_false_pos
     privatize(net, router)
     update.step(router.noise_std)
     assert not torch.equal(net.get_parameter(HEAD), before[HEAD])
+
+
+@pytest.mark.parametrize("shape", ["batch_mean", "per_token", "too_few", "too_many"])
+def test_a_loss_that_is_not_one_value_per_example_is_refused_before_anything_changes(shape):
+    net = model()
+    router = Router(net, resolve(WHOLE, describe(net)), insecure_seed=0)
+    privatize(net, router)  # every reached parameter now holds a privatized gradient
+    grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+    assert grads
+    drawn = router.generator.get_state()
+    ids, attention, labels, classes, clip = batch()
+    with router.capture():
+        logits = net(input_ids=ids, attention_mask=attention).logits
+    per_example = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    losses = {"batch_mean": per_example.mean(),  # the usual non-private reduction
+              "per_token": per_example.unsqueeze(1).expand(6, 7),  # [B, T]
+              "too_few": per_example[:5],
+              "too_many": torch.cat([per_example, per_example[:1]])}[shape]
+    for call in (lambda: router.privatize(losses, classes, clip, {}, expected_batch_size=6.0),
+                 lambda: router.accumulate(losses, classes, clip)):
+        router.begin()
+        with pytest.raises(ValueError, match=r"one loss per example, shape \(6,\).*reduction='none'"):
+            call()
+        assert router._totals is None  # nothing summed into the step
+    assert torch.equal(router.generator.get_state(), drawn)  # no noise drawn
+    assert {n for n, p in net.named_parameters() if p.grad is not None} == set(grads)
+    assert all(torch.equal(net.get_parameter(n).grad, g) for n, g in grads.items())

@@ -299,7 +299,11 @@ class Router:
         Without `units` every example is clipped on its own, and `classes` and `clip_norms` are per example.
         With `units` (one index in [0, U) per example; DESIGN §5, privacy_unit = "contribution") the examples
         of a unit are averaged first and the average is what is restricted to the unit's profile and clipped
-        to its C_i: `classes` and `clip_norms` are then per unit. Every example of a unit must be in this chunk."""
+        to its C_i: `classes` and `clip_norms` are then per unit. Every example of a unit must be in this chunk.
+
+        `losses` must be one value per example, shape [examples]: a scalar (a batch mean), a [B, T] token loss
+        or a loss of another length is a programmer's mistake, refused with a ValueError before any gradient
+        is taken, so nothing is summed, no `.grad` written and no noise drawn."""
         try:
             totals, report = self._clipped_sum(losses, classes, clip_norms, units)
         finally:
@@ -323,8 +327,10 @@ class Router:
                      units: Tensor | Sequence[int] | None) -> tuple[dict[str, Tensor], StepReport]:
         batch = len(classes)  # clipping units: examples, or contributions
         examples = batch if units is None else len(units)
-        if losses.dim() != 1 or losses.shape[0] != examples:
-            raise ValueError(f"need one loss per example: got shape {tuple(losses.shape)} for {examples} examples")
+        if losses.dim() != 1 or losses.shape[0] != examples:  # before anything is formed, summed or drawn
+            raise ValueError(f"need one loss per example, shape ({examples},): got {tuple(losses.shape)}. Take the "
+                             "loss with reduction='none' and reduce each example's tokens alone (a mean over the "
+                             "batch couples examples, so their gradients cannot be clipped one by one)")
         if units is not None:
             units = torch.as_tensor(units, dtype=torch.long, device=losses.device)
             counts = torch.bincount(units, minlength=batch) if examples else torch.zeros(batch, dtype=torch.long)
