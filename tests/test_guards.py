@@ -17,6 +17,7 @@ from govtrain.resolver.model import describe  # noqa: E402
 from govtrain.resolver.profile import resolve  # noqa: E402
 from govtrain.routing.router import Router  # noqa: E402
 from tests.test_mechanism_routing import WHOLE, run_file  # noqa: E402
+from tests.test_resolver import cls  # noqa: E402
 from tests.test_routing import batch, losses_of, model  # noqa: E402
 
 MECHANISMS = ["dpsgd", "prism", "dp-muon"]
@@ -179,3 +180,89 @@ def test_a_loss_that_is_not_one_value_per_example_is_refused_before_anything_cha
     assert torch.equal(router.generator.get_state(), drawn)  # no noise drawn
     assert {n for n, p in net.named_parameters() if p.grad is not None} == set(grads)
     assert all(torch.equal(net.get_parameter(n).grad, g) for n, g in grads.items())
+
+
+# -- BatchNorm -------------------------------------------------------------------------------------------
+
+class _ThenBatchNorm(nn.Module):
+    """A block's MLP followed by a BatchNorm over its channels ([B, T, D] seen as [B, D, T])."""
+
+    def __init__(self, inner: nn.Module, width: int, **options) -> None:
+        super().__init__()
+        self.inner, self.norm = inner, nn.BatchNorm1d(width, **options)
+
+    def forward(self, x):
+        return self.norm(self.inner(x).transpose(1, 2)).transpose(1, 2)
+
+
+def _with_batch_norm(layer: int, **options):
+    """Tiny float64 GPT-2 whose base weights train from layer 1 on, a frozen BatchNorm (eval mode, random
+    running statistics) after layer `layer`'s MLP."""
+    from tests.test_families import HIDDEN, base, trainable_layers
+
+    net = base("gpt2")
+    trainable_layers(net, 1)
+    block = net.transformer.h[layer]
+    block.mlp = _ThenBatchNorm(block.mlp, HIDDEN, **options).double().eval()
+    norm = block.mlp.norm
+    norm.requires_grad_(False)
+    if norm.running_mean is not None:
+        generator = torch.Generator().manual_seed(5)
+        norm.running_mean.copy_(torch.randn(HIDDEN, generator=generator, dtype=torch.float64))
+        norm.running_var.copy_(torch.rand(HIDDEN, generator=generator, dtype=torch.float64) + 0.5)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.3, generator=torch.Generator().manual_seed(6))
+    return net, norm
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_a_frozen_batch_norm_in_eval_mode_is_a_per_example_map_and_matches_the_loop(layer):
+    """Below every trainable parameter (layer 0) or between them (layer 2): each example is normalized with
+    fixed statistics, and the routed step equals the batch-size-1 loop."""
+    from tests.test_families import DEPTH, assert_matches_the_loop
+
+    net, norm = _with_batch_norm(layer)
+    calls = []
+    norm.register_forward_hook(lambda *_: calls.append(1))
+    resolution = resolve({"upper": DEPTH["upper"], "middle": DEPTH["middle"]}, describe(net))
+    assert_matches_the_loop(net, resolution, ["upper", "middle", "upper", "middle", "upper"])
+    assert calls and not norm.training  # it ran in every forward, and nothing switched it to train mode
+
+
+@pytest.mark.parametrize("case", ["train_mode_below_everything", "train_mode_between", "no_running_stats",
+                                  "trainable"])
+def test_a_batch_norm_that_mixes_examples_or_trains_refuses_to_start(case):
+    layer = 0 if case == "train_mode_below_everything" else 2
+    net, norm = _with_batch_norm(layer, **({"track_running_stats": False} if case == "no_running_stats" else {}))
+    if case.startswith("train_mode"):
+        norm.train()
+    if case == "trainable":
+        norm.weight.requires_grad_(True)
+    resolution = resolve({"c": cls("c", band=(1, 3))}, describe(net))
+    with pytest.raises(ConfigError) as info:
+        Router(net, resolution)
+    detail = info.value.detail
+    assert info.value.code is Code.ROUTING_UNCOVERED and f"transformer.h.{layer}.mlp.norm" in detail
+    assert "BatchNorm mixes examples in a batch" in detail and "GroupNorm or LayerNorm" in detail
+    assert "freeze it and put it in eval mode" in detail
+    assert {"train_mode_below_everything": "train mode", "train_mode_between": "train mode",
+            "no_running_stats": "track_running_stats=False", "trainable": "trainable weight"}[case] in detail
+    assert not any(hook for m in net.modules() for hook in m._forward_hooks.values())  # nothing left tapped
+
+
+def test_a_batch_norm_switched_to_train_mode_after_the_router_was_built_is_refused_at_the_step():
+    from tests.test_families import batch as lm_batch, losses_of as lm_losses
+
+    net, norm = _with_batch_norm(2)
+    router = Router(net, resolve({"c": cls("c", band=(1, 3))}, describe(net)), insecure_seed=0)
+    net.train()
+    ids, attention = lm_batch()
+    with router.capture():
+        losses = lm_losses(net, ids, attention)
+    drawn = router.generator.get_state()
+    router.begin()
+    with pytest.raises(ConfigError) as info:
+        router.accumulate(losses, ["c"] * 5, [1.0] * 5)
+    assert info.value.code is Code.ROUTING_UNCOVERED and "train mode" in info.value.detail
+    assert router._totals is None and torch.equal(router.generator.get_state(), drawn)
+    assert all(p.grad is None for p in net.parameters())

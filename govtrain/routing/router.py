@@ -47,6 +47,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from govtrain.errors import Code, ConfigError
 from govtrain.mechanisms import MECHANISMS
@@ -109,6 +110,8 @@ class Router:
         self.model = model
         self.mechanism = mechanism
         self.resolution = resolution
+        self._batch_norms = [(n, m) for n, m in model.named_modules() if isinstance(m, _BatchNorm)]
+        self._check_batch_norms()  # before the generic refusal of a trainable parameter no hook covers
         params = dict(model.named_parameters())
         owner: dict[str, tuple[str, nn.Module, str]] = {}
         holder: dict[int, str] = {}  # a trainable parameter -> the first module path that holds it
@@ -258,6 +261,35 @@ class Router:
             for tap in self.taps.values():
                 tap.clear()
 
+    def _check_batch_norms(self) -> None:
+        """Refuse (`routing_uncovered`) a BatchNorm that is not a fixed map of each example alone.
+
+        BatchNorm (any `_BatchNorm`: 1d, 2d, 3d, SyncBatchNorm) normalizes with the batch's statistics in
+        train mode, and in eval mode too when it keeps no running statistics (`track_running_stats=False`).
+        Such a BatchNorm mixes the examples of a batch wherever it is, above or below the trainable
+        parameters: example i's loss then depends on the other examples, so its clipped gradient is no
+        longer its own (removing example j moves every other example's contribution, and the sensitivity is
+        no longer C_i), and in train mode its running statistics, released with the model, are an unnoised
+        average of the private data. One with a trainable weight or bias has no per-sample rule either.
+
+        Allowed: a frozen BatchNorm in eval mode with running statistics, anywhere in the model. It is then
+        a fixed per-channel affine map of each example, and gradients that flow through it stay per-sample.
+        The check runs when the router is built and again at every step (`model.train()` may come later);
+        it looks at every BatchNorm the model holds, called in the forward pass or not."""
+        for name, module in self._batch_norms:
+            trainable = [leaf for leaf, p in module.named_parameters(recurse=False) if p.requires_grad]
+            if trainable:
+                why = f"has a trainable {' and '.join(trainable)}"
+            elif module.training or module.running_mean is None:
+                why = "normalizes with the batch's statistics (" + (
+                    "train mode" if module.training else "track_running_stats=False") + ")"
+            else:
+                continue
+            raise ConfigError(Code.ROUTING_UNCOVERED,
+                              f"{type(module).__name__} {name} {why}: BatchNorm mixes examples in a batch, so "
+                              "per-sample gradients are not per-sample; replace it with GroupNorm or LayerNorm, or "
+                              "freeze it and put it in eval mode")
+
     def _check_layout(self, batch: int) -> None:
         """Refuse (before any gradient is taken) a recorded call that does not have the batch first."""
         for tap in self.taps.values():
@@ -349,6 +381,7 @@ class Router:
         # rounds at ~1e-7) never lets a released per-sample gradient exceed the C_i the accountant charges.
         clip = clip * (1 - 8 * torch.finfo(dtype).eps)
         self._check_layout(examples)  # before autograd: nothing per-sample is formed from a call that is refused
+        self._check_batch_norms()  # a model switched to train mode after the router was built
         taps = [t for t in self.taps.values() if t.shapes]
         # Gradients flow to the reached parameters of the recorded modules (autograd stops at the deepest);
         # the hooks on the recorded outputs see every output gradient on the way (`_received`). What autograd
