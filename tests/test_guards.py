@@ -266,3 +266,51 @@ def test_a_batch_norm_switched_to_train_mode_after_the_router_was_built_is_refus
     assert info.value.code is Code.ROUTING_UNCOVERED and "train mode" in info.value.detail
     assert router._totals is None and torch.equal(router.generator.get_state(), drawn)
     assert all(p.grad is None for p in net.parameters())
+
+
+# -- modules called more than once -------------------------------------------------------------------
+
+class _Twice(nn.Module):
+    """An embedding looked up twice per forward, at the ids and at the ids in reverse order: every row an
+    example uses gets gradient from both calls (the norm of their sum, not the sum of their norms)."""
+
+    def __init__(self, inner: nn.Embedding) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids):
+        return self.inner(ids) + 0.5 * self.inner(ids.flip(1))
+
+
+def _reusing(family_base):
+    """Tiny float64 GPT-2 (base weights trained from layer 1) that calls modules more than once per forward:
+    layer 2's ln_1 also serves as its ln_2, layer 2's MLP output projection (Conv1D) is also layer 3's, and
+    the (untied) token embedding is looked up twice."""
+    net = family_base("gpt2")
+    from tests.test_families import trainable_layers
+
+    trainable_layers(net, 1)
+    net.lm_head.weight = nn.Parameter(net.lm_head.weight.detach().clone(), requires_grad=False)  # untie
+    h = net.transformer.h
+    h[2].ln_2 = h[2].ln_1
+    h[3].mlp.c_proj = h[2].mlp.c_proj
+    net.transformer.wte = _Twice(net.transformer.wte)
+    net.transformer.wte.inner.weight.requires_grad_(True)
+    return net
+
+
+@pytest.mark.parametrize("strategy", ["auto", "ghost", "materialize"])
+def test_a_module_called_more_than_once_sums_every_call_and_matches_the_loop(strategy):
+    from tests.test_families import assert_matches_the_loop, base
+
+    net = _reusing(base)
+    counts: dict[str, int] = {}
+    for name in ("transformer.h.2.ln_1", "transformer.h.2.mlp.c_proj", "transformer.wte.inner"):
+        net.get_submodule(name).register_forward_hook(lambda *_, name=name: counts.__setitem__(name, counts.get(name, 0) + 1))
+    trainable = {n for n, p in net.named_parameters() if p.requires_grad}
+    assert {"transformer.h.2.ln_1.weight", "transformer.h.2.mlp.c_proj.weight", "transformer.wte.inner.weight"} <= trainable
+    classes = {"upper": cls("upper", band=(2, 3), head=True), "middle": cls("middle", band=(1, 2))}
+    resolution = resolve(classes, describe(net))
+    # the head class on the examples clipped hard (odd ones): the embedding's norm decides their clipping
+    assert_matches_the_loop(net, resolution, ["middle", "upper", "middle", "upper", "upper"], per_sample=strategy)
+    assert set(counts.values()) == {2 * 6}  # twice per forward: the routed batch and the loop's five examples

@@ -201,7 +201,11 @@ class Calls:
         from others (`form_early`), summed over those calls."""
         self.module, self.strategy = module, strategy
         per = dict(formed or {})
-        if isinstance(module, nn.Embedding):
+        if isinstance(module, nn.Embedding):  # calls side by side along the token axis: a sample's rows of
+            # every call are summed before the norm (a module called twice has the sum of both calls' gradients)
+            if len(inputs) > 1:
+                inputs = [torch.cat([ids.reshape(ids.shape[0], -1) for ids in inputs], 1)]
+                grads = [torch.cat([g.reshape(g.shape[0], -1, g.shape[-1]) for g in grads], 1)]
             self.pairs = list(zip(inputs, grads))
             return
         self.transposed = isinstance(module, Conv1D)  # its weight is [in, out]: dim 0 is the input features
