@@ -314,3 +314,47 @@ def test_a_module_called_more_than_once_sums_every_call_and_matches_the_loop(str
     # the head class on the examples clipped hard (odd ones): the embedding's norm decides their clipping
     assert_matches_the_loop(net, resolution, ["middle", "upper", "middle", "upper", "upper"], per_sample=strategy)
     assert set(counts.values()) == {2 * 6}  # twice per forward: the routed batch and the loop's five examples
+
+
+class _Projection(nn.Module):
+    """An output projection no per-sample rule covers, holding the embedding's matrix (a custom tied head)."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x):
+        return x @ self.weight.T
+
+
+@pytest.mark.parametrize("strategy", ["auto", "ghost", "materialize"])
+def test_gpt2_tied_embeddings_sum_both_uses_per_sample_and_match_the_loop(strategy):
+    """wte looks rows up and lm_head multiplies by the same matrix: a sample's gradient of it is the sum of
+    both, clipped jointly with the layers it trains. The head class sits on the examples clipped hard."""
+    from tests.test_families import assert_matches_the_loop, base, trainable_layers
+
+    net = base("gpt2")
+    trainable_layers(net, 2)
+    net.transformer.wte.weight.requires_grad_(True)
+    assert net.lm_head.weight is net.transformer.wte.weight
+    classes = {"upper": cls("upper", band=(2, 3), head=True), "middle": cls("middle", band=(1, 2))}
+    resolution = resolve(classes, describe(net))
+    assert "transformer.wte.weight" in {p.name for p in resolution.reach["upper"]}
+    assert_matches_the_loop(net, resolution, ["middle", "upper", "middle", "upper", "upper"], per_sample=strategy)
+
+
+def test_a_tie_with_a_module_no_per_sample_rule_covers_refuses_to_start():
+    from tests.test_families import base, trainable_layers
+
+    net = base("gpt2")
+    trainable_layers(net, 99)
+    net.lm_head = _Projection(net.transformer.wte.weight)
+    net.transformer.wte.weight.requires_grad_(True)
+    resolution = resolve({"c": cls("c", band=(1, 1), head=True)}, describe(net))
+    with pytest.raises(ConfigError) as info:
+        Router(net, resolution)
+    detail = info.value.detail
+    assert info.value.code is Code.ROUTING_UNCOVERED
+    assert "transformer.wte.weight is also lm_head.weight (tied weights)" in detail and "_Projection" in detail
+    assert "freeze it or untie it" in detail
+    assert not any(hook for m in net.modules() for hook in m._forward_hooks.values())  # nothing left tapped
