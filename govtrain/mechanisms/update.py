@@ -138,8 +138,9 @@ class Update:
             if orphans or lost:
                 what = []
                 if orphans:
-                    what.append(f"the model's {', '.join(orphans[:3])}{' …' if len(orphans) > 3 else ''} "
-                                "have gradients no optimizer applies")
+                    listed = ", ".join(orphans[:3]) + (f" and {len(orphans) - 3} more" if len(orphans) > 3 else "")
+                    what.append(f"the model's {listed} {'has a gradient' if len(orphans) == 1 else 'have gradients'} "
+                                "no optimizer applies")
                 if lost:
                     what.append(f"the optimizer would move {self._named(lost)}, which the model no longer holds")
                 raise ConfigError(Code.STALE_PARAMETERS,
