@@ -36,6 +36,7 @@ class Code(str, Enum):
     MECHANISM_UNSUPPORTED = "mechanism_unsupported"  # the training mechanism cannot run this policy's profiles
     UNGOVERNED_BATCH = "ungoverned_batch"  # a batch, loader or training forward govtrain's sampler did not draw
     SAMPLING_MISMATCH = "sampling_mismatch"  # the sampler's rate is not the rate the ledger's spend charged
+    STALE_PARAMETERS = "stale_parameters"  # a privatized gradient the update would not apply to the model
 
     # -- encoding: the strict deterministic-CBOR decoder (DESIGN §2) ----------------------
     TOO_LARGE = "too_large"

@@ -16,14 +16,25 @@ of batched kernels per shape, not a loop over every LoRA pair or matrix, and the
 one entry per pair or matrix.
 
 Everything here is post-processing of privatized gradients; nothing reads a per-sample value.
+
+`Update.step` refuses (`stale_parameters`) a privatized gradient that would not move the model: the
+router writes `.grad` to the parameter objects the model held when the router was built, the optimizers
+move the objects the model held when the update was built, and replacing a parameter in between
+(`module.weight = nn.Parameter(...)`, `load_state_dict(..., assign=True)`) would otherwise train a tensor the
+model no longer uses, or leave the model's tensor where it was, without a word. Before anything moves it
+checks identities (every model parameter with a gradient is one the update moves, every tensor the update
+would move with a gradient is one the model holds); after the step it checks that each of them was written
+in place (its autograd version counter moved), which also catches an optimizer that skips a parameter.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+
+from govtrain.errors import Code, ConfigError
 
 from govtrain.mechanisms.muon import DPMuon
 from govtrain.mechanisms.prism import Prism, lora_pairs
@@ -49,8 +60,14 @@ def make_optimizer(settings, params: Mapping[str, nn.Parameter]) -> torch.optim.
 
 class Update:
     def __init__(self, mechanism: str, *, optimizer: torch.optim.Optimizer | None = None, prism: Prism | None = None,
-                 muon: DPMuon | None = None) -> None:
+                 muon: DPMuon | None = None, model: nn.Module | None = None) -> None:
+        """`model`, when given, is the model whose parameters this update must move: each step checks that
+        every gradient on them reaches them (`stale_parameters`)."""
         self.mechanism, self.optimizer, self.prism, self.muon = mechanism, optimizer, prism, muon
+        self.model = model
+        # names of the tensors moved, as the model called them when the update was built (for messages about
+        # a tensor the model no longer holds)
+        self._names = {} if model is None else {id(p): n for n, p in model.named_parameters()}
 
     @classmethod
     def build(cls, model: nn.Module, run) -> "Update":
@@ -64,25 +81,77 @@ class Update:
             prism = Prism({b: (trainable[a], trainable[b]) for b, a in pairs.items()}, lr=settings.lr,
                           betas=settings.betas, floor=settings.floor, max_condition=settings.max_condition)
             rest = {n: p for n, p in trainable.items() if n not in taken}
-            return cls(mechanism, optimizer=make_optimizer(run.optimizer, rest), prism=prism)
+            return cls(mechanism, optimizer=make_optimizer(run.optimizer, rest), prism=prism, model=model)
         if mechanism == "dp-muon":
             matrices = {n: p for n, p in trainable.items() if p.dim() == 2 and role(n).layer is not None}
             settings = run.muon
             muon = DPMuon(matrices, lr=settings.lr, momentum=settings.momentum, kappa=settings.kappa,
                           steps=settings.steps, iteration=settings.iteration)
             rest = {n: p for n, p in trainable.items() if n not in matrices}
-            return cls(mechanism, optimizer=make_optimizer(run.optimizer, rest), muon=muon)
-        return cls(mechanism, optimizer=make_optimizer(run.optimizer, trainable))
+            return cls(mechanism, optimizer=make_optimizer(run.optimizer, rest), muon=muon, model=model)
+        return cls(mechanism, optimizer=make_optimizer(run.optimizer, trainable), model=model)
 
     def step(self, noise_std: Mapping[str, float]) -> None:
         """One step from the privatized `.grad`s; `noise_std` (per parameter, the noise standard deviation
-        of the averaged gradient, `Router.noise_std`) sets PRISM's preconditioner floor."""
+        of the averaged gradient, `Router.noise_std`) sets PRISM's preconditioner floor.
+
+        Raises `stale_parameters` before anything moves when a gradient would not reach the model, and after
+        the step when a tensor with a gradient was not written (module docstring)."""
+        due = self._check_held()
+        versions = [(p, p._version) for p in due]
         if self.prism is not None:
             self.prism.step(noise_std)
         if self.muon is not None:
             self.muon.step()
         if self.optimizer is not None:
             self.optimizer.step()
+        unmoved = [p for p, version in versions if p._version == version]
+        if unmoved:
+            raise ConfigError(Code.STALE_PARAMETERS,
+                              f"{self._named(unmoved)} had a privatized gradient but the step did not move "
+                              f"{'it' if len(unmoved) == 1 else 'them'} (the other parameters moved): the optimizer "
+                              "skips them; use an optimizer that updates every parameter with a gradient in place")
+
+    def _moved(self) -> Iterable[Tensor]:
+        """Every tensor this update moves when it has a gradient."""
+        if self.prism is not None:
+            for pair in self.prism.pairs.values():
+                yield from pair
+        if self.muon is not None:
+            yield from self.muon.params.values()
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                yield from group["params"]
+
+    def _check_held(self) -> list[Tensor]:
+        """The tensors with a gradient whose version the step must move. Refuses, before anything moves, a
+        model parameter with a gradient that the update does not hold, and a tensor the update would move with
+        a gradient that the model no longer holds. A fused optimizer's kernels (`fused=True`) write without
+        bumping the version counter, so its tensors are checked by identity only."""
+        unversioned = {id(p) for group in (self.optimizer.param_groups if self.optimizer is not None else [])
+                       if group.get("fused") for p in group["params"]}
+        moved = {id(p): p for p in self._moved()}
+        if self.model is not None:
+            model = {id(p): (n, p) for n, p in self.model.named_parameters()}
+            orphans = [n for n, p in model.values() if p.grad is not None and id(p) not in moved]
+            lost = [p for key, p in moved.items() if p.grad is not None and key not in model]
+            if orphans or lost:
+                what = []
+                if orphans:
+                    listed = ", ".join(orphans[:3]) + (f" and {len(orphans) - 3} more" if len(orphans) > 3 else "")
+                    what.append(f"the model's {listed} {'has a gradient' if len(orphans) == 1 else 'have gradients'} "
+                                "no optimizer applies")
+                if lost:
+                    what.append(f"the optimizer would move {self._named(lost)}, which the model no longer holds")
+                raise ConfigError(Code.STALE_PARAMETERS,
+                                  f"{'; '.join(what)}: the optimizer holds other tensors than the model. Build the "
+                                  "router and the update after moving, replacing or loading the model's parameters "
+                                  "(load_state_dict(..., assign=True) replaces them); nothing moved")
+        return [p for key, p in moved.items() if p.grad is not None and key not in unversioned]
+
+    def _named(self, tensors: list[Tensor]) -> str:
+        names = [self._names.get(id(p), f"a tensor of shape {tuple(p.shape)}") for p in tensors]
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
     def zero_grad(self) -> None:
         if self.optimizer is not None:

@@ -154,6 +154,14 @@ def embedding_sum(module: nn.Embedding, ids: Tensor, g: Tensor, weights: Tensor)
     return out.index_add_(0, token, rows * weights[sample].unsqueeze(1))
 
 
+def embedding_per_sample(module: nn.Embedding, ids: Tensor, g: Tensor) -> Tensor:
+    """The per-sample gradients themselves, dense: [B, V, D] (only a parameter that an embedding shares with
+    another module needs them: `Shared`)."""
+    sample, token, rows = _embedding_rows(module, ids, g)
+    out = torch.zeros(ids.shape[0], *module.weight.shape, dtype=g.dtype, device=g.device)
+    return out.index_put_((sample, token), rows, accumulate=True)
+
+
 def check_embedding(module: nn.Embedding, name: str) -> None:
     if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
         raise ValueError(f"{name}: embeddings with max_norm, scale_grad_by_freq or sparse gradients are not supported")
@@ -201,7 +209,11 @@ class Calls:
         from others (`form_early`), summed over those calls."""
         self.module, self.strategy = module, strategy
         per = dict(formed or {})
-        if isinstance(module, nn.Embedding):
+        if isinstance(module, nn.Embedding):  # calls side by side along the token axis: a sample's rows of
+            # every call are summed before the norm (a module called twice has the sum of both calls' gradients)
+            if len(inputs) > 1:
+                inputs = [torch.cat([ids.reshape(ids.shape[0], -1) for ids in inputs], 1)]
+                grads = [torch.cat([g.reshape(g.shape[0], -1, g.shape[-1]) for g in grads], 1)]
             self.pairs = list(zip(inputs, grads))
             return
         self.transposed = isinstance(module, Conv1D)  # its weight is [in, out]: dim 0 is the input features
@@ -269,11 +281,35 @@ class Calls:
 
     def per_sample(self, leaf: str, rows: Tensor) -> Tensor:
         """The per-sample gradients themselves, [len(rows), *shape] (PRISM's tangent norms need LoRA factors')."""
-        if isinstance(self.module, nn.Embedding):
-            raise ValueError("an embedding's per-sample gradients are not formed")
+        if isinstance(self.module, nn.Embedding):  # dense [B, V, D]: asked for by `Shared` only
+            return sum(embedding_per_sample(self.module, _take(ids, rows), _take(g, rows)) for ids, g in self.pairs)
         if self.per is None:
             a, g = _take(self.a, rows), _take(self.g, rows)
             if leaf == "bias":
                 return g.sum(1)
             return torch.einsum("bto,bti->bio" if self.transposed else "bto,bti->boi", g, a)
         return _take(self.per[leaf], rows)
+
+
+class Shared:
+    """One parameter that several modules hold (GPT-2's tied embeddings: `wte` looks rows up, `lm_head`
+    multiplies by the same matrix), asked as `Calls` is. A sample's gradient is the sum of every holder's
+    per-sample gradient, so its norm has cross terms no one module's shortcut (ghost norms, an embedding's
+    rows) can give: the per-sample gradient is formed whole, [B, *shape], once per chunk. The clipped sum is
+    linear, so each holder adds its own."""
+
+    def __init__(self, sources: list[tuple[Calls, str]]) -> None:
+        self.sources = sources  # (a holder's calls, the parameter's leaf name in that holder)
+
+    def per_sample(self, _leaf: str, rows: Tensor | None) -> Tensor:
+        return sum(calls.per_sample(leaf, rows) for calls, leaf in self.sources)
+
+    def sq_norms(self, leaf: str, rows: Tensor | None, mask=None) -> Tensor:
+        if mask is not None:
+            raise ValueError("a parameter modules share cannot be reached in part")
+        return self.per_sample(leaf, rows).pow(2).flatten(1).sum(1)
+
+    def weighted_sum(self, _leaf: str, rows: Tensor | None, weights: Tensor, mask=None) -> Tensor:
+        if mask is not None:
+            raise ValueError("a parameter modules share cannot be reached in part")
+        return sum(calls.weighted_sum(leaf, rows, weights) for calls, leaf in self.sources)

@@ -14,6 +14,11 @@ any other call before a run spends anything, and every `privatize` checks again 
 
     router.probe(layout.probe_batches(tokenizer, max_length))   # two batch sizes, neither the sequence length
 
+A module called more than once in a forward (a reused LayerNorm, a projection shared across layers)
+contributes each call to its samples' gradients. A trainable parameter several modules hold (tied
+embeddings) gets the sum of every holder's per-sample gradient before the norm (`persample.Shared`, formed
+whole per chunk). BatchNorm that mixes the examples of a batch is refused (`_check_batch_norms`).
+
 `privatize` never calls `loss.backward()`: it asks autograd for the gradients of the tapped modules'
 *outputs* (`torch.autograd.grad`), so no parameter's `.grad` is written by anyone else. When it
 returns, each reachable parameter's `.grad` holds the privatized gradient and nothing per-sample is
@@ -47,6 +52,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from govtrain.errors import Code, ConfigError
 from govtrain.mechanisms import MECHANISMS
@@ -109,20 +115,25 @@ class Router:
         self.model = model
         self.mechanism = mechanism
         self.resolution = resolution
+        self._batch_norms = [(n, m) for n, m in model.named_modules() if isinstance(m, _BatchNorm)]
+        self._check_batch_norms()  # before the generic refusal of a trainable parameter no hook covers
         params = dict(model.named_parameters())
-        owner: dict[str, tuple[str, nn.Module, str]] = {}
-        holder: dict[int, str] = {}  # a trainable parameter -> the first module path that holds it
+        # a trainable parameter -> every (module path, module, leaf) that holds it: one, or several for tied weights
+        holders: dict[int, list[tuple[str, nn.Module, str]]] = {}
         for module_name, module in model.named_modules():
             for leaf, param in module.named_parameters(recurse=False):
                 if param.requires_grad:
-                    path = f"{module_name}.{leaf}" if module_name else leaf
-                    _check_unshared(holder.setdefault(id(param), path), path)
-                    owner[path] = (module_name, module, leaf)
+                    holders.setdefault(id(param), []).append((module_name, module, leaf))
         trainable = [n for n, p in params.items() if p.requires_grad]
         self.taps: dict[str, _Tap] = {}
+        self.shared: set[str] = set()  # parameters several modules hold: formed whole per sample (`persample.Shared`)
         checked: set[str] = set()
+        owners = [(name, holder) for name in trainable for holder in holders[id(params[name])]]
         for name in trainable:
-            module_name, module, leaf = owner[name]
+            if len(holders[id(params[name])]) > 1:
+                _check_shareable(name, holders[id(params[name])])
+                self.shared.add(name)
+        for name, (module_name, module, leaf) in owners:
             fused = _fused_lora(model, module_name)
             if fused is not None:  # a LoRA factor peft multiplies into an experts module's fused parameter
                 wrapper, path, adapter, factor = fused
@@ -258,6 +269,35 @@ class Router:
             for tap in self.taps.values():
                 tap.clear()
 
+    def _check_batch_norms(self) -> None:
+        """Refuse (`routing_uncovered`) a BatchNorm that is not a fixed map of each example alone.
+
+        BatchNorm (any `_BatchNorm`: 1d, 2d, 3d, SyncBatchNorm) normalizes with the batch's statistics in
+        train mode, and in eval mode too when it keeps no running statistics (`track_running_stats=False`).
+        Such a BatchNorm mixes the examples of a batch wherever it is, above or below the trainable
+        parameters: example i's loss then depends on the other examples, so its clipped gradient is no
+        longer its own (removing example j moves every other example's contribution, and the sensitivity is
+        no longer C_i), and in train mode its running statistics, released with the model, are an unnoised
+        average of the private data. One with a trainable weight or bias has no per-sample rule either.
+
+        Allowed: a frozen BatchNorm in eval mode with running statistics, anywhere in the model. It is then
+        a fixed per-channel affine map of each example, and gradients that flow through it stay per-sample.
+        The check runs when the router is built and again at every step (`model.train()` may come later);
+        it looks at every BatchNorm the model holds, called in the forward pass or not."""
+        for name, module in self._batch_norms:
+            trainable = [leaf for leaf, p in module.named_parameters(recurse=False) if p.requires_grad]
+            if trainable:
+                why = f"has a trainable {' and '.join(trainable)}"
+            elif module.training or module.running_mean is None:
+                why = "normalizes with the batch's statistics (" + (
+                    "train mode" if module.training else "track_running_stats=False") + ")"
+            else:
+                continue
+            raise ConfigError(Code.ROUTING_UNCOVERED,
+                              f"{type(module).__name__} {name} {why}: BatchNorm mixes examples in a batch, so "
+                              "per-sample gradients are not per-sample; replace it with GroupNorm or LayerNorm, or "
+                              "freeze it and put it in eval mode")
+
     def _check_layout(self, batch: int) -> None:
         """Refuse (before any gradient is taken) a recorded call that does not have the batch first."""
         for tap in self.taps.values():
@@ -299,7 +339,11 @@ class Router:
         Without `units` every example is clipped on its own, and `classes` and `clip_norms` are per example.
         With `units` (one index in [0, U) per example; DESIGN §5, privacy_unit = "contribution") the examples
         of a unit are averaged first and the average is what is restricted to the unit's profile and clipped
-        to its C_i: `classes` and `clip_norms` are then per unit. Every example of a unit must be in this chunk."""
+        to its C_i: `classes` and `clip_norms` are then per unit. Every example of a unit must be in this chunk.
+
+        `losses` must be one value per example, shape [examples]: a scalar (a batch mean), a [B, T] token loss
+        or a loss of another length is a programmer's mistake, refused with a ValueError before any gradient
+        is taken, so nothing is summed, no `.grad` written and no noise drawn."""
         try:
             totals, report = self._clipped_sum(losses, classes, clip_norms, units)
         finally:
@@ -323,8 +367,10 @@ class Router:
                      units: Tensor | Sequence[int] | None) -> tuple[dict[str, Tensor], StepReport]:
         batch = len(classes)  # clipping units: examples, or contributions
         examples = batch if units is None else len(units)
-        if losses.dim() != 1 or losses.shape[0] != examples:
-            raise ValueError(f"need one loss per example: got shape {tuple(losses.shape)} for {examples} examples")
+        if losses.dim() != 1 or losses.shape[0] != examples:  # before anything is formed, summed or drawn
+            raise ValueError(f"need one loss per example, shape ({examples},): got {tuple(losses.shape)}. Take the "
+                             "loss with reduction='none' and reduce each example's tokens alone (a mean over the "
+                             "batch couples examples, so their gradients cannot be clipped one by one)")
         if units is not None:
             units = torch.as_tensor(units, dtype=torch.long, device=losses.device)
             counts = torch.bincount(units, minlength=batch) if examples else torch.zeros(batch, dtype=torch.long)
@@ -343,11 +389,13 @@ class Router:
         # rounds at ~1e-7) never lets a released per-sample gradient exceed the C_i the accountant charges.
         clip = clip * (1 - 8 * torch.finfo(dtype).eps)
         self._check_layout(examples)  # before autograd: nothing per-sample is formed from a call that is refused
+        self._check_batch_norms()  # a model switched to train mode after the router was built
         taps = [t for t in self.taps.values() if t.shapes]
         # Gradients flow to the reached parameters of the recorded modules (autograd stops at the deepest);
         # the hooks on the recorded outputs see every output gradient on the way (`_received`). What autograd
         # returns, the non-private sum, is dropped.
-        requested = [self.params[name] for t in taps for name in t.leaves.values() if name in self._reached]
+        requested = list({name: self.params[name] for t in taps for name in t.leaves.values()
+                          if name in self._reached}.values())  # a shared parameter once
         self._dtype = dtype
         if requested:
             torch.autograd.grad(losses.sum(), requested, allow_unused=True)
@@ -359,7 +407,8 @@ class Router:
 
         # parameter -> (the calls of its module in this chunk, its leaf name): norms and sums are asked of
         # them; no per-sample gradient is kept beyond this chunk (persample.Calls)
-        calls: dict[str, tuple[persample.Calls, str]] = {}
+        calls: dict[str, tuple[persample.Calls | persample.Shared, str]] = {}
+        sources: dict[str, list[tuple[persample.Calls, str]]] = {}  # a shared parameter's holders that were called
         for tap in taps:
             kept = [(a, g) for a, g in zip(tap.inputs, tap.grads) if a is not None and g is not None]
             if not kept and not tap.formed:
@@ -368,7 +417,12 @@ class Router:
                                            strategy=self.per_sample, formed=dict(tap.formed))
             tap.clear()
             for leaf, name in tap.leaves.items():
-                calls[name] = (module_calls, leaf)
+                if name in self.shared:
+                    sources.setdefault(name, []).append((module_calls, leaf))
+                else:
+                    calls[name] = (module_calls, leaf)
+        for name, held in sources.items():
+            calls[name] = (persample.Shared(held), "")
 
         squares: dict[str, Tensor] = {}  # clipping unit (a parameter) -> [B]
         for data_class, index in rows.items():
@@ -466,13 +520,20 @@ def _group_calls(tap: _Tap, units: Tensor, count: int) -> None:
         tap.formed[leaf] = per.new_zeros((count, *per.shape[1:])).index_add_(0, units, per)
 
 
-def _check_unshared(first: str, path: str) -> None:
-    """Refuse a trainable parameter that two modules hold (tied embeddings): each module's hook would see only
-    its own calls, so a sample's gradient would be formed from part of its uses."""
-    if first != path:
-        raise ConfigError(Code.ROUTING_UNCOVERED,
-                          f"trainable parameter {first} is also {path} (tied weights): its per-sample gradients "
-                          "cannot be formed from one module's calls; freeze it or untie it")
+def _check_shareable(name: str, holders: list[tuple[str, nn.Module, str]]) -> None:
+    """A trainable parameter several modules hold (tied embeddings: an Embedding and the output Linear) is
+    routed only where every holder is a plain Linear, Conv1D, Embedding, LayerNorm or RMSNorm: each holder's
+    hook forms its part of a sample's gradient and `persample.Shared` sums the parts before the norm. A LoRA
+    factor, an MoE module or any other holder is refused: its per-sample rule cannot be summed that way."""
+    paths = [f"{module_name}.{leaf}" if module_name else leaf for module_name, _, leaf in holders]
+    for (module_name, module, _), path in zip(holders, paths):
+        if ".lora_" in module_name or moe.is_moe(module) or not (isinstance(module, TAPPED)
+                                                                 or persample.is_rms_norm(module)):
+            raise ConfigError(Code.ROUTING_UNCOVERED,
+                              f"trainable parameter {name} is also {', '.join(p for p in paths if p != name)} (tied "
+                              f"weights) and {path} is a {type(module).__name__}: a shared parameter's per-sample "
+                              "gradient is formed only across Linear, Conv1D, Embedding, LayerNorm and RMSNorm "
+                              "modules; freeze it or untie it")
 
 
 def _fused_lora(model: nn.Module, module_name: str) -> tuple[nn.Module, str, str, str] | None:
