@@ -9,9 +9,10 @@ So the entry states, per class, the largest cumulative ε after the last trial o
 charged, and the rules tie that statement to the ledger:
 
 1. The tune id is new; the trials are `<tune_id>-trial-0`, `-1`, … in order, at most `MAX_TRIALS`: no
-   other run can be listed, none twice, none by two tunes.
+   other run can be listed, none twice, none by two tunes; and every run so named before the tune is
+   listed (none omitted).
 2. Each trial has exactly one `run` entry before the tune, recording the trial's config hash, and wrote
-   spend; no spend names a trial after its tune (the tune's total would no longer hold).
+   spend; no spend names a trial of a recorded tune after it, listed or not (the total would no longer hold).
 3. The selection file is no admitted contribution's data.
 4. The selected run is one of the trials, with the adapter hash its run entry recorded (or both null).
 5. `eps_by_class` and `eps_u` are exactly what the spend entries before the tune imply. Where retention
@@ -30,6 +31,7 @@ ACCOUNTING = ("composition",)
 METRICS = ("accuracy", "loss")
 MAX_TRIALS = 64
 TUNE_ID = re.compile(r"[A-Za-z0-9._:-]{1,100}")
+TRIAL_RUN_ID = re.compile(r"(.+)-trial-[0-9]+")
 
 
 def trial_run_id(tune_id: str, index: int) -> str:
@@ -60,6 +62,9 @@ class TuneBook:
 
     def check_spend(self, entry: dict) -> None:
         tune = self.tuned.get(entry["run_id"])
+        named = TRIAL_RUN_ID.fullmatch(entry["run_id"])
+        if tune is None and named is not None and named.group(1) in self.tunes:
+            tune = named.group(1)
         if tune is not None:
             raise TuneRuleError(Code.BAD_TUNE, f"spend for run {entry['run_id']!r}, a trial of tune {tune!r} "
                                                "recorded before it: that tune's total would no longer hold")
@@ -117,6 +122,10 @@ class TuneBook:
             if not self.charged.get(run_id) and not self.partial:
                 raise bad(f"trial run {run_id!r} wrote no spend")
             run_ids.append(run_id)
+        omitted = sorted(run for run in {*self.runs, *self.charged} if run not in run_ids
+                         and (m := TRIAL_RUN_ID.fullmatch(run)) is not None and m.group(1) == tune_id)
+        if omitted:
+            raise bad(f"omits run {omitted[0]!r}, a trial of this tune by its name")
         # 3.
         if entry["selection_sha256"] in self.data:
             raise TuneRuleError(Code.SELECTION_ADMITTED, f"tune {tune_id!r}: the selection file is an admitted "
