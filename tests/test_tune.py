@@ -208,3 +208,149 @@ def test_the_writer_refuses_a_tune_entry_and_writes_nothing(corpus: Corpus, atta
     assert info.value.code == expected
     assert snapshot(corpus.url) == before
     verify_ledger(corpus.url)
+
+
+# -- govtrain tune end to end on a tiny BERT ---------------------------------------------------------------
+
+def _grid(corpus: Corpus, body: str, select: str = 'data = "valid.jsonl"') -> Path:
+    path = corpus.dir / "grid.toml"
+    path.write_text(f"[grid]\n{body}\n[select]\n{select}\n")
+    return path
+
+
+def _valid(corpus: Corpus) -> Path:
+    from tests.test_train import WORDS
+
+    path = corpus.dir / "valid.jsonl"
+    path.write_text("".join(json.dumps({"text": f"{WORDS[i % 9]} movie {WORDS[9 + i % 8]} held", "label": i % 2}) + "\n"
+                            for i in range(12)))
+    return path
+
+
+def _tune(corpus: Corpus, model: Path, grid: Path, *extra: str, steps: int = 4):
+    from click.testing import CliRunner
+
+    from govtrain.cli.main import cli
+    from tests.test_train import _config
+
+    config = _config(corpus, model, steps)
+    return CliRunner().invoke(cli, ["tune", "--config", str(config), "--grid", str(grid), "--ledger", corpus.url,
+                                    "--insecure-seed", "3", "--json", *extra])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """tests/test_train.py's tiny BERT (a fixture there; built the same way here)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tests.test_train import WORDS
+
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    transformers.BertTokenizerFast(vocab=str(folder / "vocab.txt")).save_pretrained(folder)
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=16, num_hidden_layers=6, num_attention_heads=2, intermediate_size=24,
+                                     vocab_size=len(vocab), max_position_embeddings=64, num_labels=2)
+    transformers.BertForSequenceClassification(config).save_pretrained(folder)
+    return folder
+
+
+def test_tune_charges_every_trial_selects_the_best_and_verifies(corpus: Corpus, tiny: Path):
+    from click.testing import CliRunner
+
+    from govtrain.cli.main import cli
+    from tests.test_train import _admit
+
+    _admit(corpus, "pub")
+    _admit(corpus, "sens", data_class="sensitive", clip_norm_u=500_000, eps_budget_u=3_000_000)
+    _valid(corpus)
+    result = _tune(corpus, tiny, _grid(corpus, '"optimizer.lr" = [0.01, 0.05]\n"lora.r" = [2]'), "--id", "lr")
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.stdout)
+    assert [t["run_id"] for t in body["trials"]] == ["lr-trial-0", "lr-trial-1"]
+    assert body["accounting"] == "composition" and body["metric"] == "accuracy"
+    best = max(body["trials"], key=lambda t: t["score"])
+    assert body["selected"]["run_id"] == best["run_id"] or best["score"] == body["trials"][0]["score"]
+    assert body["trials"][1]["eps"] >= body["trials"][0]["eps"] > 0  # cumulative: trial 1 composes on trial 0
+
+    (tune,) = _entries(corpus.url, "tune")
+    runs = {run["run_id"]: run for run in _entries(corpus.url, "run")}
+    assert [t["run_id"] for t in tune["trials"]] == ["lr-trial-0", "lr-trial-1"]
+    assert tune["selected_run_id"] == body["selected"]["run_id"]
+    assert tune["adapter_sha256"] == runs[tune["selected_run_id"]]["adapter_sha256"]
+    assert {i["data_class"]: i["eps_u"] for i in tune["eps_by_class"]} == _recomputed(corpus.url)
+    assert body["eps"] == tune["eps_u"] / 1e6 == max(_recomputed(corpus.url).values()) / 1e6
+    for trial in tune["trials"]:  # the trial's config, as hashed, sits beside its adapter
+        index = int(trial["run_id"].rsplit("-", 1)[1])
+        assert hashlib.sha256((corpus.dir / "adapter" / f"trial-{index}.json").read_bytes()).digest() == \
+            trial["config_sha256"] == runs[trial["run_id"]]["config_sha256"]
+    assert verify_ledger(corpus.url).by_kind["tune"] == 1
+
+    status = json.loads(CliRunner().invoke(cli, ["ledger", "status", "--ledger", corpus.url, "--json"]).stdout)
+    assert status["tunes"][0]["tune_id"] == "lr" and status["tunes"][0]["eps_u"] == tune["eps_u"]
+    text = CliRunner().invoke(cli, ["ledger", "status", "--ledger", corpus.url]).stdout
+    assert "total epsilon including tuning" in text
+    mine = json.loads(CliRunner().invoke(cli, ["ledger", "status", "--ledger", corpus.url, "--contribution", "sens",
+                                               "--json"]).stdout)
+    assert mine["tunes"] == [{"tune_id": "lr", "seq": status["tunes"][0]["seq"], "selected_run_id": tune["selected_run_id"],
+                              "eps_u": tune["eps_u"], "class_eps_u": _recomputed(corpus.url)["sensitive"]}]
+
+    before = snapshot(corpus.url)  # the same id again: refused before any trial runs
+    again = _tune(corpus, tiny, corpus.dir / "grid.toml", "--id", "lr")
+    assert again.exit_code == 2 and "error[tune_exists]" in again.stderr
+    assert snapshot(corpus.url) == before
+
+
+BAD_GRIDS = {
+    "unknown key": '"optimizer.learning_rate" = [0.1]',
+    "unknown section": '"trainer.lr" = [0.1]',
+    "run id": '"training.run_id" = ["a", "b"]',
+    "output": '"training.output" = ["x", "y"]',
+    "data": '"training.data" = ["data", "elsewhere"]',
+    "performance flag": '"training.device" = ["cpu"]',
+    "invalid trial": '"optimizer.lr" = [0.01, -1.0]',
+    "value twice": '"optimizer.lr" = [0.01, 0.01]',
+    "too many": '"optimizer.lr" = [' + ", ".join(f"0.00{i + 1}" for i in range(9)) + ']\n"lora.r" = [1, 2, 3, 4, 5, 6, 7, 8]',
+    "not a list": '"optimizer.lr" = 0.1',
+    "empty": '"optimizer.lr" = []',
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_GRIDS))
+def test_a_bad_grid_is_refused_before_anything_is_written(corpus: Corpus, name: str):
+    from tests.test_train import _admit
+
+    _admit(corpus, "pub")
+    _valid(corpus)
+    before = snapshot(corpus.url)
+    result = _tune(corpus, Path("/nonexistent-model"), _grid(corpus, BAD_GRIDS[name]))
+    assert result.exit_code == 2, (name, result.output)
+    assert "error[grid_invalid]" in result.stderr and json.loads(result.stdout)["code"] == "grid_invalid"
+    assert snapshot(corpus.url) == before
+    assert not _entries(corpus.url, "spend")
+
+
+def test_selecting_on_an_admitted_contribution_is_refused(corpus: Corpus):
+    from tests.test_train import _admit
+
+    _admit(corpus, "pub")
+    before = snapshot(corpus.url)
+    result = _tune(corpus, Path("/nonexistent-model"), _grid(corpus, '"optimizer.lr" = [0.01]',
+                                                               'data = "data/pub.jsonl"'))
+    assert result.exit_code == 2 and "error[selection_admitted]" in result.stderr, result.output
+    assert snapshot(corpus.url) == before
+
+
+def test_budgets_running_out_still_charge_the_trials_that_ran(corpus: Corpus, tiny: Path):
+    from tests.test_train import _admit
+
+    _admit(corpus, "tiny", eps_budget_u=400_000)  # about 10 steps at q = 0.01, sigma = 1
+    _valid(corpus)
+    result = _tune(corpus, tiny, _grid(corpus, '"optimizer.lr" = [0.01, 0.02]'), "--id", "out", steps=30)
+    assert result.exit_code == 5, result.output
+    assert "tune 'out' stopped at trial 0" in result.stderr and "no trial selected" in result.stderr, result.stderr
+    (tune,) = _entries(corpus.url, "tune")
+    assert [t["run_id"] for t in tune["trials"]] == ["out-trial-0"] and tune["selected_run_id"] is None
+    assert {i["data_class"]: i["eps_u"] for i in tune["eps_by_class"]} == _recomputed(corpus.url)
+    verify_ledger(corpus.url)
