@@ -37,6 +37,9 @@ class Code(str, Enum):
     UNGOVERNED_BATCH = "ungoverned_batch"  # a batch, loader or training forward govtrain's sampler did not draw
     SAMPLING_MISMATCH = "sampling_mismatch"  # the sampler's rate is not the rate the ledger's spend charged
     STALE_PARAMETERS = "stale_parameters"  # a privatized gradient the update would not apply to the model
+    GRID_INVALID = "grid_invalid"  # a tuning grid that is unreadable, names a key it may not, or builds a bad trial
+    TUNE_EXISTS = "tune_exists"  # the ledger already records a tune with this id
+    SELECTION_ADMITTED = "selection_admitted"  # the selection file is an admitted contribution's data
 
     # -- encoding: the strict deterministic-CBOR decoder (DESIGN §2) ----------------------
     TOO_LARGE = "too_large"
@@ -121,6 +124,7 @@ class Code(str, Enum):
     BAD_WITHDRAWAL = "bad_withdrawal"
     BAD_SUMMARY = "bad_summary"
     BAD_EPOCH = "bad_epoch"
+    BAD_TUNE = "bad_tune"  # a tune entry whose trials, selection or stated epsilon the ledger does not bear out
     TIME_REVERSED = "time_reversed"  # an entry's time is earlier than the entry before it
     POLICY_UNAUTHORISED = "policy_unauthorised"  # a policy change no key of the policy before it signed
 

@@ -79,12 +79,15 @@ def test_every_entry_kind_matches_its_cddl(corpus: Corpus):
         leaf = ledger.store.entry(1).leaf_hash
         with ledger.append(corpus.now) as appender:
             appender.add("spend", corpus.now, lambda seq: spend_entry(
-                seq, corpus.now, contribution_id="k", admit_leaf=leaf, run_id="r1", epoch=0, epoch_steps=5, steps=5,
+                seq, corpus.now, contribution_id="k", admit_leaf=leaf, run_id="t-trial-0", epoch=0, epoch_steps=5, steps=5,
                 sampling_rate_u=10_000, noise_multiplier_u=1_000_000, accountant="prv", delta_p=10_000_000, privacy_unit="example",
                 eps_u=123))
             appender.add("run", corpus.now, lambda seq: run_entry(
-                seq, corpus.now, run_id="r1", mechanism="dpsgd", device="cpu", precision="fp32", config_sha256=bytes(32), base_model_sha256=bytes(32),
+                seq, corpus.now, run_id="t-trial-0", mechanism="dpsgd", device="cpu", precision="fp32", config_sha256=bytes(32), base_model_sha256=bytes(32),
                 adapter_sha256=None))
+        ledger.record_tune(tune_id="t", config_sha256=bytes(32), grid_sha256=bytes(32),
+                           trials=[("t-trial-0", bytes(32))], selection_sha256=bytes(32), metric="accuracy",
+                           selected_run_id=None, now=corpus.now)
         ledger.withdraw("k", "test", now=corpus.now)
         ledger.change_policy(ledger.policy, bytes(32), "same policy, restated", now=corpus.now)
         ledger.close_epoch(now=corpus.now)

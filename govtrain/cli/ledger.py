@@ -183,6 +183,9 @@ def ledger_status_command(ledger_url: str, contribution_id: str | None, as_json:
                    f"{status['admit_seq']}, {withdrawn}; epsilon spent {status['eps_u'] / 1e6:.6f} over "
                    f"{len(status['spend'])} epoch(s); in {status['checkpoints']['count']} checkpoint(s) from size "
                    f"{status['checkpoints']['first']}; {len(status['runs'])} run(s)")
+        for t in status["tunes"]:
+            click.echo(f"tuned by {t['tune_id']} (entry {t['seq']}): selected {t['selected_run_id'] or '-'}, total "
+                       f"epsilon including tuning {t['class_eps_u'] / 1e6:.6f} for its class")
     else:
         last = status["last_checkpoint"]
         click.echo(f"{status['origin']}: {status['entries']} entries, epoch {status['epoch']}, "
@@ -191,3 +194,8 @@ def ledger_status_command(ledger_url: str, contribution_id: str | None, as_json:
         click.echo(f"{'class':<16}{'admitted':>10}{'withdrawn':>11}")
         for name, counts in sorted(status["classes"].items()):
             click.echo(f"{name:<16}{counts['admitted']:>10}{counts['withdrawn']:>11}")
+        for t in status["tunes"]:
+            by_class = ", ".join(f"{name} {eps / 1e6:.6f}" for name, eps in sorted(t["eps_by_class"].items()))
+            click.echo(f"tune {t['tune_id']} (entry {t['seq']}): {len(t['trials'])} trials, selected "
+                       f"{t['selected_run_id'] or '-'}; total epsilon including tuning {t['eps_u'] / 1e6:.6f} "
+                       f"({by_class or 'none'}), {t['accounting']}")

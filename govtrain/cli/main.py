@@ -28,6 +28,7 @@ from govtrain.cli.ledger import ledger as ledger_group
 from govtrain.cli.privacy import plan_command
 from govtrain.cli.privacy import privacy as privacy_group
 from govtrain.cli.train import train_command
+from govtrain.cli.tune import tune_command
 from govtrain.errors import AttestationError, Code, ConfigError
 
 # Each command imports what it uses when it runs: SQLAlchemy and pydantic cost half a second to
@@ -254,6 +255,7 @@ cli.add_command(ledger_group)
 cli.add_command(privacy_group)
 cli.add_command(plan_command)
 cli.add_command(train_command)
+cli.add_command(tune_command)
 cli.add_command(eval_command)
 
 

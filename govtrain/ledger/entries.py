@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 ENTRY_VERSION = 1
 PRECISIONS = ("fp32", "bf16")
 DEVICE = re.compile(r"cpu|cuda:[0-9]{1,2}")
-KINDS = ("header", "admit", "spend", "withdraw", "epoch", "summary", "run", "policy")
+KINDS = ("header", "admit", "spend", "withdraw", "epoch", "summary", "run", "policy", "tune")
 
 _COMMON = {"v": int, "seq": int, "kind": str, "time": int}
 SPECS: dict[str, dict[str, type | tuple[type, ...]]] = {
@@ -80,7 +80,26 @@ SPECS: dict[str, dict[str, type | tuple[type, ...]]] = {
             "device": str,                  # what computed it: cpu or cuda:N (never what it released)
             "precision": str},              # fp32, or bf16 autocast (norms, clipping, sums and noise in fp32)
     "policy": {**_COMMON, "policy": dict, "policy_source_sha256": bytes, "reason": str},
+    # A hyperparameter search (`govtrain tune`): its trials, each a governed run whose spend entries already
+    # charged it, bound together, the one selected, and the total epsilon the search charged (ledger/tuning.py).
+    "tune": {**_COMMON,
+             "tune_id": str,
+             "config_sha256": bytes,        # the base RUN.toml, as read
+             "grid_sha256": bytes,          # the grid file, as read
+             "trials": list,                # TRIAL maps, in the order they ran: run ids <tune_id>-trial-<k>
+             "selection_sha256": bytes,     # the held-out file the trials were scored on (never admitted data)
+             "metric": str,                 # accuracy (higher is better) or loss (lower is better)
+             "selected_run_id": (str, type(None)),   # null: the search stopped before it could select
+             "adapter_sha256": (bytes, type(None)),  # the selected run's, as its run entry recorded it
+             "accounting": str,             # composition
+             "eps_u": int,                  # the largest of eps_by_class
+             "eps_by_class": list},         # CLASS_EPS maps, by class name
 }
+
+# A tuning trial: the run's id and the SHA-256 of its derived config (the run entry records the same).
+TRIAL: dict[str, type | tuple[type, ...]] = {"run_id": str, "config_sha256": bytes}
+# Per class, the largest cumulative eps_u, after the tune's last trial, of a contribution any trial charged.
+CLASS_EPS: dict[str, type | tuple[type, ...]] = {"data_class": str, "eps_u": int}
 
 # One contribution a summary retires: what its admit entry committed to (so that its index rows, and any
 # later admit that replays it, can be checked after the body is gone) and every entry of it summarized.
@@ -152,6 +171,10 @@ def run_entry(seq: int, time: int, **fields: Any) -> bytes:
     return _entry(seq, "run", time, **fields)
 
 
+def tune_entry(seq: int, time: int, **fields: Any) -> bytes:
+    return _entry(seq, "tune", time, **fields)
+
+
 def policy_entry(seq: int, time: int, policy: "Policy", policy_source_sha256: bytes, reason: str) -> bytes:
     return _entry(seq, "policy", time, policy=policy.to_record(), policy_source_sha256=policy_source_sha256,
                   reason=reason)
@@ -176,6 +199,10 @@ def decode_entry(body: bytes, *, seq: int, kind: str) -> dict:
         check_shape(entry, spec, what=f"entry {seq} ({kind})", error=IntegrityError)
         if kind == "summary":
             _check_retired(entry["retired"], what=f"entry {seq} (summary).retired")
+        if kind == "tune":
+            for name, spec in (("trials", TRIAL), ("eps_by_class", CLASS_EPS)):
+                for index, item in enumerate(entry[name]):
+                    check_shape(item, spec, what=f"entry {seq} (tune).{name}[{index}]", error=IntegrityError)
     except GovtrainError as e:
         raise IntegrityError(Code.BAD_ENTRY, e.detail) from e
     return entry

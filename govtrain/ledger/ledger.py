@@ -31,11 +31,13 @@ from govtrain.ledger.entries import (
     run_entry,
     spend_entry,
     summary_entry,
+    tune_entry,
     withdraw_entry,
 )
 from govtrain.ledger.merkle import CompactRange, MerkleTree
 from govtrain.ledger.signer import SignedHead
 from govtrain.ledger.spend_rules import SpendBook, SpendRuleError, min_sampling_rate_u
+from govtrain.ledger.tuning import TuneBook, TuneRuleError
 from govtrain.policy.model import Policy
 
 if TYPE_CHECKING:
@@ -524,6 +526,52 @@ class Ledger:
                 base_model_sha256=base_model_sha256, adapter_sha256=adapter_sha256, device=device,
                 precision=precision))
 
+    def tune_book(self) -> TuneBook:
+        """The runs, their spend and the tunes recorded so far, as the rules a new tune must meet read them."""
+        book, classes = TuneBook(), {}
+        for row in self.store.admissions():  # retired ones too: their index rows stay
+            book.admit(row.data_sha256)
+            classes[row.contribution_id] = row.data_class
+        for stored in self.store.entries(start=1, kinds=("spend", "run", "tune")):
+            if stored.body is None:
+                book.partial = True  # a spend retention redacted
+                continue
+            entry = decode_entry(stored.body, seq=stored.seq, kind=stored.kind)
+            if stored.kind == "spend":
+                book.spend(entry, classes[entry["contribution_id"]])
+            elif stored.kind == "run":
+                book.run(entry)
+            else:
+                book.add(stored.seq, entry)
+        return book
+
+    def record_tune(self, *, tune_id: str, config_sha256: bytes, grid_sha256: bytes, trials: "Sequence[tuple[str, bytes]]",
+                    selection_sha256: bytes, metric: str, selected_run_id: str | None,
+                    now: int | None = None) -> tuple[ledger_store.StoredEntry, dict]:
+        """Append a `tune` entry binding the runs `trials` ((run id, config SHA-256), in order) into one
+        hyperparameter search, with the selected run's adapter hash and the epsilon the trials' spend entries
+        charged (`tuning.TuneBook.totals`), computed under the write lock. Refuses (writing nothing) an entry
+        the verifier would fail. Returns the stored entry and its fields."""
+        now = int(_time.time()) if now is None else now
+        with self.append(now) as appender:
+            t = self.dated(appender, now)
+            book = self.tune_book()
+            run_ids = [run_id for run_id, _ in trials]
+            eps_u, by_class = book.totals(run_ids)
+            selected = book.runs.get(selected_run_id) if selected_run_id is not None else None
+            fields = dict(tune_id=tune_id, config_sha256=config_sha256, grid_sha256=grid_sha256,
+                          trials=[{"run_id": run_id, "config_sha256": sha} for run_id, sha in trials],
+                          selection_sha256=selection_sha256, metric=metric, selected_run_id=selected_run_id,
+                          adapter_sha256=selected[-1][1] if selected else None, accounting="composition",
+                          eps_u=eps_u, eps_by_class=by_class)
+            try:
+                book.check(fields)
+            except TuneRuleError as e:
+                error = ConfigError if e.code in (Code.TUNE_EXISTS, Code.SELECTION_ADMITTED) else RejectedError
+                raise error(e.code, e.detail) from e
+            stored = appender.add("tune", t, functools.partial(_tune_at, now=t, fields=fields))
+        return stored, fields
+
     def compact(self, before_epoch: int, now: int | None = None) -> list[ledger_store.StoredEntry]:
         """Retention: retire every contribution admitted before epoch `before_epoch - 1` closed and named by
         no entry since, with one `summary` entry per class that commits to what it retires, then drop the
@@ -599,6 +647,10 @@ def _check_times(appender: ledger_store.Appender) -> None:
 
 def _spend_at(seq: int, *, now: int, fields: dict) -> bytes:
     return spend_entry(seq, now, **fields)
+
+
+def _tune_at(seq: int, *, now: int, fields: dict) -> bytes:
+    return tune_entry(seq, now, **fields)
 
 
 def _load_ledger_key(path: str | os.PathLike, policy: Policy):

@@ -28,7 +28,23 @@ def ledger_status(ledger: Ledger) -> dict:
                                                         "time": latest.time},
         "summaries": len(store.summaries()),
         "classes": classes,
+        "tunes": tunes(ledger),
     }
+
+
+def tunes(ledger: Ledger) -> list[dict]:
+    """Every recorded hyperparameter search: its trials, the selected run and the total epsilon it charged."""
+    found = []
+    for stored in ledger.store.entries(start=1, kinds=("tune",)):
+        entry = decode_entry(stored.body, seq=stored.seq, kind="tune")
+        found.append({
+            "seq": stored.seq, "tune_id": entry["tune_id"], "accounting": entry["accounting"],
+            "metric": entry["metric"], "trials": [trial["run_id"] for trial in entry["trials"]],
+            "selected_run_id": entry["selected_run_id"],
+            "adapter_sha256": None if entry["adapter_sha256"] is None else entry["adapter_sha256"].hex(),
+            "eps_u": entry["eps_u"], "eps_by_class": {item["data_class"]: item["eps_u"] for item in entry["eps_by_class"]},
+        })
+    return found
 
 
 def contribution_status(ledger: Ledger, contribution_id: str) -> dict:
@@ -49,6 +65,9 @@ def contribution_status(ledger: Ledger, contribution_id: str) -> dict:
         elif stored.kind == "run" and entry["run_id"] in charged:  # its gradients went into this adapter
             runs.append({"seq": stored.seq, "run_id": entry["run_id"],
                          "adapter_sha256": None if entry["adapter_sha256"] is None else entry["adapter_sha256"].hex()})
+    tuned = [{"tune_id": t["tune_id"], "seq": t["seq"], "selected_run_id": t["selected_run_id"], "eps_u": t["eps_u"],
+              "class_eps_u": t["eps_by_class"].get(admission.data_class, 0)}
+             for t in tunes(ledger) if charged.intersection(t["trials"])]
     covering = [c for c in store.checkpoints() if c.size > admission.seq]
     return {
         "contribution_id": contribution_id,
@@ -58,5 +77,6 @@ def contribution_status(ledger: Ledger, contribution_id: str) -> dict:
         "spend": spend,
         "eps_u": spend[-1]["eps_u"] if spend else 0,
         "runs": runs,
+        "tunes": tuned,  # the searches whose trials charged it, with the total epsilon each charged
         "checkpoints": {"count": len(covering), "first": None if not covering else covering[0].size},
     }

@@ -14,7 +14,10 @@ One pass over the entries, in the order an auditor would check them:
      size, a q no lower than it over the live records), σ_eff at least the signed σ, a cumulative ε that
      never falls and never exceeds the signed budget, meet `spend_rules` (one run per epoch, steps
      bounded by the epoch, fewer only where the contribution retires), and, given an accountant, at
-     least what the recorded history implies (the seam `SpendAccountant`);
+     least what the recorded history implies (the seam `SpendAccountant`); a `tune` lists its own
+     trials, each with one run entry and spend before it, selects one of them with the adapter its run
+     entry recorded, scored on no admitted data, and states exactly the epsilon the trials' spend entries
+     charged (`govtrain/ledger/tuning.py`);
   6. the root of every checkpointed prefix equals the checkpoint's root, and every checkpoint is a
      signed note by a ledger key of the policy in force, for the policy's origin; the first one to
      cover a `policy` entry is also signed by a ledger key of the policy before it;
@@ -43,6 +46,7 @@ from govtrain.ledger.checkpoint import Checkpoint, NoteError, verify_checkpoint
 from govtrain.ledger.entries import DEVICE, PRECISIONS, decode_entry
 from govtrain.ledger.ledger import UnauthorisedPolicy, authorise_policy_change, note_keys, store_errors
 from govtrain.ledger.spend_rules import SpendBook, SpendRuleError, min_sampling_rate_u
+from govtrain.ledger.tuning import TuneBook, TuneRuleError
 from govtrain.mechanisms import MECHANISMS
 from govtrain.policy.model import Policy
 from govtrain.ledger.merkle import CompactRange, root_of
@@ -174,6 +178,7 @@ class _Audit:
         self.policies: list[tuple[int, Policy]] = []  # (seq, policy) in ledger order: what governs which size
         self.unauthorised: list[tuple[int, Policy]] = []  # policy entries no checkpoint has covered yet
         self.book = SpendBook()
+        self.tunes = TuneBook()
         self.live_records = 0  # records of the contributions admitted and not withdrawn, so far
         self._retired_withdrawals: dict[int, int] | None = None  # withdraw seq -> records, of retired ones
         self.last_time = 0
@@ -229,6 +234,10 @@ class _Audit:
                 raise _Failure(Code.BAD_ENTRY, f"entry {seq} ({stored.kind}) has no body; only admit, spend and "
                                "withdraw entries may be redacted", seq=seq)
             self.redacted.append((seq, stored.kind, stored.leaf_hash))
+            if stored.kind == "spend":
+                self.tunes.partial = True  # a later tune's total can only be checked as a lower bound
+            elif stored.kind == "admit" and seq in self.retired:
+                self.tunes.admit(self.retired[seq]["data_sha256"])
             self.retention.redacted(stored, {"contribution_id": self.contributions,
                                              "descriptor_sha256": self.descriptors, "data_sha256": self.data_files})
             self._retired_records(stored)
@@ -323,6 +332,7 @@ class _Audit:
                 raise _Failure(Code.BAD_ADMISSION, f"entry {seq}: {what} already admitted by entry {first}", seq=seq)
         self.descriptors[entry["descriptor_sha256"]] = seq
         self.data_files[entry["data_sha256"]] = seq
+        self.tunes.admit(entry["data_sha256"])
         self.contributions[entry["contribution_id"]] = _Contribution(
             seq, leaf, entry["data_class"], entry["noise_multiplier_u"], entry["eps_budget_u"], entry["records"])
         self.live_records += self.policy.sampling_units(entry["records"])
@@ -369,9 +379,11 @@ class _Audit:
         try:
             self.book.check(entry, ledger_epoch=self.epoch, steps_per_epoch=self.policy.steps_per_epoch,
                             min_rate_u=floor)
-        except SpendRuleError as e:
+            self.tunes.check_spend(entry)
+        except (SpendRuleError, TuneRuleError) as e:
             raise bad(e.detail) from e
         self.book.add(entry)
+        self.tunes.spend(entry, c.data_class)
         c.history.append((entry["sampling_rate_u"], entry["noise_multiplier_u"], entry["steps"]))
         if self.accountant is not None:
             implied = self.accountant(entry["accountant"], entry["delta_p"], c.history)
@@ -401,6 +413,15 @@ class _Audit:
             raise _Failure(Code.BAD_ENTRY, f"entry {seq}: run {entry['run_id']!r} records device {entry['device']!r} "
                            f"and precision {entry['precision']!r}: cpu or cuda:N, and one of {', '.join(PRECISIONS)}",
                            seq=seq)
+        self.tunes.run(entry)
+
+    def _tune(self, seq: int, entry: dict, leaf: bytes) -> None:
+        # The trials' spend entries were each checked above (step 5); the tune must say what they charged.
+        try:
+            self.tunes.check(entry)
+        except TuneRuleError as e:
+            raise _Failure(Code.BAD_TUNE, f"entry {seq}: {e.detail}", seq=seq) from e
+        self.tunes.add(seq, entry)
 
     # -- steps 6-10 ---------------------------------------------------------------------
 

@@ -1,0 +1,329 @@
+"""`govtrain tune`: a hyperparameter search whose every trial is a governed, charged run (issue 14).
+
+    grid = load_grid("grid.toml")                       # [grid] dotted RUN.toml keys -> lists; [select]
+    trials = plan_trials(config, grid, tune_id)         # every trial's config built and validated first
+    result = tune(config, grid, ledger_url, tune_id=…)  # train each, score each, record the `tune` entry
+
+Each trial k is `train()` on its own config (the base RUN.toml with one grid point, run id
+`<tune_id>-trial-<k>`, output `<training.output>/trial-<k>`), so its spend is written ahead like any run's.
+Every trial's adapter is then scored with `govtrain eval`'s code on the selection file, which must not be
+any admitted contribution's data: selecting on it is post-processing. The `tune` entry binds the trials and
+states the epsilon their spend entries charged (`govtrain/ledger/tuning.py`); the verifier recomputes it.
+A search stopped by a kill is resumed by running it again with the same id: finished trials (those with a
+run entry) are kept, an interrupted one resumes from its run state.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import json
+import os
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError, field_validator
+
+from govtrain.errors import Code, ConfigError
+from govtrain.ledger.tuning import MAX_TRIALS, TUNE_ID, trial_run_id
+from govtrain.policy.config import format_errors, read_toml_file
+from govtrain.train.config import (
+    DataSection,
+    LoraSection,
+    ModelSection,
+    MuonSection,
+    OptimizerSection,
+    PrismSection,
+    RunConfig,
+    RunFile,
+    TrainingSection,
+)
+
+SECTIONS: dict[str, type[BaseModel]] = {
+    "model": ModelSection, "data": DataSection, "lora": LoraSection, "optimizer": OptimizerSection,
+    "training": TrainingSection, "prism": PrismSection, "muon": MuonSection,
+}
+# What a grid may not vary, and why: the search is over how one corpus is trained and scored, not which.
+REFUSED = {
+    "training.run_id": "each trial's run id is <tune_id>-trial-<k>",
+    "training.output": "each trial's adapter goes to <training.output>/trial-<k>",
+    "training.data": "every trial trains on the same admitted contributions",
+    "model.base": "every trial adapts the same base model (the selection compares adapters of one model)",
+    "model.task": "every trial has the task the selection metric scores",
+    "data.text_column": "every trial reads the same rows", "data.label_column": "every trial reads the same rows",
+    "data.prompt_column": "every trial reads the same rows",
+    "data.completion_column": "every trial reads the same rows",
+    "data.messages_column": "every trial reads the same rows",
+    "training.device": "a performance flag, not a hyperparameter: it never changes the mechanism",
+    "training.precision": "a performance flag, not a hyperparameter: it never changes the mechanism",
+    "training.physical_batch": "a performance flag, not a hyperparameter: it never changes the mechanism",
+}
+TRIAL_CONFIG = "trial-{k}.json"  # beside the trial folders: the derived config each trial's hash is over
+
+
+class SelectSection(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    data: StrictStr = Field(description="held-out file the trials are scored on; never an admitted contribution's "
+                                        "data (path relative to the grid file)")
+    metric: Literal["accuracy", "loss"] | None = Field(
+        None, description="accuracy (higher is better; classification) or loss (lower is better; causal LM); "
+                          "default the task's")
+
+
+class GridFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    grid: dict[StrictStr, Annotated[list[Any], Field(min_length=1)]] = Field(min_length=1)
+    select: SelectSection
+
+    @field_validator("grid", mode="before")
+    @classmethod
+    def _dotted(cls, value: Any) -> Any:
+        """`optimizer.lr = [...]` unquoted is a TOML table {optimizer: {lr: [...]}}: read it as "optimizer.lr"."""
+        if not isinstance(value, dict):
+            return value
+        flat: dict[str, Any] = {}
+        for key, item in value.items():
+            if isinstance(item, dict):
+                flat.update({f"{key}.{name}": inner for name, inner in item.items()})
+            else:
+                flat[key] = item
+        return flat
+
+
+@dataclass(frozen=True, kw_only=True)
+class Grid:
+    file: GridFile
+    sha256: bytes
+    base: Path  # the folder the grid file is in
+
+    @property
+    def selection(self) -> Path:
+        path = Path(self.file.select.data)
+        return path if path.is_absolute() else self.base / path
+
+
+@dataclass(frozen=True, kw_only=True)
+class Trial:
+    index: int
+    run_id: str
+    values: dict[str, Any]  # the grid point: dotted key -> value
+    config: RunConfig
+    document: bytes  # the derived config as canonical JSON: what `config.sha256` is the hash of
+
+
+@dataclass(kw_only=True)
+class TrialOutcome:
+    trial: Trial
+    adapter_sha256: bytes
+    score: float | None = None
+    eps_u: int = 0  # the largest cumulative eps_u this trial's spend recorded
+
+
+@dataclass(kw_only=True)
+class TuneResult:
+    tune_id: str
+    metric: str
+    outcomes: list[TrialOutcome] = field(default_factory=list)
+    selected: TrialOutcome | None = None
+    seq: int | None = None
+    eps_u: int = 0
+    eps_by_class: dict[str, int] = field(default_factory=dict)
+    exhausted: bool = False
+
+    def as_json(self) -> dict:
+        return {
+            "tune_id": self.tune_id, "accounting": "composition", "metric": self.metric, "entry": self.seq,
+            "trials": [{"trial": o.trial.index, "run_id": o.trial.run_id, "values": o.trial.values,
+                        "score": o.score, "eps": o.eps_u / 1e6, "adapter": str(o.trial.config.output_dir),
+                        "adapter_sha256": o.adapter_sha256.hex()} for o in self.outcomes],
+            "selected": None if self.selected is None else {
+                "trial": self.selected.trial.index, "run_id": self.selected.trial.run_id,
+                "adapter": str(self.selected.trial.config.output_dir),
+                "adapter_sha256": self.selected.adapter_sha256.hex()},
+            "eps": self.eps_u / 1e6, "eps_by_class": {name: eps / 1e6 for name, eps in self.eps_by_class.items()},
+            "exhausted": self.exhausted,
+        }
+
+
+def load_grid(path: str | Path) -> Grid:
+    path = Path(path)
+    file, raw = read_toml_file(path, GridFile, what="grid", unreadable=Code.GRID_INVALID, invalid=Code.GRID_INVALID)
+    return Grid(file=file, sha256=hashlib.sha256(raw).digest(), base=path.resolve().parent)
+
+
+def new_tune_id(now: int) -> str:
+    return f"tune-{now}-{os.urandom(4).hex()}"
+
+
+def plan_trials(config: RunConfig, config_path: str | Path, grid: Grid, tune_id: str) -> list[Trial]:
+    """Every trial's config, built from the base RUN.toml and validated, before anything is trained or written.
+    Refuses (GRID_INVALID) a key the run config does not have or that `REFUSED` names, a list with a value
+    twice, more than `MAX_TRIALS` trials, and any trial whose config is invalid."""
+    if not TUNE_ID.fullmatch(tune_id) or len(trial_run_id(tune_id, MAX_TRIALS)) > 128:
+        raise ConfigError(Code.BAD_ARGUMENT, f"--id {tune_id!r}: 1-100 characters of [A-Za-z0-9._:-]")
+    raw = Path(config_path).read_bytes()
+    if hashlib.sha256(raw).digest() != config.sha256:
+        raise ConfigError(Code.RUN_CONFIG_INVALID, f"{config_path} changed while it was being read")
+    base = tomllib.loads(raw.decode("utf-8"))
+    axes = list(grid.file.grid.items())
+    for key, values in axes:
+        section, _, name = key.partition(".")
+        if key in REFUSED:
+            raise ConfigError(Code.GRID_INVALID, f"grid key {key!r} may not vary: {REFUSED[key]}")
+        if section not in SECTIONS or name not in SECTIONS[section].model_fields:
+            raise ConfigError(Code.GRID_INVALID, f"grid key {key!r} is not a run config setting (section.name, "
+                                                 f"e.g. \"optimizer.lr\")")
+        canonical = [json.dumps(v, sort_keys=True) for v in values]
+        if len(set(canonical)) != len(canonical):
+            raise ConfigError(Code.GRID_INVALID, f"grid key {key!r} lists a value twice: each trial is charged")
+    count = 1
+    for _, values in axes:
+        count *= len(values)
+    if count > MAX_TRIALS:
+        raise ConfigError(Code.GRID_INVALID, f"the grid has {count} trials; at most {MAX_TRIALS}, each charged")
+    output = config.output_dir
+    trials = []
+    for index, point in enumerate(itertools.product(*(values for _, values in axes))):
+        document = copy.deepcopy(base)
+        values = dict(zip((key for key, _ in axes), point))
+        for key, value in values.items():
+            section, _, name = key.partition(".")
+            document.setdefault(section, {})[name] = value
+        run_id = trial_run_id(tune_id, index)
+        document["training"]["run_id"] = run_id
+        document["training"]["output"] = str(output / f"trial-{index}")
+        try:
+            file = RunFile.model_validate(document)
+        except ValidationError as e:
+            raise ConfigError(Code.GRID_INVALID, f"trial {index} ({_show(values)}): {format_errors(e)}") from e
+        text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        trials.append(Trial(index=index, run_id=run_id, values=values, document=text,
+                            config=RunConfig(file, hashlib.sha256(text).digest(), config.base)))
+    return trials
+
+
+def _show(values: dict[str, Any]) -> str:
+    return ", ".join(f"{key} = {json.dumps(value)}" for key, value in values.items())
+
+
+def selection_metric(config: RunConfig, grid: Grid) -> str:
+    task = config.file.model.task
+    metric = grid.file.select.metric or ("accuracy" if task == "sequence-classification" else "loss")
+    if task == "causal-lm" and metric != "loss":
+        raise ConfigError(Code.GRID_INVALID, "select.metric: a causal LM is scored by its per-token loss")
+    if task == "sequence-classification" and metric != "accuracy":
+        raise ConfigError(Code.GRID_INVALID, "select.metric: a classifier is scored by its accuracy")
+    return metric
+
+
+def check_selection(ledger, selection: Path) -> bytes:  # type: ignore[no-untyped-def]
+    """The selection file's SHA-256, refused (SELECTION_ADMITTED) where it is an admitted contribution's data."""
+    try:
+        digest = hashlib.sha256(selection.read_bytes()).digest()
+    except OSError as e:
+        raise ConfigError(Code.DATA_UNREADABLE, f"select.data {selection}: {e.strerror}") from e
+    for row in ledger.store.admissions():
+        if row.data_sha256 == digest:
+            raise ConfigError(Code.SELECTION_ADMITTED, f"select.data {selection} is the data of admitted contribution "
+                                                       f"{row.contribution_id!r}: selecting on private data is not "
+                                                       "post-processing; hold out a file that is not admitted")
+    return digest
+
+
+def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str, *, tune_id: str,
+         key: str | None = None, insecure_seed: int | None = None, log: Callable[[str], None] = print,
+         now: Callable[[], int] = lambda: int(time.time()), train_options: dict | None = None) -> TuneResult:
+    """Run (or resume) the search: validate everything, train each trial not yet finished, score every trial,
+    select the best and record the `tune` entry. Where the budgets run out during a trial, the tune entry is
+    still recorded for the trials that wrote spend, with no selection, and `BudgetExhausted` is raised."""
+    from govtrain.ledger.ledger import Ledger
+    from govtrain.tasks import task_for
+    from govtrain.train.evaluate import read_examples
+    from govtrain.train.loop import BudgetExhausted, train
+    from govtrain.train.run import tree_sha256
+
+    # Everything that can be refused is refused here, before any trial writes spend.
+    trials = plan_trials(config, config_path, grid, tune_id)
+    metric = selection_metric(config, grid)
+    task = task_for(config.file)
+    examples = read_examples(grid.selection, task, (config.file.data.label_column,))
+    with Ledger.open(ledger_url, key=key) as ledger:
+        selection_sha256 = check_selection(ledger, grid.selection)
+        book = ledger.tune_book()
+    if tune_id in book.tunes:
+        raise ConfigError(Code.TUNE_EXISTS, f"tune {tune_id!r} is already recorded by entry {book.tunes[tune_id]}; "
+                                            "a search is recorded once: give a new one another --id")
+    config.output_dir.mkdir(parents=True, exist_ok=True)
+    result = TuneResult(tune_id=tune_id, metric=metric)
+    log(f"{tune_id}: {len(trials)} trials on {grid.selection.name} by {metric}; each trial's spend is charged")
+    stopped: BudgetExhausted | None = None
+    stopped_at = 0
+    for trial in trials:
+        (config.output_dir / TRIAL_CONFIG.format(k=trial.index)).write_bytes(trial.document)
+        recorded = book.runs.get(trial.run_id)
+        if recorded:  # finished before a kill: keep it, if it is this trial and its adapter is as recorded
+            if recorded[-1][0] != trial.config.sha256:
+                raise ConfigError(Code.GRID_INVALID, f"run {trial.run_id!r} is recorded with another config than "
+                                                     f"trial {trial.index} of this grid; resume with the same files")
+            adapter = recorded[-1][1]
+            if adapter is None or tree_sha256(trial.config.output_dir) != adapter:
+                raise ConfigError(Code.BAD_ARGUMENT, f"{trial.config.output_dir} is not the adapter run "
+                                                     f"{trial.run_id!r} recorded")
+            log(f"trial {trial.index} ({_show(trial.values)}): finished before, kept")
+        else:
+            log(f"trial {trial.index} ({_show(trial.values)})")
+            seed = None if insecure_seed is None else insecure_seed + trial.index
+            try:
+                adapter = train(trial.config, ledger_url, key=key, insecure_seed=seed, log=log, now=now,
+                                **(train_options or {})).adapter_sha256
+            except BudgetExhausted as e:
+                stopped, stopped_at = e, trial.index
+        with Ledger.open(ledger_url, key=key) as ledger:
+            book = ledger.tune_book()
+        if stopped is not None:
+            if book.charged.get(trial.run_id):
+                result.outcomes.append(TrialOutcome(trial=trial, adapter_sha256=book.runs[trial.run_id][-1][1],
+                                                    eps_u=book.run_eps.get(trial.run_id, 0)))
+            break
+        assert adapter is not None
+        result.outcomes.append(TrialOutcome(trial=trial, adapter_sha256=adapter, eps_u=book.run_eps.get(trial.run_id, 0)))
+    if stopped is None:
+        for outcome in result.outcomes:
+            outcome.score = _score(outcome.trial.config, task, examples, metric)
+            log(f"trial {outcome.trial.index}: {metric} {outcome.score:.4f}")
+        best = (max if metric == "accuracy" else min)(outcome.score for outcome in result.outcomes)
+        result.selected = next(o for o in result.outcomes if o.score == best)  # ties: the earliest trial
+    result.exhausted = stopped is not None
+    if result.outcomes:
+        with Ledger.open(ledger_url, key=key) as ledger:
+            stored, fields = ledger.record_tune(
+                tune_id=tune_id, config_sha256=config.sha256, grid_sha256=grid.sha256,
+                trials=[(o.trial.run_id, o.trial.config.sha256) for o in result.outcomes],
+                selection_sha256=selection_sha256, metric=metric,
+                selected_run_id=None if result.selected is None else result.selected.trial.run_id, now=now())
+        result.seq, result.eps_u = stored.seq, fields["eps_u"]
+        result.eps_by_class = {item["data_class"]: item["eps_u"] for item in fields["eps_by_class"]}
+    if stopped is not None:
+        recorded = (f"tune entry {result.seq} charges the {len(result.outcomes)} trial(s) that wrote spend, total "
+                    f"epsilon {result.eps_u / 1e6:.6f}" if result.outcomes else "no trial wrote spend; nothing recorded")
+        raise BudgetExhausted(stopped.code, f"tune {tune_id!r} stopped at trial {stopped_at}: "
+                                            f"{stopped.detail}; {recorded}; no trial selected")
+    return result
+
+
+def _score(config: RunConfig, task, examples, metric: str) -> float:  # type: ignore[no-untyped-def]
+    from govtrain.train.evaluate import evaluate, load_trained
+    from govtrain.train.model import resolve_device
+
+    model, tokenizer = load_trained(config, config.output_dir)
+    model.to(resolve_device(config.file.training.device))
+    return float(evaluate(model, tokenizer, task, examples, config.file.model.max_length)[metric])
+
+
+__all__ = ["Grid", "Trial", "TuneResult", "load_grid", "plan_trials", "tune", "new_tune_id"]
