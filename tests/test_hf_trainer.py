@@ -153,20 +153,28 @@ def test_a_trainer_resuming_its_own_checkpoint_or_searching_is_refused(tmp_path:
     assert snapshot(corpus.url) == before
 
 
-def test_the_sft_trainer_trains_a_causal_lm_run_and_refuses_packing(tmp_path: Path):
+def test_the_sft_trainer_trains_a_causal_lm_run_like_the_cli_and_refuses_packing(tmp_path: Path, monkeypatch):
     trl = pytest.importorskip("trl")
     from govtrain.integrations.hf import GovernedSFTTrainer
+    from govtrain.train.loop import train
     from tests import causal_models
-    from tests.test_causal_lm import _rows, _run_toml
+    from tests.test_causal_lm import _contribution, _rows, _run_toml
 
     model = causal_models.save(tmp_path / "tiny-llama", "llama", layers=6)
-    corpus = _corpus_lm(tmp_path)
-    from tests.test_causal_lm import _contribution
+    corpora = []
+    for name in ("cli", "sft"):
+        corpus = _corpus_lm(tmp_path, name)
+        _contribution(corpus, "pairs", _rows("pair", 40))
+        _contribution(corpus, "chats", _rows("chat", 40))
+        config = _run_toml(corpus, model, 4)
+        config.write_text(config.read_text() + "expected_batch_size = 8\nphysical_batch = 5\n")
+        corpora.append((corpus, config))
+    (cli, cli_config), (corpus, config) = corpora
+    updates = _recording_updates(monkeypatch)
+    train(load_run_config(cli_config), cli.url, insecure_seed=3, **QUIET)
+    cli_updates = list(updates)
+    updates.clear()
 
-    _contribution(corpus, "pairs", _rows("pair", 40))
-    _contribution(corpus, "chats", _rows("chat", 40))
-    config = _run_toml(corpus, model, 4)
-    config.write_text(config.read_text() + "expected_batch_size = 8\n")
     settings = dict(output_dir=str(tmp_path / "sft"), use_cpu=True, save_strategy="no", report_to=[],
                     lr_scheduler_type="constant", disable_tqdm=True, logging_steps=1, bf16=False,
                     gradient_checkpointing=False)  # TRL's defaults are True: the run's precision governs
@@ -179,14 +187,20 @@ def test_the_sft_trainer_trains_a_causal_lm_run_and_refuses_packing(tmp_path: Pa
         assert trainer.model is run.model
         trainer.train()
         assert run.steps == 4
+    assert len(updates) == len(cli_updates) == 4
+    for ours, theirs in zip(updates, cli_updates):
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    for name in ("adapter_model.safetensors", "adapter_config.json"):  # TRL tags the model card ("sft", "trl")
+        assert (corpus.dir / "adapter" / name).read_bytes() == (cli.dir / "adapter" / name).read_bytes()
+    assert _spend(corpus.url) == _spend(cli.url)
     assert verify_ledger(corpus.url).by_kind["run"] == 1
 
 
-def _corpus_lm(tmp_path: Path):
-    from tests.test_api import BATCH_POLICY
+def _corpus_lm(tmp_path: Path, name: str):
     from tests.conftest import make_corpus
+    from tests.test_api import BATCH_POLICY
 
-    folder = tmp_path / "lm"
+    folder = tmp_path / name
     folder.mkdir()
     return make_corpus(folder, f"sqlite:///{folder / 'ledger.db'}", BATCH_POLICY)
 

@@ -22,7 +22,11 @@ WORDS = "good bad movie film great awful plot acting fun dull the a is was and v
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-bert")
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
+
+
+def save_tiny_bert(folder: Path) -> Path:
+    """A randomly initialised 6-layer BERT classifier (hidden 16) and its word-level tokenizer, in `folder`."""
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
     # vocab=, not vocab_file=: transformers 5 ignores the latter and every word would be [UNK]

@@ -240,20 +240,11 @@ def _tune(corpus: Corpus, model: Path, grid: Path, *extra: str, steps: int = 4):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    """tests/test_train.py's tiny BERT (a fixture there; built the same way here)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from tests.test_train import WORDS
+    """tests/test_train.py's tiny BERT."""
+    pytest.importorskip("transformers")
+    from tests.test_train import save_tiny_bert
 
-    folder = tmp_path_factory.mktemp("tiny-bert")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
-    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    transformers.BertTokenizerFast(vocab=str(folder / "vocab.txt")).save_pretrained(folder)
-    torch.manual_seed(0)
-    config = transformers.BertConfig(hidden_size=16, num_hidden_layers=6, num_attention_heads=2, intermediate_size=24,
-                                     vocab_size=len(vocab), max_position_embeddings=64, num_labels=2)
-    transformers.BertForSequenceClassification(config).save_pretrained(folder)
-    return folder
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
 
 
 def test_tune_charges_every_trial_selects_the_best_and_verifies(corpus: Corpus, tiny: Path):
