@@ -250,7 +250,8 @@ def _sft_trainer() -> type:
         try:
             from trl import SFTTrainer
         except ImportError as e:
-            raise ConfigError(Code.RUN_CONFIG_INVALID, "GovernedSFTTrainer needs TRL: pip install 'govtrain[hf]'") from e
+            raise ConfigError(Code.RUN_CONFIG_INVALID,
+                              "GovernedSFTTrainer needs TRL: pip install 'govtrain[hf]'") from e
 
         class GovernedSFTTrainer(_Governed, SFTTrainer):
             """TRL's `SFTTrainer` training a causal-LM `GovernedRun`: `GovernedSFTTrainer(run, args=SFTConfig(...),

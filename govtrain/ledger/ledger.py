@@ -9,7 +9,6 @@ ledger is ever in is signed, so an entry beyond the last checkpoint can only be 
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import time as _time
 from contextlib import contextmanager

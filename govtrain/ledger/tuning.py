@@ -98,7 +98,8 @@ class TuneBook:
         if not TUNE_ID.fullmatch(tune_id):
             raise bad("a tune id is 1-100 characters of [A-Za-z0-9._:-]")
         if tune_id in self.tunes:
-            raise TuneRuleError(Code.TUNE_EXISTS, f"tune {tune_id!r} is already recorded by entry {self.tunes[tune_id]}")
+            raise TuneRuleError(Code.TUNE_EXISTS,
+                                f"tune {tune_id!r} is already recorded by entry {self.tunes[tune_id]}")
         if entry["accounting"] not in ACCOUNTING or entry["metric"] not in METRICS:
             raise bad(f"accounting {entry['accounting']!r} and metric {entry['metric']!r}: one of "
                       f"{', '.join(ACCOUNTING)}, and one of {', '.join(METRICS)}")

@@ -292,7 +292,8 @@ def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str
                                                     eps_u=book.run_eps.get(trial.run_id, 0)))
             break
         assert adapter is not None
-        result.outcomes.append(TrialOutcome(trial=trial, adapter_sha256=adapter, eps_u=book.run_eps.get(trial.run_id, 0)))
+        result.outcomes.append(TrialOutcome(trial=trial, adapter_sha256=adapter,
+                                            eps_u=book.run_eps.get(trial.run_id, 0)))
     if stopped is None:
         for outcome in result.outcomes:
             outcome.score = _score(outcome.trial.config, task, examples, metric)
@@ -311,7 +312,8 @@ def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str
         result.eps_by_class = {item["data_class"]: item["eps_u"] for item in fields["eps_by_class"]}
     if stopped is not None:
         recorded = (f"tune entry {result.seq} charges the {len(result.outcomes)} trial(s) that wrote spend, total "
-                    f"epsilon {result.eps_u / 1e6:.6f}" if result.outcomes else "no trial wrote spend; nothing recorded")
+                    f"epsilon {result.eps_u / 1e6:.6f}" if result.outcomes
+                    else "no trial wrote spend; nothing recorded")
         raise BudgetExhausted(stopped.code, f"tune {tune_id!r} stopped at trial {stopped_at}: "
                                             f"{stopped.detail}; {recorded}; no trial selected")
     return result

@@ -35,7 +35,6 @@ One pass over the entries, in the order an auditor would check them:
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
