@@ -345,3 +345,42 @@ def test_budgets_running_out_still_charge_the_trials_that_ran(corpus: Corpus, ti
     assert [t["run_id"] for t in tune["trials"]] == ["out-trial-0"] and tune["selected_run_id"] is None
     assert {i["data_class"]: i["eps_u"] for i in tune["eps_by_class"]} == _recomputed(corpus.url)
     verify_ledger(corpus.url)
+
+
+def test_a_killed_search_resumed_with_its_id_charges_what_an_uninterrupted_one_does(tmp_path: Path, tiny: Path):
+    """A kill during trial 0 leaves its written-ahead spend and its run state; running the search again with the
+    same id resumes that trial (same run id, its epoch's spend never written twice), runs the rest, and records
+    one tune entry: the spend and the entry are those of a search that was never interrupted."""
+    from govtrain.train.config import load_run_config
+    from govtrain.train.tune import load_grid, tune
+    from tests.conftest import make_corpus
+    from tests.test_train import _admit, _config
+
+    outcomes = []
+    for name, interrupt in (("whole", None), ("killed", 3)):
+        folder = tmp_path / name
+        folder.mkdir()
+        corpus = make_corpus(folder, f"sqlite:///{folder / 'ledger.db'}")
+        _admit(corpus, "pub")
+        _admit(corpus, "sens", data_class="sensitive", clip_norm_u=500_000, eps_budget_u=3_000_000)
+        _valid(corpus)
+        config_path = _config(corpus, tiny, 12)
+        grid = load_grid(_grid(corpus, '"optimizer.lr" = [0.01, 0.05]'))
+        options = dict(tune_id="again", insecure_seed=3, log=lambda line: None, now=lambda: corpus.now)
+        if interrupt is not None:
+            with pytest.raises(KeyboardInterrupt):
+                tune(load_run_config(config_path), config_path, grid, corpus.url,
+                     train_options={"interrupt_after_steps": interrupt, "checkpoint_every": 2}, **options)
+            assert not _entries(corpus.url, "tune") and _entries(corpus.url, "spend")
+        result = tune(load_run_config(config_path), config_path, grid, corpus.url, **options)
+        outcomes.append((result, _entries(corpus.url, "spend"), _entries(corpus.url, "tune")))
+        verify_ledger(corpus.url)
+    (whole, whole_spend, whole_tune), (killed, killed_spend, killed_tune) = outcomes
+    assert len(killed_tune) == 1 and [t["run_id"] for t in killed_tune[0]["trials"]] == ["again-trial-0",
+                                                                                          "again-trial-1"]
+    def strip(rows: list[dict]) -> list[dict]:  # the two ledgers differ only in their clocks and admit leaves
+        return [{k: v for k, v in row.items() if k not in ("admit_leaf", "time")} for row in rows]
+
+    assert strip(killed_spend) == strip(whole_spend)
+    assert killed_tune[0]["eps_by_class"] == whole_tune[0]["eps_by_class"]
+    assert killed.selected.trial.run_id == whole.selected.trial.run_id
