@@ -359,3 +359,24 @@ def test_a_tie_with_a_module_no_per_sample_rule_covers_refuses_to_start():
     assert "transformer.wte.weight is also lm_head.weight (tied weights)" in detail and "_Projection" in detail
     assert "freeze it or untie it" in detail
     assert not any(hook for m in net.modules() for hook in m._forward_hooks.values())  # nothing left tapped
+
+
+def test_a_model_moved_after_the_run_was_built_is_refused_before_anything_moves():
+    """A device move after the run was built, as `model.to(device)` does when torch overwrites module parameters
+    on conversion (torch.__future__.set_overwrite_module_params_on_conversion): every parameter is a new
+    tensor, the optimizer keeps stepping the old ones and the model would never train."""
+    net = model(torch.float32)
+    router = Router(net, resolve(WHOLE, describe(net)), insecure_seed=0)
+    update = Update.build(net, run_file("dpsgd"))
+    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        net._apply(lambda t: t.clone())  # Module.to's conversion, to the same device (this machine may have one)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+    privatize(net, router)
+    before = snapshot(net)
+    with pytest.raises(ConfigError) as info:
+        update.step(router.noise_std)
+    assert info.value.code is Code.STALE_PARAMETERS and "nothing moved" in info.value.detail
+    assert all(torch.equal(p, before[n]) for n, p in net.named_parameters())
