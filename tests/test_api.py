@@ -257,3 +257,21 @@ def test_the_api_leaves_the_models_type_and_state_dict_keys_alone(tmp_path: Path
     assert list(model.state_dict()) == keys
     assert not model._forward_hooks and not model._forward_pre_hooks  # the run's hooks are gone
     model(**run.tokenizer(["good movie"], return_tensors="pt")).logits.sum().backward()  # a plain model again
+
+
+def test_a_withdrawal_during_a_users_loop_takes_effect_at_the_next_step(tmp_path: Path, tiny_model: Path):
+    from govtrain.ledger.ledger import Ledger
+
+    corpus = _corpus(tmp_path, "withdraw")
+    drawn: dict[int, set[str]] = {}
+    config = _config(corpus, tiny_model, 8, extra="expected_batch_size = 16")
+    with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=4, observe=lambda step, ids: drawn.update(
+            {step: set(ids)}), **QUIET) as run:
+        for batch in run.batches():
+            if run.step(run.per_example_loss(run.model(**batch.inputs), batch)) is not None and run.steps == 3:
+                with Ledger.open(corpus.url) as other:  # another process withdraws mid-epoch
+                    other.withdraw("sens", "consent withdrawn", now=corpus.now)
+        run.save()
+    assert any("sens" in drawn[step] for step in range(3))
+    assert all("sens" not in drawn[step] for step in range(3, 8)) and all(drawn[step] for step in range(3, 8))
+    assert verify_ledger(corpus.url).by_kind["withdraw"] == 1
