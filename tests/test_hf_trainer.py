@@ -39,8 +39,7 @@ def _recording_updates(monkeypatch) -> list[dict[str, torch.Tensor]]:
     original = Update.step
 
     def step(self, noise_std):
-        groups = self.optimizer.param_groups if self.optimizer is not None else []
-        seen.append({str(i): p.grad.clone() for g in groups for i, p in enumerate(g["params"]) if p.grad is not None})
+        seen.append({n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None})
         return original(self, noise_std)
 
     monkeypatch.setattr(Update, "step", step)
@@ -59,18 +58,24 @@ class _Log(transformers.TrainerCallback):
         self.steps.append(state.global_step)
 
 
+MECHANISMS = {"dpsgd": "", "prism": "[prism]\nlr = 0.01", "dp-muon": "[muon]\nlr = 0.02"}
+
+
+@pytest.mark.parametrize("mechanism", sorted(MECHANISMS))
 def test_the_trainer_path_gives_the_cli_paths_gradients_adapter_and_spend(tmp_path: Path, tiny_model: Path,
-                                                                         monkeypatch):
+                                                                         monkeypatch, mechanism: str):
     from govtrain.train.loop import train
 
     cli, hf = _corpus(tmp_path, "cli"), _corpus(tmp_path, "hf")
     updates = _recording_updates(monkeypatch)
-    train(load_run_config(_config(cli, tiny_model, 12, extra=EXTRA)), cli.url, insecure_seed=5, **QUIET)
+    extra = f"{EXTRA}\n{MECHANISMS[mechanism]}"
+    train(load_run_config(_config(cli, tiny_model, 12, mechanism, extra)), cli.url, insecure_seed=5, **QUIET)
     cli_updates = list(updates)
     updates.clear()
 
     log = _Log()
-    with govtrain.GovernedRun.open(_config(hf, tiny_model, 12, extra=EXTRA), hf.url, insecure_seed=5, **QUIET) as run:
+    with govtrain.GovernedRun.open(_config(hf, tiny_model, 12, mechanism, extra), hf.url, insecure_seed=5,
+                                   **QUIET) as run:
         model, keys = run.model, list(run.model.state_dict())
         trainer = GovernedTrainer(run, args=_arguments(tmp_path), callbacks=[log])
         assert trainer.model is model and type(trainer.model).__name__ == "PeftModel"
@@ -214,3 +219,42 @@ def test_the_sft_trainer_refuses_a_classification_run(tmp_path: Path, tiny_model
         with pytest.raises(ConfigError, match="causal-lm"):
             GovernedSFTTrainer(run, args=trl.SFTConfig(output_dir=str(tmp_path / "sft"), use_cpu=True, report_to=[],
                                                        bf16=False, gradient_checkpointing=False))
+
+
+@pytest.mark.parametrize("mechanism", ["prism", "dp-muon"])
+def test_the_trainers_schedule_scales_prisms_and_muons_own_learning_rate(tmp_path: Path, tiny_model: Path,
+                                                                          mechanism: str):
+    corpus = _corpus(tmp_path, mechanism)
+    config = _config(corpus, tiny_model, 4, mechanism, MECHANISMS[mechanism])
+    with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **QUIET) as run:
+        update = run._run.update
+        own = update.prism if update.prism is not None else update.muon
+        trainer = GovernedTrainer(run, args=_arguments(tmp_path, lr_scheduler_type="linear"))
+        group = trainer.optimizer.param_groups[-1]  # after the run optimizer's groups (the head's)
+        moved = [p for pair in own.pairs.values() for p in pair] if mechanism == "prism" else list(own.params.values())
+        assert [id(p) for p in group["params"]] == [id(p) for p in moved]
+        assert group["lr"] == own.lr == pytest.approx(0.01 if mechanism == "prism" else 0.02)
+        trainer.train()
+        assert own.lr == pytest.approx(0.0) and group["lr"] == own.lr  # the linear schedule ran it to zero
+    assert verify_ledger(corpus.url).by_kind["run"] == 1
+
+
+def test_a_run_paused_in_a_users_loop_is_finished_by_the_trainer(tmp_path: Path, tiny_model: Path):
+    """The Trainer takes a resumed run's remaining steps (max_steps = what is left) and the ledger history goes
+    on: the spend is that of a run never paused."""
+    whole, parts = _corpus(tmp_path, "whole"), _corpus(tmp_path, "parts")
+    with govtrain.GovernedRun.open(_config(whole, tiny_model, 12), whole.url, insecure_seed=2, **QUIET) as run:
+        GovernedTrainer(run, args=_arguments(tmp_path / "a")).train()
+    config = _config(parts, tiny_model, 12)
+    with govtrain.GovernedRun.open(config, parts.url, insecure_seed=2, **QUIET) as run:
+        for batch in run.batches():
+            if run.step(run.per_example_loss(run.model(**batch.inputs), batch)) is not None and run.steps == 5:
+                break
+    with govtrain.GovernedRun.open(config, parts.url, insecure_seed=2, **QUIET) as run:
+        assert run.steps == 5
+        trainer = GovernedTrainer(run, args=_arguments(tmp_path / "b"))
+        assert trainer.args.max_steps == 7
+        trainer.train()
+        assert run.steps == 12 and run.result.adapter_sha256 is not None
+    assert _spend(parts.url) == _spend(whole.url)
+    assert verify_ledger(parts.url).by_kind["run"] == 1

@@ -53,17 +53,47 @@ _REFUSED = {
 }
 
 
-class GovernedOptimizer(torch.optim.Optimizer):
-    """The Trainer's view of the run's update: the learning rates of the run's optimizer (shared param groups,
-    so the Trainer's schedule scales them) and its state for the Trainer's checkpoints. `step()` moves
-    nothing: the governed step (noise, then the update) already ran at the logical step's last chunk; it
-    checks that one did, so a Trainer that steps without a governed step fails loudly."""
+class _MechanismGroup(dict):
+    """A param group standing for PRISM's or DP-Muon's parameters: its "lr" is the mechanism's own learning
+    rate, read and written through, so a Trainer's schedule scales it as it scales the optimizer's groups."""
 
-    def __init__(self, run: GovernedRun) -> None:  # no super().__init__: the groups are the run's optimizer's
+    def __init__(self, owner: Any, params: list[torch.Tensor]) -> None:
+        super().__init__(params=params)
+        self._owner = owner
+
+    def __getitem__(self, key: str) -> Any:
+        return self._owner.lr if key == "lr" else super().__getitem__(key)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "lr":
+            self._owner.lr = float(value)
+        else:
+            super().__setitem__(key, value)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key == "lr" or key in self else default
+
+    def __contains__(self, key: object) -> bool:
+        return key == "lr" or super().__contains__(key)
+
+
+class GovernedOptimizer(torch.optim.Optimizer):
+    """The Trainer's view of the run's update: its learning rates (the run's optimizer's param groups, shared,
+    and one group each for PRISM's and DP-Muon's own rate, so the Trainer's schedule scales them all) and its
+    state for the Trainer's checkpoints. `step()` moves nothing: the governed step (noise, then the update)
+    already ran at the logical step's last chunk; it checks that one did, so a Trainer that steps without a
+    governed step fails loudly."""
+
+    def __init__(self, run: GovernedRun) -> None:  # no super().__init__: the groups are the update's
         self._run = run
         self._update: Update = run._run.update
-        inner = self._update.optimizer
-        self.param_groups = inner.param_groups if inner is not None else []
+        update, inner = self._update, self._update.optimizer
+        self.param_groups = list(inner.param_groups) if inner is not None else []
+        if update.prism is not None:
+            self.param_groups.append(_MechanismGroup(update.prism, [p for pair in update.prism.pairs.values()
+                                                                    for p in pair]))
+        if update.muon is not None:
+            self.param_groups.append(_MechanismGroup(update.muon, list(update.muon.params.values())))
         self.defaults = inner.defaults if inner is not None else {}
         self.state = inner.state if inner is not None else {}
         self._optimizer_step_pre_hooks: dict = {}
@@ -146,12 +176,13 @@ class _Governed:
             raise ConfigError(Code.RUN_CONFIG_INVALID, "the model is run.model: do not pass another one")
         args = args if args is not None else TrainingArguments(output_dir=str(run.config.output_dir / "trainer"))
         _check_arguments(args, run)
+        left = run.total_steps - run.steps  # a resumed run has taken some already
         if args.max_steps <= 0:
-            args.max_steps = run.total_steps  # the Trainer's steps: the run's (an empty draw is one too)
-        elif args.max_steps != run.total_steps:
+            args.max_steps = left  # the Trainer's steps: the run's (an empty draw is one too)
+        elif args.max_steps != left:
             raise ConfigError(Code.RUN_CONFIG_INVALID, f"TrainingArguments.max_steps = {args.max_steps}, but the run "
-                                                       f"takes training.steps = {run.total_steps}: leave max_steps "
-                                                       "unset, or set it in RUN.toml")
+                                                       f"has {left} of training.steps = {run.total_steps} left: leave "
+                                                       "max_steps unset, or set training.steps in RUN.toml")
         self.run = run
         super().__init__(model=run.model, args=args, optimizers=(GovernedOptimizer(run), None),
                          **self._sft_arguments(kwargs))
