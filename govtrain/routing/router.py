@@ -17,7 +17,8 @@ any other call before a run spends anything, and every `privatize` checks again 
 A module called more than once in a forward (a reused LayerNorm, a projection shared across layers)
 contributes each call to its samples' gradients. A trainable parameter several modules hold (tied
 embeddings) gets the sum of every holder's per-sample gradient before the norm (`persample.Shared`, formed
-whole per chunk). BatchNorm that mixes the examples of a batch is refused (`_check_batch_norms`).
+whole per chunk). BatchNorm that mixes the examples of a batch is refused. What the router covers, and
+what it refuses, is `coverage.py`.
 
 `privatize` never calls `loss.backward()`: it asks autograd for the gradients of the tapped modules'
 *outputs* (`torch.autograd.grad`), so no parameter's `.grad` is written by anyone else. When it
@@ -58,10 +59,8 @@ from govtrain.errors import Code, ConfigError
 from govtrain.mechanisms import MECHANISMS
 from govtrain.mechanisms.reach import check_reach, lora_pairs
 from govtrain.resolver.profile import Resolution
-from govtrain.routing import layout, moe, persample
+from govtrain.routing import coverage, layout, moe, persample
 from govtrain.routing.tangent import TangentStacks
-
-TAPPED = (*persample.LINEAR, nn.Embedding, nn.LayerNorm)  # and RMSNorms that pass `persample.check_rms_norm`
 
 
 class _Tap:
@@ -116,7 +115,7 @@ class Router:
         self.mechanism = mechanism
         self.resolution = resolution
         self._batch_norms = [(n, m) for n, m in model.named_modules() if isinstance(m, _BatchNorm)]
-        self._check_batch_norms()  # before the generic refusal of a trainable parameter no hook covers
+        coverage.check_batch_norms(self._batch_norms)  # before the generic refusal of an uncovered parameter
         params = dict(model.named_parameters())
         # a trainable parameter -> every (module path, module, leaf) that holds it: one, or several for tied weights
         holders: dict[int, list[tuple[str, nn.Module, str]]] = {}
@@ -131,10 +130,10 @@ class Router:
         owners = [(name, holder) for name in trainable for holder in holders[id(params[name])]]
         for name in trainable:
             if len(holders[id(params[name])]) > 1:
-                _check_shareable(name, holders[id(params[name])])
+                coverage.check_shareable(name, holders[id(params[name])])
                 self.shared.add(name)
         for name, (module_name, module, leaf) in owners:
-            fused = _fused_lora(model, module_name)
+            fused = coverage.fused_lora(model, module_name)
             if fused is not None:  # a LoRA factor peft multiplies into an experts module's fused parameter
                 wrapper, path, adapter, factor = fused
                 if mechanism == "prism":
@@ -142,13 +141,13 @@ class Router:
                                       f"trainable parameter {name}: LoRA on fused expert parameters holds one pair per "
                                       "expert side by side, not one rank-r pair: use dpsgd or dp-muon")
                 module_name, module = path, moe.innermost(wrapper)
-                _check_covered(model, module_name, module, name, checked)
+                coverage.check_covered(model, module_name, module, name, checked)
                 tap = self.taps.setdefault(module_name, _Tap(module_name, module, {}))
                 leaf = f"lora_{factor}:{adapter}:{wrapper.parameter_name}"
                 tap.lora[leaf] = (wrapper, adapter, wrapper.parameter_name, factor)
                 tap.leaves[leaf] = name
                 continue
-            _check_covered(model, module_name, module, name, checked)
+            coverage.check_covered(model, module_name, module, name, checked)
             tap = self.taps.setdefault(module_name, _Tap(module_name, module, {}))
             tap.leaves[leaf] = name
         layout_names = {p.name for p in resolution.layout.trainable()}
@@ -269,35 +268,6 @@ class Router:
             for tap in self.taps.values():
                 tap.clear()
 
-    def _check_batch_norms(self) -> None:
-        """Refuse (`routing_uncovered`) a BatchNorm that is not a fixed map of each example alone.
-
-        BatchNorm (any `_BatchNorm`: 1d, 2d, 3d, SyncBatchNorm) normalizes with the batch's statistics in
-        train mode, and in eval mode too when it keeps no running statistics (`track_running_stats=False`).
-        Such a BatchNorm mixes the examples of a batch wherever it is, above or below the trainable
-        parameters: example i's loss then depends on the other examples, so its clipped gradient is no
-        longer its own (removing example j moves every other example's contribution, and the sensitivity is
-        no longer C_i), and in train mode its running statistics, released with the model, are an unnoised
-        average of the private data. One with a trainable weight or bias has no per-sample rule either.
-
-        Allowed: a frozen BatchNorm in eval mode with running statistics, anywhere in the model. It is then
-        a fixed per-channel affine map of each example, and gradients that flow through it stay per-sample.
-        The check runs when the router is built and again at every step (`model.train()` may come later);
-        it looks at every BatchNorm the model holds, called in the forward pass or not."""
-        for name, module in self._batch_norms:
-            trainable = [leaf for leaf, p in module.named_parameters(recurse=False) if p.requires_grad]
-            if trainable:
-                why = f"has a trainable {' and '.join(trainable)}"
-            elif module.training or module.running_mean is None:
-                why = "normalizes with the batch's statistics (" + (
-                    "train mode" if module.training else "track_running_stats=False") + ")"
-            else:
-                continue
-            raise ConfigError(Code.ROUTING_UNCOVERED,
-                              f"{type(module).__name__} {name} {why}: BatchNorm mixes examples in a batch, so "
-                              "per-sample gradients are not per-sample; replace it with GroupNorm or LayerNorm, or "
-                              "freeze it and put it in eval mode")
-
     def _check_layout(self, batch: int) -> None:
         """Refuse (before any gradient is taken) a recorded call that does not have the batch first."""
         for tap in self.taps.values():
@@ -389,7 +359,7 @@ class Router:
         # rounds at ~1e-7) never lets a released per-sample gradient exceed the C_i the accountant charges.
         clip = clip * (1 - 8 * torch.finfo(dtype).eps)
         self._check_layout(examples)  # before autograd: nothing per-sample is formed from a call that is refused
-        self._check_batch_norms()  # a model switched to train mode after the router was built
+        coverage.check_batch_norms(self._batch_norms)  # a model switched to train mode after the router was built
         taps = [t for t in self.taps.values() if t.shapes]
         # Gradients flow to the reached parameters of the recorded modules (autograd stops at the deepest);
         # the hooks on the recorded outputs see every output gradient on the way (`_received`). What autograd
@@ -518,73 +488,6 @@ def _group_calls(tap: _Tap, units: Tensor, count: int) -> None:
             tap.inputs[index], tap.grads[index] = regroup(a, ids=embedding), regroup(g)
     for leaf, per in tap.formed.items():
         tap.formed[leaf] = per.new_zeros((count, *per.shape[1:])).index_add_(0, units, per)
-
-
-def _check_shareable(name: str, holders: list[tuple[str, nn.Module, str]]) -> None:
-    """A trainable parameter several modules hold (tied embeddings: an Embedding and the output Linear) is
-    routed only where every holder is a plain Linear, Conv1D, Embedding, LayerNorm or RMSNorm: each holder's
-    hook forms its part of a sample's gradient and `persample.Shared` sums the parts before the norm. A LoRA
-    factor, an MoE module or any other holder is refused: its per-sample rule cannot be summed that way."""
-    paths = [f"{module_name}.{leaf}" if module_name else leaf for module_name, _, leaf in holders]
-    for (module_name, module, _), path in zip(holders, paths):
-        if ".lora_" in module_name or moe.is_moe(module) or not (isinstance(module, TAPPED)
-                                                                 or persample.is_rms_norm(module)):
-            raise ConfigError(Code.ROUTING_UNCOVERED,
-                              f"trainable parameter {name} is also {', '.join(p for p in paths if p != name)} (tied "
-                              f"weights) and {path} is a {type(module).__name__}: a shared parameter's per-sample "
-                              "gradient is formed only across Linear, Conv1D, Embedding, LayerNorm and RMSNorm "
-                              "modules; freeze it or untie it")
-
-
-def _fused_lora(model: nn.Module, module_name: str) -> tuple[nn.Module, str, str, str] | None:
-    """(its ParamWrapper, the experts module's path, adapter, "A" or "B") for a LoRA factor module that peft's
-    target_parameters put on a Mixtral-layout experts module's fused parameter; None for any other module."""
-    if ".lora_A." not in module_name and ".lora_B." not in module_name:
-        return None
-    head, factor, adapter = module_name.rpartition(".lora_")[0], module_name.rpartition(".lora_")[2][0], \
-        module_name.rpartition(".")[2]
-    wrapper = model.get_submodule(head)
-    if not moe.is_fused_lora(wrapper):
-        return None
-    path = head
-    while type(model.get_submodule(path)).__name__ == "ParamWrapper":
-        path += ".base_layer"
-    return wrapper, path, adapter, factor
-
-
-def _check_covered(model: nn.Module, module_name: str, module: nn.Module, name: str, checked: set[str]) -> None:
-    """Refuse (`routing_uncovered`) a trainable parameter whose module has no exact per-sample rule: checks
-    that run a probe (RMSNorm, MoE blocks) run once per module or block (`checked`)."""
-    if ".lora_" in module_name:
-        layer = model.get_submodule(module_name.rpartition(".lora_")[0])
-        if type(layer).__name__ == "ParamWrapper":  # peft's target_parameters: factors multiplied, never called
-            raise ConfigError(Code.ROUTING_UNCOVERED,
-                              f"trainable parameter {name} is a LoRA factor on a parameter (peft target_parameters), "
-                              "which no routing hook covers: target modules instead, or freeze it")
-    if isinstance(module, TAPPED):
-        if isinstance(module, nn.Embedding):
-            persample.check_embedding(module, name)
-        return
-    if moe.is_moe(module):
-        block = module_name.replace(".base_layer", "").rpartition(".")[0]
-        if block not in checked:
-            try:
-                moe.check_block(model.get_submodule(block), block)
-            except persample.Mismatch as e:
-                raise ConfigError(Code.ROUTING_UNCOVERED, f"trainable parameter {name}: {e}, so no routing hook "
-                                                          "covers it: freeze it") from e
-            checked.add(block)
-        return
-    if persample.is_rms_norm(module):
-        try:
-            persample.check_rms_norm(module, name)
-        except persample.Mismatch as e:
-            raise ConfigError(Code.ROUTING_UNCOVERED, f"trainable parameter {e}, so no routing hook covers it: "
-                                                      "freeze it") from e
-        return
-    raise ConfigError(Code.ROUTING_UNCOVERED,
-                      f"trainable parameter {name} belongs to a {type(module).__name__}, which no routing hook covers: "
-                      "freeze it or use Linear, Conv1D, Embedding, LayerNorm, RMSNorm and Mixtral-style MoE modules")
 
 
 def _accumulator(dtype: torch.dtype) -> torch.dtype:
