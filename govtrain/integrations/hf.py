@@ -171,7 +171,8 @@ class _Governed:
             if kwargs.get(name) not in (None, (None, None)):
                 code = Code.UNGOVERNED_BATCH if name in ("train_dataset", "data_collator") else Code.RUN_CONFIG_INVALID
                 raise ConfigError(code, f"{type(self).__name__}({name}=...) is refused: {why}")
-        kwargs.pop("model", None) if kwargs.get("model") is run.model else None
+        if kwargs.get("model") is run.model:
+            del kwargs["model"]
         if "model" in kwargs:
             raise ConfigError(Code.RUN_CONFIG_INVALID, "the model is run.model: do not pass another one")
         args = args if args is not None else TrainingArguments(output_dir=str(run.config.output_dir / "trainer"))

@@ -30,13 +30,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
+import torch
+
+from govtrain import units
 from govtrain.errors import Code, ConfigError
 from govtrain.tasks.base import Batch
 from govtrain.train.config import RunConfig, run_config
 from govtrain.train.run import LOG, Chunk, Run, RunResult
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
     from govtrain.ledger.ledger import Ledger
@@ -71,13 +73,10 @@ class GovernedRun:
     """An open governed run: its ledger, its model (a peft model on its device) and its sampler."""
 
     def __init__(self, run: Run, ledger: "Ledger", *, on_step: Callable[[int, float], None] | None = None) -> None:
-        import torch
-
         self._run, self._ledger, self._on_step = run, ledger, on_step
         self._waiting: _Waiting | None = None
         self._forward: contextlib.ExitStack | None = None
         self._iterating = self._saved = self._closed = False
-        self._torch = torch
         self._hooks = [run.model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
                        run.model.register_forward_hook(self._after_forward, always_call=True)]
 
@@ -164,7 +163,7 @@ class GovernedRun:
     @property
     def sampling_rate(self) -> float | None:
         """The q the current epoch's spend charged, which the sampler draws at (None: no epoch written)."""
-        return self._run.pending["q_u"] / 1e6 if self._run.pending is not None else None
+        return self._run.pending["q_u"] / units.MICRO if self._run.pending is not None else None
 
     def epsilons(self) -> dict[str, float]:
         """Each class's epsilon as charged so far, the epoch written ahead included."""
@@ -267,19 +266,19 @@ class GovernedRun:
         passed = [*args, *kwargs.values()]
         if waiting is not None and not waiting.forwarded and \
                 not all(any(value is given for given in passed) for value in waiting.batch.inputs.values()):
-            if self._torch.is_grad_enabled():
+            if torch.is_grad_enabled():
                 raise ConfigError(Code.UNGOVERNED_BATCH, "a forward of run.model with gradients enabled on other "
                                                          f"inputs than the waiting batch's: {_NOT_YOURS} (run other "
                                                          "forwards under torch.no_grad())")
             return
         if waiting is None or waiting.forwarded:
-            if self._torch.is_grad_enabled() and self._iterating:
+            if torch.is_grad_enabled() and self._iterating:
                 raise ConfigError(Code.UNGOVERNED_BATCH, ("a second forward of run.model on one batch" if waiting
                                                           else "a forward of run.model with gradients enabled outside "
                                                           "a batch of run.batches()") +
                                   f": {_NOT_YOURS} (run other forwards under torch.no_grad())")
             return
-        if not self._torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             raise ConfigError(Code.UNGOVERNED_BATCH, "the forward of a governed batch ran under torch.no_grad(): its "
                                                      "per-sample gradients cannot be formed")
         waiting.forwarded = True
