@@ -39,6 +39,9 @@ from govtrain.verify.verifier import inspect_ledger  # noqa: E402
 from tests.conftest import TEST_POLICY, copy_demo_keys  # noqa: E402
 
 
+GROUPS = [{"classes": ["public"], "s_pu": 10**12}]  # one epoch schedule: sigma 1 x C 1
+
+
 def build(url: str, keys: Path, entries: int, batch: int) -> tuple[float, list[bytes]]:
     """Create a ledger and append `entries` spend entries in batches; return the append rate and bodies."""
     (keys / "policy.toml").write_text(TEST_POLICY)
@@ -54,9 +57,9 @@ def build(url: str, keys: Path, entries: int, batch: int) -> tuple[float, list[b
             for i in range(appended, appended + count):
                 appender.add("spend", 2, lambda seq, i=i: spend_entry(
                     seq, 2, contribution_id=f"c{i % 100_000:06d}", admit_leaf=leaf, run_id="bench",
-                    epoch=i // 100_000, epoch_steps=50, steps=50,
+                    run_nonce=bytes(16), epoch=i // 100_000, epoch_steps=50, steps=50,
                     sampling_rate_u=10_000, noise_multiplier_u=1_000_000, accountant="prv", delta_p=10_000_000,
-                    eps_u=1_000 * (i // 100_000 + 1)))
+                    privacy_unit="example", eps_u=1_000 * (i // 100_000 + 1), noise_groups=GROUPS))
         elapsed += time.perf_counter() - start
         appended += count
     bodies = [row[2] for rows in ledger.store.leaf_rows() for row in rows]

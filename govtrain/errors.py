@@ -104,6 +104,7 @@ class Code(str, Enum):
     NO_CHECKPOINT = "no_checkpoint"
     REDACTED = "redacted"
     EPOCH_HELD = "epoch_held"  # another run wrote this ledger epoch's spend: plan the next epoch
+    RUN_ID_TAKEN = "run_id_taken"  # another run holds this run id (its lease nonce, or its run state's lock)
     CLOCK_BEHIND = "clock_behind"  # the writer's clock reads earlier than the ledger's last entry
 
     # -- ledger integrity (exit 4) --------------------------------------------------------
@@ -124,6 +125,7 @@ class Code(str, Enum):
     BAD_WITHDRAWAL = "bad_withdrawal"
     BAD_SUMMARY = "bad_summary"
     BAD_EPOCH = "bad_epoch"
+    BAD_RUN = "bad_run"  # a run entry that repeats a run id or names another lease than the run's spend
     BAD_TUNE = "bad_tune"  # a tune entry whose trials, selection or stated epsilon the ledger does not bear out
     TIME_REVERSED = "time_reversed"  # an entry's time is earlier than the entry before it
     POLICY_UNAUTHORISED = "policy_unauthorised"  # a policy change no key of the policy before it signed

@@ -131,8 +131,32 @@ def append_runs(ledger: Ledger, count: int, now: int) -> None:
     with ledger.append(now) as appender:
         for i in range(count):
             appender.add("run", now, lambda seq, i=i: run_entry(
-                seq, now, run_id=f"r{i}", mechanism="dpsgd", device="cpu", precision="fp32",
-                config_sha256=bytes(32), base_model_sha256=bytes(32), adapter_sha256=None))
+                seq, now, run_id=f"r{i}", run_nonce=lease(f"r{i}"), mechanism="dpsgd", device="cpu",
+                precision="fp32", config_sha256=bytes(32), base_model_sha256=bytes(32), adapter_sha256=None))
+
+
+def lease(run_id: str) -> bytes:
+    """A fixed lease nonce per run id, for tests that write spend and run entries by hand (a run draws its own)."""
+    return hashlib.sha256(b"test lease " + run_id.encode()).digest()[:16]
+
+
+def noise_groups_for(ledger: Ledger, contribution_ids) -> list[dict]:
+    """A schedule `record_spend` accepts for these contributions: each one's class a noise group of its own, at
+    the largest signed sigma*C of a live contribution of that class (spend rule 7's bound, met exactly)."""
+    from govtrain.ledger.spend_rules import noise_groups_record
+
+    book = ledger.spend_book()
+    top = book.live_noise_pu(ledger.epoch())
+    return noise_groups_record({frozenset((book.signed[c].data_class,)): top[book.signed[c].data_class]
+                                for c in contribution_ids if c in book.signed})
+
+
+def record_spend(ledger: Ledger, epoch: int, sampling_rate_u: int, records, *, run_id: str = "r", epoch_steps: int,
+                 now: int, run_nonce: bytes | None = None, noise_groups: list[dict] | None = None):
+    """`Ledger.record_spend` with the test lease of `run_id` and `noise_groups_for` the records by default."""
+    groups = noise_groups if noise_groups is not None else noise_groups_for(ledger, [r[0] for r in records])
+    return ledger.record_spend(epoch, sampling_rate_u, records, run_id=run_id, epoch_steps=epoch_steps, now=now,
+                               run_nonce=run_nonce if run_nonce is not None else lease(run_id), noise_groups=groups)
 
 
 def snapshot(url: str) -> tuple[int, bytes | None, int]:

@@ -22,7 +22,7 @@ from govtrain.ledger.ledger import Ledger
 from govtrain.ledger.merkle import root_of
 from govtrain.policy.model import Attester, LedgerKey
 from govtrain.verify.verifier import verify_ledger
-from tests.conftest import Corpus, TEST_POLICY, append_runs, make_corpus, snapshot
+from tests.conftest import Corpus, TEST_POLICY, append_runs, make_corpus, snapshot, record_spend
 from tests.test_signed_ledger import _admit, _copy, _db, _latest_note, _sql, _verify_cli, real  # noqa: F401
 
 
@@ -249,10 +249,10 @@ def test_record_spend_refuses_a_sampling_rate_below_the_expected_batch_over_live
     before = snapshot(batched.url)
     with batched.open() as ledger:
         with pytest.raises(GovtrainError) as info:
-            ledger.record_spend(0, 1, [("b-0", 10, 1_000_000, 10_000)], run_id="r", epoch_steps=10, now=batched.now)
+            record_spend(ledger, 0, 1, [("b-0", 10, 1_000_000, 10_000)], run_id="r", epoch_steps=10, now=batched.now)
         assert info.value.code.value == "bad_argument" and "below 200000" in info.value.detail
         assert snapshot(batched.url) == before
-        ledger.record_spend(0, 200_000, [("b-0", 10, 1_000_000, 4_000_000)], run_id="r", epoch_steps=10,
+        record_spend(ledger, 0, 200_000, [("b-0", 10, 1_000_000, 4_000_000)], run_id="r", epoch_steps=10,
                             now=batched.now)
 
 
@@ -269,7 +269,7 @@ def test_the_rate_floor_rises_when_a_contribution_withdraws(batched: Corpus):
     with batched.open() as ledger:
         ledger.withdraw("b-1", "leaving", now=batched.now)  # 10 live records: q >= 0.4
         with pytest.raises(GovtrainError) as info:
-            ledger.record_spend(0, 200_000, [("b-0", 10, 1_000_000, 4_000_000)], run_id="r", epoch_steps=10,
+            record_spend(ledger, 0, 200_000, [("b-0", 10, 1_000_000, 4_000_000)], run_id="r", epoch_steps=10,
                                 now=batched.now)
     assert "below 400000" in info.value.detail
 
@@ -282,7 +282,7 @@ def test_record_spend_refuses_steps_outside_the_epoch(corpus: Corpus, steps: int
     before = snapshot(corpus.url)
     with corpus.open() as ledger:
         with pytest.raises(GovtrainError) as info:
-            ledger.record_spend(0, 10_000, [("a", steps, 1_000_000, 10_000)], run_id="r", epoch_steps=epoch_steps,
+            record_spend(ledger, 0, 10_000, [("a", steps, 1_000_000, 10_000)], run_id="r", epoch_steps=epoch_steps,
                                 now=corpus.now)
     assert info.value.code.value == "bad_argument" and snapshot(corpus.url) == before
 
@@ -343,20 +343,20 @@ def test_the_rate_floor_counts_retired_contributions_as_their_summaries_commit(t
         with corpus.open() as ledger:
             admit(ledger, corpus.attestation(data, contribution_id=name), data, now=corpus.now)
     with corpus.open() as ledger:  # 9 live records: q >= 4/9
-        ledger.record_spend(0, 444_445, [("gone", 10, 1_000_000, 1_000_000), ("kept", 10, 1_000_000, 1_000_000)],
+        record_spend(ledger, 0, 444_445, [("gone", 10, 1_000_000, 1_000_000), ("kept", 10, 1_000_000, 1_000_000)],
                             run_id="r", epoch_steps=10, now=corpus.now)
         ledger.withdraw("gone", "leaving", now=corpus.now)  # 6 live records: q >= 4/6
         ledger.close_epoch(now=corpus.now)
-        ledger.record_spend(1, 666_667, [("kept", 10, 1_000_000, 2_000_000)], run_id="r", epoch_steps=10,
+        record_spend(ledger, 1, 666_667, [("kept", 10, 1_000_000, 2_000_000)], run_id="r", epoch_steps=10,
                             now=corpus.now)
         ledger.close_epoch(now=corpus.now)
         redacted = ledger.compact(1, now=corpus.now)  # retires gone (withdrawn) and idle (3 records, live)
         assert {ledger.store.entry(s.seq).body for s in redacted} == {None}
         before = snapshot(corpus.url)
         with pytest.raises(GovtrainError) as info:
-            ledger.record_spend(2, 600_000, [("kept", 10, 1_000_000, 3_000_000)], run_id="r", epoch_steps=10,
+            record_spend(ledger, 2, 600_000, [("kept", 10, 1_000_000, 3_000_000)], run_id="r", epoch_steps=10,
                                 now=corpus.now)
         assert "below 666667" in info.value.detail and snapshot(corpus.url) == before
-        ledger.record_spend(2, 666_667, [("kept", 10, 1_000_000, 3_000_000)], run_id="r", epoch_steps=10,
+        record_spend(ledger, 2, 666_667, [("kept", 10, 1_000_000, 3_000_000)], run_id="r", epoch_steps=10,
                             now=corpus.now)
     assert verify_ledger(corpus.url, accountant=None).ok

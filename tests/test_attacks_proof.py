@@ -24,7 +24,7 @@ from govtrain.ledger.checkpoint import NoteKey
 from govtrain.ledger.entries import run_entry
 from govtrain.ledger.proof import verify_proof
 from govtrain.verify.verifier import verify_ledger
-from tests.conftest import Corpus, TEST_POLICY, append_runs, make_corpus, snapshot
+from tests.conftest import Corpus, TEST_POLICY, append_runs, make_corpus, snapshot, lease, noise_groups_for
 from tests.test_signed_ledger import _copy, _db
 
 ORIGIN_A = "test.invalid/govtrain/1"
@@ -143,14 +143,15 @@ def ledger(corpus: Corpus) -> Corpus:
     _admit(corpus, "c-1")
     with corpus.open() as opened:
         leaf = opened.store.entry(1).leaf_hash
+        groups = noise_groups_for(opened, ["c-0"])
         with opened.append(corpus.now) as appender:
             appender.add("spend", corpus.now, lambda seq: spend_entry(
-                seq, corpus.now, contribution_id="c-0", admit_leaf=leaf, run_id="r0", epoch=0, epoch_steps=10,
-                steps=10, sampling_rate_u=10_000,
+                seq, corpus.now, contribution_id="c-0", admit_leaf=leaf, run_id="r0", run_nonce=lease("r0"), epoch=0,
+                epoch_steps=10, steps=10, sampling_rate_u=10_000,
                 noise_multiplier_u=1_000_000, accountant="prv", delta_p=10_000_000, privacy_unit="example",
-                eps_u=eps_u))
+                eps_u=eps_u, noise_groups=groups))
             appender.add("run", corpus.now, lambda seq: run_entry(
-                seq, corpus.now, run_id="r0", mechanism="dpsgd", device="cpu", precision="fp32", config_sha256=bytes(32),
+                seq, corpus.now, run_id="r0", run_nonce=lease("r0"), mechanism="dpsgd", device="cpu", precision="fp32", config_sha256=bytes(32),
                 base_model_sha256=bytes(32), adapter_sha256=None))
         opened.close_epoch(now=corpus.now)
     verify_ledger(corpus.url)  # the full pass accepts it as written

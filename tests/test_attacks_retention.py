@@ -20,7 +20,7 @@ from govtrain.errors import AdmissionError, IntegrityError, RejectedError
 from govtrain.gate.admission import admit
 from govtrain.ledger.entries import SPECS, admit_entry, summary_entry
 from govtrain.verify.verifier import VerificationReport, inspect_ledger
-from tests.conftest import Corpus, snapshot
+from tests.conftest import Corpus, snapshot, record_spend
 
 
 def _fake_accountant(name: str, delta_p: int, history) -> int:
@@ -79,11 +79,11 @@ def _age(corpus: Corpus) -> Corpus:
         for name in ("gone", "kept", "sens"):
             corpus.data(f"{name}.jsonl")
             admit(ledger, _attestation(corpus, name), _data(corpus, name), now=corpus.now)
-        ledger.record_spend(0, 10_000, [("gone", 10, 1_000_000, 10_000), ("kept", 10, 1_000_000, 10_000)],
+        record_spend(ledger, 0, 10_000, [("gone", 10, 1_000_000, 10_000), ("kept", 10, 1_000_000, 10_000)],
                             run_id="r", epoch_steps=10, now=corpus.now)
         ledger.withdraw("gone", "asked to leave", now=corpus.now)
         ledger.close_epoch(now=corpus.now)
-        ledger.record_spend(1, 10_000, [("kept", 10, 1_000_000, 20_000)], run_id="r", epoch_steps=10,
+        record_spend(ledger, 1, 10_000, [("kept", 10, 1_000_000, 20_000)], run_id="r", epoch_steps=10,
                             now=corpus.now)
         ledger.close_epoch(now=corpus.now)
     assert _verify(corpus.url).ok
@@ -109,10 +109,13 @@ def _leaves(corpus: Corpus, seqs) -> list[bytes]:
 def _retired(corpus: Corpus, admit_seq: int, entry_seqs: list[int], withdraw_seq: int | None = None) -> dict:
     with corpus.open() as ledger:
         entry = cbor.decode(ledger.store.entry(admit_seq).body)
+        bodies = [cbor.decode(ledger.store.entry(seq).body) for seq in entry_seqs[1:] if seq != withdraw_seq]
+    spends = [{"seq": b["seq"], "run_id": b["run_id"], "run_nonce": b["run_nonce"], "eps_u": b["eps_u"]} for b in bodies]
     return {"contribution_id": entry["contribution_id"], "data_class": entry["data_class"], "admit_seq": admit_seq,
             "descriptor_sha256": entry["descriptor_sha256"], "attestation_sha256": entry["attestation_sha256"],
-            "data_sha256": entry["data_sha256"], "records": entry["records"], "withdraw_seq": withdraw_seq,
-            "entry_seqs": entry_seqs}
+            "data_sha256": entry["data_sha256"], "records": entry["records"], "clip_norm_u": entry["clip_norm_u"],
+            "noise_multiplier_u": entry["noise_multiplier_u"], "withdraw_seq": withdraw_seq, "entry_seqs": entry_seqs,
+            "spends": spends, "eps_u": spends[-1]["eps_u"] if spends else 0}
 
 
 def _operator_summary(corpus: Corpus, *, data_class: str, before_epoch: int, retired: list[dict],
@@ -299,7 +302,7 @@ def test_8_redacting_a_live_spend_under_a_summary_that_claims_nothing(aged: Corp
     _operator_summary(aged, data_class="public", before_epoch=1, retired=[], redact=True, seqs=[5],
                       entries=1)
     with aged.open() as ledger:
-        ledger.record_spend(2, 10_000, [("kept", 10, 1_000_000, 20_000)], run_id="r", epoch_steps=10,
+        record_spend(ledger, 2, 10_000, [("kept", 10, 1_000_000, 20_000)], run_id="r", epoch_steps=10,
                             now=aged.now)  # truly 30_000
     _fails(_verify(aged.url, pinned), "bad_entry", 5)
 

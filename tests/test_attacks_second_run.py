@@ -7,6 +7,10 @@ write-ahead spend: every contribution a run draws is charged by that run's own s
 from __future__ import annotations
 
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +22,7 @@ from govtrain.ledger.entries import decode_entry  # noqa: E402
 from govtrain.train.config import load_run_config  # noqa: E402
 from govtrain.train.loop import STATE_FILE, train  # noqa: E402
 from govtrain.verify.verifier import verify_ledger  # noqa: E402
-from tests.conftest import Corpus, snapshot  # noqa: E402
+from tests.conftest import REPO, Corpus, snapshot  # noqa: E402
 from tests.test_train import _admit, _config, tiny_model  # noqa: E402,F401
 
 
@@ -98,3 +102,141 @@ def test_two_concurrent_runs_each_charge_their_own_epochs(corpus: Corpus, tiny_m
     assert holders == {0: "run-a", 1: "run-b", 2: "run-a"}
     _assert_every_draw_charged_by_its_run(corpus, draws)
     assert verify_ledger(corpus.url).by_kind["run"] == 2
+
+
+# -- issue 20, item 1: a run id is a one-time lease -----------------------------------------------------------
+#
+# Two runs opened at once with one `training.run_id` once both passed `prepare` (neither had spent yet) and then
+# both trained every epoch on the first one's write-ahead: `_write_ahead` took an epoch held by the same id for
+# "this run, before a kill". Now every spend and the run entry carry the run's random lease nonce, the run state
+# is locked by the process that owns it, and write-ahead accepts an epoch only for the same (id, nonce). These
+# tests run truly concurrent processes.
+
+API_RUN = """
+import pathlib, sys, time
+import govtrain
+from govtrain.errors import GovtrainError
+config, url, ready, go = sys.argv[1:5]
+try:
+    with govtrain.GovernedRun.open(config, url, log=lambda line: None) as run:
+        pathlib.Path(ready).touch()
+        while not pathlib.Path(go).exists():
+            time.sleep(0.02)
+        for batch in run.batches():
+            run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+        run.save()
+except GovtrainError as e:
+    pathlib.Path(ready).touch()
+    print(e.line(), file=sys.stderr)
+    sys.exit(e.exit_code)
+"""
+
+
+def _config_file(corpus: Corpus, model: Path, steps: int, run_id: str, output: str) -> Path:
+    text = _config(corpus, model, steps).read_text().replace('run_id = "test-run"', f'run_id = "{run_id}"').replace(
+        'output = "adapter"', f'output = "{output}"')
+    path = corpus.dir / f"{output}.toml"
+    path.write_text(text)
+    return path
+
+
+def _spawn(*argv: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _wait(*processes: subprocess.Popen) -> list[tuple[int, str]]:
+    outcomes = []
+    for process in processes:
+        _, stderr = process.communicate(timeout=300)
+        outcomes.append((process.returncode, stderr))
+    return outcomes
+
+
+def _runs(corpus: Corpus) -> list[dict]:
+    with corpus.open() as ledger:
+        return [decode_entry(e.body, seq=e.seq, kind="run") for e in ledger.store.entries(kinds=("run",))]
+
+
+def _assert_one_lease(corpus: Corpus, run_id: str) -> None:
+    """Every spend of `run_id` and its one run entry carry one nonce, and the ledger verifies."""
+    spends = [s for s in _spends(corpus) if s["run_id"] == run_id]
+    runs = [r for r in _runs(corpus) if r["run_id"] == run_id]
+    assert spends and len(runs) == 1, (len(spends), runs)
+    assert {s["run_nonce"] for s in spends} == {runs[0]["run_nonce"]}
+    assert verify_ledger(corpus.url).spend_recomputed
+
+
+def test_1_two_api_processes_with_one_run_id_train_once(corpus: Corpus, tiny_model: Path, tmp_path: Path):
+    """Both processes open (prepare passes for both: nothing is spent yet), then both iterate at once. One
+    trains and records the run; the other is refused with `run_id_taken` before any step of its own."""
+    _admit(corpus, "pub")
+    configs = [_config_file(corpus, tiny_model, 12, "shared", f"adapter-{k}") for k in (0, 1)]
+    ready, go = [tmp_path / f"ready-{k}" for k in (0, 1)], tmp_path / "go"
+    processes = [_spawn("-c", API_RUN, str(configs[k]), corpus.url, str(ready[k]), str(go)) for k in (0, 1)]
+    deadline = time.monotonic() + 240
+    while not all(r.exists() for r in ready) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    go.touch()
+    outcomes = _wait(*processes)
+    codes = sorted(code for code, _ in outcomes)
+    assert codes == [0, 3], outcomes
+    loser = next(stderr for code, stderr in outcomes if code == 3)
+    assert "error[run_id_taken]" in loser
+    assert sum((corpus.dir / f"adapter-{k}" / "adapter_model.safetensors").exists() for k in (0, 1)) == 1
+    _assert_one_lease(corpus, "shared")
+
+
+def test_1_a_second_process_of_the_same_config_is_refused_while_the_first_holds_its_state(corpus: Corpus,
+                                                                                           tiny_model: Path,
+                                                                                           tmp_path: Path):
+    _admit(corpus, "pub")
+    config = _config(corpus, tiny_model, 12)
+    first = _spawn("-c", API_RUN, str(config), corpus.url, str(tmp_path / "ready-0"), str(tmp_path / "go"))
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "ready-0").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    second = _spawn("-c", API_RUN, str(config), corpus.url, str(tmp_path / "ready-1"), str(tmp_path / "never"))
+    (code, stderr), = _wait(second)
+    assert code == 3 and "error[run_id_taken]" in stderr and "another process holds" in stderr, stderr
+    (tmp_path / "go").touch()
+    assert _wait(first)[0][0] == 0
+    _assert_one_lease(corpus, "test-run")
+    assert not (corpus.dir / "adapter" / "run-state.lock").exists()  # the finished run leaves no lock behind
+
+
+def test_1_two_cli_processes_with_one_run_id_leave_one_run(corpus: Corpus, tiny_model: Path):
+    """The review's second case: two `govtrain train` processes, started together, with one run id. Whichever
+    wins the race, exactly one trains and records a run; the other exits 2 (its id already spent when it
+    started) or 3 (`run_id_taken` at write-ahead), and the ledger holds one lease for the id."""
+    _admit(corpus, "pub")
+    configs = [_config_file(corpus, tiny_model, 12, "shared", f"adapter-{k}") for k in (0, 1)]
+    processes = [_spawn("-m", "govtrain.cli.main", "train", "--config", str(c), "--ledger", corpus.url)
+                 for c in configs]
+    outcomes = _wait(*processes)
+    codes = sorted(code for code, _ in outcomes)
+    assert codes in ([0, 2], [0, 3]), outcomes
+    assert any(f"error[{name}]" in stderr for _, stderr in outcomes for name in ("run_id_taken", "run_config_invalid"))
+    _assert_one_lease(corpus, "shared")
+
+
+def test_1_a_run_killed_with_sigkill_resumes_under_its_lease(corpus: Corpus, tiny_model: Path):
+    """The lock dies with its process and the lease is in the run state: the same command again resumes the run
+    (its written-ahead epoch is not written twice) and records it once."""
+    _admit(corpus, "pub")
+    config = _config(corpus, tiny_model, 30)
+    process = _spawn("-m", "govtrain.cli.main", "train", "--config", str(config), "--ledger", corpus.url)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not any(s["epoch"] == 1 for s in _spends(corpus)):
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.communicate(timeout=60)
+    written = _spends(corpus)
+    assert written and not _runs(corpus)
+    again = subprocess.run([sys.executable, "-m", "govtrain.cli.main", "train", "--config", str(config), "--ledger",
+                            corpus.url], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "resuming test-run" in again.stdout + again.stderr
+    spends = _spends(corpus)
+    assert spends[:len(written)] == written and len({(s["epoch"], s["contribution_id"]) for s in spends}) == len(spends)
+    _assert_one_lease(corpus, "test-run")

@@ -16,6 +16,7 @@ from govtrain.resolver.model import describe  # noqa: E402
 from govtrain.resolver.profile import resolve  # noqa: E402
 from govtrain.routing.router import Router  # noqa: E402
 from govtrain.mechanisms.prism import tangent_matrix  # noqa: E402
+from tests.conftest import lease, noise_groups_for, record_spend  # noqa: E402
 from tests.test_train import tiny_model  # noqa: E402,F401  (fixture)
 from tests.test_routing import CLASSES, batch, losses_of, model, per_sample  # noqa: E402
 
@@ -248,9 +249,9 @@ def test_the_verifier_fails_a_spend_that_names_another_unit(tmp_path):
     from tests.test_train import _admit
 
     corpus = contribution_corpus(tmp_path)
-    _admit(corpus, "c1", records=5)
+    _admit(corpus, "c1", records=5, noise_multiplier_u=2_000_000)  # sigma_eff 2: its own signed sigma
     with corpus.open() as ledger:
-        ledger.record_spend(0, 500_000, [("c1", 3, 2_000_000, _eps(3))], run_id="r", epoch_steps=3, now=corpus.now)
+        record_spend(ledger, 0, 500_000, [("c1", 3, 2_000_000, _eps(3))], run_id="r", epoch_steps=3, now=corpus.now)
         ledger.close_epoch(now=corpus.now)
         spend = next(ledger.store.entries(kinds=("spend",)))
         assert decode_entry(spend.body, seq=spend.seq, kind="spend")["privacy_unit"] == "contribution"
@@ -263,8 +264,9 @@ def test_the_verifier_fails_a_spend_that_names_another_unit(tmp_path):
         object.__setattr__(policy, "privacy_unit", "example")  # a writer holding the key but not the header's unit
         object.__setattr__(policy, "examples_per_contribution", None)
         try:
-            _admit(corpus, "c2", records=5)
-            original(ledger, 1, 500_000, [("c2", 3, 2_000_000, _eps(3))], run_id="r2", epoch_steps=3, now=corpus.now)
+            _admit(corpus, "c2", records=5, noise_multiplier_u=2_000_000)
+            original(ledger, 1, 500_000, [("c2", 3, 2_000_000, _eps(3))], run_id="r2", run_nonce=lease("r2"), epoch_steps=3,
+                     noise_groups=noise_groups_for(ledger, ["c2"]), now=corpus.now)
             ledger.close_epoch(now=corpus.now)
         finally:
             object.__setattr__(policy, "privacy_unit", "contribution")
@@ -349,4 +351,4 @@ def test_an_expected_batch_counts_contributions_not_examples(tmp_path):
     assert plan["sampling_rate"] == 0.333334 and plan["eligible_records"] == 360
     with corpus.open() as ledger:  # the ledger's floor on q counts contributions too
         with pytest.raises(Exception, match="below"):
-            ledger.record_spend(0, 300_000, [("c1", 5, 2_000_000, 1)], run_id="r", epoch_steps=5, now=corpus.now)
+            record_spend(ledger, 0, 300_000, [("c1", 5, 2_000_000, 1)], run_id="r", epoch_steps=5, now=corpus.now)

@@ -20,7 +20,7 @@ from govtrain.gate.admission import admit, admit_many
 from govtrain.ledger.ledger import Ledger
 from govtrain.policy.config import load_policy
 from govtrain.verify.verifier import verify_ledger
-from tests.conftest import REPO, Corpus, snapshot
+from tests.conftest import REPO, Corpus, snapshot, lease
 
 
 def _db(url: str) -> Path:
@@ -260,15 +260,16 @@ def test_a_run_naming_an_unknown_mechanism_is_refused_and_flagged(corpus: Corpus
     before = snapshot(corpus.url)
     with corpus.open() as ledger:
         with pytest.raises(ValueError):
-            ledger.record_run("r", "magic", bytes(32), bytes(32), None, now=corpus.now)
+            ledger.record_run("r", "magic", bytes(32), bytes(32), None, now=corpus.now, run_nonce=lease("r"))
     assert snapshot(corpus.url) == before  # nothing written
     with corpus.open() as ledger:
         for mechanism in ("dpsgd", "prism", "dp-muon"):
-            ledger.record_run(f"run-{mechanism}", mechanism, bytes(32), bytes(32), None, now=corpus.now)
+            ledger.record_run(f"run-{mechanism}", mechanism, bytes(32), bytes(32), None, now=corpus.now,
+                              run_nonce=lease(f"run-{mechanism}"))
     verify_ledger(corpus.url)
     with corpus.open() as ledger:  # written past record_run's check, as a forger would
         with ledger.append(corpus.now) as appender:
-            appender.add("run", corpus.now, lambda seq: run_entry(seq, corpus.now, run_id="r", mechanism="magic",
+            appender.add("run", corpus.now, lambda seq: run_entry(seq, corpus.now, run_id="r", run_nonce=lease("r"), mechanism="magic",
                                                                   device="cpu", precision="fp32",
                                                                   config_sha256=bytes(32), base_model_sha256=bytes(32),
                                                                   adapter_sha256=None))

@@ -16,6 +16,7 @@ from govtrain.verify.verifier import verify_ledger
 from tests.conftest import REPO, Corpus
 
 WRITER = """
+import os
 import sys
 import time
 from govtrain.ledger.entries import run_entry
@@ -28,8 +29,8 @@ while True:
         for _ in range(int(sys.argv[2])):
             n += 1
             t = int(time.time())
-            appender.add("run", t, lambda seq, n=n, t=t: run_entry(seq, t, run_id=f"r{n}", mechanism="dpsgd",
-                         device="cpu", precision="fp32",
+            appender.add("run", t, lambda seq, n=n, t=t: run_entry(seq, t, run_id=f"r{os.getpid()}-{n}",
+                         run_nonce=bytes(16), mechanism="dpsgd", device="cpu", precision="fp32",
                          config_sha256=bytes(32), base_model_sha256=bytes(32), adapter_sha256=None))
     if n % 60 == 0:
         ledger.close_epoch()

@@ -14,6 +14,7 @@ from govtrain.accounting.calibrate import (
     noise_multiplier_for,
 )
 from govtrain.accounting.spend import SpendCalculator, bucket_sigma_u, canonical
+from tests.conftest import record_spend
 from govtrain.resolver.schedule import (
     Member,
     Scheduler,
@@ -264,7 +265,7 @@ def test_written_ahead_spend_verifies_with_recomputation(corpus):
     for epoch in range(2):
         plan = scheduler.plan_epoch(cohorts, epoch, epoch * 10)
         with corpus.open() as ledger:
-            stored = ledger.record_spend(plan.epoch, plan.sampling_rate_u, plan.spend_records(), run_id="r",
+            stored = record_spend(ledger, plan.epoch, plan.sampling_rate_u, plan.spend_records(), run_id="r",
                                          epoch_steps=plan.steps, now=corpus.now)
             ledger.close_epoch(now=corpus.now)
         assert len(stored) == 3
@@ -304,13 +305,13 @@ def test_record_spend_refuses_and_writes_nothing(corpus):
     for epoch, q, records, code in bad:
         with corpus.open() as ledger:
             with pytest.raises(GovtrainError) as info:
-                ledger.record_spend(epoch, q, records, run_id="r", epoch_steps=plan.steps, now=corpus.now)
+                record_spend(ledger, epoch, q, records, run_id="r", epoch_steps=plan.steps, now=corpus.now)
         assert info.value.code.value == code, (records, info.value)
         assert snapshot(corpus.url) == before
     with corpus.open() as ledger:
-        ledger.record_spend(0, plan.sampling_rate_u, [(cid, steps, sigma, eps)], run_id="r", epoch_steps=plan.steps,
+        record_spend(ledger, 0, plan.sampling_rate_u, [(cid, steps, sigma, eps)], run_id="r", epoch_steps=plan.steps,
                             now=corpus.now)
         with pytest.raises(GovtrainError) as info:  # a second spend in the same epoch
-            ledger.record_spend(0, plan.sampling_rate_u, [(cid, steps, sigma, eps)], run_id="r",
+            record_spend(ledger, 0, plan.sampling_rate_u, [(cid, steps, sigma, eps)], run_id="r",
                                 epoch_steps=plan.steps, now=corpus.now)
     assert info.value.code.value == "budget_exceeded"

@@ -10,7 +10,7 @@ import pytest
 from govtrain.encoding import cbor
 from govtrain.ledger.ledger import Ledger
 from govtrain.verify.verifier import verify_ledger
-from tests.conftest import REPO, Corpus, sign_raw
+from tests.conftest import REPO, Corpus, lease, noise_groups_for, sign_raw
 
 DESCRIPTOR = (REPO / "schemas" / "descriptor.cddl").read_text()
 ATTESTATION = (REPO / "schemas" / "attestation.cddl").read_text() + "\n" + DESCRIPTOR
@@ -77,13 +77,14 @@ def test_every_entry_kind_matches_its_cddl(corpus: Corpus):
     with corpus.open() as ledger:
         admit(ledger, corpus.attestation(data, contribution_id="k"), data, now=corpus.now)
         leaf = ledger.store.entry(1).leaf_hash
+        groups = noise_groups_for(ledger, ["k"])
         with ledger.append(corpus.now) as appender:
             appender.add("spend", corpus.now, lambda seq: spend_entry(
-                seq, corpus.now, contribution_id="k", admit_leaf=leaf, run_id="t-trial-0", epoch=0, epoch_steps=5, steps=5,
-                sampling_rate_u=10_000, noise_multiplier_u=1_000_000, accountant="prv", delta_p=10_000_000, privacy_unit="example",
-                eps_u=123))
+                seq, corpus.now, contribution_id="k", admit_leaf=leaf, run_id="t-trial-0", run_nonce=lease("t-trial-0"),
+                epoch=0, epoch_steps=5, steps=5, sampling_rate_u=10_000, noise_multiplier_u=1_000_000, accountant="prv",
+                delta_p=10_000_000, privacy_unit="example", eps_u=123, noise_groups=groups))
             appender.add("run", corpus.now, lambda seq: run_entry(
-                seq, corpus.now, run_id="t-trial-0", mechanism="dpsgd", device="cpu", precision="fp32", config_sha256=bytes(32), base_model_sha256=bytes(32),
+                seq, corpus.now, run_id="t-trial-0", run_nonce=lease("t-trial-0"), mechanism="dpsgd", device="cpu", precision="fp32", config_sha256=bytes(32), base_model_sha256=bytes(32),
                 adapter_sha256=None))
         ledger.record_tune(tune_id="t", config_sha256=bytes(32), grid_sha256=bytes(32),
                            trials=[("t-trial-0", bytes(32))], selection_sha256=bytes(32), metric="accuracy",

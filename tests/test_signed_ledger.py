@@ -20,7 +20,7 @@ from govtrain.gate.admission import admit
 from govtrain.ledger.checkpoint import sign_checkpoint
 from govtrain.ledger.ledger import Ledger
 from govtrain.verify.verifier import verify_ledger
-from tests.conftest import Corpus, append_runs, snapshot
+from tests.conftest import Corpus, append_runs, snapshot, lease, noise_groups_for
 
 ORIGIN = "test.invalid/govtrain/1"  # TEST_POLICY's origin
 
@@ -346,12 +346,12 @@ def _spend(real: Corpus, contribution: str, *, eps_u: int, epoch: int | None = N
         admission = ledger.store.admission(contribution)
         leaf = ledger.store.entry(admission.seq).leaf_hash
         epoch = ledger.epoch() if epoch is None else epoch
+        groups = noise_groups_for(ledger, [contribution])
         with ledger.append(real.now) as appender:
             appender.add("spend", real.now, lambda seq: spend_entry(
-                seq, real.now, contribution_id=contribution, admit_leaf=leaf, run_id=run_id, epoch=epoch,
-                epoch_steps=epoch_steps, steps=steps,
-                sampling_rate_u=q_u, noise_multiplier_u=sigma_u, accountant=accountant, delta_p=delta_p, privacy_unit="example",
-                eps_u=eps_u))
+                seq, real.now, contribution_id=contribution, admit_leaf=leaf, run_id=run_id, run_nonce=lease(run_id),
+                epoch=epoch, epoch_steps=epoch_steps, steps=steps, sampling_rate_u=q_u, noise_multiplier_u=sigma_u,
+                accountant=accountant, delta_p=delta_p, privacy_unit="example", eps_u=eps_u, noise_groups=groups))
 
 
 def _fake_accountant(name: str, delta_p: int, history) -> int:

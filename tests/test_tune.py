@@ -17,7 +17,7 @@ from govtrain.gate.admission import admit
 from govtrain.ledger.entries import decode_entry, tune_entry
 from govtrain.ledger.ledger import Ledger
 from govtrain.verify.verifier import inspect_ledger, verify_ledger
-from tests.conftest import Corpus, snapshot
+from tests.conftest import Corpus, snapshot, record_spend, lease
 
 
 def _entries(url: str, kind: str) -> list[dict]:
@@ -63,10 +63,10 @@ def _charged_runs(corpus: Corpus, tune_id: str, count: int, *, extra_run: str | 
             for name in ("a", "b") if index % 2 == 0 else ("a",):
                 histories.setdefault(name, []).append((10_000, 1_000_000, 5))
                 spends.append((name, 5, 1_000_000, spend_epsilon_u("prv", ledger.policy.delta_p, histories[name])))
-            ledger.record_spend(ledger.epoch(), 10_000, spends, run_id=run_id, epoch_steps=5, now=corpus.now)
+            record_spend(ledger, ledger.epoch(), 10_000, spends, run_id=run_id, epoch_steps=5, now=corpus.now)
             config = hashlib.sha256(run_id.encode()).digest()
             ledger.record_run(run_id, "dpsgd", config, bytes(32), hashlib.sha256(b"adapter " + run_id.encode()).digest(),
-                              now=corpus.now)
+                              now=corpus.now, run_nonce=lease(run_id))
             ledger.close_epoch(now=corpus.now)
             trials.append((run_id, config))
     return trials[:count]
@@ -158,10 +158,10 @@ def _forge_again(corpus: Corpus, tune_id: str, **changes) -> tuple[int, tuple]:
     run_id = f"{tune_id}-trial-0"
     with corpus.open() as ledger:
         history = [(10_000, 1_000_000, 5)] * 4
-        ledger.record_spend(ledger.epoch(), 10_000, [("a", 5, 1_000_000, spend_epsilon_u("prv", ledger.policy.delta_p,
+        record_spend(ledger, ledger.epoch(), 10_000, [("a", 5, 1_000_000, spend_epsilon_u("prv", ledger.policy.delta_p,
                                                                                           history))],
                             run_id=run_id, epoch_steps=5, now=corpus.now)
-        ledger.record_run(run_id, "dpsgd", bytes(32), bytes(32), bytes(32), now=corpus.now)
+        ledger.record_run(run_id, "dpsgd", bytes(32), bytes(32), bytes(32), now=corpus.now, run_nonce=lease(run_id))
         book = ledger.tune_book()
         eps_u, by_class = book.totals([run_id])
         fields = dict(tune_id=tune_id, config_sha256=bytes(32), grid_sha256=bytes(32),
@@ -178,7 +178,7 @@ def _forge_again(corpus: Corpus, tune_id: str, **changes) -> tuple[int, tuple]:
 def test_spend_by_a_trial_after_its_tune_fails_verification(corpus: Corpus):
     _forge(corpus)
     with corpus.open() as ledger:  # the writer refuses nothing here: the spend rules allow a new epoch
-        ledger.record_spend(ledger.epoch(), 10_000, [("a", 5, 1_000_000, 3_000_000)], run_id="t-trial-7",
+        record_spend(ledger, ledger.epoch(), 10_000, [("a", 5, 1_000_000, 3_000_000)], run_id="t-trial-7",
                             epoch_steps=5, now=corpus.now)
         seq = ledger.size() - 1
     report = inspect_ledger(corpus.url)
@@ -378,8 +378,8 @@ def test_a_killed_search_resumed_with_its_id_charges_what_an_uninterrupted_one_d
     (whole, whole_spend, whole_tune), (killed, killed_spend, killed_tune) = outcomes
     assert len(killed_tune) == 1 and [t["run_id"] for t in killed_tune[0]["trials"]] == ["again-trial-0",
                                                                                           "again-trial-1"]
-    def strip(rows: list[dict]) -> list[dict]:  # the two ledgers differ only in their clocks and admit leaves
-        return [{k: v for k, v in row.items() if k not in ("admit_leaf", "time")} for row in rows]
+    def strip(rows: list[dict]) -> list[dict]:  # the two ledgers differ only in clocks, admit leaves and leases
+        return [{k: v for k, v in row.items() if k not in ("admit_leaf", "time", "run_nonce")} for row in rows]
 
     assert strip(killed_spend) == strip(whole_spend)
     assert killed_tune[0]["eps_by_class"] == whole_tune[0]["eps_by_class"]

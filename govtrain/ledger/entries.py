@@ -49,6 +49,7 @@ SPECS: dict[str, dict[str, type | tuple[type, ...]]] = {
         "contribution_id": str,
         "admit_leaf": bytes,
         "run_id": str,                  # the run that wrote this epoch's spend ahead (it alone trains the epoch)
+        "run_nonce": bytes,             # 16 random bytes: the run's lease on its id (every spend and its run entry)
         "epoch": int,
         "epoch_steps": int,             # the steps that run takes in this ledger epoch
         "steps": int,                   # steps of this epoch in which the contribution is eligible
@@ -58,6 +59,7 @@ SPECS: dict[str, dict[str, type | tuple[type, ...]]] = {
         "delta_p": int,
         "privacy_unit": str,            # the header's: what q samples and eps protects (example, contribution)
         "eps_u": int,                   # cumulative epsilon after this epoch, micro-units, rounded up
+        "noise_groups": list,           # the epoch's noise schedule: NOISE_GROUP maps, sorted by classes
     },
     "withdraw": {**_COMMON, "contribution_id": str, "admit_leaf": bytes, "reason": str},
     "epoch": {**_COMMON, "epoch": int},   # closes ledger epoch `epoch` (numbered from 0)
@@ -75,7 +77,9 @@ SPECS: dict[str, dict[str, type | tuple[type, ...]]] = {
         "range_sha256": bytes,          # SHA-256 over the leaf hashes of every entry this compaction redacts
         "retired": list,                # RETIRED maps, one per contribution of this class, by admit_seq
     },
-    "run": {**_COMMON, "run_id": str, "mechanism": str, "config_sha256": bytes, "base_model_sha256": bytes,
+    "run": {**_COMMON, "run_id": str,
+            "run_nonce": bytes,             # the lease its spend entries carry
+            "mechanism": str, "config_sha256": bytes, "base_model_sha256": bytes,
             "adapter_sha256": (bytes, type(None)),
             "device": str,                  # what computed it: cpu or cuda:N (never what it released)
             "precision": str},              # fp32, or bf16 autocast (norms, clipping, sums and noise in fp32)
@@ -96,6 +100,9 @@ SPECS: dict[str, dict[str, type | tuple[type, ...]]] = {
              "eps_by_class": list},         # CLASS_EPS maps, by class name
 }
 
+# One parameter group of an epoch's noise schedule (DESIGN §5): the classes that reach it and s_g, the largest
+# signed sigma_i * C_i of an eligible contribution reaching it, in pico-units (micro * micro).
+NOISE_GROUP: dict[str, type | tuple[type, ...]] = {"classes": list, "s_pu": int}
 # A tuning trial: the run's id and the SHA-256 of its derived config (the run entry records the same).
 TRIAL: dict[str, type | tuple[type, ...]] = {"run_id": str, "config_sha256": bytes}
 # Per class, the largest cumulative eps_u, after the tune's last trial, of a contribution any trial charged.
@@ -111,9 +118,15 @@ RETIRED: dict[str, type | tuple[type, ...]] = {
     "attestation_sha256": bytes,
     "data_sha256": bytes,
     "records": int,
+    "clip_norm_u": int,                 # its signed bounds: the noise schedule of later epochs still reads them
+    "noise_multiplier_u": int,
     "withdraw_seq": (int, type(None)),
     "entry_seqs": list,                 # ascending, admit_seq first
+    "spends": list,                     # SPENT maps, one per spend entry of it, in order
+    "eps_u": int,                       # its final cumulative epsilon: the last spend's, or 0
 }
+# A spend entry a summary retires: what the rules still read once its body is dropped (tune totals, leases).
+SPENT: dict[str, type | tuple[type, ...]] = {"seq": int, "run_id": str, "run_nonce": bytes, "eps_u": int}
 _DIGESTS = ("descriptor_sha256", "attestation_sha256", "data_sha256")
 
 _TEMPLATES = {kind: cbor.MapTemplate(spec) for kind, spec in SPECS.items()}
@@ -199,6 +212,12 @@ def decode_entry(body: bytes, *, seq: int, kind: str) -> dict:
         check_shape(entry, spec, what=f"entry {seq} ({kind})", error=IntegrityError)
         if kind == "summary":
             _check_retired(entry["retired"], what=f"entry {seq} (summary).retired")
+        if kind == "spend":
+            for index, item in enumerate(entry["noise_groups"]):
+                where = f"entry {seq} (spend).noise_groups[{index}]"
+                check_shape(item, NOISE_GROUP, what=where, error=IntegrityError)
+                if any(type(name) is not str for name in item["classes"]):
+                    raise IntegrityError(Code.WRONG_TYPE, f"{where}.classes must be class names")
         if kind == "tune":
             for name, spec in (("trials", TRIAL), ("eps_by_class", CLASS_EPS)):
                 for index, item in enumerate(entry[name]):
@@ -218,3 +237,5 @@ def _check_retired(retired: list, *, what: str) -> None:
         for position, value in enumerate(item["entry_seqs"]):
             if type(value) is not int or not 0 <= value <= INT63_MAX:
                 raise IntegrityError(Code.WRONG_TYPE, f"{where}.entry_seqs[{position}] must be an unsigned integer")
+        for position, spent in enumerate(item["spends"]):
+            check_shape(spent, SPENT, what=f"{where}.spends[{position}]", error=IntegrityError)

@@ -78,9 +78,9 @@ def authorise_policy_change(seq: int, before: Policy, after: Policy, covering_no
     if after.origin != before.origin:
         raise UnauthorisedPolicy(seq, f"a policy change may not rename the ledger ({before.origin!r} to "
                                       f"{after.origin!r})")
-    if after.unit != before.unit:
-        raise UnauthorisedPolicy(seq, f"a policy change may not change the privacy unit ({before.unit} to "
-                                      f"{after.unit}): every epsilon in the ledger is about one unit")
+    fixed = fixed_terms_changed(before, after)
+    if fixed is not None:
+        raise UnauthorisedPolicy(seq, f"a policy change may not change {fixed}")
     if covering_note is None:
         raise UnauthorisedPolicy(seq, "no checkpoint covers this policy change")
     try:
@@ -89,6 +89,24 @@ def authorise_policy_change(seq: int, before: Policy, after: Policy, covering_no
     except NoteError as e:
         raise UnauthorisedPolicy(seq, f"the checkpoint that first covers this policy change is not signed by a "
                                       f"ledger key of the policy before it and one of the new policy ({e.detail})") from e
+
+
+def fixed_terms_changed(before: Policy, after: Policy) -> str | None:
+    """What a policy change may not alter, named, or None. The privacy unit, delta and accountant are the
+    terms every contribution signed its budget under: each spend is accounted at the ledger's one delta with
+    its one accountant, so raising delta (or moving to an accountant that reads the same history as cheaper)
+    would let a contribution take steps its signed budget forbade under the rules it was admitted under.
+    Start a new ledger for other terms."""
+    if after.unit != before.unit:
+        return (f"the privacy unit ({before.unit} to {after.unit}): every epsilon in the ledger is about one "
+                "unit")
+    if after.delta_p != before.delta_p:
+        return (f"delta ({before.delta_p / 1e12:g} to {after.delta_p / 1e12:g}): every budget was signed, and "
+                "every spend is accounted, at the ledger's delta")
+    if after.accountant != before.accountant:
+        return (f"the accountant ({before.accountant} to {after.accountant}): every budget was signed, and every "
+                "spend is accounted, under the ledger's accountant")
+    return None
 
 
 def policy_chain(store: ledger_store.LedgerStore, header: dict) -> list[tuple[int, Policy]]:
@@ -371,9 +389,10 @@ class Ledger:
         old_policy, old_key, old_path = self.policy, self.signing_key(), self._key_path
         if policy.origin != old_policy.origin:
             raise ConfigError(Code.POLICY_INVALID, f"a policy change keeps the ledger's origin ({old_policy.origin!r})")
-        if policy.unit != old_policy.unit:
-            raise ConfigError(Code.POLICY_INVALID, f"a policy change keeps the ledger's privacy unit "
-                                                   f"({old_policy.unit}); start a new ledger for another unit")
+        fixed = fixed_terms_changed(old_policy, policy)
+        if fixed is not None:
+            raise ConfigError(Code.POLICY_INVALID, f"a policy change may not change {fixed}; start a new ledger "
+                                                   "for other terms")
         authority = (old_key, self._key_name(old_key))
         new_key = _load_ledger_key(key, policy) if key is not None else old_key
         if raw_public_key(new_key.public_key()) not in {k.public_key for k in policy.ledger_keys}:
@@ -418,13 +437,16 @@ class Ledger:
         return stored
 
     def record_spend(self, epoch: int, sampling_rate_u: int, spends: "Sequence[tuple[str, int, int, int]]", *,
-                     run_id: str, epoch_steps: int, now: int | None = None) -> list[ledger_store.StoredEntry]:
-        """Write ahead one ledger epoch's spend for run `run_id`, which takes `epoch_steps` steps in it
-        (DESIGN §5): for each (contribution_id, steps, sigma_eff_u, eps_u), a `spend` entry, all in one
+                     run_id: str, run_nonce: bytes, epoch_steps: int, noise_groups: "Sequence[dict]",
+                     now: int | None = None) -> list[ledger_store.StoredEntry]:
+        """Write ahead one ledger epoch's spend for run `run_id` (holding the lease `run_nonce`), which takes
+        `epoch_steps` steps in it (DESIGN §5): for each (contribution_id, steps, sigma_eff_u, eps_u), a `spend`
+        entry recording the epoch's schedule `noise_groups` (`spend_rules.noise_groups_record`), all in one
         transaction with the checkpoint that covers them, before any of the epoch's steps run. Refuses the
         whole batch (writing nothing) if any record breaks a rule the verifier applies: unknown, withdrawn or
-        compacted contribution, a multiplier below the signed one, a cumulative epsilon that falls or exceeds
-        the signed budget, or a rule of `spend_rules` (another run holds the epoch: `epoch_held`)."""
+        compacted contribution, a multiplier below the signed one or above what the schedule implies, a
+        cumulative epsilon that falls or exceeds the signed budget, or a rule of `spend_rules` (another run
+        holds the epoch: `epoch_held`; another run holds the id: `run_id_taken`)."""
         now = int(_time.time()) if now is None else now
         policy = self.policy
         if policy.sampling_rate_u is not None and sampling_rate_u != policy.sampling_rate_u:
@@ -466,15 +488,15 @@ class Ledger:
                     raise RejectedError(Code.ALREADY_WITHDRAWN, f"{contribution_id!r} was withdrawn: no more spend")
                 if contribution_id in retired:
                     raise RejectedError(Code.REDACTED, f"{contribution_id!r} was retired by a retention summary")
-                fields = dict(contribution_id=contribution_id, admit_leaf=leaf, run_id=run_id, epoch=epoch,
-                              epoch_steps=epoch_steps, steps=steps, sampling_rate_u=sampling_rate_u,
+                fields = dict(contribution_id=contribution_id, admit_leaf=leaf, run_id=run_id, run_nonce=run_nonce,
+                              epoch=epoch, epoch_steps=epoch_steps, steps=steps, sampling_rate_u=sampling_rate_u,
                               noise_multiplier_u=sigma_u, accountant=policy.accountant, delta_p=policy.delta_p,
-                              privacy_unit=policy.privacy_unit, eps_u=eps_u)
+                              privacy_unit=policy.privacy_unit, eps_u=eps_u, noise_groups=list(noise_groups))
                 try:
                     book.check(fields, ledger_epoch=ledger_epoch, steps_per_epoch=policy.steps_per_epoch,
-                               min_rate_u=floor)
+                               min_rate_u=floor, classes=policy.classes)
                 except SpendRuleError as e:
-                    error = RejectedError if e.code in (Code.EPOCH_HELD, Code.BUDGET_EXCEEDED) else ConfigError
+                    error = RejectedError if e.code in _REJECTED else ConfigError
                     raise error(e.code, e.detail) from e
                 book.add(fields)
                 stored.append(appender.add("spend", t, functools.partial(_spend_at, now=t, fields=fields)))
@@ -486,31 +508,50 @@ class Ledger:
 
     def _spend_state(self) -> tuple[SpendBook, int, set[str]]:
         """(the spend book, sampling units (examples, or contributions) of the contributions admitted and not
-        withdrawn, the withdrawn ids)."""
+        withdrawn, the withdrawn ids). Entries retention redacted count as their summary recorded them."""
         book, records, withdrawn = SpendBook(), {}, set()
-        for stored in self.store.entries(start=1, kinds=("admit", "spend", "withdraw")):
+        redacted = retention.Redacted.read(self.store)
+        epoch = 0
+        for stored in self.store.entries(start=1, kinds=("admit", "spend", "withdraw", "epoch", "summary", "run")):
+            kind = stored.kind
             if stored.body is None:
+                if kind == "admit" and stored.seq in redacted.admits:
+                    r = redacted.admits[stored.seq]
+                    records[r["contribution_id"]] = r["records"]
+                    book.admit(r["contribution_id"], r["data_class"], r["clip_norm_u"], r["noise_multiplier_u"])
+                elif kind == "withdraw" and stored.seq in redacted.withdrawals:
+                    withdrawn.add(redacted.withdrawals[stored.seq]["contribution_id"])
+                    book.remove(redacted.withdrawals[stored.seq]["contribution_id"], epoch)
+                elif kind == "spend" and stored.seq in redacted.spends:
+                    spent = redacted.spends[stored.seq][1]
+                    book.lease(spent["run_id"], spent["run_nonce"])
                 continue
-            entry = decode_entry(stored.body, seq=stored.seq, kind=stored.kind)
-            if stored.kind == "spend":
-                book.add(entry)
-            elif stored.kind == "admit":
+            entry = decode_entry(stored.body, seq=stored.seq, kind=kind)
+            if kind == "epoch":
+                epoch += 1
+            elif kind == "admit":
                 records[entry["contribution_id"]] = entry["records"]
-            else:
+                book.admit(entry["contribution_id"], entry["data_class"], entry["clip_norm_u"],
+                           entry["noise_multiplier_u"])
+            elif kind == "withdraw":
                 withdrawn.add(entry["contribution_id"])
-        for _, summary in retention.read_summaries(self.store):  # retired ones count as their summary says
-            for retired in summary["retired"]:
-                records.setdefault(retired["contribution_id"], retired["records"])
-                if retired["withdraw_seq"] is not None:
-                    withdrawn.add(retired["contribution_id"])
+                book.remove(entry["contribution_id"], epoch)
+            elif kind == "summary":
+                for r in entry["retired"]:
+                    book.remove(r["contribution_id"], epoch)
+            elif kind == "spend":
+                book.add(entry)
+            else:
+                book.add_run(entry)
         units = self.policy.sampling_units
         return book, sum(units(n) for cid, n in records.items() if cid not in withdrawn), withdrawn
 
     def record_run(self, run_id: str, mechanism: str, config_sha256: bytes, base_model_sha256: bytes,
-                   adapter_sha256: bytes | None, now: int | None = None, *, device: str = "cpu",
+                   adapter_sha256: bytes | None, now: int | None = None, *, run_nonce: bytes, device: str = "cpu",
                    precision: str = "fp32") -> ledger_store.StoredEntry:
         """Append a `run` entry: what a training run was (config, base model, the device and precision that
-        computed it) and what it produced."""
+        computed it) and what it produced. It ends the run's lease on its id: refused (`run_id_taken`, nothing
+        written) where the id already has a run entry or its spend carries another nonce than `run_nonce`."""
         from govtrain.mechanisms import MECHANISMS
 
         if mechanism not in MECHANISMS:
@@ -520,8 +561,12 @@ class Ledger:
         now = int(_time.time()) if now is None else now
         with self.append(now) as appender:
             t = self.dated(appender, now)
+            try:
+                self.spend_book().check_run({"run_id": run_id, "run_nonce": run_nonce})
+            except SpendRuleError as e:
+                raise (RejectedError if e.code in _REJECTED else ConfigError)(e.code, e.detail) from e
             return appender.add("run", t, lambda seq: run_entry(
-                seq, t, run_id=run_id, mechanism=mechanism, config_sha256=config_sha256,
+                seq, t, run_id=run_id, run_nonce=run_nonce, mechanism=mechanism, config_sha256=config_sha256,
                 base_model_sha256=base_model_sha256, adapter_sha256=adapter_sha256, device=device,
                 precision=precision))
 
@@ -531,9 +576,15 @@ class Ledger:
         for row in self.store.admissions():  # retired ones too: their index rows stay
             book.admit(row.data_sha256)
             classes[row.contribution_id] = row.data_class
+        redacted = retention.Redacted.read(self.store)
         for stored in self.store.entries(start=1, kinds=("spend", "run", "tune")):
-            if stored.body is None:
-                book.partial = True  # a spend retention redacted
+            if stored.body is None:  # a spend retention redacted: as its summary recorded it
+                if stored.seq not in redacted.spends:
+                    raise IntegrityError(Code.BAD_SUMMARY, f"spend entry {stored.seq} was redacted, but no summary "
+                                                           "records its run and epsilon: no tune total can be stated "
+                                                           "over it; run govtrain-verify")
+                r, spent = redacted.spends[stored.seq]
+                book.spend({**spent, "contribution_id": r["contribution_id"]}, r["data_class"])
                 continue
             entry = decode_entry(stored.body, seq=stored.seq, kind=stored.kind)
             if stored.kind == "spend":
@@ -617,6 +668,9 @@ class Ledger:
             retention.check_unfinished(self.store, summaries, rows)
             appender.redact(sorted(rows))
         return [rows[seq] for seq in sorted(rows)]
+
+
+_REJECTED = (Code.EPOCH_HELD, Code.BUDGET_EXCEEDED, Code.RUN_ID_TAKEN)  # a request refused, not a bad argument
 
 
 class _NothingToRetire(Exception):

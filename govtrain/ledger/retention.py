@@ -48,9 +48,14 @@ def _digest(leaves: Iterable[bytes]) -> bytes:
 
 
 def retired_record(entries: Sequence[Summarized]) -> dict:
-    """The `retired` map of one contribution, from its entries' bodies (its admit entry first)."""
+    """The `retired` map of one contribution, from its entries' bodies (its admit entry first). Besides what
+    its admit committed to, it keeps what the spend rules still read once the bodies are gone: its signed
+    sigma and C (the noise schedule's bound), each spend's run, lease and cumulative epsilon (a later tune's
+    total, the run-id lease) and its final cumulative epsilon."""
     admit = entries[0].entry
     withdrawals = [e.seq for e in entries if e.entry["kind"] == "withdraw"]
+    spends = [{"seq": e.seq, "run_id": e.entry["run_id"], "run_nonce": e.entry["run_nonce"], "eps_u": e.entry["eps_u"]}
+              for e in entries if e.entry["kind"] == "spend"]
     return {
         "contribution_id": admit["contribution_id"],
         "data_class": admit["data_class"],
@@ -59,8 +64,12 @@ def retired_record(entries: Sequence[Summarized]) -> dict:
         "attestation_sha256": admit["attestation_sha256"],
         "data_sha256": admit["data_sha256"],
         "records": admit["records"],
+        "clip_norm_u": admit["clip_norm_u"],
+        "noise_multiplier_u": admit["noise_multiplier_u"],
         "withdraw_seq": withdrawals[-1] if withdrawals else None,
         "entry_seqs": [e.seq for e in entries],
+        "spends": spends,
+        "eps_u": spends[-1]["eps_u"] if spends else 0,
     }
 
 
@@ -115,6 +124,12 @@ def check_structure(summary: dict) -> None:
             raise _bad(f"{where}.entry_seqs reach outside first_seq..last_seq ({first}..{last})")
         if r["withdraw_seq"] is not None and (len(seqs) < 2 or r["withdraw_seq"] != seqs[-1]):
             raise _bad(f"{where}.withdraw_seq must be its last entry: nothing follows a withdrawal")
+        spends = r["spends"]
+        if [s["seq"] for s in spends] != [s for s in seqs[1:] if s != r["withdraw_seq"]]:
+            raise _bad(f"{where}.spends must list every entry after its admit but the withdrawal, in order")
+        if any(a["eps_u"] > b["eps_u"] for a, b in zip(spends, spends[1:])) or \
+                r["eps_u"] != (spends[-1]["eps_u"] if spends else 0):
+            raise _bad(f"{where}: cumulative epsilon falls along its spends, or eps_u is not the last one's")
     counts = {"entries": sum(len(r["entry_seqs"]) for r in retired), "admitted": len(retired),
               "withdrawn": sum(1 for r in retired if r["withdraw_seq"] is not None)}
     for name, value in counts.items():
@@ -319,3 +334,28 @@ class RetiredKeys:
 
     def __contains__(self, contribution_id: str) -> bool:
         return ("contribution_id", contribution_id) in self.keys
+
+
+@dataclass(frozen=True, slots=True)
+class Redacted:
+    """What the summaries committed to about each entry they retire, by seq: what the spend and tune rules
+    still read once a body is dropped."""
+
+    admits: dict[int, dict]  # admit seq -> its `retired` map
+    withdrawals: dict[int, dict]  # withdraw seq -> the `retired` map of the contribution it withdrew
+    spends: dict[int, tuple[dict, dict]]  # spend seq -> (the `retired` map, the SPENT map of that spend)
+
+    @classmethod
+    def of(cls, records: Iterable[dict]) -> "Redacted":
+        admits, withdrawals, spends = {}, {}, {}
+        for r in records:
+            admits.setdefault(r["admit_seq"], r)
+            if r["withdraw_seq"] is not None:
+                withdrawals.setdefault(r["withdraw_seq"], r)
+            for spent in r["spends"]:
+                spends.setdefault(spent["seq"], (r, spent))
+        return cls(admits, withdrawals, spends)
+
+    @classmethod
+    def read(cls, store: ledger_store.LedgerStore) -> "Redacted":
+        return cls.of(r for _, summary in read_summaries(store) for r in summary["retired"])

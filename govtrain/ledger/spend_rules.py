@@ -1,25 +1,39 @@
-"""The rules a `spend` entry must meet given the spend entries before it (DESIGN §5-6), in one place:
-`Ledger.record_spend` refuses a batch that breaks them and the verifier fails an entry that does.
+"""The rules a `spend` or `run` entry must meet given the entries before it (DESIGN §5-6), in one place:
+`Ledger.record_spend` and `Ledger.record_run` refuse what breaks them and the verifier fails an entry that does.
 
 A ledger epoch's spend is written ahead by one run, in one transaction: every spend of an epoch names
-that run and the number of steps it will run in the epoch (`epoch_steps`). Then:
+that run, its lease, the number of steps it will run in the epoch (`epoch_steps`) and the epoch's noise
+schedule (`noise_groups`). Then:
 
-1. One run holds an epoch. A second run (or the same config restarted without its state) plans the next
+1. A run id is a one-time lease. A run draws a random `run_nonce` when it starts (kept in its run state, so
+   that a killed run resumes under it): every spend and the run entry of one run id carry that nonce, a run
+   id has at most one run entry, and no spend of it follows its run entry. Two runs started with one id
+   cannot both train on one run's write-ahead.
+2. One run holds an epoch. A second run (or the same config restarted without its state) plans the next
    epoch; it never trains on another run's write-ahead, which did not charge its steps.
-2. 1 ≤ steps ≤ epoch_steps ≤ the policy's steps_per_epoch. A contribution is charged for fewer steps than
+3. 1 ≤ steps ≤ epoch_steps ≤ the policy's steps_per_epoch. A contribution is charged for fewer steps than
    the epoch has only where it retires (its budget allows no more), and is never charged again.
-3. A run's epochs all have the length of its first one, but for its last, which may be shorter (the run
+4. A run's epochs all have the length of its first one, but for its last, which may be shorter (the run
    ends); after a shorter epoch the run writes no more spend.
-4. Under a policy that sets an expected batch size B rather than q, q is at least B over the records of
+5. Under a policy that sets an expected batch size B rather than q, q is at least B over the records of
    the contributions admitted and not withdrawn at that point: no run samples below that.
-5. Per contribution: one spend per epoch, in the epoch the ledger is in, and cumulative ε never falls.
+6. Per contribution: one spend per epoch, in the epoch the ledger is in, and cumulative ε never falls.
+7. The noise schedule (DESIGN §5) bounds σ_eff from public metadata alone. Every spend of an epoch records
+   the same groups, each as the classes that reach it and s_g (pico-units); s_g is at most the largest signed
+   σ_j·C_j of a contribution *live at the epoch's start* (admitted, and not withdrawn, retired by retention or
+   retired by its budget before the epoch began) whose class is one of the group's; and a spend's σ_eff is at
+   most min over the groups its class reaches of s_g / C_i. So an operator cannot charge less than the noise
+   the signed bounds justify: σ_eff = 100 where the live contributions imply 1 is refused.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Collection, Iterable, Mapping
 
 from govtrain.errors import Code
+
+NONCE_BYTES = 16
 
 
 def min_sampling_rate_u(expected_batch_size: int, records: int) -> int:
@@ -27,6 +41,12 @@ def min_sampling_rate_u(expected_batch_size: int, records: int) -> int:
     if records <= 0:
         return 1_000_001  # nothing can be sampled at any rate
     return -(-expected_batch_size * 1_000_000 // records)
+
+
+def noise_groups_record(group_noise_pu: Mapping[frozenset, int]) -> list[dict]:
+    """The schedule's s_g (signature -> pico-units) as a spend entry's `noise_groups`: sorted by classes."""
+    return sorted(({"classes": sorted(signature), "s_pu": s_pu} for signature, s_pu in group_noise_pu.items()),
+                  key=lambda group: group["classes"])
 
 
 class SpendRuleError(Exception):
@@ -43,55 +63,185 @@ class _Charged:
 
 
 @dataclass
-class SpendBook:
-    """The state the rules read, built by feeding every spend entry in ledger order to `add`."""
+class _Signed:
+    """What a contribution signed that the noise schedule reads, and when it stopped being live."""
 
-    holders: dict[int, tuple[str, int]] = field(default_factory=dict)  # epoch -> (run_id, epoch_steps)
-    runs: dict[str, tuple[int, bool]] = field(default_factory=dict)  # run -> (first epoch_steps, ended)
+    data_class: str
+    clip_u: int
+    noise_pu: int  # sigma_u * C_u
+    removed: int | None = None  # the epoch during which it was withdrawn or retired by retention
+
+
+@dataclass
+class SpendBook:
+    """The state the rules read, built by feeding every admit, withdraw, summary, spend and run entry in ledger
+    order (`admit`, `remove`, `add`, `add_run`; a spend that retention redacted feeds only its lease, `lease`)."""
+
+    holders: dict[int, tuple[str, bytes, int]] = field(default_factory=dict)  # epoch -> (run_id, nonce, epoch_steps)
+    runs: dict[str, tuple[int, bool]] = field(default_factory=dict)  # run -> (first epoch_steps, ended short)
     charged: dict[str, _Charged] = field(default_factory=dict)  # contribution -> its latest spend
     rates: dict[int, set[int]] = field(default_factory=dict)  # epoch -> the sampling rates its spend charged
+    leases: dict[str, bytes] = field(default_factory=dict)  # run id -> the nonce its spend carries
+    finished: dict[str, bytes] = field(default_factory=dict)  # run id -> the nonce of its run entry
+    signed: dict[str, _Signed] = field(default_factory=dict)  # contribution -> its signed bounds
+    schedules: dict[int, list[dict]] = field(default_factory=dict)  # epoch -> its noise_groups
+    _top: tuple[int, dict[str, int]] | None = None  # (epoch, class -> largest live sigma*C at its start)
 
-    def check(self, entry: dict, *, ledger_epoch: int, steps_per_epoch: int, min_rate_u: int | None) -> None:
-        """Raise `SpendRuleError` if `entry` (a decoded spend, or its fields) breaks a rule."""
-        epoch, run, length, steps = entry["epoch"], entry["run_id"], entry["epoch_steps"], entry["steps"]
-        cid = entry["contribution_id"]
-        if epoch != ledger_epoch:
-            raise SpendRuleError(Code.BAD_ARGUMENT, f"spend for epoch {epoch} while the ledger is in epoch {ledger_epoch}")
-        holder = self.holders.get(epoch)
-        if holder is not None and holder[0] != run:
-            raise SpendRuleError(Code.EPOCH_HELD, f"run {holder[0]!r} already wrote the spend of ledger epoch {epoch}; "
-                                                  f"run {run!r} must plan the next epoch")
-        if holder is not None and holder[1] != length:
-            raise SpendRuleError(Code.BAD_ARGUMENT, f"epoch {epoch} has {holder[1]} steps in its other spend entries, "
-                                                    f"not {length}")
-        if not 1 <= steps <= length <= steps_per_epoch:
-            raise SpendRuleError(Code.BAD_ARGUMENT, f"{cid!r}: {steps} steps of a {length}-step epoch: need "
-                                                    f"1 <= steps <= epoch steps <= {steps_per_epoch}")
-        first_length, ended = self.runs.get(run, (length, False))
-        if holder is None and (ended or length > first_length):
-            raise SpendRuleError(Code.BAD_ARGUMENT, f"run {run!r} ended with a shorter epoch, or its epochs grew past "
-                                                    f"its first one's {first_length} steps")
-        if min_rate_u is not None and entry["sampling_rate_u"] < min_rate_u:
-            raise SpendRuleError(Code.BAD_ARGUMENT, f"sampling rate {entry['sampling_rate_u']} is below "
-                                                    f"{min_rate_u}, the expected batch size over the records of the "
-                                                    "contributions admitted and not withdrawn")
-        last = self.charged.get(cid)
-        if last is not None and last.retired:
-            raise SpendRuleError(Code.BUDGET_EXCEEDED, f"{cid!r} retired in epoch {last.epoch}: no more spend")
-        if last is not None and (last.epoch == epoch or entry["eps_u"] < last.eps_u):
-            raise SpendRuleError(Code.BUDGET_EXCEEDED, f"{cid!r}: spend already written for epoch {epoch}, or epsilon "
-                                                       f"{entry['eps_u']} below the recorded {last.eps_u}")
+    # -- feeding -------------------------------------------------------------------------------------
+
+    def admit(self, contribution_id: str, data_class: str, clip_norm_u: int, noise_multiplier_u: int) -> None:
+        signed = _Signed(data_class, clip_norm_u, noise_multiplier_u * clip_norm_u)
+        self.signed[contribution_id] = signed
+        if self._top is not None:  # admitted mid-epoch: it may be charged, and its bound counts, this epoch
+            top = self._top[1]
+            top[data_class] = max(top.get(data_class, 0), signed.noise_pu)
+
+    def remove(self, contribution_id: str, epoch: int) -> None:
+        """Withdrawn, or retired by a retention summary, during `epoch`: the epoch's schedule, fixed at its
+        start, may still count it; later epochs may not."""
+        signed = self.signed.get(contribution_id)
+        if signed is not None and signed.removed is None:
+            signed.removed = epoch
+
+    def lease(self, run_id: str, nonce: bytes) -> None:
+        """A spend of `run_id` whose body retention dropped, as its summary recorded it."""
+        self.leases.setdefault(run_id, nonce)
 
     def add(self, entry: dict) -> None:
         epoch, run, length = entry["epoch"], entry["run_id"], entry["epoch_steps"]
         if epoch not in self.holders:
             first_length, _ = self.runs.get(run, (length, False))
             self.runs[run] = (first_length, length < first_length)
-            self.holders[epoch] = (run, length)
+            self.holders[epoch] = (run, entry["run_nonce"], length)
+        self.leases.setdefault(run, entry["run_nonce"])
+        self.schedules.setdefault(epoch, entry["noise_groups"])
         self.rates.setdefault(epoch, set()).add(entry["sampling_rate_u"])
         self.charged[entry["contribution_id"]] = _Charged(epoch, entry["eps_u"], entry["steps"] < length)
 
-    def holder(self, epoch: int) -> str | None:
-        """The run that wrote `epoch`'s spend, if any."""
+    def add_run(self, entry: dict) -> None:
+        self.finished[entry["run_id"]] = entry["run_nonce"]
+
+    # -- queries -------------------------------------------------------------------------------------
+
+    def holder(self, epoch: int) -> tuple[str, bytes] | None:
+        """(run id, nonce) of the run that wrote `epoch`'s spend, if any."""
         held = self.holders.get(epoch)
-        return held[0] if held is not None else None
+        return held[:2] if held is not None else None
+
+    def used(self, run_id: str) -> bool:
+        """Whether `run_id` already wrote spend or a run entry: a fresh run may not take it."""
+        return run_id in self.leases or run_id in self.finished
+
+    def live_noise_pu(self, epoch: int) -> dict[str, int]:
+        """Per class, the largest signed sigma*C (pico-units) of a contribution live at `epoch`'s start."""
+        if self._top is None or self._top[0] != epoch:
+            top: dict[str, int] = {}
+            for cid, signed in self.signed.items():
+                charged = self.charged.get(cid)
+                if (signed.removed is not None and signed.removed < epoch) or \
+                        (charged is not None and charged.retired and charged.epoch < epoch):
+                    continue
+                top[signed.data_class] = max(top.get(signed.data_class, 0), signed.noise_pu)
+            self._top = (epoch, top)
+        return self._top[1]
+
+    # -- the rules -----------------------------------------------------------------------------------
+
+    def check(self, entry: dict, *, ledger_epoch: int, steps_per_epoch: int, min_rate_u: int | None,
+              classes: Collection[str]) -> None:
+        """Raise `SpendRuleError` if `entry` (a decoded spend, or its fields) breaks a rule. `classes`: the
+        policy's class names."""
+        epoch, run, length, steps = entry["epoch"], entry["run_id"], entry["epoch_steps"], entry["steps"]
+        cid = entry["contribution_id"]
+        if epoch != ledger_epoch:
+            raise SpendRuleError(Code.BAD_ARGUMENT, f"spend for epoch {epoch} while the ledger is in epoch {ledger_epoch}")
+        self._check_lease(run, entry["run_nonce"])  # 1.
+        holder = self.holders.get(epoch)  # 2.
+        if holder is not None and holder[0] != run:
+            raise SpendRuleError(Code.EPOCH_HELD, f"run {holder[0]!r} already wrote the spend of ledger epoch {epoch}; "
+                                                  f"run {run!r} must plan the next epoch")
+        if holder is not None and holder[2] != length:
+            raise SpendRuleError(Code.BAD_ARGUMENT, f"epoch {epoch} has {holder[2]} steps in its other spend entries, "
+                                                    f"not {length}")
+        if not 1 <= steps <= length <= steps_per_epoch:  # 3.
+            raise SpendRuleError(Code.BAD_ARGUMENT, f"{cid!r}: {steps} steps of a {length}-step epoch: need "
+                                                    f"1 <= steps <= epoch steps <= {steps_per_epoch}")
+        first_length, ended = self.runs.get(run, (length, False))  # 4.
+        if holder is None and (ended or length > first_length):
+            raise SpendRuleError(Code.BAD_ARGUMENT, f"run {run!r} ended with a shorter epoch, or its epochs grew past "
+                                                    f"its first one's {first_length} steps")
+        if min_rate_u is not None and entry["sampling_rate_u"] < min_rate_u:  # 5.
+            raise SpendRuleError(Code.BAD_ARGUMENT, f"sampling rate {entry['sampling_rate_u']} is below "
+                                                    f"{min_rate_u}, the expected batch size over the records of the "
+                                                    "contributions admitted and not withdrawn")
+        last = self.charged.get(cid)  # 6.
+        if last is not None and last.retired:
+            raise SpendRuleError(Code.BUDGET_EXCEEDED, f"{cid!r} retired in epoch {last.epoch}: no more spend")
+        if last is not None and (last.epoch == epoch or entry["eps_u"] < last.eps_u):
+            raise SpendRuleError(Code.BUDGET_EXCEEDED, f"{cid!r}: spend already written for epoch {epoch}, or epsilon "
+                                                       f"{entry['eps_u']} below the recorded {last.eps_u}")
+        self._check_schedule(entry, classes)  # 7.
+
+    def check_run(self, entry: dict) -> None:
+        """Raise `SpendRuleError` if a run entry (decoded, or its fields) breaks rule 1."""
+        run = entry["run_id"]
+        if run in self.finished:
+            raise SpendRuleError(Code.RUN_ID_TAKEN, f"run {run!r} already has a run entry: a run id is used once")
+        self._check_lease(run, entry["run_nonce"])
+
+    def _check_lease(self, run: str, nonce: bytes) -> None:
+        if len(nonce) != NONCE_BYTES:
+            raise SpendRuleError(Code.BAD_ARGUMENT, f"run {run!r}: run_nonce must be {NONCE_BYTES} bytes")
+        if run in self.finished:
+            raise SpendRuleError(Code.RUN_ID_TAKEN, f"run {run!r} already recorded its run entry: no spend follows it")
+        held = self.leases.get(run)
+        if held is not None and held != nonce:
+            raise SpendRuleError(Code.RUN_ID_TAKEN, f"run id {run!r} is held by another run (its spend carries another "
+                                                    "lease nonce): two runs may not share an id; give this one another "
+                                                    "training.run_id")
+
+    def _check_schedule(self, entry: dict, classes: Collection[str]) -> None:
+        epoch, cid, groups = entry["epoch"], entry["contribution_id"], entry["noise_groups"]
+        signed = self.signed.get(cid)
+        if signed is None:
+            raise SpendRuleError(Code.BAD_ARGUMENT, f"{cid!r}: spend for a contribution not admitted before it")
+        earlier = self.schedules.get(epoch)
+        if earlier is not None:
+            if groups != earlier:
+                raise SpendRuleError(Code.BAD_ARGUMENT, f"{cid!r}: its noise_groups differ from those of the other "
+                                                        f"spend entries of epoch {epoch}: an epoch has one schedule")
+        else:
+            _check_groups(groups, classes)
+            top = self.live_noise_pu(epoch)
+            for group in groups:
+                bound = max((top.get(name, 0) for name in group["classes"]), default=0)
+                if group["s_pu"] > bound:
+                    raise SpendRuleError(Code.BAD_ARGUMENT, f"noise group {'+'.join(group['classes'])}: s_g "
+                                                            f"{group['s_pu']} (pico) exceeds {bound}, the largest signed "
+                                                            "sigma*C of a contribution live at the epoch's start whose "
+                                                            "class reaches it")
+        reached = [group["s_pu"] for group in groups if signed.data_class in group["classes"]]
+        if not reached:
+            raise SpendRuleError(Code.BAD_ARGUMENT, f"{cid!r}: no noise group of epoch {epoch} is reached by its class "
+                                                    f"{signed.data_class!r}")
+        implied = min(reached) // signed.clip_u
+        if entry["noise_multiplier_u"] > implied:
+            raise SpendRuleError(Code.BAD_ARGUMENT, f"{cid!r}: sigma_eff {entry['noise_multiplier_u']} (micro) exceeds "
+                                                    f"{implied}, min over its class's noise groups of s_g / C: the "
+                                                    "schedule does not imply that much noise")
+
+
+def _check_groups(groups: Iterable[dict], classes: Collection[str]) -> None:
+    groups = list(groups)
+    if not groups:
+        raise SpendRuleError(Code.BAD_ARGUMENT, "noise_groups is empty: a charged contribution's noise must be recorded")
+    for group in groups:
+        names = group["classes"]
+        if not names or names != sorted(set(names)) or any(name not in classes for name in names):
+            raise SpendRuleError(Code.BAD_ARGUMENT, f"noise group {names!r}: classes must be the policy's, sorted, "
+                                                    "each once")
+        if group["s_pu"] <= 0:
+            raise SpendRuleError(Code.BAD_ARGUMENT, f"noise group {'+'.join(names)}: s_g must be positive")
+    keys = [group["classes"] for group in groups]
+    if keys != sorted(keys) or len({tuple(k) for k in keys}) != len(keys):
+        raise SpendRuleError(Code.BAD_ARGUMENT, "noise_groups must be sorted by classes, each group once")

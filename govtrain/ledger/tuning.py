@@ -15,9 +15,10 @@ charged, and the rules tie that statement to the ledger:
    spend; no spend names a trial of a recorded tune after it, listed or not (the total would no longer hold).
 3. The selection file is no admitted contribution's data.
 4. The selected run is one of the trials, with the adapter hash its run entry recorded (or both null).
-5. `eps_by_class` and `eps_u` are exactly what the spend entries before the tune imply. Where retention
-   redacted a spend entry before the tune its run is unknown, and the stated totals must be at least what
-   the remaining entries imply (the full check was possible before the redaction, against a checkpoint).
+5. `eps_by_class` and `eps_u` are exactly what the spend entries before the tune imply. A spend entry that
+   retention redacted counts as its summary recorded it (`retired[].spends`: its run and cumulative ε), so
+   a tune recorded after a compaction states the same totals as before it; a redacted spend no summary
+   records refuses the tune.
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ class TuneBook:
     data: set[bytes] = field(default_factory=set)  # admitted data digests
     tunes: dict[str, int] = field(default_factory=dict)  # tune id -> seq
     tuned: dict[str, str] = field(default_factory=dict)  # trial run id -> its tune id
-    partial: bool = False  # a spend entry was redacted: its run and epsilon are unknown
 
     def admit(self, data_sha256: bytes) -> None:
         self.data.add(data_sha256)
@@ -120,7 +120,7 @@ class TuneBook:
                 raise bad(f"trial run {run_id!r} has {len(recorded)} run entries before the tune; it needs exactly one")
             if recorded[0][0] != trial["config_sha256"]:
                 raise bad(f"trial run {run_id!r}: its run entry records another config than the tune lists")
-            if not self.charged.get(run_id) and not self.partial:
+            if not self.charged.get(run_id):
                 raise bad(f"trial run {run_id!r} wrote no spend")
             run_ids.append(run_id)
         omitted = sorted(run for run in {*self.runs, *self.charged} if run not in run_ids
@@ -148,12 +148,7 @@ class TuneBook:
             raise bad("eps_by_class must list each class once, sorted by name")
         if entry["eps_u"] != max((item["eps_u"] for item in stated), default=0):
             raise bad(f"eps_u {entry['eps_u']} is not the largest of its eps_by_class")
-        if self.partial:
-            recomputed = {item["data_class"]: item["eps_u"] for item in by_class}
-            given = {item["data_class"]: item["eps_u"] for item in stated}
-            if any(given.get(name, -1) < value for name, value in recomputed.items()):
-                raise bad(f"states epsilon {given} below what its trials' spend entries imply ({recomputed})")
-        elif entry["eps_u"] != eps_u or stated != by_class:
+        if entry["eps_u"] != eps_u or stated != by_class:
             raise bad(f"states epsilon {entry['eps_u']} ({_show(stated)}) but its trials' spend entries imply "
                       f"{eps_u} ({_show(by_class)})")
 

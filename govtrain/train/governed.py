@@ -95,12 +95,15 @@ class GovernedRun:
 
         config = run_config(config)
         ledger = Ledger.open(ledger_url, key=key)
+        run = None
         try:
             run = Run(config, ledger, insecure_seed=insecure_seed, log=log, now=now, checkpoint_every=checkpoint_every,
                       observe=observe)
             run.prepare()
             return cls(run, ledger, on_step=on_step)
         except BaseException:
+            if run is not None:
+                run.release()
             ledger.close()
             raise
 
@@ -122,6 +125,7 @@ class GovernedRun:
         for hook in self._hooks:
             hook.remove()
         self._run.router.close()
+        self._run.release()
         self._ledger.close()
 
     # -- what the run holds ----------------------------------------------------------------------------

@@ -21,12 +21,15 @@ from pathlib import Path
 from typing import Callable
 
 from govtrain import units
-from govtrain.errors import Code, ConfigError, GovtrainError
+from govtrain.errors import Code, ConfigError, GovtrainError, RejectedError
 from govtrain.ledger.ledger import Ledger
+from govtrain.ledger.spend_rules import noise_groups_record
 from govtrain.train.config import RunConfig
 
 LOG = Callable[[str], None]
 STATE_FILE = "run-state.pt"
+LOCK_FILE = "run-state.lock"  # held (flock) by the one process that owns the run state
+_NOT_ADAPTER = (STATE_FILE, STATE_FILE + ".tmp", LOCK_FILE)
 
 
 class BudgetExhausted(GovtrainError):
@@ -63,7 +66,7 @@ def tree_sha256(folder: Path) -> bytes:
     """SHA-256 over (relative path, SHA-256 of bytes) of every file under `folder`, sorted (a run's
     resumable state, which is deleted when the run ends, is not part of the adapter)."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (STATE_FILE, STATE_FILE + ".tmp")):
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in _NOT_ADAPTER):
         digest.update(str(path.relative_to(folder)).encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
     return digest.digest()
 
@@ -89,26 +92,52 @@ def _load_state(path: Path, config: RunConfig) -> dict | None:
     return state
 
 
-def _write_ahead(ledger: Ledger, pending: dict, run_id: str, q_u: int, gone, now: Callable[[], int], log: LOG) -> bool:
+def _lock_state(folder: Path):  # type: ignore[no-untyped-def]
+    """Hold `folder`'s run-state lock (an exclusive flock, released by the kernel when the process dies, so a
+    killed run resumes) while this process owns the run: two processes of one config would otherwise resume
+    one state under one lease and both train on its write-ahead."""
+    import fcntl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = open(folder / LOCK_FILE, "a+b")
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        handle.close()
+        raise RejectedError(Code.RUN_ID_TAKEN, f"another process holds this run's state ({folder / LOCK_FILE}): a run "
+                                               "has one owner; wait for it to end, or give this run another "
+                                               "training.output and training.run_id") from e
+    return handle
+
+
+def _write_ahead(ledger: Ledger, pending: dict, lease: tuple[str, bytes], q_u: int, gone, now: Callable[[], int],
+                 log: LOG) -> bool:
     """Make sure this run's spend for the pending ledger epoch is in the ledger before its steps run
-    (DESIGN §5). True when it is: written now, or written by this same run before a kill. False when
-    another run holds the epoch (its write-ahead charged its own steps, not ours): that epoch is then
-    closed, if it is still open, and the caller plans the next one. Any spend that is not this run's
-    never lets this run's steps go uncharged."""
+    (DESIGN §5). True when it is: written now, or written by this same run (its id *and* its lease nonce)
+    before a kill. False when another run holds the epoch (its write-ahead charged its own steps, not ours):
+    that epoch is then closed, if it is still open, and the caller plans the next one. Another run under
+    this run's id (another nonce) is refused (`run_id_taken`). Any spend that is not this run's never lets
+    this run's steps go uncharged."""
     epoch = pending["epoch"]
+    run_id, nonce = lease
     holder = ledger.spend_book().holder(epoch)
     if holder is None and ledger.epoch() == epoch:
         records = [r for r in pending["spend"] if r[0] not in gone]  # withdrawn after the plan was made
         try:
-            ledger.record_spend(epoch, q_u, records, run_id=run_id, epoch_steps=pending["steps"], now=now())
+            ledger.record_spend(epoch, q_u, records, run_id=run_id, run_nonce=nonce, epoch_steps=pending["steps"],
+                                noise_groups=pending["noise_groups"], now=now())
             return True
         except GovtrainError as e:  # a concurrent run got the epoch first, or closed it
             holder = ledger.spend_book().holder(epoch)
             if e.code is not Code.EPOCH_HELD and ledger.epoch() == epoch:
                 raise
-    if holder == run_id:
+    if holder == lease:
         return True
-    log(f"ledger epoch {epoch} is held by {holder or 'a closed epoch'}: planning the next epoch")
+    if holder is not None and holder[0] == run_id:
+        raise RejectedError(Code.RUN_ID_TAKEN, f"ledger epoch {epoch} is held by another run with this run's id "
+                                               f"{run_id!r} (another lease): two runs may not share an id; nothing "
+                                               "of this run was trained or charged; give it another training.run_id")
+    log(f"ledger epoch {epoch} is held by {holder[0] if holder else 'a closed epoch'}: planning the next epoch")
     ledger.close_epoch(now=now(), epoch=epoch)
     return False
 
@@ -149,6 +178,8 @@ class Run:
         self.total = config.file.training.steps
         self.state_path = config.output_dir / STATE_FILE
         self.result: RunResult | None = None  # set by prepare
+        self.run_nonce: bytes | None = None  # the run's lease on its id, set by prepare (kept in the run state)
+        self._lock = None  # the run state's lock, held from prepare to release
         self.pending: dict | None = None  # the epoch in progress and its plan, as the run state saves it
         self._retired_here: set[str] = set()  # retired by this run's plans (one that affords no step leaves no spend)
         self._written = False  # the pending epoch's spend is in the ledger: its steps may run
@@ -191,6 +222,7 @@ class Run:
 
         config, ledger, log = self.config, self.ledger, self.log
         training = config.file.training
+        self._lock = _lock_state(config.output_dir)
         if self.insecure_seed is not None:
             torch.manual_seed(self.insecure_seed)
         self.policy = policy = ledger.policy
@@ -258,8 +290,17 @@ class Run:
         run_id = training.run_id or f"run-{self.now()}-{os.urandom(4).hex()}"
         self.result = result = RunResult(run_id, 0)
         state = _load_state(self.state_path, config)
+        book = ledger.spend_book()
         if state is not None:
             run_id = result.run_id = state["run_id"]
+            self.run_nonce = state.get("run_nonce")
+            if self.run_nonce is None or book.leases.get(run_id, self.run_nonce) != self.run_nonce:
+                raise RejectedError(Code.RUN_ID_TAKEN, f"run {run_id!r}'s spend was written under another lease than "
+                                                       f"{self.state_path} holds: another run took this id; move the "
+                                                       "state file away and give this run another training.run_id")
+            if run_id in book.finished:
+                raise RejectedError(Code.RUN_ID_TAKEN, f"run {run_id!r} already recorded its run entry; "
+                                                       f"{self.state_path} was left by a kill after it: remove it")
             result.steps, result.losses = state["step"], state["losses"]
             result.epochs, result.eps_by_class = state["epochs"], state["eps_by_class"]
             with torch.no_grad():
@@ -270,10 +311,12 @@ class Run:
             if self.pending is not None and ledger.epoch() > self.pending["epoch"]:
                 self.pending = None  # the epoch was closed just before the kill
             log(f"resuming {run_id} at step {result.steps}")
-        elif run_id in ledger.spend_book().runs:
-            raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.run_id: run {run_id!r} already wrote spend to "
-                                                       "this ledger; resume it from its state file, or give this run "
-                                                       "another id")
+        elif book.used(run_id):
+            raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.run_id: run {run_id!r} already wrote spend or a run "
+                                                       "entry to this ledger; resume it from its state file, or give "
+                                                       "this run another id")
+        else:
+            self.run_nonce = os.urandom(16)  # a one-time lease on the id: every spend and the run entry carry it
         drawn = (f"{expected_batch:g} of {records} examples from {len(present)} contributions" if
                  self.per_contribution is None else f"{expected_batch:g} of {len(present)} contributions, at most "
                  f"{self.per_contribution} examples each: epsilon per contribution")
@@ -302,6 +345,7 @@ class Run:
         pending = {"epoch": epoch, "first_step": first, "steps": steps, "q_u": q_u, "expected_batch": expected_batch,
                    "allowed": {m: s.steps for s in plan.spends for m in s.cohort.members},
                    "group_std": {tuple(sorted(g)): plan.group_std(g) for g in plan.group_noise_pu},
+                   "noise_groups": noise_groups_record(plan.group_noise_pu),
                    "spend": plan.spend_records(), "eps": {s.cohort.data_class: 0 for s in plan.spends}}
         for spend in plan.spends:
             pending["eps"][spend.cohort.data_class] = max(pending["eps"][spend.cohort.data_class], spend.eps_u)
@@ -318,7 +362,7 @@ class Run:
         if self.pending is None:
             raise RuntimeError("write_ahead() with no epoch planned: call plan_epoch() first")
         pending, self._written = self.pending, False
-        if pending["spend"] and not _write_ahead(self.ledger, pending, self.run_id, pending["q_u"],
+        if pending["spend"] and not _write_ahead(self.ledger, pending, (self.run_id, self.run_nonce), pending["q_u"],
                                                  self.ledger.store.withdrawals(), self.now, self.log):
             self.pending = None
             self._save()
@@ -462,10 +506,17 @@ class Run:
         result.adapter_sha256 = tree_sha256(output)
         device = self.device.type if self.device.type == "cpu" else str(self.device)
         self.ledger.record_run(result.run_id, self.config.file.training.mechanism, self.config.sha256,
-                               self.base_sha256, result.adapter_sha256, device=device, precision=self.precision,
-                               now=self.now())
+                               self.base_sha256, result.adapter_sha256, run_nonce=self.run_nonce, device=device,
+                               precision=self.precision, now=self.now())
         self.state_path.unlink(missing_ok=True)
+        (output / LOCK_FILE).unlink(missing_ok=True)  # the id is spent: no later run can take this state
         return result
+
+    def release(self) -> None:
+        """Give up the run state's lock (the run's process stops owning it)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     # -- helpers ---------------------------------------------------------------------------------------
 
@@ -488,7 +539,8 @@ class Run:
         """The run state: trainable weights, the update's state and the pending epoch with its plan."""
         result = self.result
         _save_state(self.state_path, {
-            "run_id": result.run_id, "config_sha256": self.config.sha256, "step": result.steps,
+            "run_id": result.run_id, "run_nonce": self.run_nonce, "config_sha256": self.config.sha256,
+            "step": result.steps,
             "losses": result.losses, "epochs": result.epochs, "eps_by_class": result.eps_by_class,
             "pending": self.pending,
             "trainable": {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad},

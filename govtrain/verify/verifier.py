@@ -6,15 +6,18 @@ One pass over the entries, in the order an auditor would check them:
      where a summary redacted it (step 9);
   3. every body is deterministic CBOR with its row's envelope and the exact fields of its kind;
   4. the header is entry 0 and only entry 0; it and every later `policy` entry is well formed,
-     with screened keys; each governs the entries after it;
+     with screened keys; each governs the entries after it, and none changes the privacy unit, δ or
+     the accountant (the terms every budget was signed under);
   5. per kind: every admit's attestation verifies under the trust store and matches the entry
      (unless `attestations=False`); withdrawals name an admitted, not yet withdrawn contribution
      and its admit leaf; epochs count up from 0; entry times never decrease; spends name an eligible
      contribution, carry the policy's accountant, δ and q (or, where the policy sets an expected batch
      size, a q no lower than it over the live records), σ_eff at least the signed σ, a cumulative ε that
-     never falls and never exceeds the signed budget, meet `spend_rules` (one run per epoch, steps
-     bounded by the epoch, fewer only where the contribution retires), and, given an accountant, at
-     least what the recorded history implies (the seam `SpendAccountant`); a `tune` lists its own
+     never falls and never exceeds the signed budget, meet `spend_rules` (a run id is one lease, one
+     run per epoch, steps bounded by the epoch, fewer only where the contribution retires, σ_eff no
+     larger than the recorded noise schedule implies and s_g no larger than the live contributions'
+     signed σ·C), and, given an accountant, at least what the recorded history implies (the seam
+     `SpendAccountant`); a run entry is the only one of its id and carries its spend's lease; a `tune` lists its own
      trials, each with one run entry and spend before it, selects one of them with the adapter its run
      entry recorded, scored on no admitted data, and states exactly the epsilon the trials' spend entries
      charged (`govtrain/ledger/tuning.py`);
@@ -43,7 +46,14 @@ from govtrain.errors import Code, GovtrainError, IntegrityError
 from govtrain.gate.gate import Gate
 from govtrain.ledger.checkpoint import Checkpoint, NoteError, verify_checkpoint
 from govtrain.ledger.entries import DEVICE, PRECISIONS, decode_entry
-from govtrain.ledger.ledger import UnauthorisedPolicy, authorise_policy_change, note_keys, store_errors
+from govtrain.ledger.ledger import (
+    UnauthorisedPolicy,
+    authorise_policy_change,
+    fixed_terms_changed,
+    note_keys,
+    store_errors,
+)
+from govtrain.ledger.retention import Redacted
 from govtrain.ledger.spend_rules import SpendBook, SpendRuleError, min_sampling_rate_u
 from govtrain.ledger.tuning import TuneBook, TuneRuleError
 from govtrain.mechanisms import MECHANISMS
@@ -172,6 +182,7 @@ class _Audit:
         self.redacted: list[tuple[int, str, bytes]] = []
         self.retention = RetentionAudit(store)
         self.retired = self.retention.retired  # admit seq -> the `retired` map of its summary (read before the pass)
+        self.redacted_index = Redacted.of(())  # the same maps by the seq of each entry they retire, once read
         self.tree = CompactRange()
         self.verified_checkpoints: list[tuple[int, bytes]] = []  # (size, root) that matched
         self.policies: list[tuple[int, Policy]] = []  # (seq, policy) in ledger order: what governs which size
@@ -179,7 +190,6 @@ class _Audit:
         self.book = SpendBook()
         self.tunes = TuneBook()
         self.live_records = 0  # records of the contributions admitted and not withdrawn, so far
-        self._retired_withdrawals: dict[int, int] | None = None  # withdraw seq -> records, of retired ones
         self.last_time = 0
 
     def run(self, trusted: Sequence[str]) -> None:
@@ -192,6 +202,7 @@ class _Audit:
         pending = list(checkpoints)
         position = 0
         self.retention.read()
+        self.redacted_index = Redacted.of(self.retired.values())
         for stored in self.store.entries():
             self._entry(stored)
             while position < len(pending) and pending[position].size == self.tree.size:
@@ -233,13 +244,9 @@ class _Audit:
                 raise _Failure(Code.BAD_ENTRY, f"entry {seq} ({stored.kind}) has no body; only admit, spend and "
                                "withdraw entries may be redacted", seq=seq)
             self.redacted.append((seq, stored.kind, stored.leaf_hash))
-            if stored.kind == "spend":
-                self.tunes.partial = True  # a later tune's total can only be checked as a lower bound
-            elif stored.kind == "admit" and seq in self.retired:
-                self.tunes.admit(self.retired[seq]["data_sha256"])
             self.retention.redacted(stored, {"contribution_id": self.contributions,
                                              "descriptor_sha256": self.descriptors, "data_sha256": self.data_files})
-            self._retired_records(stored)
+            self._redacted_entry(stored)
             return
         if ledger_store.leaf_hash(stored.body) != stored.leaf_hash:
             raise _Failure(Code.LEAF_HASH_MISMATCH, f"entry {seq}: stored leaf hash does not match its body", seq=seq)
@@ -263,17 +270,25 @@ class _Audit:
         except GovtrainError as e:
             raise _Failure(e.code, f"entry {seq}: {e.detail}", seq=seq) from e
 
-    def _retired_records(self, stored: ledger_store.StoredEntry) -> None:
-        """A redacted admit or withdrawal still moves the live records that bound q (step 5), by what its
-        summary committed to: a later spend was written while its body was there."""
-        if stored.kind == "admit" and stored.seq in self.retired:
-            self.live_records += self.policy.sampling_units(self.retired[stored.seq]["records"])
-        elif stored.kind == "withdraw":
-            if self._retired_withdrawals is None:
-                self._retired_withdrawals = {r["withdraw_seq"]: r["records"] for r in self.retired.values()
-                                             if r["withdraw_seq"] is not None}
-            if stored.seq in self._retired_withdrawals:
-                self.live_records -= self.policy.sampling_units(self._retired_withdrawals[stored.seq])
+    def _redacted_entry(self, stored: ledger_store.StoredEntry) -> None:
+        """A redacted entry counts, for the rules later entries meet (step 5), as its summary recorded it: a
+        later spend or tune was written while its body was there. An admit or withdrawal moves the live records
+        that bound q and the signed bounds that bound s_g; a spend keeps its run's lease and its epsilon for a
+        later tune's total."""
+        index, seq = self.redacted_index, stored.seq
+        if stored.kind == "admit" and seq in index.admits:
+            r = index.admits[seq]
+            self.live_records += self.policy.sampling_units(r["records"])
+            self.book.admit(r["contribution_id"], r["data_class"], r["clip_norm_u"], r["noise_multiplier_u"])
+            self.tunes.admit(r["data_sha256"])
+        elif stored.kind == "withdraw" and seq in index.withdrawals:
+            r = index.withdrawals[seq]
+            self.live_records -= self.policy.sampling_units(r["records"])
+            self.book.remove(r["contribution_id"], self.epoch)
+        elif stored.kind == "spend" and seq in index.spends:
+            r, spent = index.spends[seq]
+            self.book.lease(spent["run_id"], spent["run_nonce"])
+            self.tunes.spend({**spent, "contribution_id": r["contribution_id"]}, r["data_class"])
 
     def _set_policy(self, seq: int, record: dict) -> None:
         previous = self.policy
@@ -281,9 +296,9 @@ class _Audit:
             self.policy = Policy.from_record(record)
         except GovtrainError as e:
             raise _Failure(Code.BAD_LEDGER_HEADER, f"entry {seq}: policy: {e.detail}", seq=seq) from e
-        if previous is not None and previous.unit != self.policy.unit:
-            raise _Failure(Code.POLICY_UNAUTHORISED, f"entry {seq}: a policy change may not change the privacy unit "
-                           f"({previous.unit} to {self.policy.unit})", seq=seq)
+        fixed = fixed_terms_changed(previous, self.policy) if previous is not None else None
+        if fixed is not None:
+            raise _Failure(Code.POLICY_UNAUTHORISED, f"entry {seq}: a policy change may not change {fixed}", seq=seq)
         if previous is not None:
             self.unauthorised.append((seq, previous))  # step 6: the next checkpoint must carry its signature
         self.policies.append((seq, self.policy))
@@ -335,6 +350,7 @@ class _Audit:
         self.contributions[entry["contribution_id"]] = _Contribution(
             seq, leaf, entry["data_class"], entry["noise_multiplier_u"], entry["eps_budget_u"], entry["records"])
         self.live_records += self.policy.sampling_units(entry["records"])
+        self.book.admit(entry["contribution_id"], entry["data_class"], entry["clip_norm_u"], entry["noise_multiplier_u"])
 
     def _withdraw(self, seq: int, entry: dict, leaf: bytes) -> None:
         c = self.contributions.get(entry["contribution_id"])
@@ -345,6 +361,7 @@ class _Audit:
             raise _Failure(Code.BAD_WITHDRAWAL, f"entry {seq}: already withdrawn by entry {c.withdrawn_at}", seq=seq)
         c.withdrawn_at = seq
         self.live_records -= self.policy.sampling_units(c.records)
+        self.book.remove(entry["contribution_id"], self.epoch)
 
     def _epoch(self, seq: int, entry: dict, leaf: bytes) -> None:
         if entry["epoch"] != self.epoch:
@@ -377,7 +394,7 @@ class _Audit:
                  if self.policy.expected_batch_size is not None else None)
         try:
             self.book.check(entry, ledger_epoch=self.epoch, steps_per_epoch=self.policy.steps_per_epoch,
-                            min_rate_u=floor)
+                            min_rate_u=floor, classes=self.policy.classes)
             self.tunes.check_spend(entry)
         except (SpendRuleError, TuneRuleError) as e:
             raise bad(e.detail) from e
@@ -401,6 +418,8 @@ class _Audit:
     def _summary(self, seq: int, entry: dict, leaf: bytes) -> None:
         assert self.policy is not None
         self.retention.summary(seq, entry, self.policy, self.epoch)
+        for r in entry["retired"]:  # never eligible again: later epochs' schedules may not count its bounds
+            self.book.remove(r["contribution_id"], self.epoch)
 
     def _run(self, seq: int, entry: dict, leaf: bytes) -> None:
         # Shape checked in step 3. Every mechanism releases one Gaussian mechanism per step with the
@@ -412,6 +431,11 @@ class _Audit:
             raise _Failure(Code.BAD_ENTRY, f"entry {seq}: run {entry['run_id']!r} records device {entry['device']!r} "
                            f"and precision {entry['precision']!r}: cpu or cuda:N, and one of {', '.join(PRECISIONS)}",
                            seq=seq)
+        try:  # a run id is a one-time lease: one run entry, under the nonce its spend carries
+            self.book.check_run(entry)
+        except SpendRuleError as e:
+            raise _Failure(Code.BAD_RUN, f"entry {seq}: {e.detail}", seq=seq) from e
+        self.book.add_run(entry)
         self.tunes.run(entry)
 
     def _tune(self, seq: int, entry: dict, leaf: bytes) -> None:

@@ -1,0 +1,415 @@
+"""Issue 20, items 1, 4, 7 and 8: what an operator holding the ledger key could once make `govtrain-verify` pass.
+
+The adversary holds the ledger key (it signs whatever it appends) and may run modified code; the auditor
+verifies the ledger and holds nothing else. Each attack is shown first as the writer's refusal (nothing
+written: size, head and admissions unchanged) and then as an entry appended and signed past the writer's
+checks, which the verifier must name:
+
+- item 8: a spend whose sigma_eff no noise schedule implies (sigma_eff 100 where the live contributions'
+  signed sigma*C allow 1), or whose schedule claims more noise than any live contribution signed for;
+- item 7: a policy change that raises delta (or changes the accountant), which re-prices every past spend;
+- item 4: a `tune` recorded after retention dropped its trials' spend bodies, stating epsilon 0;
+- item 1: two run entries with one id, or one id's spend under two leases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import pytest
+
+from govtrain.accounting.accountants import spend_epsilon_u
+from govtrain.errors import Code, ConfigError, GovtrainError, IntegrityError
+from govtrain.ledger.entries import decode_entry, run_entry, spend_entry, tune_entry
+from govtrain.ledger.ledger import Ledger
+from govtrain.ledger.spend_rules import noise_groups_record
+from govtrain.verify.verifier import inspect_ledger, verify_ledger
+from tests.conftest import Corpus, lease, noise_groups_for, record_spend, snapshot
+from tests.test_signed_ledger import _admit, _db, _sql
+
+Q = 10_000  # TEST_POLICY's sampling rate
+DELTA = 10_000_000  # and its delta (pico)
+
+
+def _eps(*history: tuple[int, int, int], delta_p: int = DELTA) -> int:
+    return spend_epsilon_u("prv", delta_p, list(history))
+
+
+def _forge_spend(corpus: Corpus, contribution: str, *, sigma_u: int, eps_u: int, groups: list[dict],
+                 run_id: str = "r", nonce: bytes | None = None, steps: int = 10) -> int:
+    """A spend entry appended and signed with the ledger key, past `record_spend`'s checks. Returns its seq."""
+    with corpus.open() as ledger:
+        leaf = ledger.store.entry(ledger.store.admission(contribution).seq).leaf_hash
+        epoch = ledger.epoch()
+        with ledger.append(corpus.now) as appender:
+            stored = appender.add("spend", corpus.now, lambda seq: spend_entry(
+                seq, corpus.now, contribution_id=contribution, admit_leaf=leaf, run_id=run_id,
+                run_nonce=nonce or lease(run_id), epoch=epoch, epoch_steps=10, steps=steps, sampling_rate_u=Q,
+                noise_multiplier_u=sigma_u, accountant="prv", delta_p=DELTA, privacy_unit="example", eps_u=eps_u,
+                noise_groups=groups))
+    return stored.seq
+
+
+def _failure(corpus: Corpus) -> tuple[Code, int | None, str]:
+    report = inspect_ledger(corpus.url)
+    assert not report.ok
+    return report.error.code, report.bad_seq, report.error.detail
+
+
+# -- item 8: sigma_eff has an upper bound ----------------------------------------------------------------
+
+
+PUBLIC = [{"classes": ["public"], "s_pu": 1_000_000 * 1_000_000}]  # s_g = sigma 1 x C 1, the honest schedule
+
+
+def test_8_the_review_attack_sigma_eff_100_is_refused_by_the_writer_and_flagged_by_the_verifier(corpus: Corpus):
+    """c1 signed sigma 1, C 1 and budget 1.0: at sigma_eff 100 a whole epoch costs next to nothing, where its own
+    sigma costs ten times more. The schedule implies sigma_eff <= 1 (it is the only live contribution)."""
+    _admit(corpus, "c1", eps_budget_u=1_000_000)
+    forged, honest = _eps((Q, 100_000_000, 10)), _eps((Q, 1_000_000, 10))
+    assert forged * 10 < honest  # what the attack would save
+    before = snapshot(corpus.url)
+    for groups in (PUBLIC, [{"classes": ["public"], "s_pu": 100 * 10**12}]):  # honest s_g; s_g inflated to match
+        with corpus.open() as ledger, pytest.raises(ConfigError) as refused:
+            record_spend(ledger, 0, Q, [("c1", 10, 100_000_000, forged)], epoch_steps=10, now=corpus.now,
+                         noise_groups=groups)
+        assert refused.value.code is Code.BAD_ARGUMENT and "exceeds" in refused.value.detail
+        assert snapshot(corpus.url) == before
+    seq = _forge_spend(corpus, "c1", sigma_u=100_000_000, eps_u=forged, groups=PUBLIC)
+    code, bad, detail = _failure(corpus)
+    assert (code, bad) == (Code.BAD_SPEND, seq) and "sigma_eff 100000000" in detail
+
+
+def test_8_a_schedule_claiming_more_noise_than_any_live_contribution_signed_fails(corpus: Corpus):
+    _admit(corpus, "c1", eps_budget_u=1_000_000)
+    seq = _forge_spend(corpus, "c1", sigma_u=100_000_000, eps_u=_eps((Q, 100_000_000, 10)),
+                       groups=[{"classes": ["public"], "s_pu": 100 * 10**12}])
+    code, bad, detail = _failure(corpus)
+    assert (code, bad) == (Code.BAD_SPEND, seq) and "largest signed sigma*C" in detail
+
+
+def test_8_a_group_shared_with_a_noisier_class_needs_a_live_contributor_of_that_class(corpus: Corpus):
+    """The schedule may cover c1 with another class's larger sigma*C only while a contribution of that class is
+    live: once it was withdrawn in an earlier epoch, the same claim is refused."""
+    _admit(corpus, "c1", eps_budget_u=1_000_000)
+    _admit(corpus, "noisy", data_class="sensitive", clip_norm_u=500_000, noise_multiplier_u=4_000_000,
+           eps_budget_u=3_000_000)  # sigma*C = 2, in pico 2e12
+    shared = [{"classes": ["public", "sensitive"], "s_pu": 2 * 10**12}]
+    with corpus.open() as ledger:
+        ledger.withdraw("noisy", "leaves during epoch 0", now=corpus.now)
+        # Withdrawn during epoch 0: the epoch's schedule, fixed at its start, still counted it.
+        record_spend(ledger, 0, Q, [("c1", 10, 2_000_000, _eps((Q, 2_000_000, 10)))], epoch_steps=10,
+                     now=corpus.now, noise_groups=shared)
+        ledger.close_epoch(now=corpus.now)
+        before = snapshot(corpus.url)
+        with pytest.raises(ConfigError) as refused:
+            record_spend(ledger, 1, Q, [("c1", 10, 2_000_000, _eps((Q, 2_000_000, 10), (Q, 2_000_000, 10)))],
+                         epoch_steps=10, now=corpus.now, noise_groups=shared)
+    assert "largest signed sigma*C" in refused.value.detail and snapshot(corpus.url) == before
+    verify_ledger(corpus.url)
+    seq = _forge_spend(corpus, "c1", sigma_u=2_000_000, eps_u=_eps((Q, 2_000_000, 10), (Q, 2_000_000, 10)),
+                       groups=shared)
+    assert _failure(corpus)[:2] == (Code.BAD_SPEND, seq)
+
+
+@pytest.mark.parametrize("case", ["two_schedules", "class_reaches_no_group", "unknown_class", "unsorted"])
+def test_8_a_malformed_or_inconsistent_schedule_fails_verification(corpus: Corpus, case: str):
+    _admit(corpus, "c1")
+    _admit(corpus, "c2")
+    groups = {"two_schedules": [{"classes": ["public"], "s_pu": 10**12 - 1}],
+              "class_reaches_no_group": [{"classes": ["sensitive"], "s_pu": 10**12}],
+              "unknown_class": [{"classes": ["nobody", "public"], "s_pu": 10**12}],
+              "unsorted": [{"classes": ["sensitive", "public"], "s_pu": 10**12}]}[case]
+    with corpus.open() as ledger:
+        record_spend(ledger, 0, Q, [("c1", 10, 1_000_000, _eps((Q, 1_000_000, 10)))], epoch_steps=10, now=corpus.now,
+                     noise_groups=PUBLIC)
+    seq = _forge_spend(corpus, "c2", sigma_u=1_000_000, eps_u=_eps((Q, 1_000_000, 10)), groups=groups)
+    assert _failure(corpus)[:2] == (Code.BAD_SPEND, seq)
+
+
+def test_8_a_real_run_records_its_schedule_and_the_verifier_recomputes_the_bound(corpus: Corpus):
+    """The honest path: the scheduler's s_g, recorded as the spend's noise_groups, is the largest sigma*C of the
+    eligible contributions reaching each group, and sigma_eff is min s_g / C bucketed down."""
+    from govtrain.accounting.spend import SpendCalculator
+    from govtrain.resolver.schedule import Member, Scheduler, cohorts_of
+
+    _admit(corpus, "p")
+    _admit(corpus, "s", data_class="sensitive", clip_norm_u=500_000, noise_multiplier_u=1_300_000,
+           eps_budget_u=3_000_000)
+    groups = {"public": [frozenset({"public"}), frozenset({"public", "sensitive"})],
+              "sensitive": [frozenset({"public", "sensitive"})]}
+    cohorts = cohorts_of([Member("p", "public", 1_000_000, 1_000_000, 5_000_000),
+                          Member("s", "sensitive", 500_000, 1_300_000, 3_000_000)])
+    plan = Scheduler(SpendCalculator("prv", DELTA), groups, sampling_rate_u=Q, steps_per_epoch=10).plan_epoch(
+        cohorts, 0, 0)
+    recorded = noise_groups_record(plan.group_noise_pu)
+    assert recorded == [{"classes": ["public"], "s_pu": 10**12},
+                        {"classes": ["public", "sensitive"], "s_pu": 10**12}]  # 1 x 1 > 1.3 x 0.5
+    with corpus.open() as ledger:
+        record_spend(ledger, 0, Q, plan.spend_records(), epoch_steps=10, now=corpus.now, noise_groups=recorded)
+    spends = {s["contribution_id"]: s for s in (decode_entry(e.body, seq=e.seq, kind="spend")
+                                               for e in Ledger.open(corpus.url).store.entries(kinds=("spend",)))}
+    assert spends["s"]["noise_multiplier_u"] == 2_000_000 and spends["s"]["noise_groups"] == recorded
+    verify_ledger(corpus.url)
+
+
+# -- item 7: delta and the accountant are fixed for the ledger's life ------------------------------------
+
+
+@pytest.mark.parametrize("change", [{"delta_p": 50_000_000_000}, {"delta_p": 1_000_000}, {"accountant": "rdp"},
+                                    {"accountant": "pld"}])
+def test_7_change_policy_refuses_another_delta_or_accountant_and_writes_nothing(corpus: Corpus, change: dict):
+    before = snapshot(corpus.url)
+    with corpus.open() as ledger:
+        with pytest.raises(ConfigError) as refused:
+            ledger.change_policy(dataclasses.replace(ledger.policy, **change), bytes(32), "cheaper epsilon",
+                                 now=corpus.now)
+        assert ledger.policy.delta_p == DELTA and ledger.policy.accountant == "prv"  # the open ledger kept its policy
+    assert refused.value.code is Code.POLICY_INVALID and snapshot(corpus.url) == before
+
+
+def test_7_the_review_attack_a_forged_delta_change_is_refused_by_open_and_the_verifier(corpus: Corpus, monkeypatch):
+    """The review's case: c1 signed sigma 2 and budget 1.5 at delta 1e-5. Its history after a delta of 0.05 looks
+    affordable, but at the delta it signed it costs several times its budget. An operator holding the key
+    writes the delta change past `change_policy` (both signatures on its checkpoint, as a genuine change has)."""
+    import govtrain.ledger.ledger as ledger_module
+
+    _admit(corpus, "c1", noise_multiplier_u=2_000_000, eps_budget_u=1_500_000)
+    loose = 50_000_000_000
+    history = [(200_000, 2_000_000, 82)]  # the review's q 0.2, and about its 83 steps
+    assert _eps(*history, delta_p=loose) <= 1_500_000 and _eps(*history) > 2.9 * 1_500_000  # the attack would pay
+    monkeypatch.setattr(ledger_module, "fixed_terms_changed", lambda before, after: None)
+    with corpus.open() as ledger:
+        ledger.change_policy(dataclasses.replace(ledger.policy, delta_p=loose), bytes(32), "cheaper epsilon",
+                             now=corpus.now)
+        seq = ledger.size() - 1
+    monkeypatch.undo()
+    with pytest.raises(IntegrityError) as refused:
+        Ledger.open(corpus.url)
+    assert refused.value.code is Code.POLICY_UNAUTHORISED and "delta" in refused.value.detail
+    code, bad, detail = _failure(corpus)
+    assert (code, bad) == (Code.POLICY_UNAUTHORISED, seq) and "delta" in detail
+
+
+def test_7_a_forged_accountant_change_fails_verification(corpus: Corpus, monkeypatch):
+    import govtrain.ledger.ledger as ledger_module
+
+    monkeypatch.setattr(ledger_module, "fixed_terms_changed", lambda before, after: None)
+    with corpus.open() as ledger:
+        ledger.change_policy(dataclasses.replace(ledger.policy, accountant="pld"), bytes(32), "tighter", now=corpus.now)
+        seq = ledger.size() - 1
+    monkeypatch.undo()
+    code, bad, detail = _failure(corpus)
+    assert (code, bad) == (Code.POLICY_UNAUTHORISED, seq) and "accountant" in detail
+
+
+def test_7_a_policy_change_that_keeps_the_terms_still_verifies(corpus: Corpus):
+    with corpus.open() as ledger:
+        ledger.change_policy(dataclasses.replace(ledger.policy, retention_epochs=3), bytes(32), "keep longer",
+                             now=corpus.now)
+    verify_ledger(corpus.url)
+
+
+# -- item 4: a tune after retention states what its trials charged ----------------------------------------
+
+
+def _trials_then_compaction(corpus: Corpus) -> tuple[list[tuple[str, bytes]], dict]:
+    """Two trials of tune "t" (their spend and run entries, one epoch each), the search killed before its tune
+    entry, then ledger epochs closed and `ledger compact`, which drops every trial spend's body. Returns the
+    trials and the totals a tune entry recorded before the compaction would have stated."""
+    from tests.test_tune import _charged_runs
+
+    trials = _charged_runs(corpus, "t", 2)
+    with corpus.open() as ledger:
+        before = ledger.tune_book().totals([run for run, _ in trials])
+        for _ in range(2):
+            ledger.close_epoch(now=corpus.now)
+        redacted = ledger.compact(ledger.epoch() - 1, now=corpus.now)
+    assert {e.kind for e in redacted} == {"admit", "spend"}  # every trial's spend body is gone
+    assert before[0] > 0
+    return trials, {"eps_u": before[0], "eps_by_class": before[1]}
+
+
+def test_4_a_tune_recorded_after_compaction_states_what_its_trials_charged(corpus: Corpus):
+    trials, stated = _trials_then_compaction(corpus)
+    with corpus.open() as ledger:
+        _, fields = ledger.record_tune(tune_id="t", config_sha256=bytes(32), grid_sha256=bytes(32), trials=trials,
+                                       selection_sha256=hashlib.sha256(b"held out").digest(), metric="accuracy",
+                                       selected_run_id=trials[-1][0], now=corpus.now)
+    assert {"eps_u": fields["eps_u"], "eps_by_class": fields["eps_by_class"]} == stated
+    assert verify_ledger(corpus.url).by_kind["tune"] == 1
+
+
+@pytest.mark.parametrize("stated", [0, "one_less"])
+def test_4_the_review_attack_a_tune_stating_less_after_compaction_fails_verification(corpus: Corpus, stated):
+    trials, honest = _trials_then_compaction(corpus)
+    by_class = [{**item, "eps_u": 0 if stated == 0 else item["eps_u"] - 1} for item in honest["eps_by_class"]]
+    fields = dict(tune_id="t", config_sha256=bytes(32), grid_sha256=bytes(32),
+                  trials=[{"run_id": r, "config_sha256": c} for r, c in trials],
+                  selection_sha256=hashlib.sha256(b"held out").digest(), metric="accuracy", selected_run_id=None,
+                  adapter_sha256=None, accounting="composition", eps_u=max(i["eps_u"] for i in by_class),
+                  eps_by_class=by_class)
+    with corpus.open() as ledger:
+        with ledger.append(corpus.now) as appender:
+            stored = appender.add("tune", corpus.now, lambda seq: tune_entry(seq, corpus.now, **fields))
+    code, bad, detail = _failure(corpus)
+    assert (code, bad) == (Code.BAD_TUNE, stored.seq) and "imply" in detail
+
+
+def test_4_a_summary_that_understates_a_retired_spend_fails_while_the_bodies_are_there(corpus: Corpus):
+    """The summary's record of each spend is checked against the spend bodies before they are dropped."""
+    from tests.test_attacks_retention import _operator_summary, _retired
+
+    from tests.test_tune import _charged_runs
+
+    _charged_runs(corpus, "t", 1)
+    with corpus.open() as ledger:
+        for _ in range(2):
+            ledger.close_epoch(now=corpus.now)
+        seqs = {row.contribution_id: row.seq for row in ledger.store.admissions()}
+        named = {cid: [e.seq for e in ledger.store.entries(kinds=("admit", "spend"))
+                       if decode_entry(e.body, seq=e.seq, kind=e.kind)["contribution_id"] == cid] for cid in seqs}
+    retired = _retired(corpus, seqs["a"], named["a"])
+    retired = {**retired, "eps_u": 0, "spends": [{**s, "eps_u": 0} for s in retired["spends"]]}
+    seq = _operator_summary(corpus, data_class="public", before_epoch=1, retired=[retired], redact=False)
+    code, bad, detail = _failure(corpus)
+    assert (code, bad) == (Code.BAD_SUMMARY, seq)
+
+
+def test_4_record_tune_refuses_over_a_redacted_spend_that_no_summary_records(corpus: Corpus):
+    """A database writer without keys drops a trial's spend body outside any summary: the tune's total can no
+    longer be stated, so nothing is recorded (the verifier flags the redaction itself)."""
+    from tests.test_tune import _charged_runs
+
+    trials = _charged_runs(corpus, "t", 2)
+    with corpus.open() as ledger:
+        seq = next(iter(ledger.store.entries(kinds=("spend",)))).seq
+    _sql(_db(corpus.url), f"UPDATE entries SET body = NULL WHERE seq = {seq}")
+    before = snapshot(corpus.url)
+    with corpus.open() as ledger, pytest.raises(GovtrainError) as refused:
+        ledger.record_tune(tune_id="t", config_sha256=bytes(32), grid_sha256=bytes(32), trials=trials,
+                           selection_sha256=hashlib.sha256(b"held out").digest(), metric="accuracy",
+                           selected_run_id=None, now=corpus.now)
+    assert refused.value.code is Code.BAD_SUMMARY and snapshot(corpus.url) == before
+
+
+# -- item 1 (the verifier's side): one run id, one lease ---------------------------------------------------
+
+
+def _run_entry(corpus: Corpus, run_id: str, nonce: bytes) -> int:
+    with corpus.open() as ledger:
+        with ledger.append(corpus.now) as appender:
+            stored = appender.add("run", corpus.now, lambda seq: run_entry(
+                seq, corpus.now, run_id=run_id, run_nonce=nonce, mechanism="dpsgd", device="cpu", precision="fp32",
+                config_sha256=bytes(32), base_model_sha256=bytes(32), adapter_sha256=None))
+    return stored.seq
+
+
+def _one_epoch(corpus: Corpus, run_id: str = "r", nonce: bytes | None = None) -> None:
+    with corpus.open() as ledger:
+        record_spend(ledger, ledger.epoch(), Q, [("c1", 10, 1_000_000, _eps(*[(Q, 1_000_000, 10)] * (ledger.epoch() + 1)))],
+                     run_id=run_id, run_nonce=nonce, epoch_steps=10, now=corpus.now)
+        ledger.close_epoch(now=corpus.now)
+
+
+def test_1_the_writer_refuses_a_second_lease_and_a_second_run_entry_for_one_id(corpus: Corpus):
+    _admit(corpus, "c1")
+    _one_epoch(corpus)
+    before = snapshot(corpus.url)
+    with corpus.open() as ledger:
+        for write in (lambda: record_spend(ledger, 1, Q, [("c1", 10, 1_000_000, _eps(*[(Q, 1_000_000, 10)] * 2))],
+                                           run_nonce=bytes(16), epoch_steps=10, now=corpus.now),
+                      lambda: ledger.record_run("r", "dpsgd", bytes(32), bytes(32), None, now=corpus.now,
+                                                run_nonce=bytes(16))):
+            with pytest.raises(GovtrainError) as refused:
+                write()
+            assert refused.value.code is Code.RUN_ID_TAKEN and refused.value.exit_code == 3
+    assert snapshot(corpus.url) == before
+    with corpus.open() as ledger:
+        ledger.record_run("r", "dpsgd", bytes(32), bytes(32), None, now=corpus.now, run_nonce=lease("r"))
+        with pytest.raises(GovtrainError) as refused:  # the lease ended with its run entry
+            ledger.record_run("r", "dpsgd", bytes(32), bytes(32), None, now=corpus.now, run_nonce=lease("r"))
+        assert refused.value.code is Code.RUN_ID_TAKEN
+        with pytest.raises(GovtrainError) as refused:
+            record_spend(ledger, 1, Q, [("c1", 10, 1_000_000, _eps(*[(Q, 1_000_000, 10)] * 2))], epoch_steps=10,
+                         now=corpus.now)
+        assert refused.value.code is Code.RUN_ID_TAKEN
+    verify_ledger(corpus.url)
+
+
+@pytest.mark.parametrize("case", ["second_run_entry", "run_entry_of_another_lease", "spend_under_a_second_lease",
+                                  "spend_after_the_run_entry"])
+def test_1_the_verifier_names_a_second_run_under_one_id(corpus: Corpus, case: str):
+    _admit(corpus, "c1")
+    _one_epoch(corpus)
+    if case == "second_run_entry":
+        _run_entry(corpus, "r", lease("r"))
+        seq, code = _run_entry(corpus, "r", lease("r")), Code.BAD_RUN
+    elif case == "run_entry_of_another_lease":
+        seq, code = _run_entry(corpus, "r", bytes(16)), Code.BAD_RUN
+    elif case == "spend_under_a_second_lease":
+        seq, code = _forge_spend(corpus, "c1", sigma_u=1_000_000, eps_u=_eps(*[(Q, 1_000_000, 10)] * 2),
+                                 groups=PUBLIC, nonce=bytes(16)), Code.BAD_SPEND
+    else:
+        _run_entry(corpus, "r", lease("r"))
+        seq, code = _forge_spend(corpus, "c1", sigma_u=1_000_000, eps_u=_eps(*[(Q, 1_000_000, 10)] * 2),
+                                 groups=PUBLIC), Code.BAD_SPEND
+    assert _failure(corpus)[:2] == (code, seq)
+
+
+def test_1_a_lease_survives_retention(corpus: Corpus):
+    """Once retention drops a run's spend bodies, its lease is still read from the summaries: a later spend of
+    that id under another nonce still fails."""
+    _admit(corpus, "c1")
+    _one_epoch(corpus)
+    with corpus.open() as ledger:
+        for _ in range(2):
+            ledger.close_epoch(now=corpus.now)
+    _admit(corpus, "c2")  # after the compaction's boundary: it stays
+    with corpus.open() as ledger:
+        assert {e.kind for e in ledger.compact(ledger.epoch() - 1, now=corpus.now)} == {"admit", "spend"}
+    verify_ledger(corpus.url)
+    with corpus.open() as ledger, pytest.raises(GovtrainError) as refused:
+        record_spend(ledger, ledger.epoch(), Q, [("c2", 10, 1_000_000, _eps((Q, 1_000_000, 10)))],
+                     run_nonce=bytes(16), epoch_steps=10, now=corpus.now)
+    assert refused.value.code is Code.RUN_ID_TAKEN
+    seq = _forge_spend(corpus, "c2", sigma_u=1_000_000, eps_u=_eps((Q, 1_000_000, 10)), groups=PUBLIC,
+                       nonce=bytes(16))
+    assert _failure(corpus)[:2] == (Code.BAD_SPEND, seq)
+
+
+def test_4_the_documented_resume_path_after_compaction_states_the_trials_epsilon(corpus: Corpus, monkeypatch,
+                                                                                  tmp_path_factory):
+    """The review's path through `govtrain tune` itself: the trials finish, the search is killed before its tune
+    entry, `ledger compact` drops the trials' spend bodies, and `tune --id` runs again. It used to state
+    epsilon 0; it states what the trials charged, and the verifier agrees."""
+    pytest.importorskip("transformers")
+    import govtrain.ledger.ledger as ledger_module
+    from govtrain.train.config import load_run_config
+    from govtrain.train.tune import load_grid, tune
+    from tests.test_train import _admit as admit_data, _config, save_tiny_bert
+    from tests.test_tune import _grid, _valid
+
+    admit_data(corpus, "pub")
+    _valid(corpus)
+    config_path = _config(corpus, save_tiny_bert(tmp_path_factory.mktemp("tiny-bert")), 5)
+    grid = load_grid(_grid(corpus, '"optimizer.lr" = [0.01, 0.05]'))
+    options = dict(tune_id="again", insecure_seed=3, log=lambda line: None, now=lambda: corpus.now)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ledger_module.Ledger, "record_tune", killed)
+    with pytest.raises(KeyboardInterrupt):
+        tune(load_run_config(config_path), config_path, grid, corpus.url, **options)
+    monkeypatch.undo()
+    with corpus.open() as ledger:
+        charged = ledger.tune_book().totals(["again-trial-0", "again-trial-1"])
+        for _ in range(2):
+            ledger.close_epoch(now=corpus.now)
+        assert {e.kind for e in ledger.compact(ledger.epoch() - 1, now=corpus.now)} == {"admit", "spend"}
+    result = tune(load_run_config(config_path), config_path, grid, corpus.url, **options)
+    assert charged[0] > 0 and (result.eps_u, result.eps_by_class) == (charged[0], {i["data_class"]: i["eps_u"]
+                                                                                    for i in charged[1]})
+    assert verify_ledger(corpus.url).by_kind["tune"] == 1
