@@ -25,7 +25,7 @@ from govtrain.ledger.entries import decode_entry, run_entry, spend_entry, tune_e
 from govtrain.ledger.ledger import Ledger
 from govtrain.ledger.spend_rules import noise_groups_record
 from govtrain.verify.verifier import inspect_ledger, verify_ledger
-from tests.conftest import Corpus, lease, noise_groups_for, record_spend, snapshot
+from tests.conftest import Corpus, lease, record_spend, snapshot
 from tests.test_signed_ledger import _admit, _db, _sql
 
 Q = 10_000  # TEST_POLICY's sampling rate

@@ -19,7 +19,7 @@ import ledger_store
 from govtrain.attest.keys import load_private_key, raw_public_key
 from govtrain.errors import Code, ConfigError, IntegrityError, RejectedError
 from govtrain.ledger import retention
-from govtrain.ledger.checkpoint import Checkpoint, NoteError, NoteKey, sign_checkpoint, verify_checkpoint
+from govtrain.ledger.checkpoint import Checkpoint, NoteError, sign_checkpoint, verify_checkpoint
 from govtrain.ledger.entries import (
     DEVICE,
     PRECISIONS,
@@ -34,8 +34,15 @@ from govtrain.ledger.entries import (
     withdraw_entry,
 )
 from govtrain.ledger.merkle import CompactRange, MerkleTree
+from govtrain.ledger.policy_chain import (  # noqa: F401  (re-exported: the verifier and tests read them here)
+    UnauthorisedPolicy,
+    authorise_policy_change,
+    fixed_terms_changed,
+    note_keys,
+    policy_chain,
+)
 from govtrain.ledger.signer import SignedHead
-from govtrain.ledger.spend_rules import SpendBook, SpendRuleError, min_sampling_rate_u
+from govtrain.ledger.spend_rules import SpendBook, SpendRuleError, min_sampling_rate_u, read_spend_state
 from govtrain.ledger.tuning import TuneBook, TuneRuleError
 from govtrain.policy.model import Policy
 
@@ -56,74 +63,6 @@ def store_errors() -> Iterator[None]:
         raise ConfigError(Code.LEDGER_MISSING, str(e)) from e
     except ledger_store.LedgerExists as e:
         raise ConfigError(Code.LEDGER_EXISTS, f"{e}; a ledger is initialised once") from e
-
-
-def note_keys(policy: Policy) -> list[NoteKey]:
-    """The policy's ledger keys as checkpoint verifier keys."""
-    return [NoteKey(k.name, k.public_key) for k in policy.ledger_keys]
-
-
-class UnauthorisedPolicy(IntegrityError):
-    """A `policy` entry that the policy before it did not sign for, renames the ledger, or cannot be read."""
-
-    def __init__(self, seq: int, detail: str, code: Code = Code.POLICY_UNAUTHORISED) -> None:
-        super().__init__(code, f"entry {seq}: {detail}")
-        self.seq = seq
-
-
-def authorise_policy_change(seq: int, before: Policy, after: Policy, covering_note: str | None) -> None:
-    """Raise unless the `policy` entry `seq` may replace `before` with `after`: same origin, and the first
-    checkpoint that covers it is signed by a ledger key of `after` *and* one of `before`. Without the
-    second signature, whoever can write the database could list their own keys and sign for them."""
-    if after.origin != before.origin:
-        raise UnauthorisedPolicy(seq, f"a policy change may not rename the ledger ({before.origin!r} to "
-                                      f"{after.origin!r})")
-    fixed = fixed_terms_changed(before, after)
-    if fixed is not None:
-        raise UnauthorisedPolicy(seq, f"a policy change may not change {fixed}")
-    if covering_note is None:
-        raise UnauthorisedPolicy(seq, "no checkpoint covers this policy change")
-    try:
-        verify_checkpoint(covering_note, origin=after.origin, keys=note_keys(after),
-                          also_signed_by=[note_keys(before)])
-    except NoteError as e:
-        raise UnauthorisedPolicy(seq, f"the checkpoint that first covers this policy change is not signed by a "
-                                      f"ledger key of the policy before it and one of the new policy ({e.detail})") from e
-
-
-def fixed_terms_changed(before: Policy, after: Policy) -> str | None:
-    """What a policy change may not alter, named, or None. The privacy unit, delta and accountant are the
-    terms every contribution signed its budget under: each spend is accounted at the ledger's one delta with
-    its one accountant, so raising delta (or moving to an accountant that reads the same history as cheaper)
-    would let a contribution take steps its signed budget forbade under the rules it was admitted under.
-    Start a new ledger for other terms."""
-    if after.unit != before.unit:
-        return (f"the privacy unit ({before.unit} to {after.unit}): every epsilon in the ledger is about one "
-                "unit")
-    if after.delta_p != before.delta_p:
-        return (f"delta ({before.delta_p / 1e12:g} to {after.delta_p / 1e12:g}): every budget was signed, and "
-                "every spend is accounted, at the ledger's delta")
-    if after.accountant != before.accountant:
-        return (f"the accountant ({before.accountant} to {after.accountant}): every budget was signed, and every "
-                "spend is accounted, under the ledger's accountant")
-    return None
-
-
-def policy_chain(store: ledger_store.LedgerStore, header: dict) -> list[tuple[int, Policy]]:
-    """(seq, policy) for the header and every `policy` entry, each change authorised by the policy before it."""
-    chain = [(0, Policy.from_record(header["policy"]))]
-    for stored in store.entries(kinds=("policy",)):
-        if stored.body is None:
-            raise UnauthorisedPolicy(stored.seq, "a policy entry has no body; only admit, spend and withdraw "
-                                                 "entries may be redacted", Code.BAD_ENTRY)
-        try:
-            policy = Policy.from_record(decode_entry(stored.body, seq=stored.seq, kind="policy")["policy"])
-        except IntegrityError as e:
-            raise UnauthorisedPolicy(stored.seq, e.detail, e.code) from e
-        covering = store.checkpoint_covering(stored.seq)
-        authorise_policy_change(stored.seq, chain[-1][1], policy, covering.note if covering else None)
-        chain.append((stored.seq, policy))
-    return chain
 
 
 class Ledger:
@@ -507,44 +446,8 @@ class Ledger:
         return self._spend_state()[0]
 
     def _spend_state(self) -> tuple[SpendBook, int, set[str]]:
-        """(the spend book, sampling units (examples, or contributions) of the contributions admitted and not
-        withdrawn, the withdrawn ids). Entries retention redacted count as their summary recorded them."""
-        book, records, withdrawn = SpendBook(), {}, set()
-        redacted = retention.Redacted.read(self.store)
-        epoch = 0
-        for stored in self.store.entries(start=1, kinds=("admit", "spend", "withdraw", "epoch", "summary", "run")):
-            kind = stored.kind
-            if stored.body is None:
-                if kind == "admit" and stored.seq in redacted.admits:
-                    r = redacted.admits[stored.seq]
-                    records[r["contribution_id"]] = r["records"]
-                    book.admit(r["contribution_id"], r["data_class"], r["clip_norm_u"], r["noise_multiplier_u"])
-                elif kind == "withdraw" and stored.seq in redacted.withdrawals:
-                    withdrawn.add(redacted.withdrawals[stored.seq]["contribution_id"])
-                    book.remove(redacted.withdrawals[stored.seq]["contribution_id"], epoch)
-                elif kind == "spend" and stored.seq in redacted.spends:
-                    spent = redacted.spends[stored.seq][1]
-                    book.lease(spent["run_id"], spent["run_nonce"])
-                continue
-            entry = decode_entry(stored.body, seq=stored.seq, kind=kind)
-            if kind == "epoch":
-                epoch += 1
-            elif kind == "admit":
-                records[entry["contribution_id"]] = entry["records"]
-                book.admit(entry["contribution_id"], entry["data_class"], entry["clip_norm_u"],
-                           entry["noise_multiplier_u"])
-            elif kind == "withdraw":
-                withdrawn.add(entry["contribution_id"])
-                book.remove(entry["contribution_id"], epoch)
-            elif kind == "summary":
-                for r in entry["retired"]:
-                    book.remove(r["contribution_id"], epoch)
-            elif kind == "spend":
-                book.add(entry)
-            else:
-                book.add_run(entry)
-        units = self.policy.sampling_units
-        return book, sum(units(n) for cid, n in records.items() if cid not in withdrawn), withdrawn
+        """(the spend book, sampling units of the contributions admitted and not withdrawn, the withdrawn ids)."""
+        return read_spend_state(self.store, self.policy.sampling_units)
 
     def record_run(self, run_id: str, mechanism: str, config_sha256: bytes, base_model_sha256: bytes,
                    adapter_sha256: bytes | None, now: int | None = None, *, run_nonce: bytes, device: str = "cpu",
@@ -572,28 +475,7 @@ class Ledger:
 
     def tune_book(self) -> TuneBook:
         """The runs, their spend and the tunes recorded so far, as the rules a new tune must meet read them."""
-        book, classes = TuneBook(), {}
-        for row in self.store.admissions():  # retired ones too: their index rows stay
-            book.admit(row.data_sha256)
-            classes[row.contribution_id] = row.data_class
-        redacted = retention.Redacted.read(self.store)
-        for stored in self.store.entries(start=1, kinds=("spend", "run", "tune")):
-            if stored.body is None:  # a spend retention redacted: as its summary recorded it
-                if stored.seq not in redacted.spends:
-                    raise IntegrityError(Code.BAD_SUMMARY, f"spend entry {stored.seq} was redacted, but no summary "
-                                                           "records its run and epsilon: no tune total can be stated "
-                                                           "over it; run govtrain-verify")
-                r, spent = redacted.spends[stored.seq]
-                book.spend({**spent, "contribution_id": r["contribution_id"]}, r["data_class"])
-                continue
-            entry = decode_entry(stored.body, seq=stored.seq, kind=stored.kind)
-            if stored.kind == "spend":
-                book.spend(entry, classes[entry["contribution_id"]])
-            elif stored.kind == "run":
-                book.run(entry)
-            else:
-                book.add(stored.seq, entry)
-        return book
+        return TuneBook.read(self.store)
 
     def record_tune(self, *, tune_id: str, config_sha256: bytes, grid_sha256: bytes, trials: "Sequence[tuple[str, bytes]]",
                     selection_sha256: bytes, metric: str, selected_run_id: str | None,

@@ -29,9 +29,14 @@ schedule (`noise_groups`). Then:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Collection, Iterable, Mapping
+from typing import TYPE_CHECKING, Callable, Collection, Iterable, Mapping
 
 from govtrain.errors import Code
+from govtrain.ledger import retention
+from govtrain.ledger.entries import decode_entry
+
+if TYPE_CHECKING:
+    import ledger_store
 
 NONCE_BYTES = 16
 
@@ -245,3 +250,44 @@ def _check_groups(groups: Iterable[dict], classes: Collection[str]) -> None:
     keys = [group["classes"] for group in groups]
     if keys != sorted(keys) or len({tuple(k) for k in keys}) != len(keys):
         raise SpendRuleError(Code.BAD_ARGUMENT, "noise_groups must be sorted by classes, each group once")
+
+
+def read_spend_state(store: "ledger_store.LedgerStore",
+                     sampling_units: Callable[[int], int]) -> tuple[SpendBook, int, set[str]]:
+    """What a new spend is checked against, read from `store` in ledger order: (the spend book, the sampling
+    units (`Policy.sampling_units`: examples, or contributions) of the contributions admitted and not withdrawn,
+    the withdrawn ids). An entry retention redacted counts as its summary recorded it."""
+    book, records, withdrawn = SpendBook(), {}, set()
+    redacted = retention.Redacted.read(store)
+    epoch = 0
+    for stored in store.entries(start=1, kinds=("admit", "spend", "withdraw", "epoch", "summary", "run")):
+        kind = stored.kind
+        if stored.body is None:
+            if kind == "admit" and stored.seq in redacted.admits:
+                r = redacted.admits[stored.seq]
+                records[r["contribution_id"]] = r["records"]
+                book.admit(r["contribution_id"], r["data_class"], r["clip_norm_u"], r["noise_multiplier_u"])
+            elif kind == "withdraw" and stored.seq in redacted.withdrawals:
+                withdrawn.add(redacted.withdrawals[stored.seq]["contribution_id"])
+                book.remove(redacted.withdrawals[stored.seq]["contribution_id"], epoch)
+            elif kind == "spend" and stored.seq in redacted.spends:
+                spent = redacted.spends[stored.seq][1]
+                book.lease(spent["run_id"], spent["run_nonce"])
+            continue
+        entry = decode_entry(stored.body, seq=stored.seq, kind=kind)
+        if kind == "epoch":
+            epoch += 1
+        elif kind == "admit":
+            records[entry["contribution_id"]] = entry["records"]
+            book.admit(entry["contribution_id"], entry["data_class"], entry["clip_norm_u"], entry["noise_multiplier_u"])
+        elif kind == "withdraw":
+            withdrawn.add(entry["contribution_id"])
+            book.remove(entry["contribution_id"], epoch)
+        elif kind == "summary":
+            for r in entry["retired"]:
+                book.remove(r["contribution_id"], epoch)
+        elif kind == "spend":
+            book.add(entry)
+        else:
+            book.add_run(entry)
+    return book, sum(sampling_units(n) for cid, n in records.items() if cid not in withdrawn), withdrawn

@@ -25,8 +25,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from govtrain.errors import Code
+from govtrain.errors import Code, IntegrityError
+from govtrain.ledger import retention
+from govtrain.ledger.entries import decode_entry
+
+if TYPE_CHECKING:
+    import ledger_store
 
 ACCOUNTING = ("composition",)
 METRICS = ("accuracy", "loss")
@@ -56,6 +62,33 @@ class TuneBook:
     data: set[bytes] = field(default_factory=set)  # admitted data digests
     tunes: dict[str, int] = field(default_factory=dict)  # tune id -> seq
     tuned: dict[str, str] = field(default_factory=dict)  # trial run id -> its tune id
+
+    @classmethod
+    def read(cls, store: "ledger_store.LedgerStore") -> "TuneBook":
+        """The runs, their spend and the tunes recorded in `store`, in ledger order. A spend retention redacted
+        counts as its summary recorded it; one no summary records refuses every tune (`bad_summary`)."""
+        book, classes = cls(), {}
+        for row in store.admissions():  # retired ones too: their index rows stay
+            book.admit(row.data_sha256)
+            classes[row.contribution_id] = row.data_class
+        redacted = retention.Redacted.read(store)
+        for stored in store.entries(start=1, kinds=("spend", "run", "tune")):
+            if stored.body is None:
+                if stored.seq not in redacted.spends:
+                    raise IntegrityError(Code.BAD_SUMMARY, f"spend entry {stored.seq} was redacted, but no summary "
+                                                           "records its run and epsilon: no tune total can be stated "
+                                                           "over it; run govtrain-verify")
+                r, spent = redacted.spends[stored.seq]
+                book.spend({**spent, "contribution_id": r["contribution_id"]}, r["data_class"])
+                continue
+            entry = decode_entry(stored.body, seq=stored.seq, kind=stored.kind)
+            if stored.kind == "spend":
+                book.spend(entry, classes[entry["contribution_id"]])
+            elif stored.kind == "run":
+                book.run(entry)
+            else:
+                book.add(stored.seq, entry)
+        return book
 
     def admit(self, data_sha256: bytes) -> None:
         self.data.add(data_sha256)

@@ -46,13 +46,8 @@ from govtrain.errors import Code, GovtrainError, IntegrityError
 from govtrain.gate.gate import Gate
 from govtrain.ledger.checkpoint import Checkpoint, NoteError, verify_checkpoint
 from govtrain.ledger.entries import DEVICE, PRECISIONS, decode_entry
-from govtrain.ledger.ledger import (
-    UnauthorisedPolicy,
-    authorise_policy_change,
-    fixed_terms_changed,
-    note_keys,
-    store_errors,
-)
+from govtrain.ledger.ledger import store_errors
+from govtrain.ledger.policy_chain import UnauthorisedPolicy, authorise_policy_change, fixed_terms_changed, note_keys
 from govtrain.ledger.retention import Redacted
 from govtrain.ledger.spend_rules import SpendBook, SpendRuleError, min_sampling_rate_u
 from govtrain.ledger.tuning import TuneBook, TuneRuleError
