@@ -46,8 +46,8 @@ def _accents(corpus: Corpus) -> Path:
     from govtrain.gate.admission import admit
 
     path = corpus.dir / "data" / "accents.jsonl"
-    path.write_text("".join(json.dumps({"text": f"un café très {WORDS[i]}", "label": i % 2}, ensure_ascii=False) + "\n"
-                            for i in range(4)), encoding="utf-8")
+    rows = [{"text": f"un café très {WORDS[i]}", "label": i % 2} for i in range(4)]
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
     with corpus.open() as ledger:
         admit(ledger, corpus.attestation(path, contribution_id="accents"), path, now=corpus.now)
     return path
@@ -241,8 +241,8 @@ def test_rows_in_the_tasks_own_form_are_compared_by_row_digest(tmp_path: Path, t
                 for r in _rows(run.config.data_dir / "pub.jsonl")[:5]]
         held = [{"text": f"{WORDS[9 + i % 8]} {WORDS[i % 9]} film is", "label": i % 2} for i in range(3)]
         return _trainer(run, args=_evaluating(tmp_path, load_best_model_at_end=True, save_strategy="steps",
-                                                     save_steps=2),
-                               eval_dataset=datasets.Dataset.from_list(held + rows))
+                                              save_steps=2),
+                        eval_dataset=datasets.Dataset.from_list(held + rows))
 
     _refused(tmp_path, tiny_model, build, "eval_dataset: 5 of 8 rows")
 
@@ -270,8 +270,8 @@ def test_evaluate_on_admitted_rows_is_refused_while_a_selection_setting_is_on(tm
 
     def build(run):
         trainer = _trainer(run, args=_evaluating(tmp_path, load_best_model_at_end=True, save_strategy="steps",
-                                                        save_steps=2),
-                                  eval_dataset=_held_out(run), callbacks=[log])
+                                                 save_steps=2),
+                           eval_dataset=_held_out(run), callbacks=[log])
         try:
             trainer.evaluate(eval_dataset=_admitted(run))
         finally:
@@ -315,7 +315,7 @@ def test_a_callback_acting_on_an_evaluation_of_admitted_rows_is_refused_at_that_
     with govtrain.GovernedRun.open(_config(corpus, tiny_model, 6), corpus.url, insecure_seed=1, **QUIET) as run:
         at = _AtStep(run, corpus.url)
         trainer = _trainer(run, args=_evaluating(tmp_path), eval_dataset=_admitted(run),
-                                  callbacks=[at, _Stop(event, flag)])
+                           callbacks=[at, _Stop(event, flag)])
         with pytest.raises(ConfigError) as refused:
             trainer.train()
         assert refused.value.code is Code.SELECTION_ADMITTED and flag in refused.value.detail, refused.value
@@ -347,10 +347,11 @@ def test_a_held_out_eval_set_selects_the_best_checkpoint_and_the_run_is_recorded
     stopper = transformers.EarlyStoppingCallback(early_stopping_patience=100)
     with govtrain.GovernedRun.open(_config(corpus, tiny_model, 8), corpus.url, insecure_seed=1, **QUIET) as run:
         trainer = _trainer(run, args=_evaluating(tmp_path, load_best_model_at_end=True, save_strategy="steps",
-                                                        save_steps=2, metric_for_best_model="loss"),
-                                  eval_dataset=_held_out(run), callbacks=[stopper])
+                                                 save_steps=2, metric_for_best_model="loss"),
+                           eval_dataset=_held_out(run), callbacks=[stopper])
         trainer.train()
         assert trainer.state.best_model_checkpoint is not None and trainer.state.best_metric is not None
+        assert sum("eval_loss" in entry for entry in trainer.state.log_history) >= 2  # every 2 steps
         assert run.result.adapter_sha256 is not None
         best = load_file(str(Path(trainer.state.best_model_checkpoint) / "adapter_model.safetensors"))
     saved = load_file(str(corpus.dir / "adapter" / "adapter_model.safetensors"))
