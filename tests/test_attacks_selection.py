@@ -393,3 +393,20 @@ def test_a_causal_lm_trainer_selecting_on_admitted_rows_is_refused(tmp_path: Pat
         assert refused.value.code is Code.SELECTION_ADMITTED and "eval_dataset: 6 of 6 rows" in refused.value.detail
         assert _same(weights, run)
     assert snapshot(corpus.url) == before
+
+
+def test_an_early_stop_on_held_out_rows_pauses_the_run(tmp_path: Path, tiny_model: Path):
+    """EarlyStoppingCallback stops on held-out rows (here at its second evaluation: no later one can improve by
+    the threshold); the run is not recorded with steps left, and opening it again resumes where it stopped."""
+    corpus = _corpus(tmp_path, "early")
+    config = _config(corpus, tiny_model, 12)
+    stopper = transformers.EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=1e9)
+    with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **QUIET) as run:
+        trainer = _trainer(run, args=_evaluating(tmp_path, metric_for_best_model="loss"), eval_dataset=_held_out(run),
+                           callbacks=[stopper])
+        trainer.train()
+        stopped = run.steps
+        assert trainer.state.global_step == 4 and stopped < 12 and run.result.adapter_sha256 is None
+    assert "run" not in verify_ledger(corpus.url).by_kind
+    with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **QUIET) as run:
+        assert run.steps == stopped

@@ -19,7 +19,10 @@ learning-rate schedule), callbacks, `evaluate()` and `predict()`. What is the ru
   clipped to its contribution's bound and the gradients are consumed by the governed step;
 - the device and precision: RUN.toml's `training.device` and `training.precision`; a Trainer that would put
   the model elsewhere, use fp16/bf16 autocast, several processes, or resume from its own checkpoint is
-  refused (a governed run resumes when the same config is opened again).
+  refused (a governed run resumes when the same config is opened again);
+- selection: evaluation may choose what is saved or when training stops (`load_best_model_at_end`,
+  `EarlyStoppingCallback`, ...) only on held-out rows; evaluation data with admitted rows is refused while such
+  a setting is on (`selection_admitted`, `govtrain/integrations/selection.py`).
 
 The model is `run.model` itself: not wrapped, same type, same `state_dict` keys. An empty Poisson draw is a
 governed step too (noise only), taken between two Trainer steps, so `state.global_step` can trail

@@ -6,8 +6,9 @@
 
 Each trial k is `train()` on its own config (the base RUN.toml with one grid point, run id
 `<tune_id>-trial-<k>`, output `<training.output>/trial-<k>`), so its spend is written ahead like any run's.
-Every trial's adapter is then scored with `govtrain eval`'s code on the selection file, which must not be
-any admitted contribution's data: selecting on it is post-processing. The `tune` entry binds the trials and
+Every trial's adapter is then scored with `govtrain eval`'s code on the selection file, which must hold no
+admitted data (neither an admitted file nor any row of one, by row digest: `govtrain.data.rows`): selecting
+on it is then post-processing. The `tune` entry binds the trials and
 states the epsilon their spend entries charged (`govtrain/ledger/tuning.py`); the verifier recomputes it.
 A search stopped by a kill is resumed by running it again with the same id: finished trials (those with a
 run entry) are kept, an interrupted one resumes from its run state.
@@ -68,8 +69,8 @@ TRIAL_CONFIG = "trial-{k}.json"  # beside the trial folders: the derived config 
 class SelectSection(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    data: StrictStr = Field(description="held-out file the trials are scored on; never an admitted contribution's "
-                                        "data (path relative to the grid file)")
+    data: StrictStr = Field(description="held-out file the trials are scored on; no row of it an admitted "
+                                        "contribution's (path relative to the grid file)")
     metric: Literal["accuracy", "loss"] | None = Field(
         None, description="accuracy (higher is better; classification) or loss (lower is better; causal LM); "
                           "default the task's")
