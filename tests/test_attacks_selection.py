@@ -158,11 +158,13 @@ def test_a_row_digest_is_of_the_example_not_of_the_bytes(tmp_path: Path):
 
 # -- the Trainer: evaluation that chooses what is saved, or when training stops -------------------------------
 
-def _admitted(run, name: str = "pub", n: int = 8) -> list[dict]:
-    """Admitted rows as a user passes them: tokenized with labels, half of them padded to a fixed length."""
+def _admitted(run, name: str = "pub", n: int = 8, *, mask: bool = True) -> list[dict]:
+    """Admitted rows as a user passes them: tokenized with labels, half of them padded to a fixed length (with
+    their attention mask, or without one)."""
     rows = _rows(run.config.data_dir / f"{name}.jsonl")[:n]
-    return [dict(run.tokenizer(r["text"], **({"padding": "max_length", "max_length": 16} if i % 2 else {})))
-            | {"labels": r["label"]} for i, r in enumerate(rows)]
+    encoded = [dict(run.tokenizer(r["text"], **({"padding": "max_length", "max_length": 16} if i % 2 else {})))
+               | {"labels": r["label"]} for i, r in enumerate(rows)]
+    return encoded if mask else [{k: v for k, v in row.items() if k != "attention_mask"} for row in encoded]
 
 
 def _held_out(run, n: int = 8) -> list[dict]:
@@ -227,7 +229,7 @@ def test_a_dict_of_eval_datasets_one_of_them_admitted_is_refused(tmp_path: Path,
     error = _refused(tmp_path, tiny_model, lambda run: _trainer(
         run, args=_evaluating(tmp_path, load_best_model_at_end=True, metric_for_best_model="eval_held_loss",
                               save_strategy="steps", save_steps=2),
-        eval_dataset={"held": _held_out(run), "train_copy": _admitted(run, "sens", 6)}),
+        eval_dataset={"held": _held_out(run), "train_copy": _admitted(run, "sens", 6, mask=False)}),
         "eval_dataset['train_copy']: 6 of 6 rows")
     assert "'held'" not in error.detail
 

@@ -21,7 +21,7 @@ run's admitted rows (`GovernedRun.admitted_rows`), or it is refused (`selection_
 - a tokenized row (`input_ids`, with an `attention_mask` that strips its padding, and `labels`) by its token
   ids, and for a task with one label per example its label, against the admitted examples encoded by the run's
   task and tokenizer, cut at `model.max_length` and uncut, each with and without a final EOS; a row without an
-  attention mask is compared as it is and with trailing pad tokens stripped;
+  attention mask is compared as it is and with the pad tokens at either end stripped;
 - a row that can be compared neither way, or a data set whose rows cannot be listed (an iterable one), is
   refused as one that cannot be checked.
 
@@ -156,14 +156,15 @@ class SelectionCheck:
 
     def _token_owner(self, ids: list[int], mask: Any, label: Any) -> str | None:
         index = self._token_index()
-        if _token_ids(mask) and len(mask) == len(ids):
+        if isinstance(mask, list) and len(mask) == len(ids) and all(isinstance(m, (int, bool)) for m in mask):
             candidates = [[token for token, keep in zip(ids, mask) if keep]]
-        else:
-            pad = self.run.tokenizer.pad_token_id
-            stripped = list(ids)
-            while pad is not None and stripped and stripped[-1] == pad:
-                stripped.pop()
-            candidates = [list(ids), stripped]
+        else:  # no mask: as it is, and with the pad tokens at either end stripped
+            pad, start, end = self.run.tokenizer.pad_token_id, 0, len(ids)
+            while pad is not None and start < end and ids[start] == pad:
+                start += 1
+            while pad is not None and end > start and ids[end - 1] == pad:
+                end -= 1
+            candidates = [list(ids), ids[start:end]]
         for candidate in candidates:
             labels = index.get(tuple(candidate))
             if not labels:
