@@ -244,7 +244,6 @@ class _Governed:
             run.save()
         return output
 
-
     # -- evaluation may choose what is released only on held-out rows (integrations/selection.py) ----------
 
     def _selection_settings(self, callbacks: tuple = ()) -> list[str]:
@@ -272,7 +271,7 @@ class _Governed:
         if not isinstance(data, dict):
             return self._evaluate_once(label, data, eval_dataset, ignore_keys, metric_key_prefix)
         metrics: dict[str, float] = {}
-        for key, item in data.items():  # as the Trainer does, one data set at a time, each checked as it ends
+        for key, item in data.items():  # one at a time, as the Trainer does: a callback's response is per data set
             metrics.update(self._evaluate_once(f"{label}[{key!r}]", item, item if given else key, ignore_keys,
                                                f"{metric_key_prefix}_{key}"))
         return metrics
