@@ -39,7 +39,7 @@ class Code(str, Enum):
     STALE_PARAMETERS = "stale_parameters"  # a privatized gradient the update would not apply to the model
     GRID_INVALID = "grid_invalid"  # a tuning grid that is unreadable, names a key it may not, or builds a bad trial
     TUNE_EXISTS = "tune_exists"  # the ledger already records a tune with this id
-    SELECTION_ADMITTED = "selection_admitted"  # the selection file is an admitted contribution's data
+    SELECTION_ADMITTED = "selection_admitted"  # selection (tune's file, a Trainer's evaluation) on admitted rows
 
     # -- encoding: the strict deterministic-CBOR decoder (DESIGN §2) ----------------------
     TOO_LARGE = "too_large"

@@ -19,7 +19,10 @@ learning-rate schedule), callbacks, `evaluate()` and `predict()`. What is the ru
   clipped to its contribution's bound and the gradients are consumed by the governed step;
 - the device and precision: RUN.toml's `training.device` and `training.precision`; a Trainer that would put
   the model elsewhere, use fp16/bf16 autocast, several processes, or resume from its own checkpoint is
-  refused (a governed run resumes when the same config is opened again).
+  refused (a governed run resumes when the same config is opened again);
+- selection: evaluation may choose what is saved or when training stops (`load_best_model_at_end`,
+  `EarlyStoppingCallback`, ...) only on held-out rows; evaluation data with admitted rows is refused while such
+  a setting is on (`selection_admitted`, `govtrain/integrations/selection.py`).
 
 The model is `run.model` itself: not wrapped, same type, same `state_dict` keys. An empty Poisson draw is a
 governed step too (noise only), taken between two Trainer steps, so `state.global_step` can trail
@@ -35,6 +38,8 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from govtrain.errors import Code, ConfigError
+from govtrain.integrations.selection import (SelectionCheck, changed_by_evaluation, evaluation_flags, named,
+                                             selection_settings)
 from govtrain.train.governed import GovernedBatch, GovernedRun
 
 if TYPE_CHECKING:
@@ -185,6 +190,9 @@ class _Governed:
                                                        f"has {left} of training.steps = {run.total_steps} left: leave "
                                                        "max_steps unset, or set training.steps in RUN.toml")
         self.run = run
+        self._selection = SelectionCheck(run)
+        self._selection.check(named(kwargs.get("eval_dataset"), "eval_dataset"),
+                              selection_settings(args, kwargs.get("callbacks") or ()))
         super().__init__(model=run.model, args=args, optimizers=(GovernedOptimizer(run), None),
                          **self._sft_arguments(kwargs))
 
@@ -229,11 +237,58 @@ class _Governed:
         if trial is not None:
             raise ConfigError(Code.RUN_CONFIG_INVALID, "hyperparameter search through the Trainer is not charged: "
                                                        "use govtrain tune")
+        self._selection.check(named(self.eval_dataset, "eval_dataset"), self._selection_settings())
         output = super().train(**kwargs)
         run = self.run
         if run.steps >= run.total_steps or run.result.exhausted:
             run.save()
         return output
+
+    # -- evaluation may choose what is released only on held-out rows (integrations/selection.py) ----------
+
+    def _selection_settings(self, callbacks: tuple = ()) -> list[str]:
+        return selection_settings(self.args, [*self.callback_handler.callbacks, *callbacks])
+
+    def add_callback(self, callback: Any) -> None:
+        """The Trainer's `add_callback`; one that lets evaluation choose when training stops (an
+        `EarlyStoppingCallback`) is refused, and not added, while `eval_dataset` holds admitted rows."""
+        if hasattr(self, "callback_handler"):
+            self._selection.check(named(getattr(self, "eval_dataset", None), "eval_dataset"),
+                                  self._selection_settings((callback,)))
+        super().add_callback(callback)
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """The Trainer's `evaluate`. While a selection setting is on, data with admitted rows is refused before it
+        is evaluated; a callback that stops training or changes what is saved in response to an evaluation of
+        admitted rows is refused at that evaluation, its change undone (nothing is saved or recorded)."""
+        given = eval_dataset is not None
+        data = eval_dataset if given else self.eval_dataset
+        label = "evaluate(eval_dataset)" if given else "eval_dataset"
+        if isinstance(data, str):  # an entry of a dict eval_dataset, by name
+            label, data = f"eval_dataset[{data!r}]", self.eval_dataset[data]
+        self._selection.check(named(data, label), self._selection_settings())
+        if not isinstance(data, dict):
+            return self._evaluate_once(label, data, eval_dataset, ignore_keys, metric_key_prefix)
+        metrics: dict[str, float] = {}
+        for key, item in data.items():  # one at a time, as the Trainer does: a callback's response is per data set
+            metrics.update(self._evaluate_once(f"{label}[{key!r}]", item, item if given else key, ignore_keys,
+                                               f"{metric_key_prefix}_{key}"))
+        return metrics
+
+    def _evaluate_once(self, label: str, data: Any, argument: Any, ignore_keys: list[str] | None,
+                       prefix: str) -> dict[str, float]:
+        before = evaluation_flags(self.control)
+        metrics = super().evaluate(argument, ignore_keys, prefix)
+        changed = changed_by_evaluation(before, self.control)
+        if changed:
+            try:
+                self._selection.check({label: data}, changed)
+            except ConfigError:
+                for flag, value in before.items():
+                    setattr(self.control, flag, value)
+                raise
+        return metrics
 
 
 def _check_arguments(args: TrainingArguments, run: GovernedRun) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
@@ -41,6 +42,7 @@ from govtrain.train.run import LOG, Chunk, Run, RunResult
 if TYPE_CHECKING:
     from torch import nn
 
+    from govtrain.data.rows import AdmittedRows
     from govtrain.ledger.ledger import Ledger
 
 _NOT_YOURS = ("the accountant's q holds only for batches govtrain's Poisson sampler drew: iterate run.batches() "
@@ -172,6 +174,15 @@ class GovernedRun:
     def epsilons(self) -> dict[str, float]:
         """Each class's epsilon as charged so far, the epoch written ahead included."""
         return self._run.epsilons()
+
+    @cached_property
+    def admitted_rows(self) -> "AdmittedRows":
+        """The examples this run loaded from its admitted, not withdrawn contributions' data, each with its
+        contribution, and their row digests (`govtrain.data.rows`, computed on first use): the rows an
+        evaluation that chooses what is released may not score on."""
+        from govtrain.data.rows import AdmittedRows
+
+        return AdmittedRows(tuple(self._run.examples.items), tuple(self._run.examples.owner))
 
     # -- the loop --------------------------------------------------------------------------------------
 

@@ -6,8 +6,9 @@
 
 Each trial k is `train()` on its own config (the base RUN.toml with one grid point, run id
 `<tune_id>-trial-<k>`, output `<training.output>/trial-<k>`), so its spend is written ahead like any run's.
-Every trial's adapter is then scored with `govtrain eval`'s code on the selection file, which must not be
-any admitted contribution's data: selecting on it is post-processing. The `tune` entry binds the trials and
+Every trial's adapter is then scored with `govtrain eval`'s code on the selection file, which must hold no
+admitted data (neither an admitted file nor any row of one, by row digest: `govtrain.data.rows`): selecting
+on it is then post-processing. The `tune` entry binds the trials and
 states the epsilon their spend entries charged (`govtrain/ledger/tuning.py`); the verifier recomputes it.
 A search stopped by a kill is resumed by running it again with the same id: finished trials (those with a
 run entry) are kept, an interrupted one resumes from its run state.
@@ -68,8 +69,8 @@ TRIAL_CONFIG = "trial-{k}.json"  # beside the trial folders: the derived config 
 class SelectSection(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    data: StrictStr = Field(description="held-out file the trials are scored on; never an admitted contribution's "
-                                        "data (path relative to the grid file)")
+    data: StrictStr = Field(description="held-out file the trials are scored on; no row of it an admitted "
+                                        "contribution's (path relative to the grid file)")
     metric: Literal["accuracy", "loss"] | None = Field(
         None, description="accuracy (higher is better; classification) or loss (lower is better; causal LM); "
                           "default the task's")
@@ -222,18 +223,57 @@ def selection_metric(config: RunConfig, grid: Grid) -> str:
     return metric
 
 
-def check_selection(ledger, selection: Path) -> bytes:  # type: ignore[no-untyped-def]
-    """The selection file's SHA-256, refused (SELECTION_ADMITTED) where it is an admitted contribution's data."""
-    try:
-        digest = hashlib.sha256(selection.read_bytes()).digest()
-    except OSError as e:
-        raise ConfigError(Code.DATA_UNREADABLE, f"select.data {selection}: {e.strerror}") from e
-    for row in ledger.store.admissions():
-        if row.data_sha256 == digest:
-            raise ConfigError(Code.SELECTION_ADMITTED, f"select.data {selection} is the data of admitted contribution "
-                                                       f"{row.contribution_id!r}: selecting on private data is not "
-                                                       "post-processing; hold out a file that is not admitted")
-    return digest
+@dataclass(frozen=True, kw_only=True)
+class Selection:
+    """The selection file, read once: its digest (a file's SHA-256 or a directory's tree hash) and its rows as
+    the task's examples, each with where it is (file:line)."""
+
+    path: Path
+    sha256: bytes
+    where: list[str]
+    examples: list[Any]
+
+
+def read_selection(path: Path, task, integer_columns: tuple[str, ...]) -> Selection:  # type: ignore[no-untyped-def]
+    """Every row of the selection file (any format training reads) as the task's example; a row the task cannot
+    use is refused (BAD_DATA, naming file and row), as `govtrain eval` refuses it."""
+    from govtrain.data import read_data
+    from govtrain.train.data import rows_of
+
+    if not path.exists():
+        raise ConfigError(Code.DATA_UNREADABLE, f"select.data {path}: no such file or directory")
+    data = read_data(path)
+    rows = rows_of(data, integer_columns)
+    if not rows:
+        raise ConfigError(Code.BAD_DATA, f"select.data {path}: no rows to score on")
+    return Selection(path=path, sha256=data.sha256, where=[where for where, _ in rows],
+                     examples=[task.example(row, where) for where, row in rows])
+
+
+def check_selection(ledger, config: RunConfig, task, selection: Selection) -> None:  # type: ignore[no-untyped-def]
+    """Refuse (SELECTION_ADMITTED) a selection file that is an admitted contribution's data (its digest, for
+    every admitted contribution), or that holds any row of one (its row digests, `govtrain.data.rows`, against
+    the rows of every admitted contribution whose data is in training.data, withdrawn ones included): selecting
+    on private data is not post-processing."""
+    from govtrain.data.rows import AdmittedRows, admitted_summary, row_digest
+    from govtrain.train.data import load_examples
+
+    admissions = ledger.store.admissions()
+    for row in admissions:
+        if row.data_sha256 == selection.sha256:
+            raise ConfigError(Code.SELECTION_ADMITTED, f"select.data {selection.path} is the data of admitted "
+                                                       f"contribution {row.contribution_id!r}: selecting on private "
+                                                       "data is not post-processing; hold out a file that is not "
+                                                       "admitted")
+    loaded = load_examples(config.data_dir, {row.data_sha256: row.contribution_id for row in admissions}, task,
+                           integer_columns=(config.file.data.label_column,))
+    admitted = AdmittedRows(tuple(loaded.items), tuple(loaded.owner))
+    matched = admitted.matches(zip(selection.where, map(row_digest, selection.examples)))
+    if matched:
+        raise ConfigError(Code.SELECTION_ADMITTED, f"select.data {selection.path}: "
+                                                   f"{admitted_summary(matched, len(selection.examples))}: selecting "
+                                                   "on private data is not post-processing; score on rows that no "
+                                                   "contribution admitted")
 
 
 def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str, *, tune_id: str,
@@ -244,7 +284,6 @@ def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str
     still recorded for the trials that wrote spend, with no selection, and `BudgetExhausted` is raised."""
     from govtrain.ledger.ledger import Ledger
     from govtrain.tasks import task_for
-    from govtrain.train.evaluate import read_examples
     from govtrain.train.loop import BudgetExhausted, train
     from govtrain.train.run import tree_sha256
 
@@ -252,9 +291,9 @@ def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str
     trials = plan_trials(config, config_path, grid, tune_id)
     metric = selection_metric(config, grid)
     task = task_for(config.file)
-    examples = read_examples(grid.selection, task, (config.file.data.label_column,))
+    selection = read_selection(grid.selection, task, (config.file.data.label_column,))
     with Ledger.open(ledger_url, key=key) as ledger:
-        selection_sha256 = check_selection(ledger, grid.selection)
+        check_selection(ledger, config, task, selection)
         book = ledger.tune_book()
     if tune_id in book.tunes:
         raise ConfigError(Code.TUNE_EXISTS, f"tune {tune_id!r} is already recorded by entry {book.tunes[tune_id]}; "
@@ -296,7 +335,7 @@ def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str
                                             eps_u=book.run_eps.get(trial.run_id, 0)))
     if stopped is None:
         for outcome in result.outcomes:
-            outcome.score = _score(outcome.trial.config, task, examples, metric)
+            outcome.score = _score(outcome.trial.config, task, selection.examples, metric)
             log(f"trial {outcome.trial.index}: {metric} {outcome.score:.4f}")
         best = (max if metric == "accuracy" else min)(outcome.score for outcome in result.outcomes)
         result.selected = next(o for o in result.outcomes if o.score == best)  # ties: the earliest trial
@@ -306,7 +345,7 @@ def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str
             stored, fields = ledger.record_tune(
                 tune_id=tune_id, config_sha256=config.sha256, grid_sha256=grid.sha256,
                 trials=[(o.trial.run_id, o.trial.config.sha256) for o in result.outcomes],
-                selection_sha256=selection_sha256, metric=metric,
+                selection_sha256=selection.sha256, metric=metric,
                 selected_run_id=None if result.selected is None else result.selected.trial.run_id, now=now())
         result.seq, result.eps_u = stored.seq, fields["eps_u"]
         result.eps_by_class = {item["data_class"]: item["eps_u"] for item in fields["eps_by_class"]}

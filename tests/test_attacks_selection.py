@@ -1,0 +1,414 @@
+"""Attacks by user and operator code that selects what is released (issue 20, items 3 and 5).
+
+The adversary is code that chooses the released adapter, or when training stops, by its score on admitted
+rows, a use of private data that nothing charges: the Hugging Face Trainer's best-model and early-stopping
+machinery (`load_best_model_at_end`, `metric_for_best_model`, `save_strategy="best"`, `EarlyStoppingCallback`,
+a callback of its own that stops or saves when an evaluation comes in) fed an `eval_dataset` of admitted rows,
+and `govtrain tune`'s selection file made of admitted rows that are not byte for byte an admitted file (a blank
+line appended, re-saved as CSV, two admitted files concatenated, whitespace, key order and Unicode form changed,
+one admitted row among held-out ones). Each is refused with `selection_admitted` and nothing changes: the ledger
+(`tests.conftest.snapshot`), the trials (none runs), the model's weights. Selection on rows that are held out
+stays allowed and is recorded, and evaluation that selects nothing stays allowed on any data.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import govtrain  # noqa: E402
+from govtrain.errors import Code, ConfigError  # noqa: E402
+from govtrain.integrations.hf import GovernedTrainer  # noqa: E402
+from govtrain.verify.verifier import verify_ledger  # noqa: E402
+from tests.conftest import Corpus, snapshot  # noqa: E402
+from tests.test_api import QUIET, _corpus, _same, _trainable  # noqa: E402
+from tests.test_hf_trainer import _arguments, _Log  # noqa: E402
+from tests.test_train import WORDS, _admit, _config, tiny_model  # noqa: E402,F401
+from tests.test_tune import _entries, _grid, _tune, _valid  # noqa: E402
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# -- govtrain tune: a selection file of admitted rows ----------------------------------------------------------
+
+def _accents(corpus: Corpus) -> Path:
+    """An admitted contribution whose text is not ASCII (NFC), for the Unicode-form case."""
+    from govtrain.gate.admission import admit
+
+    path = corpus.dir / "data" / "accents.jsonl"
+    rows = [{"text": f"un café très {WORDS[i]}", "label": i % 2} for i in range(4)]
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    with corpus.open() as ledger:
+        admit(ledger, corpus.attestation(path, contribution_id="accents"), path, now=corpus.now)
+    return path
+
+
+def _csv(rows: list[dict]) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out, quoting=csv.QUOTE_ALL, lineterminator="\r\n")
+    writer.writerow(["label", "text"])
+    writer.writerows([[row["label"], row["text"]] for row in rows])
+    return out.getvalue()
+
+
+def _reworded(row: dict) -> str:
+    """The same example: keys reordered, whitespace runs, JSON spacing and Unicode form changed."""
+    text = "  " + unicodedata.normalize("NFD", row["text"]).replace(" ", " \t  ") + "\u00a0"
+    return json.dumps({"label": row["label"], "text": text}, ensure_ascii=False, separators=(" ,  ", " : "))
+
+
+def _held_out_with_one_admitted(corpus: Corpus, data: Path) -> bytes:
+    held = _valid(corpus).read_text().splitlines(keepends=True)
+    return "".join(held[:6] + [data.read_text().splitlines(keepends=True)[3]] + held[6:]).encode()
+
+
+SELECTIONS = {  # name -> (selection file name, its bytes from the corpus's admitted files, rows matched / all rows)
+    "blank_line_appended": ("selection.jsonl", lambda c, d: (d / "pub.jsonl").read_bytes() + b"\n", "40 of 40"),
+    "resaved_as_csv": ("selection.csv", lambda c, d: _csv(_rows(d / "pub.jsonl")).encode(), "40 of 40"),
+    "two_files_concatenated": ("selection.jsonl", lambda c, d: (d / "pub.jsonl").read_bytes() +
+                               (d / "sens.jsonl").read_bytes(), "80 of 80"),
+    "whitespace_key_order_unicode": ("selection.jsonl", lambda c, d: "\r\n".join(
+        _reworded(row) for row in _rows(d / "accents.jsonl") + _rows(d / "sens.jsonl")).encode(), "44 of 44"),
+    "one_row_among_held_out": ("selection.jsonl", lambda c, d: _held_out_with_one_admitted(c, d / "pub.jsonl"),
+                               "1 of 13"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SELECTIONS))
+def test_tune_refuses_a_selection_file_of_admitted_rows_and_writes_nothing(corpus: Corpus, name: str):
+    _admit(corpus, "pub")
+    _admit(corpus, "sens", data_class="sensitive", clip_norm_u=500_000, eps_budget_u=3_000_000)
+    _accents(corpus)
+    file, content, matched = SELECTIONS[name]
+    selection = corpus.dir / file
+    selection.write_bytes(content(corpus, corpus.dir / "data"))
+    with corpus.open() as ledger:  # none of them is an admitted file byte for byte: the old check passed them
+        assert selection.read_bytes() not in [(corpus.dir / "data" / p).read_bytes() for p in
+                                              ("pub.jsonl", "sens.jsonl", "accents.jsonl")]
+        assert len(ledger.store.admissions()) == 3
+    before = snapshot(corpus.url)
+    result = _tune(corpus, Path("/nonexistent-model"), _grid(corpus, '"optimizer.lr" = [0.01]', f'data = "{file}"'))
+    assert result.exit_code == 2 and "error[selection_admitted]" in result.stderr, result.output
+    assert f"{matched} rows" in result.stderr and f"{file}:" in result.stderr, result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("error[")] == \
+        [result.stderr.strip().splitlines()[-1]]  # one `error[code]: what is wrong and what to do` line
+    assert snapshot(corpus.url) == before
+    assert not (corpus.dir / "adapter").exists()  # no trial config written, no trial run
+    assert not _entries(corpus.url, "spend")
+
+
+def test_tune_still_refuses_an_admitted_file_byte_for_byte_even_outside_training_data(corpus: Corpus):
+    """The file-digest check stays: a contribution admitted but absent from training.data is still private."""
+    _admit(corpus, "pub")
+    moved = corpus.dir / "pub-copy.jsonl"
+    (corpus.dir / "data" / "pub.jsonl").rename(moved)
+    _admit(corpus, "sens", data_class="sensitive", clip_norm_u=500_000, eps_budget_u=3_000_000)
+    before = snapshot(corpus.url)
+    result = _tune(corpus, Path("/nonexistent-model"), _grid(corpus, '"optimizer.lr" = [0.01]',
+                                                               f'data = "{moved.name}"'))
+    assert result.exit_code == 2 and "error[selection_admitted]" in result.stderr, result.output
+    assert "'pub'" in result.stderr and snapshot(corpus.url) == before
+
+
+def test_tune_accepts_a_held_out_selection_file_and_records_the_search(corpus: Corpus, tiny_model: Path):
+    _admit(corpus, "pub")
+    _valid(corpus)
+    result = _tune(corpus, tiny_model, _grid(corpus, '"optimizer.lr" = [0.01]'), "--id", "held", steps=2)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["selected"]["run_id"] == "held-trial-0"
+    assert verify_ledger(corpus.url).by_kind["tune"] == 1
+
+
+def test_a_row_digest_is_of_the_example_not_of_the_bytes(tmp_path: Path):
+    """The normal form (govtrain/data/rows.py): format, quoting, key order, blank lines, whitespace runs and
+    Unicode form do not change a row's digest; a changed word or label does."""
+    import datasets
+
+    from govtrain.data import read_data
+    from govtrain.data.rows import row_digest
+    from govtrain.tasks import Classification
+    from govtrain.train.data import rows_of
+
+    rows = [{"text": f"un café {WORDS[i]}  est", "label": i % 2} for i in range(5)]
+    (tmp_path / "a.jsonl").write_text("\n\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n\n")
+    (tmp_path / "b.csv").write_text(_csv(rows))
+    (tmp_path / "c.jsonl").write_text("\n".join(_reworded(r) for r in rows))
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "d.parquet"))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "e"))
+    task = Classification(num_labels=2)
+    digests = {}
+    for name in ("a.jsonl", "b.csv", "c.jsonl", "d.parquet", "e"):
+        read = rows_of(read_data(tmp_path / name), ("label",))
+        digests[name] = [row_digest(task.example(row, where)) for where, row in read]
+    assert len({tuple(d) for d in digests.values()}) == 1 and len(set(digests["a.jsonl"])) == 5
+    changed = [task.example({"text": rows[0]["text"] + " x", "label": 0}, "-"),
+               task.example({"text": rows[0]["text"], "label": 1}, "-")]
+    assert not {row_digest(e) for e in changed} & set(digests["a.jsonl"])
+
+
+# -- the Trainer: evaluation that chooses what is saved, or when training stops -------------------------------
+
+def _admitted(run, name: str = "pub", n: int = 8, *, mask: bool = True) -> list[dict]:
+    """Admitted rows as a user passes them: tokenized with labels, half of them padded to a fixed length (with
+    their attention mask, or without one)."""
+    rows = _rows(run.config.data_dir / f"{name}.jsonl")[:n]
+    encoded = [dict(run.tokenizer(r["text"], **({"padding": "max_length", "max_length": 16} if i % 2 else {})))
+               | {"labels": r["label"]} for i, r in enumerate(rows)]
+    return encoded if mask else [{k: v for k, v in row.items() if k != "attention_mask"} for row in encoded]
+
+
+def _held_out(run, n: int = 8) -> list[dict]:
+    """Rows no contribution holds (other words, in another order)."""
+    return [dict(run.tokenizer(f"{WORDS[9 + i % 8]} {WORDS[i % 9]} film is")) | {"labels": i % 2} for i in range(n)]
+
+
+def _trainer(run, **kwargs) -> GovernedTrainer:
+    return GovernedTrainer(run, processing_class=run.tokenizer, **kwargs)  # its collator pads the rows
+
+
+def _evaluating(tmp_path: Path, **overrides) -> transformers.TrainingArguments:
+    return _arguments(tmp_path, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4, **overrides)
+
+
+def _refused(tmp_path: Path, model: Path, build, says: str) -> ConfigError:
+    """`build(run)` is refused with selection_admitted, naming `says`, before anything moved or was written."""
+    corpus = _corpus(tmp_path, "refused")
+    before = snapshot(corpus.url)
+    with govtrain.GovernedRun.open(_config(corpus, model, 4), corpus.url, insecure_seed=1, **QUIET) as run:
+        weights = _trainable(run)
+        with pytest.raises(ConfigError) as refused:
+            build(run)
+        assert refused.value.code is Code.SELECTION_ADMITTED, refused.value
+        assert says in refused.value.detail, refused.value.detail
+        assert "\n" not in refused.value.detail
+        assert _same(weights, run) and run.steps == 0
+    assert snapshot(corpus.url) == before
+    assert not (corpus.dir / "adapter" / "adapter_config.json").exists()
+    return refused.value
+
+
+def _save_strategy_best() -> dict:
+    from transformers.trainer_utils import SaveStrategy
+
+    if not hasattr(SaveStrategy, "BEST"):
+        pytest.skip("this transformers has no save_strategy='best'")
+    return dict(save_strategy="best", metric_for_best_model="loss")
+
+
+SETTINGS = {  # what lets evaluation choose what is saved or when training stops -> (arguments, callbacks)
+    "load_best_model_at_end": (lambda: dict(load_best_model_at_end=True, save_strategy="steps", save_steps=2), []),
+    "metric_for_best_model": (lambda: dict(metric_for_best_model="loss", save_strategy="steps", save_steps=2,
+                                           save_total_limit=1), []),
+    "save_strategy": (_save_strategy_best, []),
+    "lr_scheduler_type": (lambda: dict(lr_scheduler_type="reduce_lr_on_plateau"), []),
+    "EarlyStoppingCallback": (dict, [lambda: transformers.EarlyStoppingCallback(early_stopping_patience=1)]),
+    "EarlyStoppingCallback class": (dict, [lambda: transformers.EarlyStoppingCallback]),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_a_trainer_selecting_on_admitted_rows_is_refused_when_built(tmp_path: Path, tiny_model: Path, setting: str):
+    arguments, callbacks = SETTINGS[setting]
+    error = _refused(tmp_path, tiny_model, lambda run: _trainer(
+        run, args=_evaluating(tmp_path, **arguments()), eval_dataset=_admitted(run),
+        callbacks=[c() for c in callbacks]), setting.split()[0])
+    assert "eval_dataset: 8 of 8 rows" in error.detail
+
+
+def test_a_dict_of_eval_datasets_one_of_them_admitted_is_refused(tmp_path: Path, tiny_model: Path):
+    error = _refused(tmp_path, tiny_model, lambda run: _trainer(
+        run, args=_evaluating(tmp_path, load_best_model_at_end=True, metric_for_best_model="eval_held_loss",
+                              save_strategy="steps", save_steps=2),
+        eval_dataset={"held": _held_out(run), "train_copy": _admitted(run, "sens", 6, mask=False)}),
+        "eval_dataset['train_copy']: 6 of 6 rows")
+    assert "'held'" not in error.detail
+
+
+def test_rows_in_the_tasks_own_form_are_compared_by_row_digest(tmp_path: Path, tiny_model: Path):
+    """Untokenized rows (a `datasets.Dataset` of text and label, whitespace changed) are compared as examples."""
+    import datasets
+
+    def build(run):
+        rows = [{"text": "  " + r["text"].replace(" ", "   "), "label": r["label"]}
+                for r in _rows(run.config.data_dir / "pub.jsonl")[:5]]
+        held = [{"text": f"{WORDS[9 + i % 8]} {WORDS[i % 9]} film is", "label": i % 2} for i in range(3)]
+        return _trainer(run, args=_evaluating(tmp_path, load_best_model_at_end=True, save_strategy="steps",
+                                              save_steps=2),
+                        eval_dataset=datasets.Dataset.from_list(held + rows))
+
+    _refused(tmp_path, tiny_model, build, "eval_dataset: 5 of 8 rows")
+
+
+def test_rows_that_cannot_be_checked_are_refused_when_evaluation_selects(tmp_path: Path, tiny_model: Path):
+    _refused(tmp_path, tiny_model, lambda run: _trainer(
+        run, args=_evaluating(tmp_path, load_best_model_at_end=True, save_strategy="steps", save_steps=2),
+        eval_dataset=[{"features": [0.5, 0.25], "labels": 1}] * 3), "cannot check")
+
+
+def test_an_early_stopping_callback_added_later_is_refused_and_not_added(tmp_path: Path, tiny_model: Path):
+    def build(run):
+        trainer = _trainer(run, args=_evaluating(tmp_path), eval_dataset=_admitted(run))
+        try:
+            trainer.add_callback(transformers.EarlyStoppingCallback(early_stopping_patience=1))
+        finally:
+            assert not any(isinstance(c, transformers.EarlyStoppingCallback)
+                           for c in trainer.callback_handler.callbacks)
+
+    _refused(tmp_path, tiny_model, build, "EarlyStoppingCallback")
+
+
+def test_evaluate_on_admitted_rows_is_refused_while_a_selection_setting_is_on(tmp_path: Path, tiny_model: Path):
+    log = _Log()
+
+    def build(run):
+        trainer = _trainer(run, args=_evaluating(tmp_path, load_best_model_at_end=True, save_strategy="steps",
+                                                 save_steps=2),
+                           eval_dataset=_held_out(run), callbacks=[log])
+        try:
+            trainer.evaluate(eval_dataset=_admitted(run))
+        finally:
+            assert not any("eval_loss" in entry for entry in log.logs)  # refused before it evaluated
+
+    _refused(tmp_path, tiny_model, build, "load_best_model_at_end")
+
+
+class _Stop(transformers.TrainerCallback):
+    """A callback of the user's own that acts on an evaluation: stops training, or saves a checkpoint."""
+
+    def __init__(self, event: str, flag: str) -> None:
+        self.event, self.flag = event, flag
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if self.event == "on_evaluate":
+            setattr(control, self.flag, True)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.event == "on_log" and "eval_loss" in (logs or {}):
+            setattr(control, self.flag, True)
+
+
+class _AtStep(transformers.TrainerCallback):
+    """The ledger and the weights after each step, before that step's evaluation."""
+
+    def __init__(self, run, url: str) -> None:
+        self.run, self.url = run, url
+        self.steps: list[int] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+        self.ledger, self.weights = snapshot(self.url), _trainable(self.run)
+
+
+@pytest.mark.parametrize("event, flag", [("on_evaluate", "should_training_stop"), ("on_log", "should_training_stop"),
+                                         ("on_evaluate", "should_save")])
+def test_a_callback_acting_on_an_evaluation_of_admitted_rows_is_refused_at_that_evaluation(
+        tmp_path: Path, tiny_model: Path, event: str, flag: str):
+    corpus = _corpus(tmp_path, "custom")
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 6), corpus.url, insecure_seed=1, **QUIET) as run:
+        at = _AtStep(run, corpus.url)
+        trainer = _trainer(run, args=_evaluating(tmp_path), eval_dataset=_admitted(run),
+                           callbacks=[at, _Stop(event, flag)])
+        with pytest.raises(ConfigError) as refused:
+            trainer.train()
+        assert refused.value.code is Code.SELECTION_ADMITTED and flag in refused.value.detail, refused.value
+        assert "eval_dataset: 8 of 8 rows" in refused.value.detail
+        assert at.steps == [1, 2]  # refused at the first evaluation: no step after it
+        assert _same(at.weights, run) and snapshot(corpus.url) == at.ledger
+        assert run.result.adapter_sha256 is None
+    assert snapshot(corpus.url) == at.ledger  # no run entry: nothing was released
+    assert "run" not in verify_ledger(corpus.url).by_kind
+
+
+def test_evaluation_that_selects_nothing_stays_allowed_on_admitted_rows(tmp_path: Path, tiny_model: Path):
+    corpus = _corpus(tmp_path, "logging")
+    log = _Log()
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 4), corpus.url, insecure_seed=1, **QUIET) as run:
+        trainer = _trainer(run, args=_evaluating(tmp_path), eval_dataset=_admitted(run), callbacks=[log])
+        trainer.train()
+        assert "eval_copy_loss" in trainer.evaluate(eval_dataset={"copy": _admitted(run, "sens")})
+    assert any("eval_loss" in entry for entry in log.logs)
+    assert verify_ledger(corpus.url).by_kind["run"] == 1
+
+
+def test_a_held_out_eval_set_selects_the_best_checkpoint_and_the_run_is_recorded(tmp_path: Path, tiny_model: Path):
+    """The demanding user's case: load_best_model_at_end and EarlyStoppingCallback on rows no contribution holds.
+    The run entry records the adapter of the checkpoint the Trainer chose."""
+    from safetensors.torch import load_file
+
+    corpus = _corpus(tmp_path, "held")
+    stopper = transformers.EarlyStoppingCallback(early_stopping_patience=100)
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 8), corpus.url, insecure_seed=1, **QUIET) as run:
+        trainer = _trainer(run, args=_evaluating(tmp_path, load_best_model_at_end=True, save_strategy="steps",
+                                                 save_steps=2, metric_for_best_model="loss"),
+                           eval_dataset=_held_out(run), callbacks=[stopper])
+        trainer.train()
+        assert trainer.state.best_model_checkpoint is not None and trainer.state.best_metric is not None
+        assert sum("eval_loss" in entry for entry in trainer.state.log_history) >= 2  # every 2 steps
+        assert run.result.adapter_sha256 is not None
+        best = load_file(str(Path(trainer.state.best_model_checkpoint) / "adapter_model.safetensors"))
+    saved = load_file(str(corpus.dir / "adapter" / "adapter_model.safetensors"))
+    assert saved.keys() == best.keys() and all(torch.equal(saved[k], best[k]) for k in saved)
+    assert verify_ledger(corpus.url).by_kind["run"] == 1
+
+
+def test_a_causal_lm_trainer_selecting_on_admitted_rows_is_refused(tmp_path: Path):
+    """TRL's SFTTrainer given the admitted prompt/completion rows (whitespace changed), and a Trainer given them
+    tokenized as a user would (prompt and completion as one text, no EOS): both refused before anything moved."""
+    trl = pytest.importorskip("trl")
+    import datasets
+
+    from govtrain.integrations.hf import GovernedSFTTrainer
+    from tests import causal_models
+    from tests.test_causal_lm import _contribution, _run_toml
+    from tests.test_causal_lm import _rows as lm_rows
+    from tests.test_hf_trainer import _corpus_lm
+
+    model = causal_models.save(tmp_path / "tiny-llama", "llama", layers=6)
+    corpus = _corpus_lm(tmp_path, "lm")
+    _contribution(corpus, "pairs", lm_rows("pair", 20))
+    _contribution(corpus, "texts", lm_rows("text", 20))
+    settings = dict(output_dir=str(tmp_path / "sft"), use_cpu=True, report_to=[], disable_tqdm=True,
+                    lr_scheduler_type="constant", eval_strategy="steps", eval_steps=2, save_strategy="steps",
+                    save_steps=2, load_best_model_at_end=True)
+    before = snapshot(corpus.url)
+    with govtrain.GovernedRun.open(_run_toml(corpus, model, 4), corpus.url, insecure_seed=1, **QUIET) as run:
+        weights = _trainable(run)
+        pairs = [{"prompt": f"  {r['prompt']}", "completion": f" {r['completion']}  "} for r in lm_rows("pair", 3)]
+        with pytest.raises(ConfigError) as refused:
+            GovernedSFTTrainer(run, args=trl.SFTConfig(**settings, bf16=False, gradient_checkpointing=False),
+                               eval_dataset=datasets.Dataset.from_list(pairs))
+        assert refused.value.code is Code.SELECTION_ADMITTED and "eval_dataset: 3 of 3 rows" in refused.value.detail
+        tokenized = [dict(run.tokenizer(r["text"])) for r in lm_rows("text", 4)] + \
+            [dict(run.tokenizer(f"{r['prompt']} {r['completion']}")) for r in lm_rows("pair", 2)]
+        with pytest.raises(ConfigError) as refused:
+            GovernedTrainer(run, args=transformers.TrainingArguments(**settings), eval_dataset=tokenized)
+        assert refused.value.code is Code.SELECTION_ADMITTED and "eval_dataset: 6 of 6 rows" in refused.value.detail
+        assert _same(weights, run)
+    assert snapshot(corpus.url) == before
+
+
+def test_an_early_stop_on_held_out_rows_pauses_the_run(tmp_path: Path, tiny_model: Path):
+    """EarlyStoppingCallback stops on held-out rows (here at its second evaluation: no later one can improve by
+    the threshold); the run is not recorded with steps left, and opening it again resumes where it stopped."""
+    corpus = _corpus(tmp_path, "early")
+    config = _config(corpus, tiny_model, 12)
+    stopper = transformers.EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=1e9)
+    with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **QUIET) as run:
+        trainer = _trainer(run, args=_evaluating(tmp_path, metric_for_best_model="loss"), eval_dataset=_held_out(run),
+                           callbacks=[stopper])
+        trainer.train()
+        stopped = run.steps
+        assert trainer.state.global_step == 4 and stopped < 12 and run.result.adapter_sha256 is None
+    assert "run" not in verify_ledger(corpus.url).by_kind
+    with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **QUIET) as run:
+        assert run.steps == stopped
