@@ -141,14 +141,17 @@ def lease(run_id: str) -> bytes:
 
 
 def noise_groups_for(ledger: Ledger, contribution_ids) -> list[dict]:
-    """A schedule `record_spend` accepts for these contributions: each one's class a noise group of its own, at
-    the largest signed sigma*C of a live contribution of that class (spend rule 7's bound, met exactly)."""
+    """A schedule `record_spend` accepts for these contributions charged together: each one's class a noise group
+    of its own, at the largest signed sigma*C among them of that class (spend rule 7's bound, met exactly)."""
     from govtrain.ledger.spend_rules import noise_groups_record
 
-    book = ledger.spend_book()
-    top = book.live_noise_pu(ledger.epoch())
-    return noise_groups_record({frozenset((book.signed[c].data_class,)): top[book.signed[c].data_class]
-                                for c in contribution_ids if c in book.signed})
+    signed = ledger.spend_book().signed
+    top: dict[frozenset, int] = {}
+    for c in contribution_ids:
+        if c in signed:
+            key = frozenset((signed[c].data_class,))
+            top[key] = max(top.get(key, 0), signed[c].noise_pu)
+    return noise_groups_record(top)
 
 
 def record_spend(ledger: Ledger, epoch: int, sampling_rate_u: int, records, *, run_id: str = "r", epoch_steps: int,

@@ -22,7 +22,7 @@ from govtrain.ledger.ledger import Ledger
 from govtrain.ledger.merkle import root_of
 from govtrain.policy.model import Attester, LedgerKey
 from govtrain.verify.verifier import verify_ledger
-from tests.conftest import Corpus, TEST_POLICY, append_runs, make_corpus, snapshot, record_spend
+from tests.conftest import Corpus, TEST_POLICY, append_runs, make_corpus, record_spend, snapshot
 from tests.test_signed_ledger import _admit, _copy, _db, _latest_note, _sql, _verify_cli, real  # noqa: F401
 
 
@@ -360,3 +360,63 @@ def test_the_rate_floor_counts_retired_contributions_as_their_summaries_commit(t
         record_spend(ledger, 2, 666_667, [("kept", 10, 1_000_000, 3_000_000)], run_id="r", epoch_steps=10,
                             now=corpus.now)
     assert verify_ledger(corpus.url, accountant=None).ok
+
+
+# -- issue 20 review: what the writer reads from a database it did not sign -------------------------------------
+
+
+def test_a_spend_body_nulled_outside_any_summary_stops_the_writer_and_the_planner(corpus: Corpus):
+    """Review finding F5: a database writer without keys NULLs a spend body. The writer used to skip it, and
+    then charged a budget-retired contribution again (and the planner planned from a shortened history)."""
+    from govtrain.resolver.plan import read_corpus
+    from tests.test_signed_ledger import _admit as admit_one
+    from tests.test_signed_ledger import _db
+
+    admit_one(corpus, "c1")
+    with Ledger.open(corpus.url) as ledger:
+        record_spend(ledger, 0, 10_000, [("c1", 10, 1_000_000, 389_908)], epoch_steps=10, now=corpus.now)
+        ledger.close_epoch(now=corpus.now)
+        seq = ledger.size() - 2
+    _sql(_db(corpus.url), f"UPDATE entries SET body = NULL WHERE seq = {seq}")
+    before = snapshot(corpus.url)
+    with Ledger.open(corpus.url) as ledger:
+        for act in (lambda: record_spend(ledger, 1, 10_000, [("c1", 10, 1_000_000, 389_908)], epoch_steps=10,
+                                         now=corpus.now, run_nonce=bytes(16)),
+                    lambda: read_corpus(ledger)):
+            with pytest.raises(IntegrityError) as refused:
+                act()
+            assert refused.value.code.value == "bad_summary"
+    assert snapshot(corpus.url) == before
+
+
+def test_an_edited_header_or_policy_entry_is_never_read_as_the_policy(corpus: Corpus):
+    """Review finding F6: `Ledger.open` decoded the header without checking it against its signed leaf, so a
+    database writer that rewrote delta to 0.05 had the writer account (and sign) spend at it."""
+    from govtrain.encoding import cbor
+    from tests.test_signed_ledger import _db
+
+    with Ledger.open(corpus.url) as ledger:
+        ledger.change_policy(dataclasses.replace(ledger.policy, retention_epochs=3), bytes(32), "longer",
+                             now=corpus.now)
+        policy_seq = ledger.size() - 1
+    for seq in (0, policy_seq):
+        connection = sqlite3.connect(_db(corpus.url))
+        body = connection.execute("SELECT body FROM entries WHERE seq = ?", (seq,)).fetchone()[0]
+        connection.close()
+        entry = cbor.decode(body)
+        entry["policy"]["delta_p"] = 50_000_000_000
+        _sql(_db(corpus.url), "UPDATE entries SET body = ? WHERE seq = " + str(seq), params=(cbor.encode(entry),))
+        with pytest.raises(IntegrityError) as refused:
+            Ledger.open(corpus.url)
+        assert refused.value.code.value == "leaf_hash_mismatch"
+        _sql(_db(corpus.url), "UPDATE entries SET body = ? WHERE seq = " + str(seq), params=(body,))
+
+
+def test_the_prv_accountant_never_states_a_negative_epsilon():
+    """At a large delta prv-accountant's upper bound can come out negative (-0.041 at delta 0.05 for 10 steps at
+    q 0.01, sigma 1): that is an unreliable bound, answered by the PLD fallback, never a negative charge."""
+    from govtrain.accounting.accountants import PRVAccountant
+    from govtrain.accounting import Bucket
+
+    result = PRVAccountant().epsilon([Bucket(0.01, 1.0, 10)], 0.05)
+    assert result.epsilon_u == 0 and result.fallback.startswith("pld (prv-accountant bounds are unreliable")

@@ -28,6 +28,15 @@ from govtrain.verify.verifier import inspect_ledger, verify_ledger
 from tests.conftest import Corpus, lease, record_spend, snapshot
 from tests.test_signed_ledger import _admit, _db, _sql
 
+pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    from tests.test_train import save_tiny_bert
+
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
+
 Q = 10_000  # TEST_POLICY's sampling rate
 DELTA = 10_000_000  # and its delta (pico)
 
@@ -89,19 +98,19 @@ def test_8_a_schedule_claiming_more_noise_than_any_live_contribution_signed_fail
     assert (code, bad) == (Code.BAD_SPEND, seq) and "largest signed sigma*C" in detail
 
 
-def test_8_a_group_shared_with_a_noisier_class_needs_a_live_contributor_of_that_class(corpus: Corpus):
-    """The schedule may cover c1 with another class's larger sigma*C only while a contribution of that class is
-    live: once it was withdrawn in an earlier epoch, the same claim is refused."""
+def test_8_a_group_shared_with_a_noisier_class_is_justified_only_by_a_contribution_it_charges(corpus: Corpus):
+    """The schedule may cover c1 with another class's larger sigma*C only in an epoch whose spend charges a
+    contribution of that class: once it withdrew, the same claim is refused, by the writer and the verifier."""
     _admit(corpus, "c1", eps_budget_u=1_000_000)
     _admit(corpus, "noisy", data_class="sensitive", clip_norm_u=500_000, noise_multiplier_u=4_000_000,
            eps_budget_u=3_000_000)  # sigma*C = 2, in pico 2e12
     shared = [{"classes": ["public", "sensitive"], "s_pu": 2 * 10**12}]
     with corpus.open() as ledger:
-        ledger.withdraw("noisy", "leaves during epoch 0", now=corpus.now)
-        # Withdrawn during epoch 0: the epoch's schedule, fixed at its start, still counted it.
-        record_spend(ledger, 0, Q, [("c1", 10, 2_000_000, _eps((Q, 2_000_000, 10)))], epoch_steps=10,
-                     now=corpus.now, noise_groups=shared)
+        record_spend(ledger, 0, Q, [("c1", 10, 2_000_000, _eps((Q, 2_000_000, 10))),
+                                    ("noisy", 10, 4_000_000, _eps((Q, 4_000_000, 10)))],
+                     epoch_steps=10, now=corpus.now, noise_groups=shared)
         ledger.close_epoch(now=corpus.now)
+        ledger.withdraw("noisy", "leaves after epoch 0", now=corpus.now)
         before = snapshot(corpus.url)
         with pytest.raises(ConfigError) as refused:
             record_spend(ledger, 1, Q, [("c1", 10, 2_000_000, _eps((Q, 2_000_000, 10), (Q, 2_000_000, 10)))],
@@ -111,6 +120,91 @@ def test_8_a_group_shared_with_a_noisier_class_needs_a_live_contributor_of_that_
     seq = _forge_spend(corpus, "c1", sigma_u=2_000_000, eps_u=_eps((Q, 2_000_000, 10), (Q, 2_000_000, 10)),
                        groups=shared)
     assert _failure(corpus)[:2] == (Code.BAD_SPEND, seq)
+
+
+def _h_retires_in_epoch_0(corpus: Corpus) -> int:
+    """H (sigma 50, budget: 5 steps) is charged 5 of epoch 0's 10 steps and retires; L (sigma 1) is charged at
+    H's noise that epoch, as the schedule allows while H takes part."""
+    h5 = _eps((Q, 50_000_000, 5))
+    _admit(corpus, "H", noise_multiplier_u=50_000_000, eps_budget_u=h5)
+    _admit(corpus, "L", eps_budget_u=5_000_000)
+    with corpus.open() as ledger:
+        record_spend(ledger, 0, Q, [("H", 5, 50_000_000, h5), ("L", 10, 50_000_000, _eps((Q, 50_000_000, 10)))],
+                     epoch_steps=10, now=corpus.now, noise_groups=H_NOISE)
+        ledger.close_epoch(now=corpus.now)
+    return h5
+
+
+H_NOISE = [{"classes": ["public"], "s_pu": 50 * 10**12}]
+
+
+def test_8_review_f2_a_contribution_retired_by_its_budget_justifies_nothing_even_after_compaction(corpus: Corpus):
+    """Review finding F2: retention used to forget that H retired by its budget, so after `ledger compact` its
+    sigma*C justified an inflated s_g again, for a forged spend (verifier) and for `record_spend` itself."""
+    _h_retires_in_epoch_0(corpus)
+    history = [(Q, 50_000_000, 10), (Q, 50_000_000, 10)]
+    seq = _forge_spend(corpus, "L", sigma_u=50_000_000, eps_u=_eps(*history), groups=H_NOISE)
+    assert _failure(corpus)[:2] == (Code.BAD_SPEND, seq)
+    with corpus.open() as ledger:
+        ledger.close_epoch(now=corpus.now)
+        assert [e.kind for e in ledger.compact(ledger.epoch() - 1, now=corpus.now)] == ["admit", "spend"]  # H's
+    assert _failure(corpus)[:2] == (Code.BAD_SPEND, seq)  # still flagged after the compaction
+    before = snapshot(corpus.url)
+    with corpus.open() as ledger, pytest.raises(ConfigError):
+        record_spend(ledger, 2, Q, [("L", 10, 50_000_000, _eps(*history, (Q, 50_000_000, 10)))], epoch_steps=10,
+                     now=corpus.now, noise_groups=H_NOISE)
+    assert snapshot(corpus.url) == before
+
+
+def test_8_review_f1_a_contribution_that_affords_no_step_adds_no_noise_and_justifies_none(corpus: Corpus):
+    """Review finding F1: Z (sigma 40) signed a budget below one step's cost, and H spent its budget exactly at
+    an epoch's end. Neither is ever charged again, so neither may justify s_g; the scheduler no longer adds
+    noise for a cohort that takes no step (it used to, and a fresh run's honest schedule then looked like
+    cover for L)."""
+    from govtrain.accounting.spend import SpendCalculator
+    from govtrain.resolver.schedule import Member, Scheduler, cohorts_of, disjoint_groups
+
+    one_step = _eps((Q, 40_000_000, 1))
+    _admit(corpus, "Z", noise_multiplier_u=40_000_000, eps_budget_u=one_step - 1)
+    _admit(corpus, "L", eps_budget_u=5_000_000)
+    cohorts = cohorts_of([Member("Z", "public", 1_000_000, 40_000_000, one_step - 1),
+                          Member("L", "public", 1_000_000, 1_000_000, 5_000_000)])
+    plan = Scheduler(SpendCalculator("prv", DELTA), disjoint_groups(["public"]), sampling_rate_u=Q,
+                     steps_per_epoch=10).plan_epoch(cohorts, 0, 0)
+    assert noise_groups_record(plan.group_noise_pu) == PUBLIC  # L's own sigma*C: Z takes no step and adds nothing
+    assert [r[0] for r in plan.spend_records()] == ["L"] and plan.spends[-1].retires_at == 0
+    before = snapshot(corpus.url)
+    with corpus.open() as ledger, pytest.raises(ConfigError):
+        record_spend(ledger, 0, Q, [("L", 10, 40_000_000, _eps((Q, 40_000_000, 10)))], epoch_steps=10,
+                     now=corpus.now, noise_groups=[{"classes": ["public"], "s_pu": 40 * 10**12}])
+    assert snapshot(corpus.url) == before
+    with corpus.open() as ledger:
+        record_spend(ledger, 0, Q, plan.spend_records(), epoch_steps=10, now=corpus.now,
+                     noise_groups=noise_groups_record(plan.group_noise_pu))
+    verify_ledger(corpus.url)
+
+
+def test_8_a_withdrawal_between_plan_and_write_ahead_plans_the_epoch_again(corpus: Corpus, tiny_bert):
+    """The run planned with `noisy`, whose sigma*C set the shared noise; it withdraws before the write-ahead.
+    The run plans the epoch again without it (its sigma*C no longer justifies anything) and verifies."""
+    from govtrain.train.config import load_run_config
+    from govtrain.train.run import Run
+    from tests.test_train import _admit as admit_data, _config
+
+    admit_data(corpus, "pub")
+    admit_data(corpus, "noisy", noise_multiplier_u=3_000_000)
+    lines: list[str] = []
+    with corpus.open() as ledger:
+        run = Run(load_run_config(_config(corpus, tiny_bert, 10)), ledger, insecure_seed=1, log=lines.append)
+        run.prepare()
+        assert run.plan_epoch() and run.pending["noise_groups"][0]["s_pu"] == 3 * 10**12
+        ledger.withdraw("noisy", "leaves before the write-ahead", now=corpus.now)
+        assert not run.write_ahead() and run.pending is None
+        assert run.plan_epoch() and run.write_ahead()
+        assert run.pending["noise_groups"][0]["s_pu"] == 10**12 and [r[0] for r in run.pending["spend"]] == ["pub"]
+        run.release()
+    assert any("planning the epoch again" in line for line in lines)
+    verify_ledger(corpus.url)
 
 
 @pytest.mark.parametrize("case", ["two_schedules", "class_reaches_no_group", "unknown_class", "unsorted"])
@@ -413,3 +507,48 @@ def test_4_the_documented_resume_path_after_compaction_states_the_trials_epsilon
     assert charged[0] > 0 and (result.eps_u, result.eps_by_class) == (charged[0], {i["data_class"]: i["eps_u"]
                                                                                     for i in charged[1]})
     assert verify_ledger(corpus.url).by_kind["tune"] == 1
+
+
+# -- review finding F3: what a summary records about a redacted spend still meets the rules -----------------
+
+
+def test_1_review_f3_a_second_lease_stays_flagged_after_an_honest_compaction(corpus: Corpus):
+    """A forged spend under a second nonce for run "r" fails; an honest `ledger compact` that redacts it (its
+    summary true to the bodies) used to make it pass, although the summary itself records both nonces."""
+    for name in ("c1", "c2", "c3"):
+        _admit(corpus, name)
+    with corpus.open() as ledger:
+        record_spend(ledger, 0, Q, [("c1", 10, 1_000_000, _eps((Q, 1_000_000, 10))),
+                                    ("c2", 10, 1_000_000, _eps((Q, 1_000_000, 10)))], epoch_steps=10, now=corpus.now,
+                     noise_groups=PUBLIC)
+    seq = _forge_spend(corpus, "c3", sigma_u=1_000_000, eps_u=_eps((Q, 1_000_000, 10)), groups=PUBLIC,
+                       nonce=b"\x02" * 16)
+    assert _failure(corpus)[:2] == (Code.BAD_SPEND, seq)
+    with corpus.open() as ledger:
+        ledger.close_epoch(now=corpus.now)
+        record_spend(ledger, 1, Q, [("c2", 10, 1_000_000, _eps((Q, 1_000_000, 10), (Q, 1_000_000, 10)))],
+                     epoch_steps=10, now=corpus.now, noise_groups=PUBLIC)
+        for _ in range(2):
+            ledger.close_epoch(now=corpus.now)
+        assert seq in {e.seq for e in ledger.compact(1, now=corpus.now)}
+    code, bad, detail = _failure(corpus)
+    assert (code, bad) == (Code.BAD_SPEND, seq) and "redacted" in detail
+
+
+def test_4_review_f3_a_trials_spend_after_its_tune_stays_flagged_after_compaction(corpus: Corpus):
+    from tests.test_tune import _charged_runs
+
+    trials = _charged_runs(corpus, "t", 2)
+    _admit(corpus, "x")
+    with corpus.open() as ledger:
+        ledger.record_tune(tune_id="t", config_sha256=bytes(32), grid_sha256=bytes(32), trials=trials,
+                           selection_sha256=hashlib.sha256(b"held out").digest(), metric="accuracy",
+                           selected_run_id=trials[0][0], now=corpus.now)
+    seq = _forge_spend(corpus, "x", sigma_u=1_000_000, eps_u=_eps((Q, 1_000_000, 10)), groups=PUBLIC,
+                       run_id="t-trial-0")  # charged by a trial after its run entry and its tune
+    assert _failure(corpus)[:2] == (Code.BAD_SPEND, seq)
+    with corpus.open() as ledger:
+        for _ in range(2):
+            ledger.close_epoch(now=corpus.now)
+        assert seq in {e.seq for e in ledger.compact(ledger.epoch() - 1, now=corpus.now)}
+    assert _failure(corpus)[:2] == (Code.BAD_SPEND, seq)

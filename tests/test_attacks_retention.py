@@ -16,7 +16,7 @@ import pytest
 
 import ledger_store
 from govtrain.encoding import cbor
-from govtrain.errors import AdmissionError, IntegrityError, RejectedError
+from govtrain.errors import AdmissionError, GovtrainError, IntegrityError, RejectedError
 from govtrain.gate.admission import admit
 from govtrain.ledger.entries import SPECS, admit_entry, summary_entry
 from govtrain.verify.verifier import VerificationReport, inspect_ledger
@@ -301,9 +301,11 @@ def test_8_redacting_a_live_spend_under_a_summary_that_claims_nothing(aged: Corp
     pinned = _note(aged)
     _operator_summary(aged, data_class="public", before_epoch=1, retired=[], redact=True, seqs=[5],
                       entries=1)
-    with aged.open() as ledger:
+    before = snapshot(aged.url)
+    with aged.open() as ledger, pytest.raises(GovtrainError) as refused:  # the writer reads no shortened history
         record_spend(ledger, 2, 10_000, [("kept", 10, 1_000_000, 20_000)], run_id="r", epoch_steps=10,
-                            now=aged.now)  # truly 30_000
+                     now=aged.now)  # truly 30_000
+    assert refused.value.code.value == "bad_summary" and snapshot(aged.url) == before
     _fails(_verify(aged.url, pinned), "bad_entry", 5)
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
-from govtrain.errors import ConfigError  # noqa: E402
+from govtrain.errors import ConfigError, GovtrainError  # noqa: E402
 from govtrain.ledger.entries import decode_entry  # noqa: E402
 from govtrain.train.config import load_run_config  # noqa: E402
 from govtrain.train.loop import STATE_FILE, train  # noqa: E402
@@ -239,4 +239,39 @@ def test_1_a_run_killed_with_sigkill_resumes_under_its_lease(corpus: Corpus, tin
     assert "resuming test-run" in again.stdout + again.stderr
     spends = _spends(corpus)
     assert spends[:len(written)] == written and len({(s["epoch"], s["contribution_id"]) for s in spends}) == len(spends)
+    _assert_one_lease(corpus, "test-run")
+
+
+def test_1_review_f4_a_copied_run_folder_takes_the_run_over_and_the_first_stops(corpus: Corpus, tiny_model: Path):
+    """Review finding F4: a copy of a run's folder (`cp -r exp exp2`) resumes under the same id and lease with a
+    lock of its own, and both copies used to train every step on the one write-ahead (31 steps trained, 20
+    charged, the ledger verified). The last process to open the run owns it (the ledger store records it):
+    the other stops at its next step with `run_id_taken`, as a kill would stop it."""
+    import govtrain
+
+    _admit(corpus, "pub")
+    config = _config(corpus, tiny_model, 20)
+    with govtrain.GovernedRun.open(config, corpus.url, log=lambda line: None, insecure_seed=1) as run:
+        batches = run.batches()
+        for _ in range(3):
+            batch = next(batches)
+            run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+        batches.close()
+    copy = corpus.dir.parent / "copy-of-the-experiment"
+    shutil.copytree(corpus.dir, copy)
+    first = govtrain.GovernedRun.open(config, corpus.url, log=lambda line: None, insecure_seed=2)
+    second = govtrain.GovernedRun.open(copy / "run.toml", corpus.url, log=lambda line: None, insecure_seed=3)
+    assert first.run_id == second.run_id and first._run.run_nonce == second._run.run_nonce  # the same lease
+    resumed_at, weights = first.steps, {n: p.detach().clone() for n, p in first.model.named_parameters()}
+    with pytest.raises(GovtrainError) as refused:  # the first no longer owns the run
+        next(first.batches())
+    assert refused.value.code.value == "run_id_taken" and first.steps == resumed_at
+    assert all(torch.equal(weights[n], p) for n, p in first.model.named_parameters())
+    first.close()
+    with second:
+        for batch in second.batches():
+            second.step(second.per_example_loss(second.model(**batch.inputs), batch))
+        second.save()
+    spends = _spends(corpus)
+    assert sum(s["steps"] for s in spends) == 20 and second.steps == 20
     _assert_one_lease(corpus, "test-run")

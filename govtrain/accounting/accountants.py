@@ -225,7 +225,7 @@ class PRVAccountant:
                                                                 num_self_compositions=[t for _, _, t in key])
         except Exception as e:  # prv-accountant's known failure modes (large epsilon, numerical range)
             return self._fallback(key, delta, f"prv-accountant raised {type(e).__name__}: {e}")
-        if not all(math.isfinite(x) for x in (lower, estimate, upper)) or not lower <= estimate <= upper:
+        if not all(math.isfinite(x) for x in (lower, estimate, upper)) or not lower <= estimate <= upper or upper < 0:
             return self._fallback(key, delta, f"prv-accountant bounds are unreliable ({lower}, {estimate}, {upper})")
         return EpsilonResult(units.spent_eps_u(float(upper)), self.name, estimate=estimate, lower=lower)
 

@@ -85,6 +85,9 @@ class Ledger:
             first = store.entry(0)
             if first is None or first.kind != "header" or first.body is None:
                 raise IntegrityError(Code.BAD_LEDGER_HEADER, "entry 0 is not a header; the ledger is damaged")
+            if ledger_store.leaf_hash(first.body) != first.leaf_hash:  # the policy the checkpoints signed, unedited
+                raise IntegrityError(Code.LEAF_HASH_MISMATCH, "entry 0 (the header) does not hash to its signed leaf: "
+                                                              "the database was edited; run govtrain-verify")
             header = decode_entry(first.body, seq=0, kind="header")
             policy = policy_chain(store, header)[-1][1]
         except Exception:
@@ -439,6 +442,10 @@ class Ledger:
                     raise error(e.code, e.detail) from e
                 book.add(fields)
                 stored.append(appender.add("spend", t, functools.partial(_spend_at, now=t, fields=fields)))
+            try:  # rule 7's bound on s_g reads the whole epoch's spend: the transaction rolls back if it fails
+                book.check_schedule(ledger_epoch)
+            except SpendRuleError as e:
+                raise ConfigError(e.code, e.detail) from e
         return stored
 
     def spend_book(self) -> SpendBook:

@@ -74,6 +74,9 @@ def policy_chain(store: ledger_store.LedgerStore, header: dict) -> list[tuple[in
         if stored.body is None:
             raise UnauthorisedPolicy(stored.seq, "a policy entry has no body; only admit, spend and withdraw "
                                                  "entries may be redacted", Code.BAD_ENTRY)
+        if ledger_store.leaf_hash(stored.body) != stored.leaf_hash:  # what the checkpoints signed, not an edit
+            raise UnauthorisedPolicy(stored.seq, "the policy entry's body does not hash to its signed leaf: the "
+                                                 "database was edited; run govtrain-verify", Code.LEAF_HASH_MISMATCH)
         try:
             policy = Policy.from_record(decode_entry(stored.body, seq=stored.seq, kind="policy")["policy"])
         except IntegrityError as e:

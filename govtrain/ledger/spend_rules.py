@@ -19,11 +19,15 @@ schedule (`noise_groups`). Then:
    the contributions admitted and not withdrawn at that point: no run samples below that.
 6. Per contribution: one spend per epoch, in the epoch the ledger is in, and cumulative ε never falls.
 7. The noise schedule (DESIGN §5) bounds σ_eff from public metadata alone. Every spend of an epoch records
-   the same groups, each as the classes that reach it and s_g (pico-units); s_g is at most the largest signed
-   σ_j·C_j of a contribution *live at the epoch's start* (admitted, and not withdrawn, retired by retention or
-   retired by its budget before the epoch began) whose class is one of the group's; and a spend's σ_eff is at
-   most min over the groups its class reaches of s_g / C_i. So an operator cannot charge less than the noise
-   the signed bounds justify: σ_eff = 100 where the live contributions imply 1 is refused.
+   the same groups, each as the classes that reach it and s_g (pico-units); a spend's σ_eff is at most min
+   over the groups its class reaches of s_g / C_i; and s_g is at most the largest signed σ_j·C_j of a
+   contribution whose class is one of the group's and that the epoch's spend charges. The charged contributions
+   are exactly the ones the schedule was planned with: one that cannot afford a step adds no noise
+   (`Scheduler.plan_epoch`), and a run whose planned contribution withdraws before the write plans again
+   (`Run.write_ahead`). So an operator cannot charge less than the noise the signed bounds of what it trains on
+   justify: σ_eff = 100 where those contributions imply 1 is refused, and a contribution that retired, withdrew
+   or never afforded a step justifies nothing. A spend that retention redacted counts as its summary recorded it
+   (`add_redacted`): its run, its lease and the contribution it charged.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Collection, Iterable, Mapping
 
-from govtrain.errors import Code
+from govtrain.errors import Code, IntegrityError
 from govtrain.ledger import retention
 from govtrain.ledger.entries import decode_entry
 
@@ -69,62 +73,82 @@ class _Charged:
 
 @dataclass
 class _Signed:
-    """What a contribution signed that the noise schedule reads, and when it stopped being live."""
+    """What a contribution signed that the noise schedule reads."""
 
     data_class: str
     clip_u: int
     noise_pu: int  # sigma_u * C_u
-    removed: int | None = None  # the epoch during which it was withdrawn or retired by retention
+
+
+@dataclass
+class _Epoch:
+    """What rule 7 reads about one ledger epoch: its schedule, and the signed sigma*C that may justify it."""
+
+    first_seq: int | None  # its first spend entry (where a failure is reported)
+    schedule: list[dict] | None  # its noise_groups (None: every spend of it was redacted)
+    charged: dict[str, int] = field(default_factory=dict)  # class -> largest sigma*C of one it charged
 
 
 @dataclass
 class SpendBook:
-    """The state the rules read, built by feeding every admit, withdraw, summary, spend and run entry in ledger
-    order (`admit`, `remove`, `add`, `add_run`; a spend that retention redacted feeds only its lease, `lease`)."""
+    """The state the rules read, built by feeding every admit, spend and run entry in ledger order (`admit`,
+    `add`, `add_run`; a spend that retention redacted, as its summary recorded it, `add_redacted`)."""
 
-    holders: dict[int, tuple[str, bytes, int]] = field(default_factory=dict)  # epoch -> (run_id, nonce, epoch_steps)
+    holders: dict[int, tuple[str, bytes, int | None]] = field(default_factory=dict)  # epoch -> (run, nonce, steps)
     runs: dict[str, tuple[int, bool]] = field(default_factory=dict)  # run -> (first epoch_steps, ended short)
     charged: dict[str, _Charged] = field(default_factory=dict)  # contribution -> its latest spend
     rates: dict[int, set[int]] = field(default_factory=dict)  # epoch -> the sampling rates its spend charged
     leases: dict[str, bytes] = field(default_factory=dict)  # run id -> the nonce its spend carries
     finished: dict[str, bytes] = field(default_factory=dict)  # run id -> the nonce of its run entry
     signed: dict[str, _Signed] = field(default_factory=dict)  # contribution -> its signed bounds
-    schedules: dict[int, list[dict]] = field(default_factory=dict)  # epoch -> its noise_groups
-    _top: tuple[int, dict[str, int]] | None = None  # (epoch, class -> largest live sigma*C at its start)
+    epochs: dict[int, _Epoch] = field(default_factory=dict)  # epoch -> its schedule and what may justify it
 
     # -- feeding -------------------------------------------------------------------------------------
 
     def admit(self, contribution_id: str, data_class: str, clip_norm_u: int, noise_multiplier_u: int) -> None:
-        signed = _Signed(data_class, clip_norm_u, noise_multiplier_u * clip_norm_u)
-        self.signed[contribution_id] = signed
-        if self._top is not None:  # admitted mid-epoch: it may be charged, and its bound counts, this epoch
-            top = self._top[1]
-            top[data_class] = max(top.get(data_class, 0), signed.noise_pu)
+        self.signed[contribution_id] = _Signed(data_class, clip_norm_u, noise_multiplier_u * clip_norm_u)
 
-    def remove(self, contribution_id: str, epoch: int) -> None:
-        """Withdrawn, or retired by a retention summary, during `epoch`: the epoch's schedule, fixed at its
-        start, may still count it; later epochs may not."""
-        signed = self.signed.get(contribution_id)
-        if signed is not None and signed.removed is None:
-            signed.removed = epoch
-
-    def lease(self, run_id: str, nonce: bytes) -> None:
-        """A spend of `run_id` whose body retention dropped, as its summary recorded it."""
-        self.leases.setdefault(run_id, nonce)
-
-    def add(self, entry: dict) -> None:
+    def add(self, entry: dict, seq: int | None = None) -> None:
         epoch, run, length = entry["epoch"], entry["run_id"], entry["epoch_steps"]
         if epoch not in self.holders:
             first_length, _ = self.runs.get(run, (length, False))
             self.runs[run] = (first_length, length < first_length)
             self.holders[epoch] = (run, entry["run_nonce"], length)
         self.leases.setdefault(run, entry["run_nonce"])
-        self.schedules.setdefault(epoch, entry["noise_groups"])
+        record = self.epochs.setdefault(epoch, _Epoch(seq, None))
+        if record.schedule is None:
+            record.schedule = entry["noise_groups"]
+        self._charge(record, entry["contribution_id"])
         self.rates.setdefault(epoch, set()).add(entry["sampling_rate_u"])
         self.charged[entry["contribution_id"]] = _Charged(epoch, entry["eps_u"], entry["steps"] < length)
 
+    def check_redacted(self, contribution_id: str, spent: dict, epoch: int) -> None:
+        """Rules 1, 2 and 6 for a spend retention redacted (in `epoch`, as its summary recorded it: `SPENT`)."""
+        self._check_lease(spent["run_id"], spent["run_nonce"])
+        holder = self.holders.get(epoch)
+        if holder is not None and holder[:2] != (spent["run_id"], spent["run_nonce"]):
+            raise SpendRuleError(Code.EPOCH_HELD, f"run {holder[0]!r} already wrote the spend of ledger epoch {epoch}")
+        last = self.charged.get(contribution_id)
+        if last is not None and (last.epoch >= epoch or spent["eps_u"] < last.eps_u):
+            raise SpendRuleError(Code.BUDGET_EXCEEDED, f"{contribution_id!r}: two spends in epoch {epoch}, or "
+                                                       "cumulative epsilon falls")
+
+    def add_redacted(self, contribution_id: str, spent: dict, epoch: int, seq: int | None = None) -> None:
+        """A spend whose body retention dropped, counted as its summary recorded it. What the summary does not
+        record (its steps, q and schedule) is gone with the body; it still holds the epoch for its run and its
+        signed sigma*C still justifies that epoch's schedule."""
+        self.holders.setdefault(epoch, (spent["run_id"], spent["run_nonce"], None))
+        self.leases.setdefault(spent["run_id"], spent["run_nonce"])
+        self._charge(self.epochs.setdefault(epoch, _Epoch(seq, None)), contribution_id)
+        self.charged[contribution_id] = _Charged(epoch, spent["eps_u"], False)
+
     def add_run(self, entry: dict) -> None:
         self.finished[entry["run_id"]] = entry["run_nonce"]
+
+    def _charge(self, record: _Epoch, contribution_id: str) -> None:
+        signed = self.signed.get(contribution_id)
+        if signed is not None:
+            record.charged[signed.data_class] = max(record.charged.get(signed.data_class, 0), signed.noise_pu)
 
     # -- queries -------------------------------------------------------------------------------------
 
@@ -137,25 +161,13 @@ class SpendBook:
         """Whether `run_id` already wrote spend or a run entry: a fresh run may not take it."""
         return run_id in self.leases or run_id in self.finished
 
-    def live_noise_pu(self, epoch: int) -> dict[str, int]:
-        """Per class, the largest signed sigma*C (pico-units) of a contribution live at `epoch`'s start."""
-        if self._top is None or self._top[0] != epoch:
-            top: dict[str, int] = {}
-            for cid, signed in self.signed.items():
-                charged = self.charged.get(cid)
-                if (signed.removed is not None and signed.removed < epoch) or \
-                        (charged is not None and charged.retired and charged.epoch < epoch):
-                    continue
-                top[signed.data_class] = max(top.get(signed.data_class, 0), signed.noise_pu)
-            self._top = (epoch, top)
-        return self._top[1]
-
     # -- the rules -----------------------------------------------------------------------------------
 
     def check(self, entry: dict, *, ledger_epoch: int, steps_per_epoch: int, min_rate_u: int | None,
               classes: Collection[str]) -> None:
         """Raise `SpendRuleError` if `entry` (a decoded spend, or its fields) breaks a rule. `classes`: the
-        policy's class names."""
+        policy's class names. The bound on the epoch's s_g (rule 7) needs all of the epoch's spend: check it
+        with `check_schedule` once the epoch's spend is in."""
         epoch, run, length, steps = entry["epoch"], entry["run_id"], entry["epoch_steps"], entry["steps"]
         cid = entry["contribution_id"]
         if epoch != ledger_epoch:
@@ -165,7 +177,7 @@ class SpendBook:
         if holder is not None and holder[0] != run:
             raise SpendRuleError(Code.EPOCH_HELD, f"run {holder[0]!r} already wrote the spend of ledger epoch {epoch}; "
                                                   f"run {run!r} must plan the next epoch")
-        if holder is not None and holder[2] != length:
+        if holder is not None and holder[2] is not None and holder[2] != length:
             raise SpendRuleError(Code.BAD_ARGUMENT, f"epoch {epoch} has {holder[2]} steps in its other spend entries, "
                                                     f"not {length}")
         if not 1 <= steps <= length <= steps_per_epoch:  # 3.
@@ -185,7 +197,21 @@ class SpendBook:
         if last is not None and (last.epoch == epoch or entry["eps_u"] < last.eps_u):
             raise SpendRuleError(Code.BUDGET_EXCEEDED, f"{cid!r}: spend already written for epoch {epoch}, or epsilon "
                                                        f"{entry['eps_u']} below the recorded {last.eps_u}")
-        self._check_schedule(entry, classes)  # 7.
+        self._check_sigma(entry, classes)  # 7.
+
+    def check_schedule(self, epoch: int) -> None:
+        """Rule 7's bound on s_g, over all of `epoch`'s spend so far: each group's s_g is at most the largest
+        signed sigma*C of a contribution whose class reaches it and that this epoch's spend charged."""
+        record = self.epochs.get(epoch)
+        if record is None or record.schedule is None:
+            return
+        for group in record.schedule:
+            bound = max((record.charged.get(name, 0) for name in group["classes"]), default=0)
+            if group["s_pu"] > bound:
+                raise SpendRuleError(Code.BAD_ARGUMENT, f"noise group {'+'.join(group['classes'])} of epoch {epoch}: "
+                                                        f"s_g {group['s_pu']} (pico) exceeds {bound}, the largest "
+                                                        "signed sigma*C of a contribution of its classes that the "
+                                                        "epoch's spend charged")
 
     def check_run(self, entry: dict) -> None:
         """Raise `SpendRuleError` if a run entry (decoded, or its fields) breaks rule 1."""
@@ -205,26 +231,18 @@ class SpendBook:
                                                     "lease nonce): two runs may not share an id; give this one another "
                                                     "training.run_id")
 
-    def _check_schedule(self, entry: dict, classes: Collection[str]) -> None:
+    def _check_sigma(self, entry: dict, classes: Collection[str]) -> None:
         epoch, cid, groups = entry["epoch"], entry["contribution_id"], entry["noise_groups"]
         signed = self.signed.get(cid)
         if signed is None:
             raise SpendRuleError(Code.BAD_ARGUMENT, f"{cid!r}: spend for a contribution not admitted before it")
-        earlier = self.schedules.get(epoch)
-        if earlier is not None:
-            if groups != earlier:
+        record = self.epochs.get(epoch)
+        if record is not None and record.schedule is not None:
+            if groups != record.schedule:
                 raise SpendRuleError(Code.BAD_ARGUMENT, f"{cid!r}: its noise_groups differ from those of the other "
                                                         f"spend entries of epoch {epoch}: an epoch has one schedule")
         else:
             _check_groups(groups, classes)
-            top = self.live_noise_pu(epoch)
-            for group in groups:
-                bound = max((top.get(name, 0) for name in group["classes"]), default=0)
-                if group["s_pu"] > bound:
-                    raise SpendRuleError(Code.BAD_ARGUMENT, f"noise group {'+'.join(group['classes'])}: s_g "
-                                                            f"{group['s_pu']} (pico) exceeds {bound}, the largest signed "
-                                                            "sigma*C of a contribution live at the epoch's start whose "
-                                                            "class reaches it")
         reached = [group["s_pu"] for group in groups if signed.data_class in group["classes"]]
         if not reached:
             raise SpendRuleError(Code.BAD_ARGUMENT, f"{cid!r}: no noise group of epoch {epoch} is reached by its class "
@@ -260,7 +278,7 @@ def read_spend_state(store: "ledger_store.LedgerStore",
     book, records, withdrawn = SpendBook(), {}, set()
     redacted = retention.Redacted.read(store)
     epoch = 0
-    for stored in store.entries(start=1, kinds=("admit", "spend", "withdraw", "epoch", "summary", "run")):
+    for stored in store.entries(start=1, kinds=("admit", "spend", "withdraw", "epoch", "run")):
         kind = stored.kind
         if stored.body is None:
             if kind == "admit" and stored.seq in redacted.admits:
@@ -269,10 +287,12 @@ def read_spend_state(store: "ledger_store.LedgerStore",
                 book.admit(r["contribution_id"], r["data_class"], r["clip_norm_u"], r["noise_multiplier_u"])
             elif kind == "withdraw" and stored.seq in redacted.withdrawals:
                 withdrawn.add(redacted.withdrawals[stored.seq]["contribution_id"])
-                book.remove(redacted.withdrawals[stored.seq]["contribution_id"], epoch)
             elif kind == "spend" and stored.seq in redacted.spends:
-                spent = redacted.spends[stored.seq][1]
-                book.lease(spent["run_id"], spent["run_nonce"])
+                r, spent = redacted.spends[stored.seq]
+                book.add_redacted(r["contribution_id"], spent, epoch, stored.seq)
+            else:  # a body dropped outside any summary: the state the rules read is unknown
+                raise IntegrityError(Code.BAD_SUMMARY, f"entry {stored.seq} ({kind}) has no body and no summary records "
+                                                       "it: the ledger was altered; run govtrain-verify")
             continue
         entry = decode_entry(stored.body, seq=stored.seq, kind=kind)
         if kind == "epoch":
@@ -282,12 +302,8 @@ def read_spend_state(store: "ledger_store.LedgerStore",
             book.admit(entry["contribution_id"], entry["data_class"], entry["clip_norm_u"], entry["noise_multiplier_u"])
         elif kind == "withdraw":
             withdrawn.add(entry["contribution_id"])
-            book.remove(entry["contribution_id"], epoch)
-        elif kind == "summary":
-            for r in entry["retired"]:
-                book.remove(r["contribution_id"], epoch)
         elif kind == "spend":
-            book.add(entry)
+            book.add(entry, stored.seq)
         else:
             book.add_run(entry)
     return book, sum(sampling_units(n) for cid, n in records.items() if cid not in withdrawn), withdrawn

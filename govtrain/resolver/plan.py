@@ -15,9 +15,9 @@ from typing import Any
 
 from govtrain import units
 from govtrain.accounting.spend import SpendCalculator
-from govtrain.errors import Code, ConfigError
+from govtrain.errors import Code, ConfigError, IntegrityError
 from govtrain.ledger.entries import decode_entry
-from govtrain.ledger.retention import RetiredKeys
+from govtrain.ledger.retention import Redacted, RetiredKeys
 from govtrain.ledger.ledger import Ledger
 from govtrain.mechanisms.reach import check_reach
 from govtrain.resolver.model import ModelLayout, role
@@ -42,8 +42,13 @@ def read_corpus(ledger: Ledger) -> tuple[dict[str, _Admitted], set[str], int]:
     admitted: dict[str, _Admitted] = {}
     withdrawn: set[str] = set()
     compacted = 0
+    redacted = Redacted.read(ledger.store)
     for stored in ledger.store.entries(start=1, kinds=("admit", "spend", "withdraw")):
         if stored.body is None:
+            if stored.seq not in {"admit": redacted.admits, "withdraw": redacted.withdrawals,
+                                  "spend": redacted.spends}[stored.kind]:
+                raise IntegrityError(Code.BAD_SUMMARY, f"entry {stored.seq} ({stored.kind}) has no body and no summary "
+                                                       "records it: the ledger was altered; run govtrain-verify")
             compacted += stored.kind == "admit"
             continue
         entry = decode_entry(stored.body, seq=stored.seq, kind=stored.kind)
@@ -107,7 +112,8 @@ def plan_run(ledger: Ledger, steps: int, expected_batch_size: int | None = None,
     sigmas: dict[int, list[int]] = {}
     for plan in plans:
         for spend in plan.spends:
-            sigmas.setdefault(id(spend.cohort), []).append(spend.sigma_eff_u)
+            if spend.steps:
+                sigmas.setdefault(id(spend.cohort), []).append(spend.sigma_eff_u)
 
     rows = []
     for cohort in cohorts:

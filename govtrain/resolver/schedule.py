@@ -2,9 +2,11 @@
 
 For one ledger epoch, from public metadata only and before any of its steps run:
 
-- s_g = max over the contributions eligible at the epoch's start whose class reaches group g of
-  sigma_i * C_i (their signed values), kept exact as an integer in pico-units (micro * micro). A group
-  no eligible contribution reaches gets no gradient and no noise that epoch.
+- s_g = max over the contributions taking part in the epoch (eligible at its start and able to afford
+  at least one of its steps) whose class reaches group g of sigma_i * C_i (their signed values), kept
+  exact as an integer in pico-units (micro * micro). A group no such contribution reaches gets no
+  gradient and no noise that epoch. One that cannot afford a step retires without adding noise: the
+  ledger bounds s_g by the contributions its spend charges (`spend_rules`, rule 7).
 - sigma_eff,i = min over the groups g its class reaches of s_g / C_i, rounded down to micro-units and
   then bucketed down to 3 significant digits (`bucket_sigma_u`), never below the signed sigma_i.
 - Contribution i is charged (q, sigma_eff,i) for every step it is eligible. If the whole epoch would
@@ -152,20 +154,31 @@ class Scheduler:
         """The epoch's s_g and every eligible cohort's charge. With `commit`, cohorts take the charge:
         their history and epsilon grow, and those that run out retire."""
         steps = self.steps_per_epoch if steps is None else steps
-        eligible = [c for c in cohorts if c.eligible]
-        noise = group_noise(self.class_groups, eligible)
         q = self.sampling_rate_u
-        sigmas = [sigma_eff_u(c, self.class_groups, noise) for c in eligible]
-        self.calculator.prefetch([c.history + ((q, s, steps),) for c, s in zip(eligible, sigmas)])
-        spends = []
-        for cohort, sigma in zip(eligible, sigmas):
-            full = self.calculator.epsilon_u(cohort.history + ((q, sigma, steps),))
-            if full <= cohort.eps_budget_u:
-                taken, eps_u = steps, full
-            else:
-                taken, eps_u = self.calculator.max_steps(cohort.history, q, sigma, steps, cohort.eps_budget_u)
-            retires = first_step + taken if taken < steps else None
-            spends.append(CohortSpend(cohort, sigma, taken, max(eps_u, cohort.eps_u), retires))
+        # A cohort that cannot afford one step at the noise the others set takes no part: it is charged
+        # nothing and adds no noise (noise for a contribution that is never sampled would only look like
+        # cover the ledger cannot justify: spend rule 7 bounds s_g by the contributions charged). Dropping it
+        # can only lower s_g, and so every other sigma_eff, so the loop ends with every member affording one.
+        taking = [c for c in cohorts if c.eligible]
+        while True:
+            noise = group_noise(self.class_groups, taking)
+            sigmas = [sigma_eff_u(c, self.class_groups, noise) for c in taking]
+            self.calculator.prefetch([c.history + ((q, s, steps),) for c, s in zip(taking, sigmas)])
+            spends = []
+            for cohort, sigma in zip(taking, sigmas):
+                full = self.calculator.epsilon_u(cohort.history + ((q, sigma, steps),))
+                if full <= cohort.eps_budget_u:
+                    taken, eps_u = steps, full
+                else:
+                    taken, eps_u = self.calculator.max_steps(cohort.history, q, sigma, steps, cohort.eps_budget_u)
+                retires = first_step + taken if taken < steps else None
+                spends.append(CohortSpend(cohort, sigma, taken, max(eps_u, cohort.eps_u), retires))
+            if all(spend.steps for spend in spends) or not any(spend.steps for spend in spends):
+                break
+            taking = [spend.cohort for spend in spends if spend.steps]
+        spends += [CohortSpend(c, 0, 0, c.eps_u, first_step) for c in cohorts if c.eligible and c not in taking]
+        if not any(spend.steps for spend in spends):
+            noise = {}
         if commit:
             for spend in spends:
                 cohort = spend.cohort

@@ -29,6 +29,7 @@ from govtrain.train.config import RunConfig
 LOG = Callable[[str], None]
 STATE_FILE = "run-state.pt"
 LOCK_FILE = "run-state.lock"  # held (flock) by the one process that owns the run state
+OWNER_SETTING = "run_owner:"  # + run id: the ledger store's record of the one process that owns the run
 _NOT_ADAPTER = (STATE_FILE, STATE_FILE + ".tmp", LOCK_FILE)
 
 
@@ -110,24 +111,36 @@ def _lock_state(folder: Path):  # type: ignore[no-untyped-def]
     return handle
 
 
-def _write_ahead(ledger: Ledger, pending: dict, lease: tuple[str, bytes], q_u: int, gone, now: Callable[[], int],
+class _Replan(Exception):
+    """A contribution the pending plan charges withdrew before the plan's spend was written."""
+
+
+def _write_ahead(ledger: Ledger, pending: dict, lease: tuple[str, bytes], q_u: int, now: Callable[[], int],
                  log: LOG) -> bool:
     """Make sure this run's spend for the pending ledger epoch is in the ledger before its steps run
     (DESIGN §5). True when it is: written now, or written by this same run (its id *and* its lease nonce)
-    before a kill. False when another run holds the epoch (its write-ahead charged its own steps, not ours):
-    that epoch is then closed, if it is still open, and the caller plans the next one. Another run under
-    this run's id (another nonce) is refused (`run_id_taken`). Any spend that is not this run's never lets
-    this run's steps go uncharged."""
+    before a kill (a contribution withdrawn since is then simply not drawn). False when another run holds the
+    epoch (its write-ahead charged its own steps, not ours): that epoch is then closed, if it is still open,
+    and the caller plans the next one. `_Replan` when the plan, not yet written, charges a contribution that
+    has withdrawn since. Another run under this run's id (another nonce) is refused (`run_id_taken`). Any
+    spend that is not this run's never lets this run's steps go uncharged."""
     epoch = pending["epoch"]
     run_id, nonce = lease
-    holder = ledger.spend_book().holder(epoch)
+    book = ledger.spend_book()
+    if run_id in book.finished:
+        raise RejectedError(Code.RUN_ID_TAKEN, f"run {run_id!r} already recorded its run entry: its lease is spent; "
+                                               "nothing more trains under it")
+    holder = book.holder(epoch)
     if holder is None and ledger.epoch() == epoch:
-        records = [r for r in pending["spend"] if r[0] not in gone]  # withdrawn after the plan was made
+        if any(record[0] in ledger.store.withdrawals() for record in pending["spend"]):
+            raise _Replan  # not written yet: its plan counted a contribution that has since withdrawn
         try:
-            ledger.record_spend(epoch, q_u, records, run_id=run_id, run_nonce=nonce, epoch_steps=pending["steps"],
-                                noise_groups=pending["noise_groups"], now=now())
+            ledger.record_spend(epoch, q_u, pending["spend"], run_id=run_id, run_nonce=nonce,
+                                epoch_steps=pending["steps"], noise_groups=pending["noise_groups"], now=now())
             return True
         except GovtrainError as e:  # a concurrent run got the epoch first, or closed it
+            if e.code is Code.ALREADY_WITHDRAWN:
+                raise _Replan from e  # withdrawn since the check: plan the epoch again
             holder = ledger.spend_book().holder(epoch)
             if e.code is not Code.EPOCH_HELD and ledger.epoch() == epoch:
                 raise
@@ -180,8 +193,9 @@ class Run:
         self.result: RunResult | None = None  # set by prepare
         self.run_nonce: bytes | None = None  # the run's lease on its id, set by prepare (kept in the run state)
         self._lock = None  # the run state's lock, held from prepare to release
+        self._owner: str | None = None  # this process's claim on the run in the ledger store, set by prepare
         self.pending: dict | None = None  # the epoch in progress and its plan, as the run state saves it
-        self._retired_here: set[str] = set()  # retired by this run's plans (one that affords no step leaves no spend)
+        self._retired_here: set[str] = set()  # retired by this run's written plans (affording no step leaves no spend)
         self._written = False  # the pending epoch's spend is in the ledger: its steps may run
         self._charged_rates: set[int] | None = None  # the sampling rates the pending epoch's spend charged
         self._loss_sum, self._drawn = 0.0, 0  # the logical step in progress
@@ -317,6 +331,7 @@ class Run:
                                                        "this run another id")
         else:
             self.run_nonce = os.urandom(16)  # a one-time lease on the id: every spend and the run entry carry it
+        self._claim()
         drawn = (f"{expected_batch:g} of {records} examples from {len(present)} contributions" if
                  self.per_contribution is None else f"{expected_batch:g} of {len(present)} contributions, at most "
                  f"{self.per_contribution} examples each: epsilon per contribution")
@@ -341,12 +356,12 @@ class Run:
         steps = min(self.epoch_steps, self.total - first)
         self.scheduler.sampling_rate_u = q_u
         plan = self.scheduler.plan_epoch(cohorts, epoch, first, steps)
-        self._retired_here |= {m for c in cohorts if c.retired_at is not None for m in c.members}
         pending = {"epoch": epoch, "first_step": first, "steps": steps, "q_u": q_u, "expected_batch": expected_batch,
                    "allowed": {m: s.steps for s in plan.spends for m in s.cohort.members},
                    "group_std": {tuple(sorted(g)): plan.group_std(g) for g in plan.group_noise_pu},
                    "noise_groups": noise_groups_record(plan.group_noise_pu),
-                   "spend": plan.spend_records(), "eps": {s.cohort.data_class: 0 for s in plan.spends}}
+                   "spend": plan.spend_records(), "eps": {s.cohort.data_class: 0 for s in plan.spends},
+                   "retiring": sorted(m for c in cohorts if c.retired_at is not None for m in c.members)}
         for spend in plan.spends:
             pending["eps"][spend.cohort.data_class] = max(pending["eps"][spend.cohort.data_class], spend.eps_u)
         self.pending = pending
@@ -361,12 +376,23 @@ class Run:
 
         if self.pending is None:
             raise RuntimeError("write_ahead() with no epoch planned: call plan_epoch() first")
+        self._check_owner()
         pending, self._written = self.pending, False
-        if pending["spend"] and not _write_ahead(self.ledger, pending, (self.run_id, self.run_nonce), pending["q_u"],
-                                                 self.ledger.store.withdrawals(), self.now, self.log):
+        try:
+            if pending["spend"] and not _write_ahead(self.ledger, pending, (self.run_id, self.run_nonce),
+                                                     pending["q_u"], self.now, self.log):
+                self.pending = None
+                self._save()
+                return False
+        except _Replan:
+            # Its sigma*C set the plan's noise, and the ledger justifies s_g only by the contributions the spend
+            # charges (spend rule 7): plan the epoch again without it, rather than drop it from the write-ahead.
+            self.log(f"a contribution planned for ledger epoch {pending['epoch']} withdrew before its spend was "
+                     "written: planning the epoch again")
             self.pending = None
             self._save()
             return False
+        self._retired_here |= set(pending.get("retiring", ()))  # a plan dropped before its write retires nobody
         self.sampler.sampling_rate = pending["q_u"] / units.MICRO
         self._allowed = np.array([pending["allowed"].get(c, 0) for c in self.ids], dtype=np.int64)
         self._group_std = {frozenset(k): v for k, v in pending["group_std"].items()}
@@ -383,6 +409,7 @@ class Run:
 
         if not self._written or self.epoch_done:
             raise RuntimeError("a step outside a written-ahead epoch: its spend must be in the ledger first")
+        self._check_owner()
         self._check_rate()
         result, examples = self.result, self.examples
         step = result.steps - self.pending["first_step"]
@@ -499,6 +526,7 @@ class Run:
         """Save the adapter, record the run entry (mechanism, config, base model, adapter, device, precision)
         and remove the run state. Called also when the budgets ran out (`result.exhausted`)."""
         self.router.close()
+        self._check_owner()
         output = self.config.output_dir
         output.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(output)
@@ -511,6 +539,22 @@ class Run:
         self.state_path.unlink(missing_ok=True)
         (output / LOCK_FILE).unlink(missing_ok=True)  # the id is spent: no later run can take this state
         return result
+
+    def _claim(self) -> None:
+        """Record this process as the run's one owner in the ledger store (outside the signed tree: it orders
+        processes, it proves nothing). The lock on the run state keeps two processes off one folder; this keeps
+        two copies of one run state (a copied output folder, a crafted state file: the lease nonce is public)
+        from both training on its write-ahead. The last process to open the run owns it: one that resumes a
+        copy takes the run over, and the other stops at its next step (`_check_owner`) as a kill would stop it."""
+        self._owner = os.urandom(16).hex()
+        self.ledger.store.set_setting(OWNER_SETTING + self.run_id, self._owner)
+
+    def _check_owner(self) -> None:
+        if self.ledger.store.setting(OWNER_SETTING + self.run_id) != self._owner:
+            raise RejectedError(Code.RUN_ID_TAKEN, f"run {self.run_id!r} was opened by another process since this one "
+                                                   "opened it (a copy of its run state resumed elsewhere): this process "
+                                                   "stops, its steps since the last checkpoint dropped as a kill drops "
+                                                   "them; one process trains a run")
 
     def release(self) -> None:
         """Give up the run state's lock (the run's process stops owning it)."""

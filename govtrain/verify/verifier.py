@@ -203,6 +203,7 @@ class _Audit:
             while position < len(pending) and pending[position].size == self.tree.size:
                 self._checkpoint(pending[position])
                 position += 1
+        self._epoch_schedule()  # the open epoch's
         total = self.tree.size
         self.report.entries = total
         if total == 0:
@@ -268,7 +269,8 @@ class _Audit:
     def _redacted_entry(self, stored: ledger_store.StoredEntry) -> None:
         """A redacted entry counts, for the rules later entries meet (step 5), as its summary recorded it: a
         later spend or tune was written while its body was there. An admit or withdrawal moves the live records
-        that bound q and the signed bounds that bound s_g; a spend keeps its run's lease and its epsilon for a
+        that bound q, and an admit brings the signed sigma and C; a spend keeps its run's lease and its hold on
+        the epoch, justifies that epoch's schedule with its contribution's sigma*C, and counts its epsilon in a
         later tune's total."""
         index, seq = self.redacted_index, stored.seq
         if stored.kind == "admit" and seq in index.admits:
@@ -279,11 +281,17 @@ class _Audit:
         elif stored.kind == "withdraw" and seq in index.withdrawals:
             r = index.withdrawals[seq]
             self.live_records -= self.policy.sampling_units(r["records"])
-            self.book.remove(r["contribution_id"], self.epoch)
         elif stored.kind == "spend" and seq in index.spends:
             r, spent = index.spends[seq]
-            self.book.lease(spent["run_id"], spent["run_nonce"])
-            self.tunes.spend({**spent, "contribution_id": r["contribution_id"]}, r["data_class"])
+            spend = {**spent, "contribution_id": r["contribution_id"]}
+            try:  # what its summary recorded still meets the rules it met when its body was there
+                self.book.check_redacted(r["contribution_id"], spent, self.epoch)
+                self.tunes.check_spend(spend)
+            except (SpendRuleError, TuneRuleError) as e:
+                raise _Failure(Code.BAD_SPEND, f"entry {seq} (redacted, as its summary records it): {e.detail}",
+                               seq=seq) from e
+            self.book.add_redacted(r["contribution_id"], spent, self.epoch, seq)
+            self.tunes.spend(spend, r["data_class"])
 
     def _set_policy(self, seq: int, record: dict) -> None:
         previous = self.policy
@@ -356,11 +364,11 @@ class _Audit:
             raise _Failure(Code.BAD_WITHDRAWAL, f"entry {seq}: already withdrawn by entry {c.withdrawn_at}", seq=seq)
         c.withdrawn_at = seq
         self.live_records -= self.policy.sampling_units(c.records)
-        self.book.remove(entry["contribution_id"], self.epoch)
 
     def _epoch(self, seq: int, entry: dict, leaf: bytes) -> None:
         if entry["epoch"] != self.epoch:
             raise _Failure(Code.BAD_EPOCH, f"entry {seq} closes epoch {entry['epoch']}, expected {self.epoch}", seq=seq)
+        self._epoch_schedule()
         self.epoch += 1
         self.retention.epoch(seq)
 
@@ -393,7 +401,7 @@ class _Audit:
             self.tunes.check_spend(entry)
         except (SpendRuleError, TuneRuleError) as e:
             raise bad(e.detail) from e
-        self.book.add(entry)
+        self.book.add(entry, seq)
         self.tunes.spend(entry, c.data_class)
         c.history.append((entry["sampling_rate_u"], entry["noise_multiplier_u"], entry["steps"]))
         if self.accountant is not None:
@@ -410,11 +418,18 @@ class _Audit:
         c.epochs.add(entry["epoch"])
         c.eps_u = entry["eps_u"]
 
+    def _epoch_schedule(self) -> None:
+        """Rule 7's bound on the current epoch's s_g, once all its spend is in (at its `epoch` entry, or at the end
+        of the ledger for the open epoch); a failure names the epoch's first spend entry."""
+        try:
+            self.book.check_schedule(self.epoch)
+        except SpendRuleError as e:
+            seq = self.book.epochs[self.epoch].first_seq
+            raise _Failure(Code.BAD_SPEND, f"entry {seq}: {e.detail}", seq=seq) from e
+
     def _summary(self, seq: int, entry: dict, leaf: bytes) -> None:
         assert self.policy is not None
         self.retention.summary(seq, entry, self.policy, self.epoch)
-        for r in entry["retired"]:  # never eligible again: later epochs' schedules may not count its bounds
-            self.book.remove(r["contribution_id"], self.epoch)
 
     def _run(self, seq: int, entry: dict, leaf: bytes) -> None:
         # Shape checked in step 3. Every mechanism releases one Gaussian mechanism per step with the
