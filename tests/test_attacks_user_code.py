@@ -27,11 +27,19 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+import govtrain  # noqa: E402
+from govtrain.errors import Code, ConfigError  # noqa: E402
 from govtrain.ledger.ledger import Ledger  # noqa: E402
+from govtrain.routing.independence import BATCHES, TOLERANCE, measure_batch_independence  # noqa: E402
+from govtrain.tasks.base import Batch  # noqa: E402
+from govtrain.tasks.causal_lm import CausalLM, token_losses  # noqa: E402
+from govtrain.tasks.classification import Classification  # noqa: E402
 from govtrain.train.config import load_run_config  # noqa: E402
-from govtrain.train.run import Chunk, Run  # noqa: E402
+from govtrain.train.run import STATE_FILE, Chunk, Run  # noqa: E402
+from govtrain.verify.verifier import verify_ledger  # noqa: E402
 from tests import causal_models  # noqa: E402
-from tests.conftest import TEST_POLICY, Corpus, make_corpus  # noqa: E402
+from tests.conftest import TEST_POLICY, Corpus, make_corpus, snapshot  # noqa: E402
+from tests.test_api import _same, _trainable  # noqa: E402
 from tests.test_train import save_tiny_bert  # noqa: E402
 
 QUIET = {"log": lambda line: None}
@@ -73,11 +81,19 @@ def short_rows(count: int) -> list[dict]:
     return [{"text": f"{WORDS[i % 9]} movie {WORDS[9 + i % 8]}", "label": i % 2} for i in range(count)]
 
 
-def run_toml(corpus: Corpus, model: Path, family: str, steps: int = 2, max_length: int = 64) -> Path:
+def rows(count: int) -> list[dict]:
+    """Labelled texts of 2 to 7 words: batches with padding."""
+    return [{"text": " ".join(WORDS[(i + k) % len(WORDS)] for k in range(2 + i % 6)), "label": i % 2}
+            for i in range(count)]
+
+
+def run_toml(corpus: Corpus, model: Path, family: str, steps: int = 2, max_length: int = 64,
+             task: str = "sequence-classification") -> Path:
     path = corpus.dir / "run.toml"
     path.write_text(f"""
 [model]
 base = "{model}"
+task = "{task}"
 max_length = {max_length}
 [lora]
 r = 2
@@ -91,6 +107,27 @@ output = "adapter"
 run_id = "user-run"
 """)
     return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """`models(family, side, task)`: a tiny saved model, built once per module."""
+    built: dict[tuple[str, str, str], Path] = {}
+
+    def get(family: str, side: str = "right", task: str = "sequence-classification") -> Path:
+        if (family, side, task) not in built:
+            folder = tmp_path_factory.mktemp(f"{family}-{side}") / "model"
+            built[family, side, task] = (causal_models.save(folder, family, layers=6) if task == "causal-lm"
+                                         else save_classifier(folder, family, side))
+        return built[family, side, task]
+
+    return get
+
+
+def corpus_with(tmp_path: Path, rows_: list[dict]) -> Corpus:
+    corpus = make_corpus(tmp_path, f"sqlite:///{tmp_path / 'ledger.db'}", BATCH_POLICY)
+    admit_rows(corpus, "pub", rows_)
+    return corpus
 
 
 def clipped_sum(run: Run, indices: list[int]) -> dict[str, torch.Tensor]:
@@ -114,7 +151,7 @@ def test_one_long_example_moves_a_left_padding_gpt2_classifiers_clipped_sum_by_a
         tmp_path: Path):
     """The review's measurement: D is 16 short examples and one long one, D' the same without the long one.
     With left padding, every short example's positions depended on the long one, and the clipped sums of D and
-    D' differed by 1.09 C at 8 short examples (1.51 C at 24). Batches are now right-padded whatever the
+    D' differed by 1.23 C (1.09 C at 8 short examples, 1.51 C at 24). Batches are now right-padded whatever the
     tokenizer's side, so the difference is the long example's own clipped gradient: at most C."""
     model = save_classifier(tmp_path / "gpt2-left", "gpt2", "left")
     corpus = make_corpus(tmp_path, f"sqlite:///{tmp_path / 'ledger.db'}", BATCH_POLICY)
@@ -130,3 +167,110 @@ def test_one_long_example_moves_a_left_padding_gpt2_classifiers_clipped_sum_by_a
     difference = sum(float((with_long[n] - without[n]).pow(2).sum()) for n in with_long) ** 0.5
     clip = run.signed_clip["pub"]
     assert clip == 1.0 and difference <= clip * (1 + 1e-5), difference
+
+
+def left_padded(self, examples, tokenizer, max_length, device) -> Batch:
+    """`Classification.encode` as it was before the fix, for a tokenizer that pads left."""
+    inputs = tokenizer([e.text for e in examples], padding=True, padding_side="left", truncation=True,
+                       max_length=max_length, return_tensors="pt").to(device)
+    return Batch(dict(inputs), torch.tensor([e.label for e in examples], dtype=torch.long, device=device))
+
+
+def refused_before_any_spend(corpus: Corpus, config: Path) -> ConfigError:
+    """Opening the run is refused as batch-coupled, with the ledger and the output folder as they were."""
+    before = snapshot(corpus.url)
+    with pytest.raises(ConfigError) as refused:
+        govtrain.GovernedRun.open(config, corpus.url, **QUIET)
+    error = refused.value
+    assert error.code is Code.BATCH_COUPLED and error.exit_code == 2 and "\n" not in error.line()
+    assert "depends on the other examples in its batch" in error.detail and "most in base_model.model." in error.detail
+    assert "left padding" in error.detail and "attention_mask" in error.detail  # the usual causes, named
+    assert snapshot(corpus.url) == before and not (corpus.dir / "adapter" / STATE_FILE).exists()
+    return error
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_left_padding_forced_past_the_task_is_refused_before_any_spend(tmp_path: Path, monkeypatch, models,
+                                                                        family: str):
+    """The batch-independence probe sees what the task's right padding prevents: with the old left-padding
+    encode, GPT-2's and BERT's absolute positions move with the batch's width (probe: 0.96 and 0.11 relative)."""
+    corpus = corpus_with(tmp_path, rows(40))
+    config = run_toml(corpus, models(family, "left"), family)
+    monkeypatch.setattr(Classification, "encode", left_padded)
+    refused_before_any_spend(corpus, config)
+
+
+@pytest.mark.parametrize("normalise", ["batch token count", "batch mean"])
+def test_a_loss_normalised_over_the_batch_is_refused_before_any_spend(tmp_path: Path, monkeypatch, models,
+                                                                       normalise: str):
+    """A causal LM's loss divided by the batch's token count, or by the batch mean of the per-example losses:
+    one value per example, of the right shape, yet each depends on the others (probe: 0.95 and 1.0)."""
+    from click.testing import CliRunner
+
+    from govtrain.cli.main import cli
+
+    def per_example_loss(self, output, batch):
+        total, count = token_losses(output, batch)
+        if normalise == "batch token count":
+            return total / count.sum()
+        losses = total / count
+        return losses / losses.mean()
+
+    corpus = corpus_with(tmp_path, [{"text": row["text"]} for row in rows(40)])
+    config = run_toml(corpus, models("llama", task="causal-lm"), "llama", task="causal-lm")
+    monkeypatch.setattr(CausalLM, "per_example_loss", per_example_loss)
+    refused_before_any_spend(corpus, config)
+    before = snapshot(corpus.url)
+    result = CliRunner().invoke(cli, ["train", "--config", str(config), "--ledger", corpus.url])
+    assert result.exit_code == 2 and result.stderr.startswith("error[batch_coupled]: ") and \
+        len(result.stderr.strip().splitlines()) == 1
+    assert snapshot(corpus.url) == before
+
+
+def test_a_model_that_ignores_attention_mask_is_refused_before_any_spend(tmp_path: Path, monkeypatch, models):
+    """A BERT whose encoder never sees the attention mask: real tokens attend to the padding the batch's width
+    sets (probe: 4.9e-3 relative on this tiny random BERT, 0.66 on the demo's MiniLM)."""
+    import govtrain.train.model as loading
+
+    load = loading.load_model
+
+    def ignoring_the_mask(config, adapters):
+        model, tokenizer, path = load(config, adapters)
+        model.base_model.model.bert.register_forward_pre_hook(
+            lambda module, args, kwargs: (args, {k: v for k, v in kwargs.items() if k != "attention_mask"}),
+            with_kwargs=True)
+        return model, tokenizer, path
+
+    corpus = corpus_with(tmp_path, rows(40))
+    config = run_toml(corpus, models("bert"), "bert")
+    monkeypatch.setattr(loading, "load_model", ignoring_the_mask)
+    refused_before_any_spend(corpus, config)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+def test_a_tokenizer_that_pads_left_still_gets_right_padded_batches_passes_the_probe_and_trains(
+        tmp_path: Path, models, family: str, side: str):
+    """Whatever side the user's tokenizer pads on: its object is left as it was, every batch is right-padded,
+    the probe measures far below its tolerance, the model's forward writes none of the batch's tensors (the
+    step checks their versions) and the run trains and verifies."""
+    corpus = corpus_with(tmp_path, rows(40))
+    padded = 0
+    with govtrain.GovernedRun.open(run_toml(corpus, models(family, side), family, steps=3), corpus.url,
+                                   insecure_seed=3, **QUIET) as run:
+        assert run.tokenizer.padding_side == side
+        measured = measure_batch_independence(run.model, run._run.task, run.tokenizer, 64, run._run.device)
+        assert measured.compared == sum(map(len, BATCHES)) and measured.worst < TOLERANCE / 100
+        weights = _trainable(run)
+        for batch in run.batches():
+            mask = batch.inputs["attention_mask"]
+            assert bool((mask[:, :-1] >= mask[:, 1:]).all())  # real tokens first, padding after
+            padded += bool((mask == 0).any())
+            versions = [t._version for t in batch.inputs.values()]
+            out = run.model(**batch.inputs)
+            assert [t._version for t in batch.inputs.values()] == versions
+            run.step(run.per_example_loss(out, batch))
+        run.save()
+        assert not _same(weights, run)
+    assert padded and run.tokenizer.padding_side == side
+    assert verify_ledger(corpus.url).by_kind["run"] == 1
