@@ -39,8 +39,8 @@ from govtrain.train.run import STATE_FILE, Chunk, Run  # noqa: E402
 from govtrain.verify.verifier import verify_ledger  # noqa: E402
 from tests import causal_models  # noqa: E402
 from tests.conftest import TEST_POLICY, Corpus, make_corpus, snapshot  # noqa: E402
-from tests.test_api import _same, _trainable  # noqa: E402
-from tests.test_train import save_tiny_bert  # noqa: E402
+from tests.test_api import _corpus, _same, _trainable  # noqa: E402
+from tests.test_train import _config, save_tiny_bert, tiny_model  # noqa: E402,F401
 
 QUIET = {"log": lambda line: None}
 BATCH_POLICY = TEST_POLICY.replace("sampling_rate = 0.01", "expected_batch_size = 4")
@@ -274,3 +274,155 @@ def test_a_tokenizer_that_pads_left_still_gets_right_padded_batches_passes_the_p
         assert not _same(weights, run)
     assert padded and run.tokenizer.padding_side == side
     assert verify_ledger(corpus.url).by_kind["run"] == 1
+
+
+# -- item 6: the batch as drawn, exactly its inputs, and the model's inner modules --------------------
+
+
+def open_first_batch(tmp_path: Path, tiny_model: Path, name: str):
+    """A run on the tiny BERT with its first batch handed out (its epoch's spend written ahead), the trainable
+    weights and the ledger as they then are."""
+    corpus = _corpus(tmp_path, name)
+    run = govtrain.GovernedRun.open(_config(corpus, tiny_model, 4), corpus.url, insecure_seed=1, **QUIET)
+    batches = run.batches()
+    batch = next(batches)
+    return corpus, run, batches, batch, _trainable(run), snapshot(corpus.url)
+
+
+def assert_nothing_changed(corpus: Corpus, run, weights: dict, written: tuple) -> None:
+    """Weights, ledger and step as they were; nothing summed into the step and no `.grad` written."""
+    assert _same(weights, run) and snapshot(corpus.url) == written and run.steps == 0
+    assert run._run.router._totals is None and run._run._drawn == 0
+    assert all(p.grad is None for p in run.model.parameters())
+
+
+def never_admitted(run, batch) -> dict[str, torch.Tensor]:
+    """The batch's inputs for a row no contribution holds, in every row, at the batch's width."""
+    width = batch.inputs["input_ids"].shape[1]
+    return dict(run.tokenizer(["awful plot never admitted"] * len(batch), padding="max_length", max_length=width,
+                              truncation=True, return_tensors="pt"))
+
+
+@pytest.mark.parametrize("how", ["in place", "through .data", "through numpy", "replaced"])
+def test_rows_written_into_the_drawn_batch_before_its_forward_are_refused_and_nothing_changes(
+        tmp_path: Path, tiny_model: Path, how: str):
+    """The review's item 6a: the drawn tensors overwritten with a never-admitted row (34 of 34 rows trained,
+    the run saved and verified). The forward refuses it; so would the step, which never runs."""
+    corpus, run, batches, batch, weights, written = open_first_batch(tmp_path, tiny_model, "overwrite")
+    with run:
+        other = never_admitted(run, batch)
+        ids = batch.inputs["input_ids"]
+        if how == "in place":
+            ids.copy_(other["input_ids"])
+        elif how == "through .data":  # bumps no version counter: the values are compared too
+            ids.data.copy_(other["input_ids"])
+        elif how == "through numpy":
+            ids.numpy()[:] = other["input_ids"].numpy()
+        else:
+            batch.inputs["input_ids"] = other["input_ids"]
+        with pytest.raises(ConfigError) as refused:
+            run.model(**batch.inputs)
+        assert refused.value.code is Code.UNGOVERNED_BATCH and "input_ids" in refused.value.detail
+        assert ("not one of the waiting batch's inputs" if how == "replaced" else
+                "batch.inputs['input_ids'] was written after the batch was drawn") in refused.value.detail
+        with pytest.raises(ConfigError, match="before run.model ran"):
+            run.step(torch.zeros(len(batch)))
+        assert_nothing_changed(corpus, run, weights, written)
+        batches.close()
+
+
+@pytest.mark.parametrize("how", ["inputs in place", "targets in place", "targets replaced", "inputs replaced"])
+def test_a_batch_changed_between_its_forward_and_its_step_is_refused_and_nothing_changes(
+        tmp_path: Path, tiny_model: Path, how: str):
+    corpus, run, batches, batch, weights, written = open_first_batch(tmp_path, tiny_model, "after")
+    with run:
+        out = run.model(**batch.inputs)
+        if how == "inputs in place":
+            batch.inputs["attention_mask"].zero_()
+        elif how == "targets in place":
+            batch.targets.fill_(1)
+        elif how == "targets replaced":
+            batch.targets = 1 - batch.targets
+        else:
+            batch.inputs["input_ids"] = never_admitted(run, batch)["input_ids"]
+        losses = run.per_example_loss(out, batch)
+        with pytest.raises(ConfigError) as refused:
+            run.step(losses)
+        where = "batch.targets" if "targets" in how else "batch.inputs"
+        assert refused.value.code is Code.UNGOVERNED_BATCH and refused.value.detail.startswith(where)
+        assert ("was replaced" if "replaced" in how else "was written") in refused.value.detail
+        assert_nothing_changed(corpus, run, weights, written)
+        batches.close()
+
+
+@pytest.mark.parametrize("how", ["extra keyword tensor", "labels", "missing input", "an object"])
+def test_a_governed_forward_gets_exactly_the_batchs_input_tensors(tmp_path: Path, tiny_model: Path, how: str):
+    corpus, run, batches, batch, weights, written = open_first_batch(tmp_path, tiny_model, "exact")
+    with run:
+        ids = batch.inputs["input_ids"]
+        call = {"extra keyword tensor": lambda: run.model(**batch.inputs, position_ids=torch.zeros_like(ids)),
+                "labels": lambda: run.model(**batch.inputs, labels=batch.targets),  # a batch-mean loss inside
+                "missing input": lambda: run.model(input_ids=ids),
+                "an object": lambda: run.model(**batch.inputs, past_key_values=transformers.DynamicCache())}[how]
+        with pytest.raises(ConfigError) as refused:
+            call()
+        detail = refused.value.detail
+        assert refused.value.code is Code.UNGOVERNED_BATCH
+        assert {"extra keyword tensor": "tensor keyword position_ids, which is not one of the waiting batch's inputs",
+                "labels": "tensor keyword labels, which is not one of",
+                "missing input": "without the waiting batch's token_type_ids, attention_mask",
+                "an object": "keyword past_key_values of type DynamicCache"}[how] in detail
+        assert_nothing_changed(corpus, run, weights, written)
+        # plain options pass, and the batch, untouched, still trains
+        out = run.model(**batch.inputs, return_dict=True, output_hidden_states=True)
+        assert run.step(run.per_example_loss(out, batch)) is not None and run.steps == 1
+        batches.close()
+
+
+@pytest.mark.parametrize("module", ["base_model.model", "a LoRA factor", "the head"])
+@pytest.mark.parametrize("when", ["batch waiting", "batch forwarded", "between batches"])
+def test_a_forward_of_an_inner_module_with_gradients_is_refused_while_iterating(tmp_path: Path, tiny_model: Path,
+                                                                               module: str, when: str):
+    """The review's item 6b: `run.model.base_model.model` (or any module holding a trainable parameter) called
+    with gradients outside the governed forward, then `.backward()`: the call is refused, whatever the
+    inputs, and under `torch.no_grad()` it runs."""
+    corpus, run, batches, batch, weights, written = open_first_batch(tmp_path, tiny_model, "inner")
+    with run:
+        inner = run.model.base_model.model
+        name = {"base_model.model": "base_model.model.bert.encoder.layer.0.attention.self.query.lora_A.default",
+                "a LoRA factor": "base_model.model.bert.encoder.layer.5.attention.self.value.lora_A.default",
+                "the head": "base_model.model.classifier.modules_to_save.default"}[module]
+        target = run.model.get_submodule(name)
+        call = {"base_model.model": lambda: inner(**batch.inputs).logits.sum().backward(),
+                "a LoRA factor": lambda: target(torch.randn(2, 3, 16)).sum().backward(),
+                "the head": lambda: target(torch.randn(2, 16)).sum().backward()}[module]
+        if when != "batch waiting":
+            out = run.model(**batch.inputs)
+        if when == "between batches":
+            run.step(run.per_example_loss(out, batch))
+            weights, written = _trainable(run), snapshot(corpus.url)
+        with pytest.raises(ConfigError) as refused:
+            call()
+        assert refused.value.code is Code.UNGOVERNED_BATCH
+        assert f"a forward of {name} (it holds trainable parameters) with gradients enabled" in refused.value.detail
+        assert _same(weights, run) and snapshot(corpus.url) == written
+        assert all(p.grad is None for p in run.model.parameters())
+        with torch.no_grad():
+            call_without_grad = {"base_model.model": lambda: inner(**batch.inputs),
+                                 "a LoRA factor": lambda: target(torch.randn(2, 3, 16)),
+                                 "the head": lambda: target(torch.randn(2, 16))}[module]
+            call_without_grad()
+        batches.close()
+
+
+def test_every_hook_of_the_guard_is_removed_by_save(tmp_path: Path, tiny_model: Path):
+    corpus = _corpus(tmp_path, "hooks")
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 2), corpus.url, insecure_seed=1, **QUIET) as run:
+        model = run.model
+        holders = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+        assert holders and all(m._forward_pre_hooks for m in holders)
+        for batch in run.batches():
+            run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+        run.save()
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    model.base_model.model(**run.tokenizer(["good movie"], return_tensors="pt")).logits.sum().backward()
