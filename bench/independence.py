@@ -50,7 +50,8 @@ def row(label: str, net, tokenizer, task) -> float:
     start = time.perf_counter()
     measured = measure_batch_independence(net, task, tokenizer, 64, torch.device("cpu"))
     seconds = time.perf_counter() - start
-    print(f"{label:48s} {measured.worst:9.2e}  {seconds:6.2f} s  {measured.parameter.removeprefix('base_model.model.')}")
+    where = measured.parameter.removeprefix("base_model.model.")
+    print(f"{label:48s} {measured.worst:9.2e}  {seconds:6.2f} s  {where}")
     return measured.worst
 
 

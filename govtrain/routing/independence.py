@@ -35,7 +35,7 @@ The probe costs 0.04 s on the tiny models and 0.15-0.3 s on MiniLM (one thread).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
@@ -107,8 +107,7 @@ def measure_batch_independence(model: nn.Module, task: Any, tokenizer: Any, max_
     modes = [(module, module.training) for module in model.modules()]
     precision, cudnn_tf32 = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     model.eval()
-    worst = Independence(0.0, 0)
-    compared = 0
+    worst, compared = Independence(0.0, 0), 0
     try:
         torch.set_float32_matmul_precision("highest")  # no TF32: its rounding (~1e-3) is not the model's coupling
         torch.backends.cudnn.allow_tf32 = False
@@ -118,6 +117,7 @@ def measure_batch_independence(model: nn.Module, task: Any, tokenizer: Any, max_
             for order in BATCHES:
                 grads, batch = _gradients(model, task, [examples[i] for i in order], tokenizer, max_length, device,
                                           params)
+                width = int(batch.inputs["input_ids"].shape[1])
                 mask = batch.inputs.get("attention_mask")
                 for position, index in enumerate(order):
                     found = _compare(alone[index], grads[position], params)
@@ -126,16 +126,14 @@ def measure_batch_independence(model: nn.Module, task: Any, tokenizer: Any, max_
                     compared += 1
                     relative, parameter, share = found
                     if relative != relative or relative > worst.worst:  # a NaN stays the worst
-                        tokens = int(mask[position].sum()) if mask is not None else batch.inputs["input_ids"].shape[1]
-                        worst = Independence(relative, 0, index, tokens, order,
-                                             int(batch.inputs["input_ids"].shape[1]), parameter, share)
+                        tokens = int(mask[position].sum()) if mask is not None else width
+                        worst = Independence(relative, 0, index, tokens, order, width, parameter, share)
     finally:
         torch.set_float32_matmul_precision(precision)
         torch.backends.cudnn.allow_tf32 = cudnn_tf32
         for module, training in modes:
             module.train(training)
-    return Independence(worst.worst, compared, worst.example, worst.tokens, worst.order, worst.width,
-                        worst.parameter, worst.share)
+    return replace(worst, compared=compared)
 
 
 def _gradients(model: nn.Module, task: Any, examples: Sequence[Any], tokenizer: Any, max_length: int, device: Any,

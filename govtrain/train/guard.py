@@ -98,7 +98,8 @@ class Guard:
 
     def check_waiting(self, batch: object) -> Waiting:
         if self.waiting is None or batch is not self.waiting.batch:
-            raise ConfigError(Code.UNGOVERNED_BATCH, f"this batch is not the one run.batches() is waiting on: {NOT_YOURS}")
+            raise ConfigError(Code.UNGOVERNED_BATCH, "this batch is not the one run.batches() is waiting on: "
+                                                     f"{NOT_YOURS}")
         return self.waiting
 
     def check_unchanged(self, waiting: Waiting) -> None:
@@ -131,10 +132,10 @@ class Guard:
         ours = {id(t) for t in drawn.values()}
         for where, value in passed:
             if isinstance(value, Tensor) and id(value) not in ours:
-                raise ConfigError(Code.UNGOVERNED_BATCH, f"a forward of run.model with gradients enabled got the tensor "
-                                                         f"{where}, which is not one of the waiting batch's inputs: "
-                                                         f"{NOT_YOURS} (pass exactly **batch.inputs; run other "
-                                                         "forwards under torch.no_grad())")
+                raise ConfigError(Code.UNGOVERNED_BATCH, "a forward of run.model with gradients enabled got the "
+                                                         f"tensor {where}, which is not one of the waiting batch's "
+                                                         f"inputs: {NOT_YOURS} (pass exactly **batch.inputs; run "
+                                                         "other forwards under torch.no_grad())")
             if not isinstance(value, (Tensor, *PLAIN)):
                 raise ConfigError(Code.UNGOVERNED_BATCH, f"a forward of run.model with gradients enabled got {where} "
                                                          f"of type {type(value).__name__}, which may carry tensors the "
