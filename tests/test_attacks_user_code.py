@@ -4,16 +4,19 @@ The adversary is the code a user writes around `GovernedRun` (README "Python API
 `run.batches()`, its forward of `run.model`, its loss and `run.step`, and the model and tokenizer it chooses
 (a decoder classifier whose tokenizer pads left, a wrapper around the model, a loss of its own).
 
-It can: pick any tokenizer and padding side, wrap or patch the model's forward, write its own per-example
+It can: pick any tokenizer and padding side, choose, wrap or patch the model the run loads, change the task's
 loss, call `run.model` and any of its submodules with or without gradients, and read or write the tensors of
 the batch it was handed. It cannot: edit govtrain, the ledger's store, the policy or the keys; nor move the
 parameters by hand (`param.data`, an optimizer of its own, `torch.func.functional_call`): code that does is not
-training under govtrain, and no hook can see it.
+training under govtrain, and no hook can see it. Not covered here: the batch-independence probe runs once, as
+the run opens, on the model and the task's own loss; a loss the loop computes itself is checked for its shape
+only (`run.step`), and a hook added to the model after the run opened is not probed.
 
-What each test proves: a batch the sampler did not draw never reaches a step (`ungoverned_batch`), and an
-example's gradient never depends on the other examples of its batch (`batch_coupled`, or, for left padding,
-batches that are right-padded whatever the tokenizer says), so one example moves the clipped sum by at most
-its C_i. Every refusal leaves the ledger, the trainable weights and the run's step as they were.
+What each test proves: a batch the sampler did not draw never reaches a step (`ungoverned_batch`), and under
+the run's model and task an example's gradient does not depend on the other examples of its batch
+(`batch_coupled`, or, for left padding, batches right-padded whatever the tokenizer says), so one example
+moves the clipped sum by at most its C_i. Every refusal leaves the ledger, the trainable weights and the run's
+step as they were.
 """
 
 from __future__ import annotations
