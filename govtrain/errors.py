@@ -36,6 +36,7 @@ class Code(str, Enum):
     MECHANISM_UNSUPPORTED = "mechanism_unsupported"  # the training mechanism cannot run this policy's profiles
     UNGOVERNED_BATCH = "ungoverned_batch"  # a batch, loader or training forward govtrain's sampler did not draw
     SAMPLING_MISMATCH = "sampling_mismatch"  # the sampler's rate is not the rate the ledger's spend charged
+    BATCH_COUPLED = "batch_coupled"  # an example's gradient depends on the other examples in its batch
     STALE_PARAMETERS = "stale_parameters"  # a privatized gradient the update would not apply to the model
     GRID_INVALID = "grid_invalid"  # a tuning grid that is unreadable, names a key it may not, or builds a bad trial
     TUNE_EXISTS = "tune_exists"  # the ledger already records a tune with this id

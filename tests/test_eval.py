@@ -169,3 +169,30 @@ def test_the_demos_non_private_reference_is_scored_by_govtrain_eval(tmp_path: Pa
     assert result.exit_code == 0, result.output
     body = json.loads(result.stdout)
     assert body["accuracy"] == 1.0 and body["majority"] == 0.5  # "good" against "bad" is learnt in 30 steps
+
+
+def test_a_classifier_whose_tokenizer_pads_left_is_evaluated_on_right_padded_batches(tmp_path: Path):
+    """Evaluation runs the task's encode, which pads right whatever the tokenizer says: a GPT-2 classifier's
+    logits in a batch equal its logits on each example alone, the figures do not depend on the batch size,
+    and the tokenizer still pads left for its owner."""
+    from govtrain.train.evaluate import evaluate
+    from tests.test_attacks_user_code import save_classifier
+
+    model_dir = save_classifier(tmp_path / "gpt2-left", "gpt2", "left")
+    config_path = _config(tmp_path, model_dir, "sequence-classification")
+    config_path.write_text(config_path.read_text().replace('["query", "value"]', '["c_attn", "c_proj"]'))
+    config = load_run_config(config_path)
+    model, tokenizer, _ = load_model(config, [])
+    task = task_for(config.file)
+    words = causal_models.WORDS
+    examples = [task.example({"text": " ".join(words[:2 + 3 * i]), "label": i % 2}, f"h:{i}") for i in range(6)]
+    batch = task.encode(examples, tokenizer, 24, "cpu")
+    mask = batch.inputs["attention_mask"]
+    assert (mask[:, :-1] >= mask[:, 1:]).all() and (mask == 0).any()  # padded, on the right
+    with torch.no_grad():
+        together = model(**batch.inputs).logits
+        alone = torch.cat([model(**task.encode([e], tokenizer, 24, "cpu").inputs).logits for e in examples])
+    assert torch.allclose(together, alone, atol=1e-5)
+    assert evaluate(model, tokenizer, task, examples, 24, batch_size=6) == \
+        evaluate(model, tokenizer, task, examples, 24, batch_size=1)
+    assert tokenizer.padding_side == "left"

@@ -380,3 +380,55 @@ def test_a_model_moved_after_the_run_was_built_is_refused_before_anything_moves(
         update.step(router.noise_std)
     assert info.value.code is Code.STALE_PARAMETERS and "nothing moved" in info.value.detail
     assert all(torch.equal(p, before[n]) for n, p in net.named_parameters())
+
+
+# -- batch independence -------------------------------------------------------------------------------
+
+def _causal_lora(dropout: float = 0.0):
+    """A tiny random Llama with peft's default LoRA init (lora_B zero, so lora_A gets no gradient yet)."""
+    from govtrain.train.config import LoraSection
+    from govtrain.train.model import wrap_lora
+    from tests import causal_models
+
+    tokenizer = causal_models.tokenizer()
+    tokenizer.pad_token = tokenizer.eos_token
+    net = wrap_lora(causal_models.model("llama", layers=2), LoraSection(r=2, dropout=dropout,
+                                                                       target_modules=["q_proj", "v_proj"]), [],
+                    heads=())
+    return net, tokenizer
+
+
+def test_the_batch_independence_probe_runs_in_eval_mode_restores_every_mode_and_writes_no_grad():
+    """LoRA dropout 0.5 in train mode would make two forwards of one example differ: the probe runs in eval
+    mode, then gives each module back its own mode. Nothing reaches `.grad`, and the router, built on the same
+    model, records nothing outside its capture."""
+    from govtrain.routing.independence import BATCHES, check_batch_independence
+    from govtrain.tasks import CausalLM
+
+    net, tokenizer = _causal_lora(dropout=0.5)
+    router = Router(net, resolve({"c": cls("c", band=(0, 1))}, describe(net)), insecure_seed=0)
+    net.train()
+    net.base_model.model.model.layers[0].eval()  # a mixed state, restored module by module
+    modes = {name: module.training for name, module in net.named_modules()}
+    measured = check_batch_independence(net, CausalLM(), tokenizer, 16, torch.device("cpu"))
+    assert measured.compared == sum(map(len, BATCHES)) and measured.worst < 1e-5  # lora_B's gradients: not vacuous
+    assert {name: module.training for name, module in net.named_modules()} == modes
+    assert all(p.grad is None for p in net.parameters())
+    assert all(not tap.inputs and not tap.shapes for tap in router.taps.values())
+
+
+def test_a_batch_independence_probe_that_can_tell_nothing_refuses_the_run():
+    """Both LoRA factors at zero: every probe gradient is zero, so no comparison says anything."""
+    from govtrain.routing.independence import check_batch_independence
+    from govtrain.tasks import CausalLM
+
+    net, tokenizer = _causal_lora()
+    with torch.no_grad():
+        for name, param in net.named_parameters():
+            if ".lora_A." in name:
+                param.zero_()
+    with pytest.raises(ConfigError) as info:
+        check_batch_independence(net, CausalLM(), tokenizer, 16, torch.device("cpu"))
+    assert info.value.code is Code.BATCH_COUPLED and info.value.exit_code == 2
+    assert "probe is vacuous: every trainable parameter's gradient is zero" in info.value.detail
+    assert "lora_B starts at zero" in info.value.detail and "\n" not in info.value.line()

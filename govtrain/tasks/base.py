@@ -5,6 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, Sequence
 
+# Public text for probes that run before any spend (`govtrain.routing.independence`): no contribution's data.
+PROBE_WORDS = ("the cat sat on the mat and the dog ran to the red door while a bird sang in the old green tree by "
+               "the river on a good day in the capital of france").split()
+
+
+def probe_texts() -> list[str]:
+    """Three public texts of 2, 7 and 30 words, shortest first: lengths that still differ once tokenized and
+    truncated to any max_length of 8 tokens or more."""
+    return [" ".join(PROBE_WORDS[:n]) for n in (2, 7, 30)]
+
 
 @dataclass
 class Batch:
@@ -33,6 +43,10 @@ class Task(Protocol):
 
     def per_example_loss(self, output: Any, batch: Batch) -> Any:
         """[len(batch)] float32 losses, each depending on its own example only."""
+
+    def probe_examples(self) -> Sequence[Any]:
+        """Public examples of different lengths (`probe_texts`), shortest first, that `encode` accepts: the
+        batch-independence probe runs them alone and in batches before a run writes any spend."""
 
     def tally(self, output: Any, batch: Batch) -> dict[str, float]:
         """Counts an evaluation sums over batches (examples, correct answers, target tokens, summed loss)."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from govtrain.errors import Code, ConfigError
-from govtrain.tasks.base import Batch
+from govtrain.tasks.base import Batch, probe_texts
 
 IGNORE = -100  # torch's cross-entropy ignore_index: a position that is not a target
 
@@ -143,6 +143,9 @@ class CausalLM:
     def per_example_loss(self, output: Any, batch: Batch) -> Any:
         total, count = token_losses(output, batch)
         return total / count
+
+    def probe_examples(self) -> list[Text]:
+        return [Text(text, where="the batch-independence probe") for text in probe_texts()]
 
     def tally(self, output: Any, batch: Batch) -> dict[str, float]:
         total, count = token_losses(output, batch)

@@ -1,4 +1,12 @@
-"""Sequence classification: a row `{"text": str, "label": int}`; the loss is each example's cross-entropy."""
+"""Sequence classification: a row `{"text": str, "label": int}`; the loss is each example's cross-entropy.
+
+Batches are padded on the right whatever the tokenizer's own `padding_side` (decoder tokenizers such as
+GPT-2's, Llama's and Qwen's often pad left). With left padding an example's absolute positions depend on the
+longest example in its batch, so its gradient depends on the others and one example moves the clipped sum
+by more than its C_i (issue 20, item 2: 1.23 C for a GPT-2 classifier). The side is passed to the call, so the
+user's tokenizer object is left as it was; `govtrain.routing.independence` checks the property before a run
+writes any spend.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 from govtrain.data.columns import require_columns
 from govtrain.errors import Code, ConfigError
-from govtrain.tasks.base import Batch
+from govtrain.tasks.base import Batch, probe_texts
 
 
 @dataclass(frozen=True)
@@ -38,9 +46,12 @@ class Classification:
     def encode(self, examples: Sequence[Labelled], tokenizer: Any, max_length: int, device: Any) -> Batch:
         import torch
 
-        inputs = tokenizer([e.text for e in examples], padding=True, truncation=True, max_length=max_length,
-                           return_tensors="pt").to(device)
+        inputs = tokenizer([e.text for e in examples], padding=True, padding_side="right", truncation=True,
+                           max_length=max_length, return_tensors="pt").to(device)
         return Batch(dict(inputs), torch.tensor([e.label for e in examples], dtype=torch.long, device=device))
+
+    def probe_examples(self) -> list[Labelled]:
+        return [Labelled(text, i % self.num_labels) for i, text in enumerate(probe_texts())]
 
     def per_example_loss(self, output: Any, batch: Batch) -> Any:
         import torch.nn.functional as F

@@ -12,10 +12,12 @@ logical Poisson batch in physical chunks (`GovernedBatch`, at most `training.phy
 `step(losses)` adds a chunk's clipped per-sample gradients and, after the step's last chunk, draws the
 noise once and moves the parameters. A forward of `run.model` on a governed batch runs under the router's
 capture and the run's precision (forward hooks on the model: its type and state_dict keys are unchanged).
-Anything that would train on batches the sampler did not draw is refused (`ungoverned_batch`): a loader
-or sampler handed to `batches()`, a forward with gradients enabled outside a governed batch, a second
-forward of one batch, a loss for a batch that is not the one waiting. The accountant's q holds only if
-govtrain drew the batch.
+Anything that would train on batches the sampler did not draw is refused (`ungoverned_batch`, `guard.py`): a
+loader or sampler handed to `batches()`, a forward with gradients enabled outside a governed batch (of
+`run.model` or of any module in it holding a trainable parameter), a governed forward that is not given
+exactly the batch's input tensors, a batch whose tensors changed after the draw, a second forward of one
+batch, a loss for a batch that is not the one waiting. The accountant's q holds only if govtrain drew the
+batch.
 
 Leaving the `with` block before the last step keeps the run's state in `<output>/run-state.pt`: opening
 the same config again resumes it (same run id, same ledger history; spend already written is never
@@ -24,7 +26,6 @@ written again). An exception (a kill) keeps the last checkpoint, as `govtrain tr
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -37,6 +38,7 @@ from govtrain import units
 from govtrain.errors import Code, ConfigError
 from govtrain.tasks.base import Batch
 from govtrain.train.config import RunConfig, run_config
+from govtrain.train.guard import NOT_YOURS, Guard
 from govtrain.train.run import LOG, Chunk, Run, RunResult
 
 if TYPE_CHECKING:
@@ -44,10 +46,6 @@ if TYPE_CHECKING:
 
     from govtrain.data.rows import AdmittedRows
     from govtrain.ledger.ledger import Ledger
-
-_NOT_YOURS = ("the accountant's q holds only for batches govtrain's Poisson sampler drew: iterate run.batches() "
-              "and put your data in training.data")
-
 
 @dataclass
 class GovernedBatch(Batch):
@@ -65,22 +63,13 @@ class GovernedBatch(Batch):
         return self.chunk == self.chunks - 1
 
 
-@dataclass
-class _Waiting:
-    batch: GovernedBatch
-    forwarded: bool = False
-
-
 class GovernedRun:
     """An open governed run: its ledger, its model (a peft model on its device) and its sampler."""
 
     def __init__(self, run: Run, ledger: "Ledger", *, on_step: Callable[[int, float], None] | None = None) -> None:
         self._run, self._ledger, self._on_step = run, ledger, on_step
-        self._waiting: _Waiting | None = None
-        self._forward: contextlib.ExitStack | None = None
-        self._iterating = self._saved = self._closed = False
-        self._hooks = [run.model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
-                       run.model.register_forward_hook(self._after_forward, always_call=True)]
+        self._saved = self._closed = False
+        self._guard = Guard(run.model, run.forward)  # the run owns sampling
 
     @classmethod
     def open(cls, config: RunConfig | Mapping[str, Any] | str | Path, ledger_url: str, *, key: str | Path | None = None,
@@ -124,8 +113,7 @@ class GovernedRun:
         if self._closed:
             return
         self._closed = True
-        for hook in self._hooks:
-            hook.remove()
+        self._guard.remove()
         self._run.router.close()
         self._run.release()
         self._ledger.close()
@@ -192,12 +180,13 @@ class GovernedRun:
         more (`result.exhausted`). Call `step(losses)` on each batch before asking for the next."""
         if loader is not None:
             raise ConfigError(Code.UNGOVERNED_BATCH, f"run.batches() got a {type(loader).__name__}: it draws its "
-                                                     f"own batches, and {_NOT_YOURS}")
-        if self._iterating:
+                                                     f"own batches, and {NOT_YOURS}")
+        guard = self._guard
+        if guard.iterating:
             raise RuntimeError("run.batches() is already being iterated")
         if self._closed:
             raise RuntimeError("the run is closed")
-        self._iterating = True
+        guard.iterating = True
         run = self._run
         try:
             while not run.done:
@@ -213,38 +202,41 @@ class GovernedRun:
                         encoded = run.encode(chunk)
                         batch = GovernedBatch(encoded.inputs, encoded.targets, encoded.extra, step=run.result.steps,
                                               chunk=index, chunks=len(chunks), _drawn=chunk)
-                        self._waiting = _Waiting(batch)
+                        guard.wait(batch)
                         yield batch
-                        if self._waiting is not None:
+                        if guard.waiting is not None:
                             raise RuntimeError("call run.step(losses) on each batch before asking for the next")
                     if not chunks:  # an empty draw is still a step: its noise is drawn and the update runs
                         self._end_step()
                 run.close_epoch()
         finally:
-            self._iterating, self._waiting = False, None
+            guard.iterating, guard.waiting = False, None
 
     def per_example_loss(self, output: Any, batch: GovernedBatch) -> "torch.Tensor":
         """The task's loss of each example in `batch` (fp32, shape [len(batch)]), from the model's `output`."""
-        self._check_waiting(batch)
+        self._guard.check_waiting(batch)
         return self._run.task.per_example_loss(output, batch)
 
     def step(self, losses: "torch.Tensor") -> float | None:
         """Add the clipped per-sample gradients of the waiting batch from its per-example `losses` (one value
         per example, each depending on its own example only). After the logical step's last chunk, noise the
-        sum once, move the parameters and return the step's mean loss per example; None before that."""
-        waiting = self._waiting
+        sum once, move the parameters and return the step's mean loss per example; None before that. A batch
+        whose tensors changed after the draw is refused here too (`ungoverned_batch`), before anything is summed."""
+        guard = self._guard
+        waiting = guard.waiting
         if waiting is None:
-            raise ConfigError(Code.UNGOVERNED_BATCH, f"run.step() with no batch waiting: {_NOT_YOURS}")
+            raise ConfigError(Code.UNGOVERNED_BATCH, f"run.step() with no batch waiting: {NOT_YOURS}")
         if not waiting.forwarded:
             raise ConfigError(Code.UNGOVERNED_BATCH, "run.step() before run.model ran on the waiting batch: its "
                                                      "losses must come from that forward")
+        guard.check_unchanged(waiting)
         size = len(waiting.batch)
         if getattr(losses, "shape", None) != (size,):
             raise ValueError(f"run.step() needs one loss per example, shape ({size},); got shape "
                              f"{tuple(getattr(losses, 'shape', ()))}: use run.per_example_loss, or a reduction='none' "
                              "loss averaged over each example's own tokens")
         self._run.accumulate(waiting.batch._drawn, losses)
-        self._waiting = None
+        guard.waiting = None
         return self._end_step() if waiting.batch.last else None
 
     def save(self) -> RunResult:
@@ -257,8 +249,7 @@ class GovernedRun:
         if not (run.done or run.result.exhausted):
             raise RuntimeError(f"the run has taken {run.result.steps} of {run.total} steps: iterate run.batches() to "
                                "the end, or leave the with block to keep its state and resume later")
-        for hook in self._hooks:  # the saved model carries no hook of the run
-            hook.remove()
+        self._guard.remove()  # the saved model carries no hook of the run
         result = run.finish()
         self._saved = True
         return result
@@ -270,37 +261,3 @@ class GovernedRun:
         if self._on_step is not None:
             self._on_step(self._run.result.steps, loss)
         return loss
-
-    def _check_waiting(self, batch: object) -> None:
-        if self._waiting is None or batch is not self._waiting.batch:
-            raise ConfigError(Code.UNGOVERNED_BATCH, f"this batch is not the one run.batches() is waiting on: "
-                                                     f"{_NOT_YOURS}")
-
-    def _before_forward(self, module: "nn.Module", args: tuple, kwargs: dict) -> None:
-        waiting = self._waiting
-        passed = [*args, *kwargs.values()]
-        if waiting is not None and not waiting.forwarded and \
-                not all(any(value is given for given in passed) for value in waiting.batch.inputs.values()):
-            if torch.is_grad_enabled():
-                raise ConfigError(Code.UNGOVERNED_BATCH, "a forward of run.model with gradients enabled on other "
-                                                         f"inputs than the waiting batch's: {_NOT_YOURS} (run other "
-                                                         "forwards under torch.no_grad())")
-            return
-        if waiting is None or waiting.forwarded:
-            if torch.is_grad_enabled() and self._iterating:
-                raise ConfigError(Code.UNGOVERNED_BATCH, ("a second forward of run.model on one batch" if waiting
-                                                          else "a forward of run.model with gradients enabled outside "
-                                                          "a batch of run.batches()") +
-                                  f": {_NOT_YOURS} (run other forwards under torch.no_grad())")
-            return
-        if not torch.is_grad_enabled():
-            raise ConfigError(Code.UNGOVERNED_BATCH, "the forward of a governed batch ran under torch.no_grad(): its "
-                                                     "per-sample gradients cannot be formed")
-        waiting.forwarded = True
-        self._forward = contextlib.ExitStack()
-        self._forward.enter_context(self._run.forward())
-
-    def _after_forward(self, module: "nn.Module", args: tuple, output: Any) -> None:
-        if self._forward is not None:
-            self._forward, forward = None, self._forward
-            forward.close()

@@ -227,6 +227,7 @@ class Run:
         from govtrain.resolver.plan import read_corpus, sampling_rate_for
         from govtrain.resolver.profile import resolve
         from govtrain.resolver.schedule import Scheduler
+        from govtrain.routing.independence import check_batch_independence
         from govtrain.routing.layout import probe_batches
         from govtrain.routing.router import Router
         from govtrain.routing.sampler import PoissonSampler
@@ -283,6 +284,7 @@ class Run:
         check_weight_decay(resolution, config.file.optimizer.weight_decay)
         self.router = Router(self.model, resolution, mechanism=training.mechanism, insecure_seed=self.insecure_seed)
         self.router.probe(probe_batches(self.tokenizer, config.file.model.max_length))  # batch-first calls only
+        check_batch_independence(self.model, self.task, self.tokenizer, config.file.model.max_length, self.device)
         self.update = Update.build(self.model, config.file)
         self.sampler = PoissonSampler(q_u / units.MICRO, insecure_seed=self.insecure_seed)  # set again per epoch
         self.epoch_steps = training.epoch_steps or policy.steps_per_epoch

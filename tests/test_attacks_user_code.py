@@ -1,0 +1,431 @@
+"""Attacks by user code inside the documented loop (review issue 20, items 2 and 6).
+
+The adversary is the code a user writes around `GovernedRun` (README "Python API"): the loop over
+`run.batches()`, its forward of `run.model`, its loss and `run.step`, and the model and tokenizer it chooses
+(a decoder classifier whose tokenizer pads left, a wrapper around the model, a loss of its own).
+
+It can: pick any tokenizer and padding side, choose, wrap or patch the model the run loads, change the task's
+loss, call `run.model` and any of its submodules with or without gradients, and read or write the tensors of
+the batch it was handed. It cannot: edit govtrain, the ledger's store, the policy or the keys; nor move the
+parameters by hand (`param.data`, an optimizer of its own, `torch.func.functional_call`): code that does is not
+training under govtrain, and no hook can see it. Not covered here: the batch-independence probe runs once, as
+the run opens, on the model and the task's own loss; a loss the loop computes itself is checked for its shape
+only (`run.step`), and a hook added to the model after the run opened is not probed.
+
+What each test proves: a batch the sampler did not draw never reaches a step (`ungoverned_batch`), and under
+the run's model and task an example's gradient does not depend on the other examples of its batch
+(`batch_coupled`, or, for left padding, batches right-padded whatever the tokenizer says), so one example
+moves the clipped sum by at most its C_i. Every refusal leaves the ledger, the trainable weights and the run's
+step as they were.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+import govtrain  # noqa: E402
+from govtrain.errors import Code, ConfigError  # noqa: E402
+from govtrain.ledger.ledger import Ledger  # noqa: E402
+from govtrain.routing.independence import BATCHES, TOLERANCE, measure_batch_independence  # noqa: E402
+from govtrain.tasks.base import Batch  # noqa: E402
+from govtrain.tasks.causal_lm import CausalLM, token_losses  # noqa: E402
+from govtrain.tasks.classification import Classification  # noqa: E402
+from govtrain.train.config import load_run_config  # noqa: E402
+from govtrain.train.run import STATE_FILE, Chunk, Run  # noqa: E402
+from govtrain.verify.verifier import verify_ledger  # noqa: E402
+from tests import causal_models  # noqa: E402
+from tests.conftest import TEST_POLICY, Corpus, make_corpus, snapshot  # noqa: E402
+from tests.test_api import _corpus, _same, _trainable  # noqa: E402
+from tests.test_train import _config, save_tiny_bert, tiny_model  # noqa: E402,F401
+
+QUIET = {"log": lambda line: None}
+BATCH_POLICY = TEST_POLICY.replace("sampling_rate = 0.01", "expected_batch_size = 4")
+TARGETS = {"bert": ["query", "value"], "gpt2": ["c_attn", "c_proj"], "llama": ["q_proj", "v_proj"]}
+WORDS = causal_models.WORDS
+
+
+def save_classifier(folder: Path, family: str, padding_side: str) -> Path:
+    """A tiny random 6-layer sequence classifier of `family` whose saved tokenizer pads on `padding_side`
+    (GPT-2 and Llama: the word-level tokenizer, padding with EOS, as decoder classifiers usually do)."""
+    folder.mkdir(parents=True)
+    if family == "bert":
+        save_tiny_bert(folder)
+    else:
+        tokenizer = causal_models.tokenizer()
+        tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.save_pretrained(folder)
+        config = causal_models.config(family, layers=6)
+        config.num_labels, config.pad_token_id = 2, tokenizer.pad_token_id
+        torch.manual_seed(0)
+        transformers.AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**settings, "padding_side": padding_side}))
+    return folder
+
+
+def admit_rows(corpus: Corpus, name: str, rows: list[dict], **overrides) -> None:
+    from govtrain.gate.admission import admit
+
+    path = corpus.dir / "data" / f"{name}.jsonl"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with corpus.open() as ledger:
+        admit(ledger, corpus.attestation(path, contribution_id=name, **overrides), path, now=corpus.now)
+
+
+def short_rows(count: int) -> list[dict]:
+    return [{"text": f"{WORDS[i % 9]} movie {WORDS[9 + i % 8]}", "label": i % 2} for i in range(count)]
+
+
+def rows(count: int) -> list[dict]:
+    """Labelled texts of 2 to 7 words: batches with padding."""
+    return [{"text": " ".join(WORDS[(i + k) % len(WORDS)] for k in range(2 + i % 6)), "label": i % 2}
+            for i in range(count)]
+
+
+def run_toml(corpus: Corpus, model: Path, family: str, steps: int = 2, max_length: int = 64,
+             task: str = "sequence-classification") -> Path:
+    path = corpus.dir / "run.toml"
+    path.write_text(f"""
+[model]
+base = "{model}"
+task = "{task}"
+max_length = {max_length}
+[lora]
+r = 2
+target_modules = {json.dumps(TARGETS[family])}
+[optimizer]
+lr = 0.01
+[training]
+steps = {steps}
+data = "data"
+output = "adapter"
+run_id = "user-run"
+""")
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """`models(family, side, task)`: a tiny saved model, built once per module."""
+    built: dict[tuple[str, str, str], Path] = {}
+
+    def get(family: str, side: str = "right", task: str = "sequence-classification") -> Path:
+        if (family, side, task) not in built:
+            folder = tmp_path_factory.mktemp(f"{family}-{side}") / "model"
+            built[family, side, task] = (causal_models.save(folder, family, layers=6) if task == "causal-lm"
+                                         else save_classifier(folder, family, side))
+        return built[family, side, task]
+
+    return get
+
+
+def corpus_with(tmp_path: Path, rows_: list[dict]) -> Corpus:
+    corpus = make_corpus(tmp_path, f"sqlite:///{tmp_path / 'ledger.db'}", BATCH_POLICY)
+    admit_rows(corpus, "pub", rows_)
+    return corpus
+
+
+def clipped_sum(run: Run, indices: list[int]) -> dict[str, torch.Tensor]:
+    """The routed, clipped sum of the examples `indices` without noise, through the run's own phases:
+    encode, the forward under `run.forward()`, `router.accumulate`."""
+    owners = [run.examples.owner[i] for i in indices]
+    chunk = Chunk(indices, None, owners, [run.classes[c] for c in owners], [run.signed_clip[c] for c in owners])
+    run.router.begin()
+    batch = run.encode(chunk)
+    with run.forward():
+        output = run.model(**batch.inputs)
+    run.router.accumulate(run.task.per_example_loss(output, batch), chunk.classes, chunk.clips)
+    run.router.finish({}, 1.0)  # no group noised: .grad holds the clipped sum
+    return {n: p.grad.double().clone() for n, p in run.model.named_parameters() if p.grad is not None}
+
+
+# -- item 2: padding on the tokenizer's side couples examples ---------------------------------------
+
+
+def test_one_long_example_moves_a_left_padding_gpt2_classifiers_clipped_sum_by_at_most_its_clip_norm(
+        tmp_path: Path):
+    """The review's measurement: D is 16 short examples and one long one, D' the same without the long one.
+    With left padding, every short example's positions depended on the long one, and the clipped sums of D and
+    D' differed by 1.23 C (1.09 C at 8 short examples, 1.51 C at 24). Batches are now right-padded whatever the
+    tokenizer's side, so the difference is the long example's own clipped gradient: at most C."""
+    model = save_classifier(tmp_path / "gpt2-left", "gpt2", "left")
+    corpus = make_corpus(tmp_path, f"sqlite:///{tmp_path / 'ledger.db'}", BATCH_POLICY)
+    long_row = {"text": " ".join(WORDS[i % len(WORDS)] for i in range(60)), "label": 1}
+    admit_rows(corpus, "pub", [*short_rows(16), long_row])
+    with Ledger.open(corpus.url) as ledger:
+        run = Run(load_run_config(run_toml(corpus, model, "gpt2")), ledger, insecure_seed=0, **QUIET)
+        run.prepare()
+        assert run.tokenizer.padding_side == "left"  # the user's tokenizer, as it was given
+        with_long = clipped_sum(run, list(range(17)))
+        without = clipped_sum(run, list(range(16)))
+        run.router.close()
+    difference = sum(float((with_long[n] - without[n]).pow(2).sum()) for n in with_long) ** 0.5
+    clip = run.signed_clip["pub"]
+    assert clip == 1.0 and difference <= clip * (1 + 1e-5), difference
+
+
+def left_padded(self, examples, tokenizer, max_length, device) -> Batch:
+    """`Classification.encode` as it was before the fix, for a tokenizer that pads left."""
+    inputs = tokenizer([e.text for e in examples], padding=True, padding_side="left", truncation=True,
+                       max_length=max_length, return_tensors="pt").to(device)
+    return Batch(dict(inputs), torch.tensor([e.label for e in examples], dtype=torch.long, device=device))
+
+
+def refused_before_any_spend(corpus: Corpus, config: Path) -> ConfigError:
+    """Opening the run is refused as batch-coupled, with the ledger and the output folder as they were."""
+    before = snapshot(corpus.url)
+    with pytest.raises(ConfigError) as refused:
+        govtrain.GovernedRun.open(config, corpus.url, **QUIET)
+    error = refused.value
+    assert error.code is Code.BATCH_COUPLED and error.exit_code == 2 and "\n" not in error.line()
+    assert "depends on the other examples in its batch" in error.detail and "most in base_model.model." in error.detail
+    assert "left padding" in error.detail and "attention_mask" in error.detail  # the usual causes, named
+    assert snapshot(corpus.url) == before and not (corpus.dir / "adapter" / STATE_FILE).exists()
+    return error
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_left_padding_forced_past_the_task_is_refused_before_any_spend(tmp_path: Path, monkeypatch, models,
+                                                                        family: str):
+    """The batch-independence probe sees what the task's right padding prevents: with the old left-padding
+    encode, GPT-2's and BERT's absolute positions move with the batch's width (probe: 0.96 and 0.11 relative)."""
+    corpus = corpus_with(tmp_path, rows(40))
+    config = run_toml(corpus, models(family, "left"), family)
+    monkeypatch.setattr(Classification, "encode", left_padded)
+    refused_before_any_spend(corpus, config)
+
+
+@pytest.mark.parametrize("normalise", ["batch token count", "batch mean"])
+def test_a_loss_normalised_over_the_batch_is_refused_before_any_spend(tmp_path: Path, monkeypatch, models,
+                                                                       normalise: str):
+    """A causal LM's loss divided by the batch's token count, or by the batch mean of the per-example losses:
+    one value per example, of the right shape, yet each depends on the others (probe: 0.95 and 1.0)."""
+    from click.testing import CliRunner
+
+    from govtrain.cli.main import cli
+
+    def per_example_loss(self, output, batch):
+        total, count = token_losses(output, batch)
+        if normalise == "batch token count":
+            return total / count.sum()
+        losses = total / count
+        return losses / losses.mean()
+
+    corpus = corpus_with(tmp_path, [{"text": row["text"]} for row in rows(40)])
+    config = run_toml(corpus, models("llama", task="causal-lm"), "llama", task="causal-lm")
+    monkeypatch.setattr(CausalLM, "per_example_loss", per_example_loss)
+    refused_before_any_spend(corpus, config)
+    before = snapshot(corpus.url)
+    result = CliRunner().invoke(cli, ["train", "--config", str(config), "--ledger", corpus.url])
+    assert result.exit_code == 2 and result.stderr.startswith("error[batch_coupled]: ") and \
+        len(result.stderr.strip().splitlines()) == 1
+    assert snapshot(corpus.url) == before
+
+
+def test_a_model_that_ignores_attention_mask_is_refused_before_any_spend(tmp_path: Path, monkeypatch, models):
+    """A BERT whose encoder never sees the attention mask: real tokens attend to the padding the batch's width
+    sets (probe: 4.9e-3 relative on this tiny random BERT, 0.66 on the demo's MiniLM)."""
+    import govtrain.train.model as loading
+
+    load = loading.load_model
+
+    def ignoring_the_mask(config, adapters):
+        model, tokenizer, path = load(config, adapters)
+        model.base_model.model.bert.register_forward_pre_hook(
+            lambda module, args, kwargs: (args, {k: v for k, v in kwargs.items() if k != "attention_mask"}),
+            with_kwargs=True)
+        return model, tokenizer, path
+
+    corpus = corpus_with(tmp_path, rows(40))
+    config = run_toml(corpus, models("bert"), "bert")
+    monkeypatch.setattr(loading, "load_model", ignoring_the_mask)
+    refused_before_any_spend(corpus, config)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+def test_a_tokenizer_that_pads_left_still_gets_right_padded_batches_passes_the_probe_and_trains(
+        tmp_path: Path, models, family: str, side: str):
+    """Whatever side the user's tokenizer pads on: its object is left as it was, every batch is right-padded,
+    the probe measures far below its tolerance, the model's forward writes none of the batch's tensors (the
+    step checks their versions) and the run trains and verifies."""
+    corpus = corpus_with(tmp_path, rows(40))
+    padded = 0
+    with govtrain.GovernedRun.open(run_toml(corpus, models(family, side), family, steps=3), corpus.url,
+                                   insecure_seed=3, **QUIET) as run:
+        assert run.tokenizer.padding_side == side
+        measured = measure_batch_independence(run.model, run._run.task, run.tokenizer, 64, run._run.device)
+        assert measured.compared == sum(map(len, BATCHES)) and measured.worst < TOLERANCE / 100
+        weights = _trainable(run)
+        for batch in run.batches():
+            mask = batch.inputs["attention_mask"]
+            assert bool((mask[:, :-1] >= mask[:, 1:]).all())  # real tokens first, padding after
+            padded += bool((mask == 0).any())
+            versions = [t._version for t in batch.inputs.values()]
+            out = run.model(**batch.inputs)
+            assert [t._version for t in batch.inputs.values()] == versions
+            run.step(run.per_example_loss(out, batch))
+        run.save()
+        assert not _same(weights, run)
+    assert padded and run.tokenizer.padding_side == side
+    assert verify_ledger(corpus.url).by_kind["run"] == 1
+
+
+# -- item 6: the batch as drawn, exactly its inputs, and the model's inner modules --------------------
+
+
+def open_first_batch(tmp_path: Path, tiny_model: Path, name: str):
+    """A run on the tiny BERT with its first batch handed out (its epoch's spend written ahead), the trainable
+    weights and the ledger as they then are."""
+    corpus = _corpus(tmp_path, name)
+    run = govtrain.GovernedRun.open(_config(corpus, tiny_model, 4), corpus.url, insecure_seed=1, **QUIET)
+    batches = run.batches()
+    batch = next(batches)
+    return corpus, run, batches, batch, _trainable(run), snapshot(corpus.url)
+
+
+def assert_nothing_changed(corpus: Corpus, run, weights: dict, written: tuple) -> None:
+    """Weights, ledger and step as they were; nothing summed into the step and no `.grad` written."""
+    assert _same(weights, run) and snapshot(corpus.url) == written and run.steps == 0
+    assert run._run.router._totals is None and run._run._drawn == 0
+    assert all(p.grad is None for p in run.model.parameters())
+
+
+def never_admitted(run, batch) -> dict[str, torch.Tensor]:
+    """The batch's inputs for a row no contribution holds, in every row, at the batch's width."""
+    width = batch.inputs["input_ids"].shape[1]
+    return dict(run.tokenizer(["awful plot never admitted"] * len(batch), padding="max_length", max_length=width,
+                              truncation=True, return_tensors="pt"))
+
+
+@pytest.mark.parametrize("how", ["in place", "through .data", "through numpy", "replaced"])
+def test_rows_written_into_the_drawn_batch_before_its_forward_are_refused_and_nothing_changes(
+        tmp_path: Path, tiny_model: Path, how: str):
+    """The review's item 6a: the drawn tensors overwritten with a never-admitted row (34 of 34 rows trained,
+    the run saved and verified). The forward refuses it; so would the step, which never runs."""
+    corpus, run, batches, batch, weights, written = open_first_batch(tmp_path, tiny_model, "overwrite")
+    with run:
+        other = never_admitted(run, batch)
+        ids = batch.inputs["input_ids"]
+        if how == "in place":
+            ids.copy_(other["input_ids"])
+        elif how == "through .data":  # bumps no version counter: the values are compared too
+            ids.data.copy_(other["input_ids"])
+        elif how == "through numpy":
+            ids.numpy()[:] = other["input_ids"].numpy()
+        else:
+            batch.inputs["input_ids"] = other["input_ids"]
+        with pytest.raises(ConfigError) as refused:
+            run.model(**batch.inputs)
+        assert refused.value.code is Code.UNGOVERNED_BATCH and "input_ids" in refused.value.detail
+        assert ("not one of the waiting batch's inputs" if how == "replaced" else
+                "batch.inputs['input_ids'] was written after the batch was drawn") in refused.value.detail
+        with pytest.raises(ConfigError, match="before run.model ran"):
+            run.step(torch.zeros(len(batch)))
+        assert_nothing_changed(corpus, run, weights, written)
+        batches.close()
+
+
+@pytest.mark.parametrize("how", ["inputs in place", "targets in place", "targets replaced", "inputs replaced"])
+def test_a_batch_changed_between_its_forward_and_its_step_is_refused_and_nothing_changes(
+        tmp_path: Path, tiny_model: Path, how: str):
+    corpus, run, batches, batch, weights, written = open_first_batch(tmp_path, tiny_model, "after")
+    with run:
+        out = run.model(**batch.inputs)
+        if how == "inputs in place":
+            batch.inputs["attention_mask"].zero_()
+        elif how == "targets in place":
+            batch.targets.fill_(1)
+        elif how == "targets replaced":
+            batch.targets = 1 - batch.targets
+        else:
+            batch.inputs["input_ids"] = never_admitted(run, batch)["input_ids"]
+        losses = run.per_example_loss(out, batch)
+        with pytest.raises(ConfigError) as refused:
+            run.step(losses)
+        where = "batch.targets" if "targets" in how else "batch.inputs"
+        assert refused.value.code is Code.UNGOVERNED_BATCH and refused.value.detail.startswith(where)
+        assert ("was replaced" if "replaced" in how else "was written") in refused.value.detail
+        assert_nothing_changed(corpus, run, weights, written)
+        batches.close()
+
+
+@pytest.mark.parametrize("how", ["extra keyword tensor", "labels", "missing input", "an object"])
+def test_a_governed_forward_gets_exactly_the_batchs_input_tensors(tmp_path: Path, tiny_model: Path, how: str):
+    corpus, run, batches, batch, weights, written = open_first_batch(tmp_path, tiny_model, "exact")
+    with run:
+        ids = batch.inputs["input_ids"]
+        call = {"extra keyword tensor": lambda: run.model(**batch.inputs, position_ids=torch.zeros_like(ids)),
+                "labels": lambda: run.model(**batch.inputs, labels=batch.targets),  # a batch-mean loss inside
+                "missing input": lambda: run.model(input_ids=ids),
+                "an object": lambda: run.model(**batch.inputs, past_key_values=transformers.DynamicCache())}[how]
+        with pytest.raises(ConfigError) as refused:
+            call()
+        detail = refused.value.detail
+        assert refused.value.code is Code.UNGOVERNED_BATCH
+        assert {"extra keyword tensor": "tensor keyword position_ids, which is not one of the waiting batch's inputs",
+                "labels": "tensor keyword labels, which is not one of",
+                "missing input": "without the waiting batch's token_type_ids, attention_mask",
+                "an object": "keyword past_key_values of type DynamicCache"}[how] in detail
+        assert_nothing_changed(corpus, run, weights, written)
+        # plain options pass, and the batch, untouched, still trains
+        out = run.model(**batch.inputs, return_dict=True, output_hidden_states=True)
+        assert run.step(run.per_example_loss(out, batch)) is not None and run.steps == 1
+        batches.close()
+
+
+@pytest.mark.parametrize("module", ["base_model.model", "a LoRA factor", "the head"])
+@pytest.mark.parametrize("when", ["batch waiting", "batch forwarded", "between batches"])
+def test_a_forward_of_an_inner_module_with_gradients_is_refused_while_iterating(tmp_path: Path, tiny_model: Path,
+                                                                               module: str, when: str):
+    """The review's item 6b: `run.model.base_model.model` (or any module holding a trainable parameter) called
+    with gradients outside the governed forward, then `.backward()`: the call is refused, whatever the
+    inputs, and under `torch.no_grad()` it runs."""
+    corpus, run, batches, batch, weights, written = open_first_batch(tmp_path, tiny_model, "inner")
+    with run:
+        inner = run.model.base_model.model
+        name = {"base_model.model": "base_model.model.bert.encoder.layer.0.attention.self.query.lora_A.default",
+                "a LoRA factor": "base_model.model.bert.encoder.layer.5.attention.self.value.lora_A.default",
+                "the head": "base_model.model.classifier.modules_to_save.default"}[module]
+        target = run.model.get_submodule(name)
+        call = {"base_model.model": lambda: inner(**batch.inputs).logits.sum().backward(),
+                "a LoRA factor": lambda: target(torch.randn(2, 3, 16)).sum().backward(),
+                "the head": lambda: target(torch.randn(2, 16)).sum().backward()}[module]
+        if when != "batch waiting":
+            out = run.model(**batch.inputs)
+        if when == "between batches":
+            run.step(run.per_example_loss(out, batch))
+            weights, written = _trainable(run), snapshot(corpus.url)
+        with pytest.raises(ConfigError) as refused:
+            call()
+        assert refused.value.code is Code.UNGOVERNED_BATCH
+        assert f"a forward of {name} (it holds trainable parameters) with gradients enabled" in refused.value.detail
+        assert _same(weights, run) and snapshot(corpus.url) == written
+        assert all(p.grad is None for p in run.model.parameters())
+        with torch.no_grad():
+            call_without_grad = {"base_model.model": lambda: inner(**batch.inputs),
+                                 "a LoRA factor": lambda: target(torch.randn(2, 3, 16)),
+                                 "the head": lambda: target(torch.randn(2, 16))}[module]
+            call_without_grad()
+        batches.close()
+
+
+def test_every_hook_of_the_guard_is_removed_by_save(tmp_path: Path, tiny_model: Path):
+    corpus = _corpus(tmp_path, "hooks")
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 2), corpus.url, insecure_seed=1, **QUIET) as run:
+        model = run.model
+        holders = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+        assert holders and all(m._forward_pre_hooks for m in holders)
+        for batch in run.batches():
+            run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+        run.save()
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    model.base_model.model(**run.tokenizer(["good movie"], return_tensors="pt")).logits.sum().backward()
