@@ -167,9 +167,12 @@ def _assert_one_lease(corpus: Corpus, run_id: str) -> None:
     assert verify_ledger(corpus.url).spend_recomputed
 
 
-def test_1_two_api_processes_with_one_run_id_train_once(corpus: Corpus, tiny_model: Path, tmp_path: Path):
+@pytest.mark.parametrize("store", ["sqlite", "postgresql"])
+def test_1_two_api_processes_with_one_run_id_train_once(store: str, tiny_model: Path, tmp_path: Path, request):
     """Both processes open (prepare passes for both: nothing is spent yet), then both iterate at once. One
-    trains and records the run; the other is refused with `run_id_taken` before any step of its own."""
+    trains and records the run; the other is refused with `run_id_taken` before any step of its own. On
+    SQLite and on a PostgreSQL server, where a team's runs share a ledger."""
+    corpus = request.getfixturevalue("corpus" if store == "sqlite" else "pg_corpus")
     _admit(corpus, "pub")
     configs = [_config_file(corpus, tiny_model, 12, "shared", f"adapter-{k}") for k in (0, 1)]
     ready, go = [tmp_path / f"ready-{k}" for k in (0, 1)], tmp_path / "go"
