@@ -21,7 +21,7 @@ from govtrain.ledger.entries import admit_entry, policy_entry
 from govtrain.ledger.ledger import Ledger
 from govtrain.ledger.merkle import root_of
 from govtrain.policy.model import Attester, LedgerKey
-from govtrain.verify.verifier import verify_ledger
+from govtrain.verify.verifier import inspect_ledger, verify_ledger
 from tests.conftest import Corpus, TEST_POLICY, append_runs, make_corpus, record_spend, snapshot
 from tests.test_signed_ledger import _admit, _copy, _db, _latest_note, _sql, _verify_cli, real  # noqa: F401
 
@@ -420,3 +420,57 @@ def test_the_prv_accountant_never_states_a_negative_epsilon():
 
     result = PRVAccountant().epsilon([Bucket(0.01, 1.0, 10)], 0.05)
     assert result.epsilon_u == 0 and result.fallback.startswith("pld (prv-accountant bounds are unreliable")
+
+
+@pytest.mark.parametrize("kind", ["spend", "admit"])
+def test_a_body_edited_in_place_is_never_read_by_the_writer_or_the_planner(corpus: Corpus, kind: str):
+    """Second review, M1: the fix for a nulled body could be bypassed by editing the body instead (a retiring
+    spend rewritten as one full step, a signed budget raised): the writer and the planner read bodies without
+    checking them against their signed leaves, and the writer signed spend over the budget."""
+    from govtrain.encoding import cbor
+    from govtrain.resolver.plan import read_corpus
+    from tests.test_signed_ledger import _admit as admit_one
+    from tests.test_signed_ledger import _db
+
+    seq = admit_one(corpus, "c1", eps_budget_u=400_000)
+    with Ledger.open(corpus.url) as ledger:
+        record_spend(ledger, 0, 10_000, [("c1", 10, 1_000_000, 389_908)], epoch_steps=10, now=corpus.now)
+        ledger.close_epoch(now=corpus.now)
+        if kind == "spend":
+            seq = ledger.size() - 2
+    connection = sqlite3.connect(_db(corpus.url))
+    body = connection.execute("SELECT body FROM entries WHERE seq = ?", (seq,)).fetchone()[0]
+    connection.close()
+    entry = cbor.decode(body)
+    entry.update({"steps": 1, "epoch_steps": 1, "eps_u": 120_000} if kind == "spend" else {"eps_budget_u": 9_000_000})
+    _sql(_db(corpus.url), f"UPDATE entries SET body = ? WHERE seq = {seq}", params=(cbor.encode(entry),))
+    before = snapshot(corpus.url)
+    with Ledger.open(corpus.url) as ledger:
+        for act in (lambda: record_spend(ledger, 1, 10_000, [("c1", 1, 1_000_000, 399_000)], epoch_steps=10,
+                                         now=corpus.now),
+                    lambda: read_corpus(ledger)):
+            with pytest.raises(IntegrityError) as refused:
+                act()
+            assert refused.value.code.value == "leaf_hash_mismatch"
+    assert snapshot(corpus.url) == before
+
+
+def test_a_withdrawal_row_without_a_withdraw_entry_does_not_trap_a_run(corpus: Corpus):
+    """Second review, L1: a database writer without keys inserted a `withdrawals` index row with no withdraw
+    entry, and the run re-planned forever (the re-plan read the index, planning read the entries). The run
+    reads withdrawals from the entries; the verifier names the forged row."""
+    pytest.importorskip("transformers")
+    from govtrain.train.config import load_run_config
+    from govtrain.train.loop import train
+    from tests.test_signed_ledger import _db
+    from tests.test_train import _admit as admit_data, _config, save_tiny_bert
+
+    admit_data(corpus, "pub")
+    _sql(_db(corpus.url), "INSERT INTO withdrawals (contribution_id, seq) VALUES ('pub', 999)")
+    lines: list[str] = []
+    (corpus.dir.parent / "tiny").mkdir()
+    model = save_tiny_bert(corpus.dir.parent / "tiny")
+    result = train(load_run_config(_config(corpus, model, 12)), corpus.url, insecure_seed=1, log=lines.append)
+    assert result.steps == 12 and not any("planning the epoch again" in line for line in lines)
+    report = inspect_ledger(corpus.url)
+    assert report.error.code.value == "index_mismatch"

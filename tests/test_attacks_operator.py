@@ -552,3 +552,92 @@ def test_4_review_f3_a_trials_spend_after_its_tune_stays_flagged_after_compactio
             ledger.close_epoch(now=corpus.now)
         assert seq in {e.seq for e in ledger.compact(ledger.epoch() - 1, now=corpus.now)}
     assert _failure(corpus)[:2] == (Code.BAD_SPEND, seq)
+
+
+# -- second review round: a redacted spend is held to every rule its body met ----------------------------------
+
+
+def _compact_keeping(corpus: Corpus, alive: str, history: list) -> None:
+    """Close the epoch, charge `alive` (so that it is not retired) in the next, close it, and compact."""
+    with corpus.open() as ledger:
+        ledger.close_epoch(now=corpus.now)
+        record_spend(ledger, ledger.epoch(), Q, [(alive, 10, 1_000_000, _eps(*history, (Q, 1_000_000, 10)))],
+                     epoch_steps=10, now=corpus.now, noise_groups=PUBLIC)
+        ledger.close_epoch(now=corpus.now)
+        ledger.compact(ledger.epoch() - 1, now=corpus.now)
+
+
+@pytest.mark.parametrize("case", ["spend_after_retiring", "over_budget", "understated"])
+def test_8_review_h2_an_honest_compaction_does_not_launder_a_forged_spend(corpus: Corpus, case: str):
+    """Second review, H2: the first fix checked only what a summary then recorded of a redacted spend (lease,
+    hold, rising epsilon), so a forged spend compacted honestly verified: one charging H after its budget
+    retired it (and so justifying 50x noise for L), one above its signed budget, one far below what its own q,
+    sigma and steps imply. Summaries now keep every field the rules read, and a redacted spend meets them all."""
+    _admit(corpus, "L", eps_budget_u=5_000_000)
+    if case == "spend_after_retiring":
+        h5 = _eps((Q, 50_000_000, 5))
+        _admit(corpus, "H", noise_multiplier_u=50_000_000, eps_budget_u=h5)
+        with corpus.open() as ledger:
+            record_spend(ledger, 0, Q, [("H", 5, 50_000_000, h5), ("L", 10, 50_000_000, _eps((Q, 50_000_000, 10)))],
+                         epoch_steps=10, now=corpus.now, noise_groups=H_NOISE)
+            ledger.close_epoch(now=corpus.now)
+        seq = _forge_spend(corpus, "H", sigma_u=50_000_000, eps_u=h5, groups=H_NOISE)
+        history = [(Q, 50_000_000, 10)]
+    else:
+        _admit(corpus, "X", eps_budget_u=1_000_000)
+        with corpus.open() as ledger:
+            record_spend(ledger, 0, Q, [("L", 10, 1_000_000, _eps((Q, 1_000_000, 10)))], epoch_steps=10,
+                         now=corpus.now, noise_groups=PUBLIC)
+        seq = _forge_spend(corpus, "X", sigma_u=1_000_000, groups=PUBLIC,
+                           eps_u=3_000_000 if case == "over_budget" else 1)
+        history = [(Q, 1_000_000, 10)]
+    before = _failure(corpus)
+    assert before[:2] == (Code.BAD_SPEND, seq)
+    _compact_keeping(corpus, "L", history)
+    with corpus.open() as ledger:
+        assert ledger.store.entry(seq).body is None  # the forged spend's body is gone
+    code, bad, detail = _failure(corpus)
+    assert (code, bad) == (Code.BAD_SPEND, seq) and "redacted" in detail
+
+
+def test_1_review_l3_the_writer_refuses_a_run_named_as_a_recorded_tunes_trial(corpus: Corpus):
+    """Second review, L3: a fresh run that happened to be called `sweep-trial-9` after tune `sweep` was
+    recorded got its spend signed, and the ledger then failed verification for good."""
+    from tests.test_tune import _charged_runs
+
+    trials = _charged_runs(corpus, "sweep", 2)
+    _admit(corpus, "x")
+    with corpus.open() as ledger:
+        ledger.record_tune(tune_id="sweep", config_sha256=bytes(32), grid_sha256=bytes(32), trials=trials,
+                           selection_sha256=hashlib.sha256(b"held out").digest(), metric="accuracy",
+                           selected_run_id=None, now=corpus.now)
+    before = snapshot(corpus.url)
+    with corpus.open() as ledger, pytest.raises(GovtrainError) as refused:
+        record_spend(ledger, ledger.epoch(), Q, [("x", 10, 1_000_000, _eps((Q, 1_000_000, 10)))],
+                     run_id="sweep-trial-9", epoch_steps=10, now=corpus.now)
+    assert refused.value.code is Code.RUN_ID_TAKEN and snapshot(corpus.url) == before
+    verify_ledger(corpus.url)
+
+
+def test_8_review_l2_a_compaction_between_plan_and_write_ahead_plans_the_epoch_again(corpus: Corpus, tiny_bert):
+    """Second review, L2: `ledger compact` retired an idle contribution the run had planned with, and the run
+    stopped with `redacted`; like a withdrawal in that window, it now plans the epoch again."""
+    from govtrain.train.config import load_run_config
+    from govtrain.train.run import Run
+    from tests.test_train import _admit as admit_data, _config
+
+    admit_data(corpus, "pub")
+    admit_data(corpus, "idle")
+    with corpus.open() as ledger:
+        ledger.close_epoch(now=corpus.now)
+        record_spend(ledger, 1, Q, [("pub", 10, 1_000_000, _eps((Q, 1_000_000, 10)))], run_id="other",
+                     epoch_steps=10, now=corpus.now)
+        ledger.close_epoch(now=corpus.now)
+        run = Run(load_run_config(_config(corpus, tiny_bert, 10)), ledger, insecure_seed=1, log=lambda line: None)
+        run.prepare()
+        assert run.plan_epoch() and [r[0] for r in run.pending["spend"]] == ["idle", "pub"]
+        assert [e.kind for e in ledger.compact(1, now=corpus.now)] == ["admit"]  # idle, named by nothing since
+        assert not run.write_ahead() and run.pending is None
+        assert run.plan_epoch() and run.write_ahead() and [r[0] for r in run.pending["spend"]] == ["pub"]
+        run.release()
+    verify_ledger(corpus.url)

@@ -110,11 +110,14 @@ def _retired(corpus: Corpus, admit_seq: int, entry_seqs: list[int], withdraw_seq
     with corpus.open() as ledger:
         entry = cbor.decode(ledger.store.entry(admit_seq).body)
         bodies = [cbor.decode(ledger.store.entry(seq).body) for seq in entry_seqs[1:] if seq != withdraw_seq]
-    spends = [{"seq": b["seq"], "run_id": b["run_id"], "run_nonce": b["run_nonce"], "eps_u": b["eps_u"]} for b in bodies]
+    spends = [{"seq": b["seq"], **{k: b[k] for k in ("run_id", "run_nonce", "epoch", "epoch_steps", "steps",
+                                                     "sampling_rate_u", "noise_multiplier_u", "eps_u", "noise_groups")}}
+              for b in bodies]
     return {"contribution_id": entry["contribution_id"], "data_class": entry["data_class"], "admit_seq": admit_seq,
             "descriptor_sha256": entry["descriptor_sha256"], "attestation_sha256": entry["attestation_sha256"],
             "data_sha256": entry["data_sha256"], "records": entry["records"], "clip_norm_u": entry["clip_norm_u"],
-            "noise_multiplier_u": entry["noise_multiplier_u"], "withdraw_seq": withdraw_seq, "entry_seqs": entry_seqs,
+            "noise_multiplier_u": entry["noise_multiplier_u"], "eps_budget_u": entry["eps_budget_u"],
+            "withdraw_seq": withdraw_seq, "entry_seqs": entry_seqs,
             "spends": spends, "eps_u": spends[-1]["eps_u"] if spends else 0}
 
 

@@ -278,3 +278,42 @@ def test_1_review_f4_a_copied_run_folder_takes_the_run_over_and_the_first_stops(
     spends = _spends(corpus)
     assert sum(s["steps"] for s in spends) == 20 and second.steps == 20
     _assert_one_lease(corpus, "test-run")
+
+
+def test_1_review_h1_a_stale_copy_trains_a_written_epoch_exactly_as_the_ledger_charged_it(corpus: Corpus,
+                                                                                         tiny_model: Path):
+    """Second review, H1: a run state older than the ledger's record of its own lease (a copied folder, a restored
+    backup) found its epoch "written by this run before a kill" and trained it under a plan of its own: with a
+    contribution admitted since, which that epoch never charged, drawn 47 times. The epoch is now trained as the
+    ledger wrote it: every draw is charged in the ledger epoch it was drawn in."""
+    import govtrain
+
+    _admit(corpus, "pub")
+    config = _config(corpus, tiny_model, 20)
+    quiet = {"log": lambda line: None}
+
+    def steps(run, until) -> None:
+        for batch in run.batches():
+            run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+            if until(run):
+                return
+
+    with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **quiet) as run:
+        steps(run, lambda r: r.steps >= 3)
+    copy = corpus.dir.parent / "backup-of-the-experiment"
+    shutil.copytree(corpus.dir, copy)
+    with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=2, **quiet) as run:  # writes epoch 1, then stops
+        steps(run, lambda r: r._run.pending is not None and r._run.pending["epoch"] == 1 and r._run._written)
+    _admit(corpus, "late", records=400)
+    shutil.copy(corpus.dir / "data" / "late.jsonl", copy / "data" / "late.jsonl")
+    drawn: list[tuple[int, set[str]]] = []
+    with govtrain.GovernedRun.open(copy / "run.toml", corpus.url, insecure_seed=3, **quiet) as stale:
+        stale._run.observe = lambda step, ids: drawn.append((stale._run.pending["epoch"], set(ids)))
+        steps(stale, lambda r: False)
+        stale.save()
+    charged: dict[int, set[str]] = {}
+    for spend in _spends(corpus):
+        charged.setdefault(spend["epoch"], set()).add(spend["contribution_id"])
+    assert drawn and all(ids <= charged[epoch] for epoch, ids in drawn), (charged, drawn)
+    assert "late" not in charged[1] and any("late" in ids for _, ids in drawn)  # drawn only once charged
+    _assert_one_lease(corpus, "test-run")

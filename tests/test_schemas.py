@@ -71,6 +71,7 @@ def test_ledger_entries_match_their_cddl(corpus: Corpus):
 
 def test_every_entry_kind_matches_its_cddl(corpus: Corpus):
     from govtrain.gate.admission import admit
+    from govtrain.accounting.accountants import spend_epsilon_u
     from govtrain.ledger.entries import SPECS, run_entry, spend_entry
 
     data = corpus.data("k.jsonl")
@@ -78,11 +79,12 @@ def test_every_entry_kind_matches_its_cddl(corpus: Corpus):
         admit(ledger, corpus.attestation(data, contribution_id="k"), data, now=corpus.now)
         leaf = ledger.store.entry(1).leaf_hash
         groups = noise_groups_for(ledger, ["k"])
+        eps_u = spend_epsilon_u("prv", 10_000_000, [(10_000, 1_000_000, 5)])  # what the verifier recomputes
         with ledger.append(corpus.now) as appender:
             appender.add("spend", corpus.now, lambda seq: spend_entry(
                 seq, corpus.now, contribution_id="k", admit_leaf=leaf, run_id="t-trial-0", run_nonce=lease("t-trial-0"),
                 epoch=0, epoch_steps=5, steps=5, sampling_rate_u=10_000, noise_multiplier_u=1_000_000, accountant="prv",
-                delta_p=10_000_000, privacy_unit="example", eps_u=123, noise_groups=groups))
+                delta_p=10_000_000, privacy_unit="example", eps_u=eps_u, noise_groups=groups))
             appender.add("run", corpus.now, lambda seq: run_entry(
                 seq, corpus.now, run_id="t-trial-0", run_nonce=lease("t-trial-0"), mechanism="dpsgd", device="cpu", precision="fp32", config_sha256=bytes(32), base_model_sha256=bytes(32),
                 adapter_sha256=None))

@@ -175,14 +175,19 @@ def _forge_again(corpus: Corpus, tune_id: str, **changes) -> tuple[int, tuple]:
     return stored.seq, before
 
 
-def test_spend_by_a_trial_after_its_tune_fails_verification(corpus: Corpus):
+def test_spend_by_a_trial_after_its_tune_is_refused_and_fails_verification(corpus: Corpus):
+    from tests.test_attacks_operator import _forge_spend
+
     _forge(corpus)
-    with corpus.open() as ledger:  # the writer refuses nothing here: the spend rules allow a new epoch
+    before = snapshot(corpus.url)
+    with corpus.open() as ledger, pytest.raises(GovtrainError) as refused:  # the writer refuses it
         record_spend(ledger, ledger.epoch(), 10_000, [("a", 5, 1_000_000, 3_000_000)], run_id="t-trial-7",
-                            epoch_steps=5, now=corpus.now)
-        seq = ledger.size() - 1
-    report = inspect_ledger(corpus.url)
-    assert (report.error.code, report.bad_seq) == (Code.BAD_SPEND, seq), report.error
+                     epoch_steps=5, now=corpus.now)
+    assert refused.value.code is Code.RUN_ID_TAKEN and snapshot(corpus.url) == before
+    groups = [{"classes": ["public"], "s_pu": 10**12}]
+    seq = _forge_spend(corpus, "a", sigma_u=1_000_000, eps_u=3_000_000, groups=groups, run_id="t-trial-7", steps=5)
+    report = inspect_ledger(corpus.url)  # and one signed past the writer fails the audit
+    assert (report.error.code, report.bad_seq) == (Code.BAD_SPEND, seq) and "trial of tune" in report.error.detail
 
 
 @pytest.mark.parametrize("attack", ["config_swapped", "omitted", "not_a_trial", "reused_id",

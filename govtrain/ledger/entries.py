@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+import ledger_store
 from govtrain.encoding import cbor
 from govtrain.encoding.fields import INT63_MAX, check_shape
 from govtrain.errors import Code, GovtrainError, IntegrityError
@@ -118,15 +119,19 @@ RETIRED: dict[str, type | tuple[type, ...]] = {
     "attestation_sha256": bytes,
     "data_sha256": bytes,
     "records": int,
-    "clip_norm_u": int,                 # its signed bounds: the noise schedule of later epochs still reads them
+    "clip_norm_u": int,                 # its signed bounds, which the spend rules still read
     "noise_multiplier_u": int,
+    "eps_budget_u": int,
     "withdraw_seq": (int, type(None)),
     "entry_seqs": list,                 # ascending, admit_seq first
     "spends": list,                     # SPENT maps, one per spend entry of it, in order
     "eps_u": int,                       # its final cumulative epsilon: the last spend's, or 0
 }
-# A spend entry a summary retires: what the rules still read once its body is dropped (tune totals, leases).
-SPENT: dict[str, type | tuple[type, ...]] = {"seq": int, "run_id": str, "run_nonce": bytes, "eps_u": int}
+# A spend entry a summary retires: every field of its body the rules read (all but its admit leaf, time and the
+# ledger's fixed accountant, delta and privacy unit), so that a redacted spend is checked as its body was.
+SPENT: dict[str, type | tuple[type, ...]] = {
+    "seq": int, "run_id": str, "run_nonce": bytes, "epoch": int, "epoch_steps": int, "steps": int,
+    "sampling_rate_u": int, "noise_multiplier_u": int, "eps_u": int, "noise_groups": list}
 _DIGESTS = ("descriptor_sha256", "attestation_sha256", "data_sha256")
 
 _TEMPLATES = {kind: cbor.MapTemplate(spec) for kind, spec in SPECS.items()}
@@ -213,11 +218,7 @@ def decode_entry(body: bytes, *, seq: int, kind: str) -> dict:
         if kind == "summary":
             _check_retired(entry["retired"], what=f"entry {seq} (summary).retired")
         if kind == "spend":
-            for index, item in enumerate(entry["noise_groups"]):
-                where = f"entry {seq} (spend).noise_groups[{index}]"
-                check_shape(item, NOISE_GROUP, what=where, error=IntegrityError)
-                if any(type(name) is not str for name in item["classes"]):
-                    raise IntegrityError(Code.WRONG_TYPE, f"{where}.classes must be class names")
+            _check_noise_groups(entry["noise_groups"], what=f"entry {seq} (spend).noise_groups")
         if kind == "tune":
             for name, spec in (("trials", TRIAL), ("eps_by_class", CLASS_EPS)):
                 for index, item in enumerate(entry[name]):
@@ -225,6 +226,23 @@ def decode_entry(body: bytes, *, seq: int, kind: str) -> dict:
     except GovtrainError as e:
         raise IntegrityError(Code.BAD_ENTRY, e.detail) from e
     return entry
+
+
+def decode_stored(stored: "ledger_store.StoredEntry") -> dict:
+    """`decode_entry` of a stored row whose body hashes to its stored leaf: what the checkpoints signed. A
+    reader that acts on entries (the writer's rules, the planner, retention) reads only those: a database
+    writer without keys can edit a body in place, but not the tree its leaf is part of."""
+    if ledger_store.leaf_hash(stored.body) != stored.leaf_hash:
+        raise IntegrityError(Code.LEAF_HASH_MISMATCH, f"entry {stored.seq} ({stored.kind}) does not hash to its signed "
+                                                      "leaf: the database was edited; run govtrain-verify")
+    return decode_entry(stored.body, seq=stored.seq, kind=stored.kind)
+
+
+def _check_noise_groups(groups: list, *, what: str) -> None:
+    for index, item in enumerate(groups):
+        check_shape(item, NOISE_GROUP, what=f"{what}[{index}]", error=IntegrityError)
+        if any(type(name) is not str for name in item["classes"]):
+            raise IntegrityError(Code.WRONG_TYPE, f"{what}[{index}].classes must be class names")
 
 
 def _check_retired(retired: list, *, what: str) -> None:
@@ -239,3 +257,4 @@ def _check_retired(retired: list, *, what: str) -> None:
                 raise IntegrityError(Code.WRONG_TYPE, f"{where}.entry_seqs[{position}] must be an unsigned integer")
         for position, spent in enumerate(item["spends"]):
             check_shape(spent, SPENT, what=f"{where}.spends[{position}]", error=IntegrityError)
+            _check_noise_groups(spent["noise_groups"], what=f"{where}.spends[{position}].noise_groups")

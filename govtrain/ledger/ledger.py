@@ -24,6 +24,7 @@ from govtrain.ledger.entries import (
     DEVICE,
     PRECISIONS,
     decode_entry,
+    decode_stored,
     epoch_entry,
     header_entry,
     policy_entry,
@@ -404,7 +405,7 @@ class Ledger:
             admit = self.store.entry(admission.seq)
             if admit is None or admit.body is None:
                 raise RejectedError(Code.REDACTED, f"{contribution_id!r} was summarized by retention and is retired")
-            entry = decode_entry(admit.body, seq=admit.seq, kind="admit")
+            entry = decode_stored(admit)
             if entry["contribution_id"] != contribution_id:
                 raise IntegrityError(Code.INDEX_MISMATCH, f"the admissions index points {contribution_id!r} at entry "
                                                           f"{admit.seq}, which admits {entry['contribution_id']!r}")
@@ -418,7 +419,8 @@ class Ledger:
             raise ConfigError(Code.BAD_ARGUMENT, "a contribution appears twice in one epoch's spend")
         with self.append(now) as appender:
             t = self.dated(appender, now)
-            book, live_records, withdrawn = self._spend_state()
+            book, live_records, withdrawn = self.spend_state()
+            tunes = TuneBook.read(self.store)
             retired = retention.RetiredKeys.read(self.store)
             floor = (min_sampling_rate_u(policy.expected_batch_size, live_records)
                      if policy.expected_batch_size is not None else None)
@@ -440,6 +442,10 @@ class Ledger:
                 except SpendRuleError as e:
                     error = RejectedError if e.code in _REJECTED else ConfigError
                     raise error(e.code, e.detail) from e
+                try:  # the run is no trial of a recorded tune: that tune's total would no longer hold
+                    tunes.check_spend(fields)
+                except TuneRuleError as e:
+                    raise RejectedError(Code.RUN_ID_TAKEN, f"{e.detail}; give the run another id") from e
                 book.add(fields)
                 stored.append(appender.add("spend", t, functools.partial(_spend_at, now=t, fields=fields)))
             try:  # rule 7's bound on s_g reads the whole epoch's spend: the transaction rolls back if it fails
@@ -450,11 +456,12 @@ class Ledger:
 
     def spend_book(self) -> SpendBook:
         """The recorded spend, as the rules a new spend must meet read it."""
-        return self._spend_state()[0]
+        return self.spend_state()[0]
 
-    def _spend_state(self) -> tuple[SpendBook, int, set[str]]:
-        """(the spend book, sampling units of the contributions admitted and not withdrawn, the withdrawn ids)."""
-        return read_spend_state(self.store, self.policy.sampling_units)
+    def spend_state(self) -> tuple[SpendBook, int, set[str]]:
+        """(the spend book, sampling units of the contributions admitted and not withdrawn, the withdrawn ids),
+        from the entries (never the index tables, which a database writer without keys can edit)."""
+        return read_spend_state(self.store, self.policy)
 
     def record_run(self, run_id: str, mechanism: str, config_sha256: bytes, base_model_sha256: bytes,
                    adapter_sha256: bytes | None, now: int | None = None, *, run_nonce: bytes, device: str = "cpu",

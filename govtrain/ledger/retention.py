@@ -19,7 +19,7 @@ from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import ledger_store
 from govtrain.errors import Code, IntegrityError
-from govtrain.ledger.entries import decode_entry
+from govtrain.ledger.entries import SPENT, decode_entry, decode_stored
 
 REDACTABLE = ("admit", "spend", "withdraw")
 # Summary fields that describe one class's retired contributions (the rest describe the whole compaction).
@@ -50,11 +50,12 @@ def _digest(leaves: Iterable[bytes]) -> bytes:
 def retired_record(entries: Sequence[Summarized]) -> dict:
     """The `retired` map of one contribution, from its entries' bodies (its admit entry first). Besides what
     its admit committed to, it keeps what the spend rules still read once the bodies are gone: its signed
-    sigma and C (the noise schedule's bound), each spend's run, lease and cumulative epsilon (a later tune's
-    total, the run-id lease) and its final cumulative epsilon."""
+    sigma, C and budget, every field of each spend the rules check (`SPENT`: so a redacted spend is checked as
+    its body was, its run's lease and hold on the epoch, the schedule it justifies, a later tune's total) and
+    its final cumulative epsilon."""
     admit = entries[0].entry
     withdrawals = [e.seq for e in entries if e.entry["kind"] == "withdraw"]
-    spends = [{"seq": e.seq, "run_id": e.entry["run_id"], "run_nonce": e.entry["run_nonce"], "eps_u": e.entry["eps_u"]}
+    spends = [{name: e.seq if name == "seq" else e.entry[name] for name in SPENT}
               for e in entries if e.entry["kind"] == "spend"]
     return {
         "contribution_id": admit["contribution_id"],
@@ -66,6 +67,7 @@ def retired_record(entries: Sequence[Summarized]) -> dict:
         "records": admit["records"],
         "clip_norm_u": admit["clip_norm_u"],
         "noise_multiplier_u": admit["noise_multiplier_u"],
+        "eps_budget_u": admit["eps_budget_u"],
         "withdraw_seq": withdrawals[-1] if withdrawals else None,
         "entry_seqs": [e.seq for e in entries],
         "spends": spends,
@@ -210,7 +212,7 @@ def check_compaction(group: Sequence[dict], leaves: Mapping[int, bytes]) -> None
 def epoch_boundary(store: ledger_store.LedgerStore, before_epoch: int) -> int:
     """The seq of the `epoch` entry that closes epoch `before_epoch - 1`: what a compaction retires is before it."""
     for stored in store.entries(kinds=("epoch",)):
-        if stored.body is not None and decode_entry(stored.body, seq=stored.seq, kind="epoch")["epoch"] \
+        if stored.body is not None and decode_stored(stored)["epoch"] \
                 == before_epoch - 1:
             return stored.seq
     raise IntegrityError(Code.BAD_EPOCH, f"no epoch entry closes epoch {before_epoch - 1}")
@@ -224,7 +226,7 @@ def retirable(store: ledger_store.LedgerStore, boundary: int, retired: "RetiredK
     for stored in store.entries(start=1, kinds=REDACTABLE):
         if stored.body is None:
             continue
-        entry = decode_entry(stored.body, seq=stored.seq, kind=stored.kind)
+        entry = decode_stored(stored)
         contribution_id = entry["contribution_id"]
         if stored.seq > boundary or (stored.kind == "admit" and contribution_id in by_id):
             keep.add(contribution_id)
@@ -288,7 +290,7 @@ def appearances(store: ledger_store.LedgerStore, contribution_ids: set[str], *,
     for stored in store.entries(start=start, kinds=REDACTABLE):
         if stored.body is None:
             continue
-        contribution_id = decode_entry(stored.body, seq=stored.seq, kind=stored.kind)["contribution_id"]
+        contribution_id = decode_stored(stored)["contribution_id"]
         if contribution_id in contribution_ids:
             named[contribution_id] = (named.get(contribution_id, (0, -1))[0] + 1, stored.seq)
     return named
@@ -303,7 +305,7 @@ def read_summaries(store: ledger_store.LedgerStore) -> list[tuple[int, dict]]:
     for stored in store.entries(kinds=("summary",)):
         if stored.body is None:
             raise IntegrityError(Code.BAD_ENTRY, f"summary entry {stored.seq} has no body: the ledger is damaged")
-        found.append((stored.seq, decode_entry(stored.body, seq=stored.seq, kind="summary")))
+        found.append((stored.seq, decode_stored(stored)))
     return found
 
 
@@ -359,3 +361,11 @@ class Redacted:
     @classmethod
     def read(cls, store: ledger_store.LedgerStore) -> "Redacted":
         return cls.of(r for _, summary in read_summaries(store) for r in summary["retired"])
+
+    def spend_entry(self, seq: int, *, accountant: str, delta_p: int, privacy_unit: str) -> dict:
+        """The body of the redacted spend entry `seq` as its summary recorded it, with the ledger's fixed
+        accountant, delta and privacy unit (a policy may not change them): what the spend rules check."""
+        r, spent = self.spends[seq]
+        return {**{k: v for k, v in spent.items() if k != "seq"}, "kind": "spend", "seq": seq,
+                "contribution_id": r["contribution_id"], "accountant": accountant, "delta_p": delta_p,
+                "privacy_unit": privacy_unit}

@@ -26,21 +26,24 @@ schedule (`noise_groups`). Then:
    (`Scheduler.plan_epoch`), and a run whose planned contribution withdraws before the write plans again
    (`Run.write_ahead`). So an operator cannot charge less than the noise the signed bounds of what it trains on
    justify: σ_eff = 100 where those contributions imply 1 is refused, and a contribution that retired, withdrew
-   or never afforded a step justifies nothing. A spend that retention redacted counts as its summary recorded it
-   (`add_redacted`): its run, its lease and the contribution it charged.
+   or never afforded a step justifies nothing.
+
+A spend whose body retention redacted is read as its summary recorded it (`retention.Redacted.spend_entry`:
+every field the rules read), and is held to the same rules.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Collection, Iterable, Mapping
+from typing import TYPE_CHECKING, Collection, Iterable, Mapping
 
 from govtrain.errors import Code, IntegrityError
 from govtrain.ledger import retention
-from govtrain.ledger.entries import decode_entry
+from govtrain.ledger.entries import decode_stored
 
 if TYPE_CHECKING:
     import ledger_store
+    from govtrain.policy.model import Policy
 
 NONCE_BYTES = 16
 
@@ -92,9 +95,9 @@ class _Epoch:
 @dataclass
 class SpendBook:
     """The state the rules read, built by feeding every admit, spend and run entry in ledger order (`admit`,
-    `add`, `add_run`; a spend that retention redacted, as its summary recorded it, `add_redacted`)."""
+    `add`, `add_run`; a spend that retention redacted as its summary recorded it, `Redacted.spend_entry`)."""
 
-    holders: dict[int, tuple[str, bytes, int | None]] = field(default_factory=dict)  # epoch -> (run, nonce, steps)
+    holders: dict[int, tuple[str, bytes, int]] = field(default_factory=dict)  # epoch -> (run, nonce, epoch_steps)
     runs: dict[str, tuple[int, bool]] = field(default_factory=dict)  # run -> (first epoch_steps, ended short)
     charged: dict[str, _Charged] = field(default_factory=dict)  # contribution -> its latest spend
     rates: dict[int, set[int]] = field(default_factory=dict)  # epoch -> the sampling rates its spend charged
@@ -121,26 +124,6 @@ class SpendBook:
         self._charge(record, entry["contribution_id"])
         self.rates.setdefault(epoch, set()).add(entry["sampling_rate_u"])
         self.charged[entry["contribution_id"]] = _Charged(epoch, entry["eps_u"], entry["steps"] < length)
-
-    def check_redacted(self, contribution_id: str, spent: dict, epoch: int) -> None:
-        """Rules 1, 2 and 6 for a spend retention redacted (in `epoch`, as its summary recorded it: `SPENT`)."""
-        self._check_lease(spent["run_id"], spent["run_nonce"])
-        holder = self.holders.get(epoch)
-        if holder is not None and holder[:2] != (spent["run_id"], spent["run_nonce"]):
-            raise SpendRuleError(Code.EPOCH_HELD, f"run {holder[0]!r} already wrote the spend of ledger epoch {epoch}")
-        last = self.charged.get(contribution_id)
-        if last is not None and (last.epoch >= epoch or spent["eps_u"] < last.eps_u):
-            raise SpendRuleError(Code.BUDGET_EXCEEDED, f"{contribution_id!r}: two spends in epoch {epoch}, or "
-                                                       "cumulative epsilon falls")
-
-    def add_redacted(self, contribution_id: str, spent: dict, epoch: int, seq: int | None = None) -> None:
-        """A spend whose body retention dropped, counted as its summary recorded it. What the summary does not
-        record (its steps, q and schedule) is gone with the body; it still holds the epoch for its run and its
-        signed sigma*C still justifies that epoch's schedule."""
-        self.holders.setdefault(epoch, (spent["run_id"], spent["run_nonce"], None))
-        self.leases.setdefault(spent["run_id"], spent["run_nonce"])
-        self._charge(self.epochs.setdefault(epoch, _Epoch(seq, None)), contribution_id)
-        self.charged[contribution_id] = _Charged(epoch, spent["eps_u"], False)
 
     def add_run(self, entry: dict) -> None:
         self.finished[entry["run_id"]] = entry["run_nonce"]
@@ -177,7 +160,7 @@ class SpendBook:
         if holder is not None and holder[0] != run:
             raise SpendRuleError(Code.EPOCH_HELD, f"run {holder[0]!r} already wrote the spend of ledger epoch {epoch}; "
                                                   f"run {run!r} must plan the next epoch")
-        if holder is not None and holder[2] is not None and holder[2] != length:
+        if holder is not None and holder[2] != length:
             raise SpendRuleError(Code.BAD_ARGUMENT, f"epoch {epoch} has {holder[2]} steps in its other spend entries, "
                                                     f"not {length}")
         if not 1 <= steps <= length <= steps_per_epoch:  # 3.
@@ -270,8 +253,7 @@ def _check_groups(groups: Iterable[dict], classes: Collection[str]) -> None:
         raise SpendRuleError(Code.BAD_ARGUMENT, "noise_groups must be sorted by classes, each group once")
 
 
-def read_spend_state(store: "ledger_store.LedgerStore",
-                     sampling_units: Callable[[int], int]) -> tuple[SpendBook, int, set[str]]:
+def read_spend_state(store: "ledger_store.LedgerStore", policy: "Policy") -> tuple[SpendBook, int, set[str]]:
     """What a new spend is checked against, read from `store` in ledger order: (the spend book, the sampling
     units (`Policy.sampling_units`: examples, or contributions) of the contributions admitted and not withdrawn,
     the withdrawn ids). An entry retention redacted counts as its summary recorded it."""
@@ -288,13 +270,13 @@ def read_spend_state(store: "ledger_store.LedgerStore",
             elif kind == "withdraw" and stored.seq in redacted.withdrawals:
                 withdrawn.add(redacted.withdrawals[stored.seq]["contribution_id"])
             elif kind == "spend" and stored.seq in redacted.spends:
-                r, spent = redacted.spends[stored.seq]
-                book.add_redacted(r["contribution_id"], spent, epoch, stored.seq)
+                book.add(redacted.spend_entry(stored.seq, accountant=policy.accountant, delta_p=policy.delta_p,
+                                              privacy_unit=policy.privacy_unit), stored.seq)
             else:  # a body dropped outside any summary: the state the rules read is unknown
                 raise IntegrityError(Code.BAD_SUMMARY, f"entry {stored.seq} ({kind}) has no body and no summary records "
                                                        "it: the ledger was altered; run govtrain-verify")
             continue
-        entry = decode_entry(stored.body, seq=stored.seq, kind=kind)
+        entry = decode_stored(stored)
         if kind == "epoch":
             epoch += 1
         elif kind == "admit":
@@ -306,4 +288,4 @@ def read_spend_state(store: "ledger_store.LedgerStore",
             book.add(entry, stored.seq)
         else:
             book.add_run(entry)
-    return book, sum(sampling_units(n) for cid, n in records.items() if cid not in withdrawn), withdrawn
+    return book, sum(policy.sampling_units(n) for cid, n in records.items() if cid not in withdrawn), withdrawn

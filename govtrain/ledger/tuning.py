@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from govtrain.errors import Code, IntegrityError
 from govtrain.ledger import retention
-from govtrain.ledger.entries import decode_entry
+from govtrain.ledger.entries import decode_stored
 
 if TYPE_CHECKING:
     import ledger_store
@@ -81,7 +81,7 @@ class TuneBook:
                 r, spent = redacted.spends[stored.seq]
                 book.spend({**spent, "contribution_id": r["contribution_id"]}, r["data_class"])
                 continue
-            entry = decode_entry(stored.body, seq=stored.seq, kind=stored.kind)
+            entry = decode_stored(stored)
             if stored.kind == "spend":
                 book.spend(entry, classes[entry["contribution_id"]])
             elif stored.kind == "run":

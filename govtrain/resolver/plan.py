@@ -16,7 +16,7 @@ from typing import Any
 from govtrain import units
 from govtrain.accounting.spend import SpendCalculator
 from govtrain.errors import Code, ConfigError, IntegrityError
-from govtrain.ledger.entries import decode_entry
+from govtrain.ledger.entries import decode_stored
 from govtrain.ledger.retention import Redacted, RetiredKeys
 from govtrain.ledger.ledger import Ledger
 from govtrain.mechanisms.reach import check_reach
@@ -51,7 +51,7 @@ def read_corpus(ledger: Ledger) -> tuple[dict[str, _Admitted], set[str], int]:
                                                        "records it: the ledger was altered; run govtrain-verify")
             compacted += stored.kind == "admit"
             continue
-        entry = decode_entry(stored.body, seq=stored.seq, kind=stored.kind)
+        entry = decode_stored(stored)
         cid = entry["contribution_id"]
         if stored.kind == "admit":
             admitted[cid] = _Admitted(Member(cid, entry["data_class"], entry["clip_norm_u"],

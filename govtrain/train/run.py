@@ -126,21 +126,21 @@ def _write_ahead(ledger: Ledger, pending: dict, lease: tuple[str, bytes], q_u: i
     spend that is not this run's never lets this run's steps go uncharged."""
     epoch = pending["epoch"]
     run_id, nonce = lease
-    book = ledger.spend_book()
+    book, _, withdrawn = ledger.spend_state()  # from the entries, never the index tables
     if run_id in book.finished:
         raise RejectedError(Code.RUN_ID_TAKEN, f"run {run_id!r} already recorded its run entry: its lease is spent; "
                                                "nothing more trains under it")
     holder = book.holder(epoch)
     if holder is None and ledger.epoch() == epoch:
-        if any(record[0] in ledger.store.withdrawals() for record in pending["spend"]):
+        if any(record[0] in withdrawn for record in pending["spend"]):
             raise _Replan  # not written yet: its plan counted a contribution that has since withdrawn
         try:
             ledger.record_spend(epoch, q_u, pending["spend"], run_id=run_id, run_nonce=nonce,
                                 epoch_steps=pending["steps"], noise_groups=pending["noise_groups"], now=now())
             return True
         except GovtrainError as e:  # a concurrent run got the epoch first, or closed it
-            if e.code is Code.ALREADY_WITHDRAWN:
-                raise _Replan from e  # withdrawn since the check: plan the epoch again
+            if e.code in (Code.ALREADY_WITHDRAWN, Code.REDACTED):
+                raise _Replan from e  # withdrawn or retired by retention since the check: plan the epoch again
             holder = ledger.spend_book().holder(epoch)
             if e.code is not Code.EPOCH_HELD and ledger.epoch() == epoch:
                 raise
@@ -153,6 +153,38 @@ def _write_ahead(ledger: Ledger, pending: dict, lease: tuple[str, bytes], q_u: i
     log(f"ledger epoch {epoch} is held by {holder[0] if holder else 'a closed epoch'}: planning the next epoch")
     ledger.close_epoch(now=now(), epoch=epoch)
     return False
+
+
+def _trial_of_recorded_tune(ledger: Ledger, run_id: str) -> str | None:
+    from govtrain.ledger.tuning import TRIAL_RUN_ID
+
+    named = TRIAL_RUN_ID.fullmatch(run_id)
+    return named.group(1) if named is not None and named.group(1) in ledger.tune_book().tunes else None
+
+
+def _written_plan(ledger: Ledger, epoch: int, lease: tuple[str, bytes]) -> dict:
+    """What the ledger's spend for `epoch` under `lease` charged, as the fields of a pending plan: the epoch is
+    trained as written, whatever plan the run state holds (a run state older than the ledger's record of its
+    lease, e.g. a copied folder or a restored backup, would otherwise train the held epoch under a plan of its
+    own: other contributions, other noise)."""
+    from govtrain.ledger.entries import decode_stored
+
+    spends = [entry for entry in (decode_stored(stored) for stored in ledger.store.entries(kinds=("spend",))
+                                  if stored.body is not None)
+              if entry["epoch"] == epoch and (entry["run_id"], entry["run_nonce"]) == lease]
+    classes = {row.contribution_id: row.data_class for row in ledger.store.admissions()}
+    eps: dict[str, int] = {}
+    for entry in spends:
+        data_class = classes.get(entry["contribution_id"], "")
+        eps[data_class] = max(eps.get(data_class, 0), entry["eps_u"])
+    first = spends[0]
+    return {"q_u": first["sampling_rate_u"], "epoch_steps": first["epoch_steps"],
+            "allowed": {e["contribution_id"]: e["steps"] for e in spends},
+            "retiring": sorted(e["contribution_id"] for e in spends if e["steps"] < e["epoch_steps"]),
+            "spend": sorted((e["contribution_id"], e["steps"], e["noise_multiplier_u"], e["eps_u"]) for e in spends),
+            "noise_groups": first["noise_groups"],
+            "group_std": {tuple(group["classes"]): group["s_pu"] / units.PICO for group in first["noise_groups"]},
+            "eps": eps}
 
 
 class Run:
@@ -331,6 +363,10 @@ class Run:
             raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.run_id: run {run_id!r} already wrote spend or a run "
                                                        "entry to this ledger; resume it from its state file, or give "
                                                        "this run another id")
+        elif (tune := _trial_of_recorded_tune(ledger, run_id)) is not None:
+            raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.run_id: {run_id!r} names a trial of tune {tune!r}, "
+                                                       "which the ledger records: its total would no longer hold; "
+                                                       "give this run another id")
         else:
             self.run_nonce = os.urandom(16)  # a one-time lease on the id: every spend and the run entry carry it
         self._claim()
@@ -394,6 +430,14 @@ class Run:
             self.pending = None
             self._save()
             return False
+        if pending["spend"]:  # train the epoch exactly as the ledger charged it
+            written = _written_plan(self.ledger, pending["epoch"], (self.run_id, self.run_nonce))
+            steps = min(written.pop("epoch_steps"), self.total - pending["first_step"])
+            if (written["spend"], written["q_u"], steps) != (pending["spend"], pending["q_u"], pending["steps"]):
+                self.log(f"ledger epoch {pending['epoch']} was written ahead under this run's lease by an earlier "
+                         "state of it: training the epoch as written")
+            pending.update(written, steps=steps)
+            self._save()
         self._retired_here |= set(pending.get("retiring", ()))  # a plan dropped before its write retires nobody
         self.sampler.sampling_rate = pending["q_u"] / units.MICRO
         self._allowed = np.array([pending["allowed"].get(c, 0) for c in self.ids], dtype=np.int64)

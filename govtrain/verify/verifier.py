@@ -15,9 +15,10 @@ One pass over the entries, in the order an auditor would check them:
      size, a q no lower than it over the live records), σ_eff at least the signed σ, a cumulative ε that
      never falls and never exceeds the signed budget, meet `spend_rules` (a run id is one lease, one
      run per epoch, steps bounded by the epoch, fewer only where the contribution retires, σ_eff no
-     larger than the recorded noise schedule implies and s_g no larger than the live contributions'
-     signed σ·C), and, given an accountant, at least what the recorded history implies (the seam
-     `SpendAccountant`); a run entry is the only one of its id and carries its spend's lease; a `tune` lists its own
+     larger than the recorded noise schedule implies and s_g no larger than the signed σ·C of what the
+     epoch's spend charges), and, given an accountant, at least what the recorded history implies (the seam
+     `SpendAccountant`); a spend retention redacted is held to all of this as its summary recorded it;
+     a run entry is the only one of its id and carries its spend's lease; a `tune` lists its own
      trials, each with one run entry and spend before it, selects one of them with the adapter its run
      entry recorded, scored on no admitted data, and states exactly the epsilon the trials' spend entries
      charged (`govtrain/ledger/tuning.py`);
@@ -178,6 +179,7 @@ class _Audit:
         self.retention = RetentionAudit(store)
         self.retired = self.retention.retired  # admit seq -> the `retired` map of its summary (read before the pass)
         self.redacted_index = Redacted.of(())  # the same maps by the seq of each entry they retire, once read
+        self.retired_contributions: dict[str, _Contribution] = {}  # those whose admit body was dropped
         self.tree = CompactRange()
         self.verified_checkpoints: list[tuple[int, bytes]] = []  # (size, root) that matched
         self.policies: list[tuple[int, Policy]] = []  # (seq, policy) in ledger order: what governs which size
@@ -268,30 +270,33 @@ class _Audit:
 
     def _redacted_entry(self, stored: ledger_store.StoredEntry) -> None:
         """A redacted entry counts, for the rules later entries meet (step 5), as its summary recorded it: a
-        later spend or tune was written while its body was there. An admit or withdrawal moves the live records
-        that bound q, and an admit brings the signed sigma and C; a spend keeps its run's lease and its hold on
-        the epoch, justifies that epoch's schedule with its contribution's sigma*C, and counts its epsilon in a
-        later tune's total."""
+        later spend or tune was written while its body was there, and the rules it met then still hold. An admit
+        or withdrawal moves the live records that bound q, and an admit brings the signed bounds; a spend is
+        checked as its body was (`_charge`: its lease, its hold on the epoch, steps, budget, the accountant, the
+        schedule it justifies), and counts in a later tune's total."""
         index, seq = self.redacted_index, stored.seq
         if stored.kind == "admit" and seq in index.admits:
             r = index.admits[seq]
             self.live_records += self.policy.sampling_units(r["records"])
             self.book.admit(r["contribution_id"], r["data_class"], r["clip_norm_u"], r["noise_multiplier_u"])
             self.tunes.admit(r["data_sha256"])
+            self.retired_contributions.setdefault(r["contribution_id"], _Contribution(
+                seq, stored.leaf_hash, r["data_class"], r["noise_multiplier_u"], r["eps_budget_u"], r["records"]))
         elif stored.kind == "withdraw" and seq in index.withdrawals:
             r = index.withdrawals[seq]
             self.live_records -= self.policy.sampling_units(r["records"])
-        elif stored.kind == "spend" and seq in index.spends:
-            r, spent = index.spends[seq]
-            spend = {**spent, "contribution_id": r["contribution_id"]}
-            try:  # what its summary recorded still meets the rules it met when its body was there
-                self.book.check_redacted(r["contribution_id"], spent, self.epoch)
-                self.tunes.check_spend(spend)
-            except (SpendRuleError, TuneRuleError) as e:
-                raise _Failure(Code.BAD_SPEND, f"entry {seq} (redacted, as its summary records it): {e.detail}",
-                               seq=seq) from e
-            self.book.add_redacted(r["contribution_id"], spent, self.epoch, seq)
-            self.tunes.spend(spend, r["data_class"])
+            retired = self.retired_contributions.get(r["contribution_id"])
+            if retired is not None:
+                retired.withdrawn_at = seq
+        elif stored.kind == "spend" and seq in index.spends:  # held to every rule its body met
+            r = index.spends[seq][0]
+            c = self.retired_contributions.get(r["contribution_id"])
+            if c is None:
+                raise _Failure(Code.BAD_SUMMARY, f"entry {seq} (redacted) is a spend of {r['contribution_id']!r}, "
+                               "whose admit entry its summary does not retire before it", seq=seq)
+            entry = index.spend_entry(seq, accountant=self.policy.accountant, delta_p=self.policy.delta_p,
+                                      privacy_unit=self.policy.privacy_unit)
+            self._charge(seq, entry, c, f"entry {seq} (redacted, as its summary records it)")
 
     def _set_policy(self, seq: int, record: dict) -> None:
         previous = self.policy
@@ -373,14 +378,18 @@ class _Audit:
         self.retention.epoch(seq)
 
     def _spend(self, seq: int, entry: dict, leaf: bytes) -> None:
-        assert self.policy is not None
         c = self.contributions.get(entry["contribution_id"])
+        if c is None or c.leaf != entry["admit_leaf"]:
+            raise _Failure(Code.BAD_SPEND, f"entry {seq}: spend for a contribution not admitted before it", seq=seq)
+        self._charge(seq, entry, c, f"entry {seq}")
+
+    def _charge(self, seq: int, entry: dict, c: _Contribution, where: str) -> None:
+        """Every rule a spend of `c` meets (step 5): its body, or a redacted one as its summary recorded it."""
+        assert self.policy is not None
 
         def bad(detail: str) -> _Failure:
-            return _Failure(Code.BAD_SPEND, f"entry {seq}: {detail}", seq=seq)
+            return _Failure(Code.BAD_SPEND, f"{where}: {detail}", seq=seq)
 
-        if c is None or c.leaf != entry["admit_leaf"]:
-            raise bad("spend for a contribution not admitted before it")
         if c.withdrawn_at is not None:
             raise bad(f"spend for a contribution withdrawn by entry {c.withdrawn_at}")
         if entry["accountant"] != self.policy.accountant or entry["delta_p"] != self.policy.delta_p:
