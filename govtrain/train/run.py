@@ -25,11 +25,19 @@ from govtrain.errors import Code, ConfigError, GovtrainError, RejectedError
 from govtrain.ledger.ledger import Ledger
 from govtrain.ledger.spend_rules import noise_groups_record
 from govtrain.train.config import RunConfig
+from govtrain.train.lease import (
+    LOCK_FILE,
+    Replan,
+    check_owner,
+    claim,
+    lock_state,
+    trial_of_recorded_tune,
+    write_ahead,
+    written_plan,
+)
 
 LOG = Callable[[str], None]
 STATE_FILE = "run-state.pt"
-LOCK_FILE = "run-state.lock"  # held (flock) by the one process that owns the run state
-OWNER_SETTING = "run_owner:"  # + run id: the ledger store's record of the one process that owns the run
 _NOT_ADAPTER = (STATE_FILE, STATE_FILE + ".tmp", LOCK_FILE)
 
 
@@ -91,100 +99,6 @@ def _load_state(path: Path, config: RunConfig) -> dict | None:
         raise ConfigError(Code.RUN_CONFIG_INVALID, f"{path} holds the state of a run with another config; restore "
                                                    "that config to resume it, or move the file away to start afresh")
     return state
-
-
-def _lock_state(folder: Path):  # type: ignore[no-untyped-def]
-    """Hold `folder`'s run-state lock (an exclusive flock, released by the kernel when the process dies, so a
-    killed run resumes) while this process owns the run: two processes of one config would otherwise resume
-    one state under one lease and both train on its write-ahead."""
-    import fcntl
-
-    folder.mkdir(parents=True, exist_ok=True)
-    handle = open(folder / LOCK_FILE, "a+b")
-    try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        handle.close()
-        raise RejectedError(Code.RUN_ID_TAKEN, f"another process holds this run's state ({folder / LOCK_FILE}): a run "
-                                               "has one owner; wait for it to end, or give this run another "
-                                               "training.output and training.run_id") from e
-    return handle
-
-
-class _Replan(Exception):
-    """A contribution the pending plan charges withdrew before the plan's spend was written."""
-
-
-def _write_ahead(ledger: Ledger, pending: dict, lease: tuple[str, bytes], q_u: int, now: Callable[[], int],
-                 log: LOG) -> bool:
-    """Make sure this run's spend for the pending ledger epoch is in the ledger before its steps run
-    (DESIGN §5). True when it is: written now, or written by this same run (its id *and* its lease nonce)
-    before a kill (a contribution withdrawn since is then simply not drawn). False when another run holds the
-    epoch (its write-ahead charged its own steps, not ours): that epoch is then closed, if it is still open,
-    and the caller plans the next one. `_Replan` when the plan, not yet written, charges a contribution that
-    has withdrawn since. Another run under this run's id (another nonce) is refused (`run_id_taken`). Any
-    spend that is not this run's never lets this run's steps go uncharged."""
-    epoch = pending["epoch"]
-    run_id, nonce = lease
-    book, _, withdrawn = ledger.spend_state()  # from the entries, never the index tables
-    if run_id in book.finished:
-        raise RejectedError(Code.RUN_ID_TAKEN, f"run {run_id!r} already recorded its run entry: its lease is spent; "
-                                               "nothing more trains under it")
-    holder = book.holder(epoch)
-    if holder is None and ledger.epoch() == epoch:
-        if any(record[0] in withdrawn for record in pending["spend"]):
-            raise _Replan  # not written yet: its plan counted a contribution that has since withdrawn
-        try:
-            ledger.record_spend(epoch, q_u, pending["spend"], run_id=run_id, run_nonce=nonce,
-                                epoch_steps=pending["steps"], noise_groups=pending["noise_groups"], now=now())
-            return True
-        except GovtrainError as e:  # a concurrent run got the epoch first, or closed it
-            if e.code in (Code.ALREADY_WITHDRAWN, Code.REDACTED):
-                raise _Replan from e  # withdrawn or retired by retention since the check: plan the epoch again
-            holder = ledger.spend_book().holder(epoch)
-            if e.code is not Code.EPOCH_HELD and ledger.epoch() == epoch:
-                raise
-    if holder == lease:
-        return True
-    if holder is not None and holder[0] == run_id:
-        raise RejectedError(Code.RUN_ID_TAKEN, f"ledger epoch {epoch} is held by another run with this run's id "
-                                               f"{run_id!r} (another lease): two runs may not share an id; nothing "
-                                               "of this run was trained or charged; give it another training.run_id")
-    log(f"ledger epoch {epoch} is held by {holder[0] if holder else 'a closed epoch'}: planning the next epoch")
-    ledger.close_epoch(now=now(), epoch=epoch)
-    return False
-
-
-def _trial_of_recorded_tune(ledger: Ledger, run_id: str) -> str | None:
-    from govtrain.ledger.tuning import TRIAL_RUN_ID
-
-    named = TRIAL_RUN_ID.fullmatch(run_id)
-    return named.group(1) if named is not None and named.group(1) in ledger.tune_book().tunes else None
-
-
-def _written_plan(ledger: Ledger, epoch: int, lease: tuple[str, bytes]) -> dict:
-    """What the ledger's spend for `epoch` under `lease` charged, as the fields of a pending plan: the epoch is
-    trained as written, whatever plan the run state holds (a run state older than the ledger's record of its
-    lease, e.g. a copied folder or a restored backup, would otherwise train the held epoch under a plan of its
-    own: other contributions, other noise)."""
-    from govtrain.ledger.entries import decode_stored
-
-    spends = [entry for entry in (decode_stored(stored) for stored in ledger.store.entries(kinds=("spend",))
-                                  if stored.body is not None)
-              if entry["epoch"] == epoch and (entry["run_id"], entry["run_nonce"]) == lease]
-    classes = {row.contribution_id: row.data_class for row in ledger.store.admissions()}
-    eps: dict[str, int] = {}
-    for entry in spends:
-        data_class = classes.get(entry["contribution_id"], "")
-        eps[data_class] = max(eps.get(data_class, 0), entry["eps_u"])
-    first = spends[0]
-    return {"q_u": first["sampling_rate_u"], "epoch_steps": first["epoch_steps"],
-            "allowed": {e["contribution_id"]: e["steps"] for e in spends},
-            "retiring": sorted(e["contribution_id"] for e in spends if e["steps"] < e["epoch_steps"]),
-            "spend": sorted((e["contribution_id"], e["steps"], e["noise_multiplier_u"], e["eps_u"]) for e in spends),
-            "noise_groups": first["noise_groups"],
-            "group_std": {tuple(group["classes"]): group["s_pu"] / units.PICO for group in first["noise_groups"]},
-            "eps": eps}
 
 
 class Run:
@@ -269,7 +183,7 @@ class Run:
 
         config, ledger, log = self.config, self.ledger, self.log
         training = config.file.training
-        self._lock = _lock_state(config.output_dir)
+        self._lock = lock_state(config.output_dir)
         if self.insecure_seed is not None:
             torch.manual_seed(self.insecure_seed)
         self.policy = policy = ledger.policy
@@ -363,7 +277,7 @@ class Run:
             raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.run_id: run {run_id!r} already wrote spend or a run "
                                                        "entry to this ledger; resume it from its state file, or give "
                                                        "this run another id")
-        elif (tune := _trial_of_recorded_tune(ledger, run_id)) is not None:
+        elif (tune := trial_of_recorded_tune(ledger, run_id)) is not None:
             raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.run_id: {run_id!r} names a trial of tune {tune!r}, "
                                                        "which the ledger records: its total would no longer hold; "
                                                        "give this run another id")
@@ -417,12 +331,12 @@ class Run:
         self._check_owner()
         pending, self._written = self.pending, False
         try:
-            if pending["spend"] and not _write_ahead(self.ledger, pending, (self.run_id, self.run_nonce),
-                                                     pending["q_u"], self.now, self.log):
+            if pending["spend"] and not write_ahead(self.ledger, pending, (self.run_id, self.run_nonce), self.now,
+                                                    self.log):
                 self.pending = None
                 self._save()
                 return False
-        except _Replan:
+        except Replan:
             # Its sigma*C set the plan's noise, and the ledger justifies s_g only by the contributions the spend
             # charges (spend rule 7): plan the epoch again without it, rather than drop it from the write-ahead.
             self.log(f"a contribution planned for ledger epoch {pending['epoch']} withdrew before its spend was "
@@ -431,7 +345,7 @@ class Run:
             self._save()
             return False
         if pending["spend"]:  # train the epoch exactly as the ledger charged it
-            written = _written_plan(self.ledger, pending["epoch"], (self.run_id, self.run_nonce))
+            written = written_plan(self.ledger, pending["epoch"], (self.run_id, self.run_nonce))
             steps = min(written.pop("epoch_steps"), self.total - pending["first_step"])
             if (written["spend"], written["q_u"], steps) != (pending["spend"], pending["q_u"], pending["steps"]):
                 self.log(f"ledger epoch {pending['epoch']} was written ahead under this run's lease by an earlier "
@@ -587,20 +501,10 @@ class Run:
         return result
 
     def _claim(self) -> None:
-        """Record this process as the run's one owner in the ledger store (outside the signed tree: it orders
-        processes, it proves nothing). The lock on the run state keeps two processes off one folder; this keeps
-        two copies of one run state (a copied output folder, a crafted state file: the lease nonce is public)
-        from both training on its write-ahead. The last process to open the run owns it: one that resumes a
-        copy takes the run over, and the other stops at its next step (`_check_owner`) as a kill would stop it."""
-        self._owner = os.urandom(16).hex()
-        self.ledger.store.set_setting(OWNER_SETTING + self.run_id, self._owner)
+        self._owner = claim(self.ledger, self.run_id)
 
     def _check_owner(self) -> None:
-        if self.ledger.store.setting(OWNER_SETTING + self.run_id) != self._owner:
-            raise RejectedError(Code.RUN_ID_TAKEN, f"run {self.run_id!r} was opened by another process since this one "
-                                                   "opened it (a copy of its run state resumed elsewhere): this process "
-                                                   "stops, its steps since the last checkpoint dropped as a kill drops "
-                                                   "them; one process trains a run")
+        check_owner(self.ledger, self.run_id, self._owner)
 
     def release(self) -> None:
         """Give up the run state's lock (the run's process stops owning it)."""
