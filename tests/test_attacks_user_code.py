@@ -429,3 +429,83 @@ def test_every_hook_of_the_guard_is_removed_by_save(tmp_path: Path, tiny_model: 
         run.save()
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
     model.base_model.model(**run.tokenizer(["good movie"], return_tensors="pt")).logits.sum().backward()
+
+
+# -- review 2: the draw's record is the run's (P8, P9) ------------------------------------------------------
+
+
+def rewrite_the_batchs_record(batch) -> None:
+    """What the loop can write into a batch about its draw: every clipping norm a million times the signed C,
+    and its place in its step (a step's last chunk made to look like one with more to come, so that the step
+    would be dropped and drawn again: rejection sampling of the Poisson draw)."""
+    for value in list(vars(batch).values()):
+        if isinstance(value, Chunk):
+            value.clips[:] = [1e6] * len(value.clips)
+    place = dict(chunk=0, chunks=batch.chunk + 2)
+    vars(batch).update(place)
+    for name, value in place.items():
+        try:
+            setattr(batch, name, value)
+        except AttributeError:  # read-only
+            pass
+
+
+def test_a_batchs_record_of_its_draw_rewritten_in_the_loop_changes_no_clipping_norm_and_drops_no_draw(
+        tmp_path: Path, tiny_model: Path):
+    """P8 and P9: with the review's one-line edits in the loop, no example was clipped (the sum was 2152 C) and
+    every released step held the row the loop wanted (5 of 5 at q = 0.05). The run clips and closes each step
+    from its own copy of the draw: every example clipped to the signed C = 0.001, one draw per step."""
+    corpus = make_corpus(tmp_path, f"sqlite:///{tmp_path / 'ledger.db'}", BATCH_POLICY)
+    from tests.test_train import _admit
+
+    _admit(corpus, "pub", clip_norm_u=1000)
+    draws, reports = [], []
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 4), corpus.url, insecure_seed=1,
+                                   observe=lambda step, ids: draws.append(step), **QUIET) as run:
+        router = run._run.router
+        accumulate = router.accumulate  # instrumentation: what the router clips with, and what it clipped
+        router.accumulate = lambda losses, classes, clips, units=None: reports.append(
+            (list(clips), accumulate(losses, classes, clips, units))) or reports[-1][1]
+        for batch in run.batches():
+            rewrite_the_batchs_record(batch)
+            run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+        assert run.save().steps == 4
+    assert draws == [0, 1, 2, 3] and reports
+    assert all(clips == [0.001] * report.batch_size and report.clipped == report.batch_size
+               for clips, report in reports)
+    assert verify_ledger(corpus.url).by_kind["run"] == 1
+
+
+@pytest.mark.parametrize("how", ["closed before its forward", "closed after its forward", "next() before step",
+                                 "loop broken after a chunk"])
+def test_a_step_left_mid_way_is_completed_as_drawn_when_the_loop_iterates_again(tmp_path: Path, tiny_model: Path,
+                                                                                how: str):
+    """P9's other route: leave `batches()` before a step's last chunk is stepped and iterate again, to have the
+    step drawn afresh. The run hands out the same draw's remaining chunks instead, the one handed out and not
+    stepped first (fresh tensors, the same rows), and draws once per step."""
+    corpus = _corpus(tmp_path, "abandon")
+    draws: list[int] = []
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 3, extra="physical_batch = 1"), corpus.url,
+                                   insecure_seed=1, observe=lambda step, ids: draws.append(step), **QUIET) as run:
+        batches = run.batches()
+        first = next(batches)
+        if how == "loop broken after a chunk":
+            run.step(run.per_example_loss(run.model(**first.inputs), first))
+            first = next(batches)
+        if how == "closed after its forward":
+            run.model(**first.inputs)
+        if how == "next() before step":
+            run.model(**first.inputs)
+            with pytest.raises(RuntimeError, match="run.step"):
+                next(batches)
+        batches.close()
+        again = run.batches()
+        batch = next(again)
+        assert draws == [0] and (batch.step, batch.chunk, batch.chunks) == (first.step, first.chunk, first.chunks)
+        assert all(torch.equal(batch.inputs[k], first.inputs[k]) for k in first.inputs) and batch is not first
+        run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+        for batch in again:
+            run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+        assert run.save().steps == 3
+    assert draws == [0, 1, 2]
+    assert verify_ledger(corpus.url).by_kind["run"] == 1
