@@ -509,3 +509,155 @@ def test_a_step_left_mid_way_is_completed_as_drawn_when_the_loop_iterates_again(
         assert run.save().steps == 3
     assert draws == [0, 1, 2]
     assert verify_ledger(corpus.url).by_kind["run"] == 1
+
+
+# -- review 2: the governed forward's inputs cannot be swapped after the checks (P1, P6) ------------------
+
+
+def swap_in(rows: dict[str, torch.Tensor]):
+    """A forward pre-hook (with kwargs) that replaces the batch's inputs with `rows`."""
+    return lambda module, args, kwargs: (args, {**kwargs, **rows})
+
+
+def _bert(run):
+    return run.model.base_model.model.bert
+
+
+SWAPS = {  # how the loop changes run.model after the run opened -> (do it, undo it)
+    "a pre-hook on run.model": lambda run, rows: run.model.register_forward_pre_hook(
+        swap_in(rows), with_kwargs=True).remove,
+    "a pre-hook put before the run's": lambda run, rows: run.model.register_forward_pre_hook(
+        swap_in(rows), with_kwargs=True, prepend=True).remove,
+    "a forward hook mixing an inner module's rows": lambda run, rows: _bert(run).embeddings.register_forward_hook(
+        lambda module, args, out: out.flip(0)).remove,
+    "a global forward pre-hook": lambda run, rows: torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: tuple(rows["input_ids"] if a is not None and a.dtype == torch.long and a.dim() == 2
+                                   else a for a in args) if module is _bert(run).embeddings.word_embeddings
+        else None).remove,
+    "run.model.forward replaced": lambda run, rows: (
+        setattr(run.model, "forward", lambda *a, forward=run.model.forward, **k: forward(*a, **{**k, **rows})),
+        lambda: delattr(run.model, "forward"))[1],
+    "an inner module's forward replaced": lambda run, rows: (
+        setattr(_bert(run), "forward", lambda *a, forward=_bert(run).forward, **k: forward(*a, **{**k, **rows})),
+        lambda: delattr(_bert(run), "forward"))[1],
+    "a submodule replaced": lambda run, rows: (
+        setattr(_bert(run), "embeddings", _Swapped(_bert(run).embeddings, rows["input_ids"])),
+        lambda: setattr(_bert(run), "embeddings", _bert(run).embeddings.inner))[1],
+}
+
+
+class _Swapped(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module, ids: torch.Tensor) -> None:
+        super().__init__()
+        self.inner, self.ids = inner, ids
+
+    def forward(self, input_ids=None, **kwargs):
+        return self.inner(input_ids=self.ids, **kwargs)
+
+
+@pytest.mark.parametrize("how", sorted(SWAPS))
+def test_code_added_to_the_model_after_the_run_opened_is_refused_at_the_governed_forward(
+        tmp_path: Path, tiny_model: Path, how: str):
+    """P1: a pre-hook added after `open` runs after the guard's own and replaced the checked inputs with a row
+    no contribution admitted (4 of 4 governed forwards, the run recorded; the injected row moved the clipped
+    sum by 4.86 C). The model as the run opened it (modules, types, instance methods, hooks, torch's global
+    hooks) is checked at every governed forward; put back as it was, the batch trains."""
+    corpus, run, batches, batch, weights, written = open_first_batch(tmp_path, tiny_model, "swap")
+    with run:
+        undo = SWAPS[how](run, never_admitted(run, batch))
+        try:
+            with pytest.raises(ConfigError) as refused:
+                run.model(**batch.inputs)
+        finally:
+            undo()
+        assert refused.value.code is Code.UNGOVERNED_BATCH and "\n" not in refused.value.line()
+        assert "run.model changed after the run opened" in refused.value.detail, refused.value.detail
+        assert_nothing_changed(corpus, run, weights, written)
+        batches.close()
+        again = run.batches()
+        batch = next(again)  # the same draw's chunk, handed out again
+        assert run.step(run.per_example_loss(run.model(**batch.inputs), batch)) is not None and run.steps == 1
+        again.close()
+
+
+def test_a_patched_class_that_swaps_the_token_ids_is_refused_by_the_input_embedding(
+        tmp_path: Path, tiny_model: Path, monkeypatch):
+    """Patching a library class is beyond any check of the model's instances, but the input embedding checks
+    in the governed forward that it gets the drawn input_ids by value."""
+    from transformers.models.bert import modeling_bert
+
+    corpus, run, batches, batch, weights, written = open_first_batch(tmp_path, tiny_model, "class")
+    with run:
+        other, forward = never_admitted(run, batch)["input_ids"], modeling_bert.BertModel.forward
+        monkeypatch.setattr(modeling_bert.BertModel, "forward",
+                            lambda self, input_ids=None, *a, **k: forward(self, other, *a, **k))
+        with pytest.raises(ConfigError) as refused:
+            run.model(**batch.inputs)
+        assert refused.value.code is Code.UNGOVERNED_BATCH and "input embedding got other token ids" in \
+            refused.value.detail
+        assert_nothing_changed(corpus, run, weights, written)
+        batches.close()
+
+
+def test_a_patched_tokenizer_changes_no_row_the_run_draws(tmp_path: Path, tiny_model: Path):
+    """P1: `run.tokenizer` was the object every draw was encoded with, so patching it trained on any rows. The
+    run encodes with its own copy: the patch reaches the user's calls only."""
+    corpus = _corpus(tmp_path, "tokenizer")
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 3), corpus.url, insecure_seed=1, **QUIET) as run:
+        base = type(run.tokenizer)
+
+        class Patched(base):
+            def __call__(self, text, *args, **kwargs):
+                return base.__call__(self, ["awful plot never admitted"] * len(text) if isinstance(text, list)
+                                     else text, *args, **kwargs)
+
+        run.tokenizer.__class__ = Patched
+        secret = run.tokenizer(["awful plot never admitted"])["input_ids"][0]
+        for batch in run.batches():
+            rows = [[t for t, m in zip(r, k) if m] for r, k in zip(batch.inputs["input_ids"].tolist(),
+                                                                   batch.inputs["attention_mask"].tolist())]
+            assert secret not in rows
+            run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+        assert run.save().steps == 3
+
+
+@pytest.mark.parametrize("how", ["input_ids and attention_mask swapped", "positionally", "also under another keyword"])
+def test_each_of_the_batchs_tensors_goes_under_its_own_keyword(tmp_path: Path, tiny_model: Path, how: str):
+    """P6: the guard compared the set of tensors, so the batch's input_ids and attention_mask passed under each
+    other's keyword passed it (a GPT-2 classifier's clipped sum moved by 1.61 C). Keyword by keyword now, and
+    the batch's tensors go by keyword only."""
+    corpus, run, batches, batch, weights, written = open_first_batch(tmp_path, tiny_model, "keys")
+    with run:
+        i = batch.inputs
+        call = {"input_ids and attention_mask swapped": lambda: run.model(
+                    **{**i, "input_ids": i["attention_mask"], "attention_mask": i["input_ids"]}),
+                "positionally": lambda: run.model(i["input_ids"], **{k: v for k, v in i.items() if k != "input_ids"}),
+                "also under another keyword": lambda: run.model(**i, position_ids=i["attention_mask"])}[how]
+        with pytest.raises(ConfigError) as refused:
+            call()
+        assert refused.value.code is Code.UNGOVERNED_BATCH and "goes under the keyword it was drawn under" in \
+            refused.value.detail
+        assert_nothing_changed(corpus, run, weights, written)
+        assert run.step(run.per_example_loss(run.model(**i), batch)) is not None
+        batches.close()
+
+
+@pytest.mark.parametrize("how", ["backward, graph kept", "autograd.grad, graph kept", "backward"])
+def test_a_backward_through_the_governed_forward_before_its_step_is_refused(tmp_path: Path, tiny_model: Path,
+                                                                           how: str):
+    """The review's low finding (b): an extra backward of the governed output crashed the step
+    (AttributeError). It is refused, with nothing summed and the weights and ledger as they were."""
+    corpus, run, batches, batch, weights, written = open_first_batch(tmp_path, tiny_model, "backward")
+    with run:
+        out = run.model(**batch.inputs)
+        losses = run.per_example_loss(out, batch)
+        trainable = [p for p in run.model.parameters() if p.requires_grad]
+        {"backward, graph kept": lambda: out.logits.sum().backward(retain_graph=True),
+         "autograd.grad, graph kept": lambda: torch.autograd.grad(out.logits.sum(), trainable, retain_graph=True),
+         "backward": lambda: out.logits.sum().backward()}[how]()
+        with pytest.raises(ConfigError) as refused:
+            run.step(losses)
+        assert refused.value.code is Code.UNGOVERNED_BATCH and "backward" in refused.value.detail
+        assert _same(weights, run) and snapshot(corpus.url) == written and run.steps == 0
+        assert run._run.router._totals is None and run._run._drawn == 0
+        batches.close()
