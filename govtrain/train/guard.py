@@ -152,16 +152,24 @@ class Guard:
                                                      "(leave the batch's tensors as handed out)")
 
     def check_structure(self) -> None:
-        now = structure(self.model)
-        if now.keys() == self._structure.keys() and all(now[k] is v for k, v in self._structure.items()):
+        self.adopt(lambda where, value: False)
+
+    def adopt(self, expected: Callable[[str, Any], bool]) -> None:
+        """Take the model as it is now for the model as opened where every difference is one `expected(where,
+        value now)` accepts (a library's own change: TRL's fused LM head, `integrations/hf.py`); refuse any
+        other difference, as a governed forward refuses it."""
+        now, opened = structure(self.model), self._structure
+        if now.keys() == opened.keys() and all(now[k] is v for k, v in opened.items()):
             return
-        where = next(k for k in [*self._structure, *now] if now.get(k) is not self._structure.get(k))
-        what = "added" if where not in self._structure else "removed" if where not in now else "replaced"
-        raise ConfigError(Code.UNGOVERNED_BATCH, f"run.model changed after the run opened ({where} {what}): a hook, "
-                                                 "method or module added later runs after the guard's checks and can "
-                                                 "swap the rows the sampler drew; change the model before "
-                                                 "GovernedRun.open, or hook it under torch.no_grad() only after "
-                                                 "run.save()")
+        for where in [*opened, *(k for k in now if k not in opened)]:
+            if now.get(where) is not opened.get(where) and not expected(where, now.get(where)):
+                what = "added" if where not in opened else "removed" if where not in now else "replaced"
+                raise ConfigError(Code.UNGOVERNED_BATCH, f"run.model changed after the run opened ({where} {what}): a "
+                                                         "hook, method or module added later runs after the guard's "
+                                                         "checks and can swap the rows the sampler drew; change the "
+                                                         "model before GovernedRun.open, or hook it under "
+                                                         "torch.no_grad() only after run.save()")
+        self._structure = now
 
     # -- hooks -----------------------------------------------------------------------------------------
 
