@@ -661,3 +661,28 @@ def test_a_backward_through_the_governed_forward_before_its_step_is_refused(tmp_
         assert _same(weights, run) and snapshot(corpus.url) == written and run.steps == 0
         assert run._run.router._totals is None and run._run._drawn == 0
         batches.close()
+
+
+@pytest.mark.parametrize("family, pad", [("gpt2", "none"), ("llama", "tokenizer only")])
+def test_a_decoder_classifier_without_a_pad_token_pads_with_eos_and_trains(tmp_path: Path, family: str, pad: str):
+    """The review's low finding (a): a GPT-2 classifier as shipped (no pad token anywhere) crashed with a raw
+    ValueError, a Llama one whose config has no pad_token_id with "Cannot handle batch sizes > 1". EOS pads, as
+    for a causal LM, and the classifier pools each example's last token before the padding: the probe passes
+    and the run trains and verifies."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    tokenizer = causal_models.tokenizer()
+    if pad != "none":
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.save_pretrained(folder)
+    config = causal_models.config(family, layers=6)
+    config.num_labels, config.pad_token_id = 2, None
+    torch.manual_seed(0)
+    transformers.AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+    corpus = corpus_with(tmp_path, rows(40))
+    with govtrain.GovernedRun.open(run_toml(corpus, folder, family), corpus.url, insecure_seed=3, **QUIET) as run:
+        assert run.tokenizer.pad_token_id == run.model.config.pad_token_id == tokenizer.eos_token_id
+        for batch in run.batches():
+            run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+        assert run.save().steps == 2
+    assert verify_ledger(corpus.url).by_kind["run"] == 1
