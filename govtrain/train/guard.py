@@ -166,9 +166,9 @@ class Guard:
                 what = "added" if where not in opened else "removed" if where not in now else "replaced"
                 raise ConfigError(Code.UNGOVERNED_BATCH, f"run.model changed after the run opened ({where} {what}): a "
                                                          "hook, method or module added later runs after the guard's "
-                                                         "checks and can swap the rows the sampler drew; change the "
-                                                         "model before GovernedRun.open, or hook it under "
-                                                         "torch.no_grad() only after run.save()")
+                                                         "checks and can swap the rows the sampler drew; remove it "
+                                                         "before the next governed forward (read activations with "
+                                                         "output_hidden_states=True), or add it after run.save()")
         self._structure = now
 
     # -- hooks -----------------------------------------------------------------------------------------
