@@ -38,6 +38,7 @@ and no check inside the process can tell it from the library: that is outside wh
 from __future__ import annotations
 
 import contextlib
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
@@ -126,7 +127,8 @@ class Guard:
         embedding = _input_embedding(model)
         if embedding is not None:
             self._hooks.append(embedding.register_forward_pre_hook(self._embedding, with_kwargs=True))
-        self._structure = structure(model)  # last: the run's own hooks are part of the model as opened
+        # last: the run's own hooks are part of the model as opened
+        self._structure, self._fingerprint = structure(model), fingerprint(model)
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -158,9 +160,10 @@ class Guard:
         """Take the model as it is now for the model as opened where every difference is one `expected(where,
         value now)` accepts (a library's own change: TRL's fused LM head, `integrations/hf.py`); refuse any
         other difference, as a governed forward refuses it."""
-        now, opened = structure(self.model), self._structure
-        if now.keys() == opened.keys() and all(now[k] is v for k, v in opened.items()):
+        fast = fingerprint(self.model)
+        if len(fast) == len(self._fingerprint) and all(map(operator.is_, fast, self._fingerprint)):
             return
+        now, opened = structure(self.model), self._structure
         for where in [*opened, *(k for k in now if k not in opened)]:
             if now.get(where) is not opened.get(where) and not expected(where, now.get(where)):
                 what = "added" if where not in opened else "removed" if where not in now else "replaced"
@@ -169,7 +172,7 @@ class Guard:
                                                          "checks and can swap the rows the sampler drew; remove it "
                                                          "before the next governed forward (read activations with "
                                                          "output_hidden_states=True), or add it after run.save()")
-        self._structure = now
+        self._structure, self._fingerprint = now, fast
 
     # -- hooks -----------------------------------------------------------------------------------------
 
@@ -262,21 +265,52 @@ def structure(model: nn.Module) -> dict[str, Any]:
     """What decides a forward of `model` besides its weights and inputs, by where it is: every module (path,
     object, type), each instance attribute that overrides a method of its class (`forward`), each hook of
     each module and torch's global module hooks. Compared by identity (the dict keeps every object alive)."""
-    from torch.nn.modules import module as torch_module
-
     found: dict[str, Any] = {}
-    for name, hooks in sorted(vars(torch_module).items()):
-        if name.startswith("_global_") and isinstance(hooks, dict):
-            found.update({f"torch's {name}[{key}]": hook for key, hook in hooks.items()})
+    for name, hooks in _global_hooks():
+        found.update({f"torch's {name}[{key}]": hook for key, hook in hooks.items()})
     for path, module in model.named_modules(remove_duplicate=False):
-        where = path or "run.model"
+        where, methods = path or "run.model", _methods(type(module))
         found[where] = module
         found[f"{where}'s type"] = type(module)
-        found.update({f"{where}.{name}": value for name, value in vars(module).items()
-                      if callable(getattr(type(module), name, None))})
+        found.update({f"{where}.{name}": value for name, value in vars(module).items() if name in methods})
         for hooks in HOOKS:
             found.update({f"{where}.{hooks}[{key}]": hook for key, hook in getattr(module, hooks, {}).items()})
     return found
+
+
+def fingerprint(model: nn.Module) -> list[Any]:
+    """What `structure` records, without the names, in an order fixed by the model: the objects alone (hook ids
+    are the dicts' own key objects), compared one by one by identity at every governed forward (`structure`,
+    which names each, only when they differ)."""
+    found: list[Any] = []
+    for _, hooks in _global_hooks():
+        found += [*hooks.keys(), *hooks.values()]
+    for _, module in model.named_modules(remove_duplicate=False):
+        state, methods = module.__dict__, _methods(type(module))
+        found += [module, type(module)]
+        found += [item for name, value in state.items() if name in methods for item in (name, value)]
+        for name in HOOKS:
+            hooks = state.get(name)
+            if hooks:
+                found += [name, *hooks.keys(), *hooks.values()]
+    return found
+
+
+def _global_hooks() -> list[tuple[str, dict]]:
+    from torch.nn.modules import module as torch_module
+
+    return [(name, hooks) for name, hooks in sorted(vars(torch_module).items())
+            if name.startswith("_global_") and isinstance(hooks, dict)]
+
+
+_METHODS: dict[type, frozenset[str]] = {}
+
+
+def _methods(kind: type) -> frozenset[str]:
+    """The names of `kind`'s callable attributes: an instance attribute of one of these names overrides it."""
+    if kind not in _METHODS:
+        _METHODS[kind] = frozenset(name for name in dir(kind) if callable(getattr(kind, name, None)))
+    return _METHODS[kind]
 
 
 def _input_embedding(model: nn.Module) -> nn.Module | None:
