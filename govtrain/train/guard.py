@@ -309,8 +309,15 @@ _METHODS: dict[type, frozenset[str]] = {}
 def _methods(kind: type) -> frozenset[str]:
     """The names of `kind`'s callable attributes: an instance attribute of one of these names overrides it."""
     if kind not in _METHODS:
-        _METHODS[kind] = frozenset(name for name in dir(kind) if callable(getattr(kind, name, None)))
+        _METHODS[kind] = frozenset(name for name in dir(kind) if _callable(kind, name))
     return _METHODS[kind]
+
+
+def _callable(kind: type, name: str) -> bool:
+    try:
+        return callable(getattr(kind, name, None))
+    except Exception:  # a class-level descriptor that raises: whatever it is, an instance may shadow it
+        return True
 
 
 def _input_embedding(model: nn.Module) -> nn.Module | None:
