@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import sys
 import unicodedata
 from pathlib import Path
 
@@ -412,3 +413,144 @@ def test_an_early_stop_on_held_out_rows_pauses_the_run(tmp_path: Path, tiny_mode
     assert "run" not in verify_ledger(corpus.url).by_kind
     with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **QUIET) as run:
         assert run.steps == stopped
+
+
+# -- review 2: selection past the checks (P2, P3, P7) ----------------------------------------------------------
+
+TUNE_CHANGES = {  # an admitted row the model reads as itself, whose row digest differs
+    "zero-width spaces": lambda row: {"text": row["text"].replace(" ", " \u200b"), "label": row["label"]},
+    "upper case": lambda row: {"text": row["text"].upper(), "label": row["label"]},
+    "flipped label": lambda row: {"text": row["text"], "label": 1 - row["label"]},
+}
+
+
+@pytest.mark.parametrize("change", sorted(TUNE_CHANGES))
+def test_tune_refuses_admitted_rows_the_model_reads_as_admitted(corpus: Corpus, tiny_model: Path, change: str):
+    """P3: every row of the selection file an admitted row as the tokenizer reads it (BERT's normaliser drops
+    U+200B and lower-cases), or the admitted text under a flipped label (ranking trials by accuracy on it ranks
+    them on the admitted rows' true labels): the tune ran and was recorded. Inputs are compared now, by digest
+    and by the base model's tokens."""
+    _admit(corpus, "pub")
+    selection = corpus.dir / "valid.jsonl"
+    selection.write_text("".join(json.dumps(TUNE_CHANGES[change](row), ensure_ascii=False) + "\n"
+                                 for row in _rows(corpus.dir / "data" / "pub.jsonl")))
+    before = snapshot(corpus.url)
+    result = _tune(corpus, tiny_model, _grid(corpus, '"optimizer.lr" = [0.01, 0.05]'), "--id", "t", steps=2)
+    assert result.exit_code == 2 and "error[selection_admitted]" in result.stderr, result.output
+    assert "40 of 40 rows" in result.stderr and "valid.jsonl:1" in result.stderr, result.stderr
+    assert snapshot(corpus.url) == before and not _entries(corpus.url, "spend")
+    assert not (corpus.dir / "adapter").exists()
+
+
+def _admitted_as(run, *, flip: bool = False, **tokenizing) -> list[dict]:
+    """Admitted rows tokenized as a user may tokenize them, labels flipped or not."""
+    return [dict(run.tokenizer(r["text"], **tokenizing)) | {"labels": 1 - r["label"] if flip else r["label"]}
+            for r in _rows(run.config.data_dir / "pub.jsonl")[:8]]
+
+
+@pytest.mark.parametrize("how", ["flipped labels", "no special tokens"])
+def test_a_trainer_selecting_on_admitted_inputs_tokenized_otherwise_is_refused(tmp_path: Path, tiny_model: Path,
+                                                                             how: str):
+    """P2: the token check matched ids only with the same label, and only with the special tokens the run's
+    encoding adds: best-checkpoint selection by accuracy on the admitted rows' true labels got through."""
+    rows = {"flipped labels": dict(flip=True), "no special tokens": dict(add_special_tokens=False)}[how]
+    _refused(tmp_path, tiny_model, lambda run: _trainer(
+        run, args=_evaluating(tmp_path, load_best_model_at_end=True, save_strategy="steps", save_steps=2),
+        eval_dataset=_admitted_as(run, **rows)), "eval_dataset: 8 of 8 rows")
+
+
+class _TwoFaced(torch.utils.data.Dataset):
+    """Held-out rows by `__getitem__` (what a check reads), admitted ones by `__getitems__` (what torch's
+    DataLoader reads for a batch)."""
+
+    def __init__(self, held: list[dict], admitted: list[dict]) -> None:
+        self.held, self.admitted, self.batches_read = held, admitted, 0
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.held[i]
+
+    def __getitems__(self, indices: list[int]) -> list[dict]:
+        self.batches_read += 1
+        return [self.admitted[i] for i in indices]
+
+
+def test_the_trainer_evaluates_the_rows_it_checked(tmp_path: Path, tiny_model: Path):
+    """P2: a data set serving other rows to the DataLoader than to the check was scored on admitted rows. The
+    Trainer evaluates a list of the rows as read and checked: the other face is never read."""
+    corpus = _corpus(tmp_path, "faces")
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 4), corpus.url, insecure_seed=1, **QUIET) as run:
+        data = _TwoFaced(_held_out(run), _admitted(run))
+        trainer = _trainer(run, args=_evaluating(tmp_path, load_best_model_at_end=True, save_strategy="steps",
+                                                 save_steps=2), eval_dataset=data)
+        trainer.train()
+        assert trainer.state.best_model_checkpoint is not None and run.result.adapter_sha256 is not None
+    assert data.batches_read == 0
+    assert verify_ledger(corpus.url).by_kind["run"] == 1
+
+
+def test_a_collator_replaced_after_the_trainer_was_built_is_refused_while_evaluation_selects(
+        tmp_path: Path, tiny_model: Path):
+    """P2: `trainer.data_collator` replaced after construction collated admitted rows in place of the checked
+    held-out ones."""
+    def build(run):
+        trainer = _trainer(run, args=_evaluating(tmp_path, load_best_model_at_end=True, save_strategy="steps",
+                                                 save_steps=2), eval_dataset=_held_out(run))
+        pad, private = transformers.DataCollatorWithPadding(run.tokenizer), _admitted(run)
+        trainer.data_collator = lambda rows: pad([private[i % len(private)] for i in range(len(rows))])
+        trainer.train()
+
+    _refused(tmp_path, tiny_model, build, "data_collator was replaced")
+
+
+class _Toggle(transformers.TrainerCallback):
+    """Turns best-model selection on after each evaluation's check and off before the next."""
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        args.metric_for_best_model, args.greater_is_better, args.load_best_model_at_end = "loss", False, True
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        args.metric_for_best_model, args.load_best_model_at_end = None, False
+
+
+class _Hidden(transformers.TrainingArguments):
+    """Best-model selection that reads as off to govtrain's code and as on to the Trainer's."""
+
+    def __getattribute__(self, name):
+        value = object.__getattribute__(self, name)
+        if name in ("metric_for_best_model", "load_best_model_at_end") and \
+                sys._getframe(1).f_globals.get("__name__", "").startswith("govtrain"):
+            return None if name == "metric_for_best_model" else False
+        return value
+
+
+@pytest.mark.parametrize("how", ["toggled by a callback", "hidden from govtrain"])
+def test_selection_settings_govtrain_never_sees_on_cannot_choose_what_is_recorded(tmp_path: Path, tiny_model: Path,
+                                                                               how: str):
+    """P7: a callback turned metric_for_best_model and load_best_model_at_end on in on_evaluate and off in
+    on_step_begin; the Trainer chose checkpoint-4 by eval loss on admitted rows and the run recorded it. The
+    settings are read again after every evaluation; and, however they read, a run whose evaluation was never
+    checked is not recorded once a best checkpoint was tracked or loaded."""
+    corpus = _corpus(tmp_path, "toggle")
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 6), corpus.url, insecure_seed=1, **QUIET) as run:
+        at = _AtStep(run, corpus.url)
+        if how == "toggled by a callback":
+            args, callbacks = _evaluating(tmp_path, save_strategy="steps", save_steps=2), [at, _Toggle()]
+        else:
+            args, callbacks = _Hidden(
+                output_dir=str(tmp_path / "trainer"), use_cpu=True, logging_steps=2, lr_scheduler_type="constant",
+                report_to=[], disable_tqdm=True, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4,
+                save_strategy="steps", save_steps=2, load_best_model_at_end=True, metric_for_best_model="loss"), [at]
+        trainer = _trainer(run, args=args, eval_dataset=_admitted(run), callbacks=callbacks)
+        with pytest.raises(ConfigError) as refused:
+            trainer.train()
+        assert refused.value.code is Code.SELECTION_ADMITTED, refused.value
+        if how == "toggled by a callback":
+            assert at.steps == [1, 2] and "eval_dataset: 8 of 8 rows" in refused.value.detail
+            assert _same(at.weights, run)
+        else:
+            assert at.steps == [1, 2, 3, 4, 5, 6] and "ran without a check" in refused.value.detail
+        assert snapshot(corpus.url) == at.ledger and run.result.adapter_sha256 is None
+    assert "run" not in verify_ledger(corpus.url).by_kind

@@ -429,3 +429,260 @@ def test_every_hook_of_the_guard_is_removed_by_save(tmp_path: Path, tiny_model: 
         run.save()
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
     model.base_model.model(**run.tokenizer(["good movie"], return_tensors="pt")).logits.sum().backward()
+
+
+# -- review 2: the draw's record is the run's (P8, P9) ------------------------------------------------------
+
+
+def rewrite_the_batchs_record(batch) -> None:
+    """What the loop can write into a batch about its draw: every clipping norm a million times the signed C,
+    and its place in its step (a step's last chunk made to look like one with more to come, so that the step
+    would be dropped and drawn again: rejection sampling of the Poisson draw)."""
+    for value in list(vars(batch).values()):
+        if isinstance(value, Chunk):
+            value.clips[:] = [1e6] * len(value.clips)
+    place = dict(chunk=0, chunks=batch.chunk + 2)
+    vars(batch).update(place)
+    for name, value in place.items():
+        try:
+            setattr(batch, name, value)
+        except AttributeError:  # read-only
+            pass
+
+
+def test_a_batchs_record_of_its_draw_rewritten_in_the_loop_changes_no_clipping_norm_and_drops_no_draw(
+        tmp_path: Path, tiny_model: Path):
+    """P8 and P9: with the review's one-line edits in the loop, no example was clipped (the sum was 2152 C) and
+    every released step held the row the loop wanted (5 of 5 at q = 0.05). The run clips and closes each step
+    from its own copy of the draw: every example clipped to the signed C = 0.001, one draw per step."""
+    corpus = make_corpus(tmp_path, f"sqlite:///{tmp_path / 'ledger.db'}", BATCH_POLICY)
+    from tests.test_train import _admit
+
+    _admit(corpus, "pub", clip_norm_u=1000)
+    draws, reports = [], []
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 4), corpus.url, insecure_seed=1,
+                                   observe=lambda step, ids: draws.append(step), **QUIET) as run:
+        router = run._run.router
+        accumulate = router.accumulate  # instrumentation: what the router clips with, and what it clipped
+        router.accumulate = lambda losses, classes, clips, units=None: reports.append(
+            (list(clips), accumulate(losses, classes, clips, units))) or reports[-1][1]
+        for batch in run.batches():
+            rewrite_the_batchs_record(batch)
+            run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+        assert run.save().steps == 4
+    assert draws == [0, 1, 2, 3] and reports
+    assert all(clips == [0.001] * report.batch_size and report.clipped == report.batch_size
+               for clips, report in reports)
+    assert verify_ledger(corpus.url).by_kind["run"] == 1
+
+
+@pytest.mark.parametrize("how", ["closed before its forward", "closed after its forward", "next() before step",
+                                 "loop broken after a chunk"])
+def test_a_step_left_mid_way_is_completed_as_drawn_when_the_loop_iterates_again(tmp_path: Path, tiny_model: Path,
+                                                                                how: str):
+    """P9's other route: leave `batches()` before a step's last chunk is stepped and iterate again, to have the
+    step drawn afresh. The run hands out the same draw's remaining chunks instead, the one handed out and not
+    stepped first (fresh tensors, the same rows), and draws once per step."""
+    corpus = _corpus(tmp_path, "abandon")
+    draws: list[int] = []
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 3, extra="physical_batch = 1"), corpus.url,
+                                   insecure_seed=1, observe=lambda step, ids: draws.append(step), **QUIET) as run:
+        batches = run.batches()
+        first = next(batches)
+        if how == "loop broken after a chunk":
+            run.step(run.per_example_loss(run.model(**first.inputs), first))
+            first = next(batches)
+        if how == "closed after its forward":
+            run.model(**first.inputs)
+        if how == "next() before step":
+            run.model(**first.inputs)
+            with pytest.raises(RuntimeError, match="run.step"):
+                next(batches)
+        batches.close()
+        again = run.batches()
+        batch = next(again)
+        assert draws == [0] and (batch.step, batch.chunk, batch.chunks) == (first.step, first.chunk, first.chunks)
+        assert all(torch.equal(batch.inputs[k], first.inputs[k]) for k in first.inputs) and batch is not first
+        run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+        for batch in again:
+            run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+        assert run.save().steps == 3
+    assert draws == [0, 1, 2]
+    assert verify_ledger(corpus.url).by_kind["run"] == 1
+
+
+# -- review 2: the governed forward's inputs cannot be swapped after the checks (P1, P6) ------------------
+
+
+def swap_in(rows: dict[str, torch.Tensor]):
+    """A forward pre-hook (with kwargs) that replaces the batch's inputs with `rows`."""
+    return lambda module, args, kwargs: (args, {**kwargs, **rows})
+
+
+def _bert(run):
+    return run.model.base_model.model.bert
+
+
+SWAPS = {  # how the loop changes run.model after the run opened -> (do it, undo it)
+    "a pre-hook on run.model": lambda run, rows: run.model.register_forward_pre_hook(
+        swap_in(rows), with_kwargs=True).remove,
+    "a pre-hook put before the run's": lambda run, rows: run.model.register_forward_pre_hook(
+        swap_in(rows), with_kwargs=True, prepend=True).remove,
+    "a forward hook mixing an inner module's rows": lambda run, rows: _bert(run).embeddings.register_forward_hook(
+        lambda module, args, out: out.flip(0)).remove,
+    "a global forward pre-hook": lambda run, rows: torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: tuple(rows["input_ids"] if a is not None and a.dtype == torch.long and a.dim() == 2
+                                   else a for a in args) if module is _bert(run).embeddings.word_embeddings
+        else None).remove,
+    "run.model.forward replaced": lambda run, rows: (
+        setattr(run.model, "forward", lambda *a, forward=run.model.forward, **k: forward(*a, **{**k, **rows})),
+        lambda: delattr(run.model, "forward"))[1],
+    "an inner module's forward replaced": lambda run, rows: (
+        setattr(_bert(run), "forward", lambda *a, forward=_bert(run).forward, **k: forward(*a, **{**k, **rows})),
+        lambda: delattr(_bert(run), "forward"))[1],
+    "a submodule replaced": lambda run, rows: (
+        setattr(_bert(run), "embeddings", _Swapped(_bert(run).embeddings, rows["input_ids"])),
+        lambda: setattr(_bert(run), "embeddings", _bert(run).embeddings.inner))[1],
+}
+
+
+class _Swapped(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module, ids: torch.Tensor) -> None:
+        super().__init__()
+        self.inner, self.ids = inner, ids
+
+    def forward(self, input_ids=None, **kwargs):
+        return self.inner(input_ids=self.ids, **kwargs)
+
+
+@pytest.mark.parametrize("how", sorted(SWAPS))
+def test_code_added_to_the_model_after_the_run_opened_is_refused_at_the_governed_forward(
+        tmp_path: Path, tiny_model: Path, how: str):
+    """P1: a pre-hook added after `open` runs after the guard's own and replaced the checked inputs with a row
+    no contribution admitted (4 of 4 governed forwards, the run recorded; the injected row moved the clipped
+    sum by 4.86 C). The model as the run opened it (modules, types, instance methods, hooks, torch's global
+    hooks) is checked at every governed forward; put back as it was, the batch trains."""
+    corpus, run, batches, batch, weights, written = open_first_batch(tmp_path, tiny_model, "swap")
+    with run:
+        undo = SWAPS[how](run, never_admitted(run, batch))
+        try:
+            with pytest.raises(ConfigError) as refused:
+                run.model(**batch.inputs)
+        finally:
+            undo()
+        assert refused.value.code is Code.UNGOVERNED_BATCH and "\n" not in refused.value.line()
+        assert "run.model changed after the run opened" in refused.value.detail, refused.value.detail
+        assert_nothing_changed(corpus, run, weights, written)
+        batches.close()
+        again = run.batches()
+        batch = next(again)  # the same draw's chunk, handed out again
+        assert run.step(run.per_example_loss(run.model(**batch.inputs), batch)) is not None and run.steps == 1
+        again.close()
+
+
+def test_a_patched_class_that_swaps_the_token_ids_is_refused_by_the_input_embedding(
+        tmp_path: Path, tiny_model: Path, monkeypatch):
+    """Patching a library class is beyond any check of the model's instances, but the input embedding checks
+    in the governed forward that it gets the drawn input_ids by value."""
+    from transformers.models.bert import modeling_bert
+
+    corpus, run, batches, batch, weights, written = open_first_batch(tmp_path, tiny_model, "class")
+    with run:
+        other, forward = never_admitted(run, batch)["input_ids"], modeling_bert.BertModel.forward
+        monkeypatch.setattr(modeling_bert.BertModel, "forward",
+                            lambda self, input_ids=None, *a, **k: forward(self, other, *a, **k))
+        with pytest.raises(ConfigError) as refused:
+            run.model(**batch.inputs)
+        assert refused.value.code is Code.UNGOVERNED_BATCH and "input embedding got other token ids" in \
+            refused.value.detail
+        assert_nothing_changed(corpus, run, weights, written)
+        batches.close()
+
+
+def test_a_patched_tokenizer_changes_no_row_the_run_draws(tmp_path: Path, tiny_model: Path):
+    """P1: `run.tokenizer` was the object every draw was encoded with, so patching it trained on any rows. The
+    run encodes with its own copy: the patch reaches the user's calls only."""
+    corpus = _corpus(tmp_path, "tokenizer")
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 3), corpus.url, insecure_seed=1, **QUIET) as run:
+        base = type(run.tokenizer)
+
+        class Patched(base):
+            def __call__(self, text, *args, **kwargs):
+                return base.__call__(self, ["awful plot never admitted"] * len(text) if isinstance(text, list)
+                                     else text, *args, **kwargs)
+
+        run.tokenizer.__class__ = Patched
+        secret = run.tokenizer(["awful plot never admitted"])["input_ids"][0]
+        for batch in run.batches():
+            rows = [[t for t, m in zip(r, k) if m] for r, k in zip(batch.inputs["input_ids"].tolist(),
+                                                                   batch.inputs["attention_mask"].tolist())]
+            assert secret not in rows
+            run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+        assert run.save().steps == 3
+
+
+@pytest.mark.parametrize("how", ["input_ids and attention_mask swapped", "positionally", "also under another keyword"])
+def test_each_of_the_batchs_tensors_goes_under_its_own_keyword(tmp_path: Path, tiny_model: Path, how: str):
+    """P6: the guard compared the set of tensors, so the batch's input_ids and attention_mask passed under each
+    other's keyword passed it (a GPT-2 classifier's clipped sum moved by 1.61 C). Keyword by keyword now, and
+    the batch's tensors go by keyword only."""
+    corpus, run, batches, batch, weights, written = open_first_batch(tmp_path, tiny_model, "keys")
+    with run:
+        i = batch.inputs
+        call = {"input_ids and attention_mask swapped": lambda: run.model(
+                    **{**i, "input_ids": i["attention_mask"], "attention_mask": i["input_ids"]}),
+                "positionally": lambda: run.model(i["input_ids"], **{k: v for k, v in i.items() if k != "input_ids"}),
+                "also under another keyword": lambda: run.model(**i, position_ids=i["attention_mask"])}[how]
+        with pytest.raises(ConfigError) as refused:
+            call()
+        assert refused.value.code is Code.UNGOVERNED_BATCH and "goes under the keyword it was drawn under" in \
+            refused.value.detail
+        assert_nothing_changed(corpus, run, weights, written)
+        assert run.step(run.per_example_loss(run.model(**i), batch)) is not None
+        batches.close()
+
+
+@pytest.mark.parametrize("how", ["backward, graph kept", "autograd.grad, graph kept", "backward"])
+def test_a_backward_through_the_governed_forward_before_its_step_is_refused(tmp_path: Path, tiny_model: Path,
+                                                                           how: str):
+    """The review's low finding (b): an extra backward of the governed output crashed the step
+    (AttributeError). It is refused, with nothing summed and the weights and ledger as they were."""
+    corpus, run, batches, batch, weights, written = open_first_batch(tmp_path, tiny_model, "backward")
+    with run:
+        out = run.model(**batch.inputs)
+        losses = run.per_example_loss(out, batch)
+        trainable = [p for p in run.model.parameters() if p.requires_grad]
+        {"backward, graph kept": lambda: out.logits.sum().backward(retain_graph=True),
+         "autograd.grad, graph kept": lambda: torch.autograd.grad(out.logits.sum(), trainable, retain_graph=True),
+         "backward": lambda: out.logits.sum().backward()}[how]()
+        with pytest.raises(ConfigError) as refused:
+            run.step(losses)
+        assert refused.value.code is Code.UNGOVERNED_BATCH and "backward" in refused.value.detail
+        assert _same(weights, run) and snapshot(corpus.url) == written and run.steps == 0
+        assert run._run.router._totals is None and run._run._drawn == 0
+        batches.close()
+
+
+@pytest.mark.parametrize("family, pad", [("gpt2", "none"), ("llama", "tokenizer only")])
+def test_a_decoder_classifier_without_a_pad_token_pads_with_eos_and_trains(tmp_path: Path, family: str, pad: str):
+    """The review's low finding (a): a GPT-2 classifier as shipped (no pad token anywhere) crashed with a raw
+    ValueError, a Llama one whose config has no pad_token_id with "Cannot handle batch sizes > 1". EOS pads, as
+    for a causal LM, and the classifier pools each example's last token before the padding: the probe passes
+    and the run trains and verifies."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    tokenizer = causal_models.tokenizer()
+    if pad != "none":
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.save_pretrained(folder)
+    config = causal_models.config(family, layers=6)
+    config.num_labels, config.pad_token_id = 2, None
+    torch.manual_seed(0)
+    transformers.AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+    corpus = corpus_with(tmp_path, rows(40))
+    with govtrain.GovernedRun.open(run_toml(corpus, folder, family), corpus.url, insecure_seed=3, **QUIET) as run:
+        assert run.tokenizer.pad_token_id == run.model.config.pad_token_id == tokenizer.eos_token_id
+        for batch in run.batches():
+            run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+        assert run.save().steps == 2
+    assert verify_ledger(corpus.url).by_kind["run"] == 1

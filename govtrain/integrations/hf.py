@@ -22,7 +22,8 @@ learning-rate schedule), callbacks, `evaluate()` and `predict()`. What is the ru
   refused (a governed run resumes when the same config is opened again);
 - selection: evaluation may choose what is saved or when training stops (`load_best_model_at_end`,
   `EarlyStoppingCallback`, ...) only on held-out rows; evaluation data with admitted rows is refused while such
-  a setting is on (`selection_admitted`, `govtrain/integrations/selection.py`).
+  a setting is on, and so is recording a run that an unchecked evaluation may have chosen (`selection_admitted`,
+  `govtrain/integrations/selection.py`). Evaluation runs on a list of the rows as read and checked.
 
 The model is `run.model` itself: not wrapped, same type, same `state_dict` keys. An empty Poisson draw is a
 governed step too (noise only), taken between two Trainer steps, so `state.global_step` can trail
@@ -38,8 +39,8 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from govtrain.errors import Code, ConfigError
-from govtrain.integrations.selection import (SelectionCheck, changed_by_evaluation, evaluation_flags, named,
-                                             selection_settings)
+from govtrain.integrations.selection import (Evaluations, SelectionCheck, changed_by_evaluation, evaluation_flags,
+                                             materialised, named, selection_settings)
 from govtrain.train.governed import GovernedBatch, GovernedRun
 
 if TYPE_CHECKING:
@@ -195,6 +196,7 @@ class _Governed:
                               selection_settings(args, kwargs.get("callbacks") or ()))
         super().__init__(model=run.model, args=args, optimizers=(GovernedOptimizer(run), None),
                          **self._sft_arguments(kwargs))
+        self._evaluations = Evaluations(run, self.data_collator)
 
     def _sft_arguments(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         return kwargs
@@ -237,10 +239,12 @@ class _Governed:
         if trial is not None:
             raise ConfigError(Code.RUN_CONFIG_INVALID, "hyperparameter search through the Trainer is not charged: "
                                                        "use govtrain tune")
-        self._selection.check(named(self.eval_dataset, "eval_dataset"), self._selection_settings())
+        self._check_selection(named(self.eval_dataset, "eval_dataset"), self._selection_settings())
         output = super().train(**kwargs)
         run = self.run
         if run.steps >= run.total_steps or run.result.exhausted:
+            self._check_selection(named(self.eval_dataset, "eval_dataset"), self._selection_settings())
+            self._evaluations.before_release(self.state)  # whatever the settings said when they were read
             run.save()
         return output
 
@@ -248,6 +252,10 @@ class _Governed:
 
     def _selection_settings(self, callbacks: tuple = ()) -> list[str]:
         return selection_settings(self.args, [*self.callback_handler.callbacks, *callbacks])
+
+    def _check_selection(self, datasets: dict[str, Any], settings: list[str]) -> None:
+        self._evaluations.check_collator(self.data_collator, settings)
+        self._selection.check(datasets, settings)
 
     def add_callback(self, callback: Any) -> None:
         """The Trainer's `add_callback`; one that lets evaluation choose when training stops (an
@@ -259,15 +267,16 @@ class _Governed:
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
-        """The Trainer's `evaluate`. While a selection setting is on, data with admitted rows is refused before it
-        is evaluated; a callback that stops training or changes what is saved in response to an evaluation of
-        admitted rows is refused at that evaluation, its change undone (nothing is saved or recorded)."""
+        """The Trainer's `evaluate`, on a list of the rows as read (what is checked is what is scored). While a
+        selection setting is on, data with admitted rows is refused before it is evaluated; a callback that stops
+        training, changes what is saved or turns a selection setting on in response to an evaluation of admitted
+        rows is refused at that evaluation, its change undone (nothing is saved or recorded)."""
         given = eval_dataset is not None
         data = eval_dataset if given else self.eval_dataset
         label = "evaluate(eval_dataset)" if given else "eval_dataset"
         if isinstance(data, str):  # an entry of a dict eval_dataset, by name
             label, data = f"eval_dataset[{data!r}]", self.eval_dataset[data]
-        self._selection.check(named(data, label), self._selection_settings())
+        self._check_selection(named(data, label), self._selection_settings())
         if not isinstance(data, dict):
             return self._evaluate_once(label, data, eval_dataset, ignore_keys, metric_key_prefix)
         metrics: dict[str, float] = {}
@@ -278,16 +287,21 @@ class _Governed:
 
     def _evaluate_once(self, label: str, data: Any, argument: Any, ignore_keys: list[str] | None,
                        prefix: str) -> dict[str, float]:
+        rows = materialised(data)
+        checked = {label: rows if rows is not None else data}
+        settings = self._selection_settings()
+        self._check_selection(checked, settings)
         before = evaluation_flags(self.control)
-        metrics = super().evaluate(argument, ignore_keys, prefix)
-        changed = changed_by_evaluation(before, self.control)
-        if changed:
-            try:
-                self._selection.check({label: data}, changed)
-            except ConfigError:
-                for flag, value in before.items():
-                    setattr(self.control, flag, value)
-                raise
+        metrics = super().evaluate(rows if rows is not None else argument, ignore_keys, prefix)
+        acting = changed_by_evaluation(before, self.control) + self._selection_settings()  # read again after it
+        try:
+            self._check_selection(checked, acting)
+        except ConfigError:
+            for flag, value in before.items():
+                setattr(self.control, flag, value)
+            raise
+        if not (settings or acting):
+            self._evaluations.unchecked.append(label)
         return metrics
 
 
@@ -350,6 +364,9 @@ def _sft_trainer() -> type:
                                                                "use GovernedTrainer for this one")
                 kwargs.setdefault("processing_class", run.tokenizer)
                 super().__init__(run, args, **kwargs)
+                base = run.model.get_base_model()
+                path = next(name for name, module in run.model.named_modules() if module is base)
+                run._guard.adopt(lambda where, value: where == f"{path}.forward" and _trl_fused_lm_head(base, value))
 
             def _sft_arguments(self, kwargs: dict[str, Any]) -> dict[str, Any]:
                 # SFTTrainer insists on a non-empty train_dataset, which it inspects and tokenizes up front; the
@@ -364,3 +381,19 @@ def _sft_trainer() -> type:
 
 
 _SFT: type | None = None
+
+
+def _trl_fused_lm_head(base: torch.nn.Module, value: Any) -> bool:
+    """Whether `value` is TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`) on `base` around its class's
+    own forward: the `forward` SFTTrainer gives every model it trains. Unless a forward passes
+    `fused_lm_head=True` (the governed one passes `**batch.inputs`), it calls that forward unchanged."""
+    from trl.trainer import utils
+
+    code = next((c for c in utils.add_fused_lm_head.__code__.co_consts if getattr(c, "co_name", "") ==
+                 "_fused_forward"), None)
+    function = getattr(value, "__func__", None)
+    if code is None or getattr(value, "__self__", None) is not base or getattr(function, "__code__", None) is not code:
+        return False
+    original = dict(zip(code.co_freevars, function.__closure__ or ())).get("original_forward")
+    inner = getattr(original, "cell_contents", None)
+    return getattr(inner, "__self__", None) is base and getattr(inner, "__func__", None) is type(base).forward

@@ -15,18 +15,28 @@ file, would be). The settings (`selection_settings`):
   `should_save` while an evaluation is logged and handed to `on_evaluate` (`EVALUATION_FLAGS`).
 
 While one is on, every evaluation data set (one, or each of a dict) must be checkably disjoint from the
-run's admitted rows (`GovernedRun.admitted_rows`), or it is refused (`selection_admitted`):
+run's admitted rows (`GovernedRun.admitted_rows`), or it is refused (`selection_admitted`). Inputs are
+compared, never labels (an admitted text under a flipped label is still the admitted row):
 
-- a row with the task's columns is compared by row digest (`govtrain.data.rows`);
-- a tokenized row (`input_ids`, with an `attention_mask` that strips its padding, and `labels`) by its token
-  ids, and for a task with one label per example its label, against the admitted examples encoded by the run's
-  task and tokenizer, cut at `model.max_length` and uncut, each with and without a final EOS; a row without an
-  attention mask is compared as it is and with the pad tokens at either end stripped;
+- a row with the task's columns by its input digest (`govtrain.data.rows`);
+- a tokenized row (`input_ids`, with or without the `attention_mask` that strips its padding) by its token ids
+  without the tokenizer's structural special tokens (BOS, EOS, CLS, SEP, pad), against the admitted examples
+  encoded by the run's task and its own copy of the tokenizer, cut at `model.max_length` and uncut, the same
+  tokens left out (so `add_special_tokens=False` changes nothing);
 - a row that can be compared neither way, or a data set whose rows cannot be listed (an iterable one), is
   refused as one that cannot be checked.
 
-What it does not catch: an admitted row altered beyond the normal form (a word changed, tokenized another way),
-and a callback that remembers an evaluation and acts on it at a later step.
+What is evaluated is what was checked: the Trainer evaluates a list of the rows as read (`materialised`), never
+the data set object, whose batch access (`__getitems__`) may serve other rows than its `__getitem__`, and
+a `data_collator` replaced after the Trainer was built is refused while a setting is on. The settings are read
+again after every evaluation (a callback may turn one on in `on_evaluate`), and each evaluation is recorded as
+checked or not (`Evaluations`): before the run is recorded, an unchecked evaluation with a best checkpoint
+tracked or the weights moved since the last governed step (a checkpoint reloaded) is refused, however the
+settings looked whenever they were read.
+
+What it does not catch: an admitted row altered beyond the normal form (a word changed), a callback that
+remembers an evaluation and acts on it at a later step, and code of yours that reads any data itself
+(`compute_metrics`, a callback, the `processing_class` that pads evaluation batches).
 """
 
 from __future__ import annotations
@@ -36,12 +46,11 @@ from typing import Any, Iterable, Iterator, Mapping
 from transformers import EarlyStoppingCallback, TrainingArguments
 
 from govtrain.errors import Code, ConfigError
-from govtrain.train.governed import GovernedRun
+from govtrain.train.governed import GovernedRun, trainable_weights
 
 EVALUATION_FLAGS = ("should_training_stop", "should_epoch_stop", "should_save")
 _SCHEDULES = ("reduce_lr_on_plateau", "greedy")  # schedules that step on an evaluation metric
 _UNCUT = 1 << 30  # a max_length no example reaches: the untruncated encoding
-_CHUNK = 64
 
 
 def selection_settings(args: TrainingArguments, callbacks: Iterable[Any]) -> list[str]:
@@ -92,7 +101,7 @@ class SelectionCheck:
 
         self.run = run
         self.task = task_for(run.config.file)
-        self._tokens: dict[tuple[int, ...], dict[int | None, str]] | None = None
+        self._tokens: dict[tuple[int, ...], str] | None = None
 
     def check(self, datasets: Mapping[str, Any], settings: list[str]) -> None:
         """Each named data set, in order: refused at the first that holds admitted rows or cannot be checked."""
@@ -124,7 +133,7 @@ class SelectionCheck:
 
     def _owner(self, row: Any, where: str, name: str, why: str) -> str | None:
         """The contribution whose admitted row `row` is, or None; refused where it can be compared neither way."""
-        from govtrain.data.rows import row_digest
+        from govtrain.data.rows import input_digest
 
         if not isinstance(row, Mapping):
             raise ConfigError(Code.SELECTION_ADMITTED, f"{name}: cannot check {where}, a {type(row).__name__} rather "
@@ -139,13 +148,13 @@ class SelectionCheck:
                 raise
         else:
             checked = True
-            owner = self.run.admitted_rows.digests.get(row_digest(example))
+            owner = self.run.admitted_rows.digests.get(input_digest(example))
             if owner is not None:
                 return owner
         ids = row.get("input_ids")
         if _token_ids(ids):
             checked = True
-            owner = self._token_owner(ids, row.get("attention_mask"), _label(row))
+            owner = self._token_owner(ids, row.get("attention_mask"))
             if owner is not None:
                 return owner
         if not checked:
@@ -154,55 +163,72 @@ class SelectionCheck:
                                                        "rows with the task's columns or input_ids, or turn that off")
         return None
 
-    def _token_owner(self, ids: list[int], mask: Any, label: Any) -> str | None:
-        index = self._token_index()
+    def _token_owner(self, ids: list[int], mask: Any) -> str | None:
+        """The contribution whose admitted example has these token ids, the structural special tokens left out on
+        both sides: with the padding the attention mask strips taken out, and as they are."""
+        from govtrain.data.rows import special_ids
+
+        index, special = self._token_index(), special_ids(self.run._tokenizer)
+        forms = [ids]
         if isinstance(mask, list) and len(mask) == len(ids) and all(isinstance(m, (int, bool)) for m in mask):
-            candidates = [[token for token, keep in zip(ids, mask) if keep]]
-        else:  # no mask: as it is, and with the pad tokens at either end stripped
-            pad, start, end = self.run.tokenizer.pad_token_id, 0, len(ids)
-            while pad is not None and start < end and ids[start] == pad:
-                start += 1
-            while pad is not None and end > start and ids[end - 1] == pad:
-                end -= 1
-            candidates = [list(ids), ids[start:end]]
-        for candidate in candidates:
-            labels = index.get(tuple(candidate))
-            if not labels:
-                continue
-            if None in labels:  # labels per token: the ids are the row
-                return labels[None]
-            if not isinstance(label, int) or isinstance(label, bool):  # no label given: the text is the row
-                return next(iter(labels.values()))
-            if label in labels:
-                return labels[label]
+            forms.insert(0, [token for token, keep in zip(ids, mask) if keep])
+        for form in forms:
+            owner = index.get(tuple(token for token in form if token not in special))
+            if owner is not None:
+                return owner
         return None
 
-    def _token_index(self) -> dict[tuple[int, ...], dict[int | None, str]]:
-        """Token ids of every admitted example (cut and uncut, with and without a final EOS) -> {label (None for
-        labels per token): contribution}. Built once, on first use."""
-        if self._tokens is not None:
-            return self._tokens
-        import torch
+    def _token_index(self) -> dict[tuple[int, ...], str]:
+        """`AdmittedRows.tokens` cut at `model.max_length` and uncut, with the run's own tokenizer (a patched
+        `run.tokenizer` changes nothing here either). Built once, on first use."""
+        if self._tokens is None:
+            admitted, tokenizer = self.run.admitted_rows, self.run._tokenizer
+            self._tokens = {**admitted.tokens(self.task, tokenizer, _UNCUT),
+                            **admitted.tokens(self.task, tokenizer, self.run.config.file.model.max_length)}
+        return self._tokens
 
-        admitted, tokenizer = self.run.admitted_rows, self.run.tokenizer
-        eos = tokenizer.eos_token_id
-        index: dict[tuple[int, ...], dict[int | None, str]] = {}
-        for length in (self.run.config.file.model.max_length, _UNCUT):
-            for start in range(0, len(admitted.examples), _CHUNK):
-                chunk = admitted.examples[start:start + _CHUNK]
-                batch = self.task.encode(chunk, tokenizer, length, torch.device("cpu"))
-                ids, mask = batch.inputs["input_ids"].tolist(), batch.inputs.get("attention_mask")
-                mask = mask.tolist() if mask is not None else [[1] * len(row) for row in ids]
-                targets = batch.targets.tolist() if batch.targets.dim() == 1 else [None] * len(ids)
-                for k, (row, keep, target) in enumerate(zip(ids, mask, targets)):
-                    tokens = [token for token, on in zip(row, keep) if on]
-                    forms = [tokens]
-                    if eos is not None:
-                        forms.append(tokens[:-1] if tokens and tokens[-1] == eos else [*tokens, eos])
-                    for form in forms:
-                        index.setdefault(tuple(form), {}).setdefault(target, admitted.owners[start + k])
-        self._tokens = index
-        return index
+
+class Evaluations:
+    """Every evaluation a governed Trainer ran, and whether its rows were checked held out, and the collator it
+    was built with: what `before_release` reads."""
+
+    def __init__(self, run: GovernedRun, collator: Any) -> None:
+        self.run, self.collator = run, collator
+        self.unchecked: list[str] = []  # the data sets evaluated without a check, one entry per evaluation
+        run._weights_after_step = trainable_weights(run.model)  # kept after every governed step from now on
+
+    def check_collator(self, collator: Any, settings: list[str]) -> None:
+        if settings and collator is not self.collator:
+            raise ConfigError(Code.SELECTION_ADMITTED, f"data_collator was replaced after the Trainer was built, and "
+                                                       f"{', '.join(settings)} lets evaluation choose what is released:"
+                                                       " the rows it collates would not be the rows checked; build "
+                                                       "the Trainer with the collator you need, or turn that off")
+
+    def before_release(self, state: Any) -> None:
+        """Refuse (nothing recorded) when an evaluation that was not checked held out may have chosen what is
+        released: the Trainer tracked a best checkpoint, or the weights are not the last governed step's."""
+        if not self.unchecked:
+            return
+        chose = []
+        if state.best_model_checkpoint is not None or state.best_metric is not None:
+            chose.append(f"the Trainer tracked a best checkpoint ({state.best_model_checkpoint or state.best_metric})")
+        after = self.run._weights_after_step or {}
+        now = trainable_weights(self.run.model)
+        if now.keys() != after.keys() or any(not value.equal(after[name]) for name, value in now.items()):
+            chose.append("the weights are not those of the last governed step (a checkpoint was loaded)")
+        if chose:
+            raise ConfigError(Code.SELECTION_ADMITTED, f"{len(self.unchecked)} evaluation(s) ran without a check that "
+                                                       f"their rows are held out (e.g. {self.unchecked[0]}), and "
+                                                       f"{' and '.join(chose)}: an evaluation may have chosen what "
+                                                       "is released, so nothing is recorded; turn selection on "
+                                                       "before training, with held-out rows, or leave it off")
+
+
+def materialised(dataset: Any) -> list[Any] | None:
+    """The rows of `dataset` as read, one by one, into a list (None: rows that cannot be listed): what is checked
+    and then evaluated."""
+    rows = _listed(dataset)
+    return None if rows is None else list(rows)
 
 
 def _listed(dataset: Any) -> Iterator[Any] | None:
@@ -222,13 +248,5 @@ def _token_ids(value: Any) -> bool:
                                                            for v in value)
 
 
-def _label(row: Mapping[str, Any]) -> Any:
-    for key in ("labels", "label", "label_ids"):
-        if key in row:
-            value = row[key]
-            return value[0] if isinstance(value, list) and len(value) == 1 else value
-    return None
-
-
-__all__ = ["EVALUATION_FLAGS", "SelectionCheck", "changed_by_evaluation", "evaluation_flags", "named",
-           "selection_settings"]
+__all__ = ["EVALUATION_FLAGS", "Evaluations", "SelectionCheck", "changed_by_evaluation", "evaluation_flags",
+           "materialised", "named", "selection_settings"]

@@ -82,6 +82,7 @@ class _Tap:
         self.shapes: list[tuple[torch.Size, torch.Size]] = []  # (input, output) of each call
         self.grads: list[Tensor | None] = []  # output gradient of each call kept for book-keeping
         self.formed: dict[str, Tensor] = {}  # leaf -> per-sample gradient, summed over the calls that formed it
+        self.received = False  # an output gradient came in: this chunk's forward was already differentiated
 
     @property
     def outputs(self) -> list[torch.Size]:
@@ -92,6 +93,7 @@ class _Tap:
         self.shapes.clear()
         self.grads.clear()
         self.formed.clear()
+        self.received = False
 
 
 @dataclass(frozen=True)
@@ -210,7 +212,10 @@ class Router:
     def _received(self, tap: _Tap, index: int, g: Tensor) -> None:
         """Backward hook on a tapped call's output: form its per-sample gradients now where they are smaller
         than what they are formed from (then keep neither), else keep the output gradient for later."""
+        tap.received = True
         a = tap.inputs[index]
+        if a is None:  # formed already: a second backward through the forward (`_clipped_sum` refuses the first)
+            return
         dtype = self._dtype
         module = tap.module
         if isinstance(module, nn.Embedding):
@@ -361,6 +366,10 @@ class Router:
         self._check_layout(examples)  # before autograd: nothing per-sample is formed from a call that is refused
         coverage.check_batch_norms(self._batch_norms)  # a model switched to train mode after the router was built
         taps = [t for t in self.taps.values() if t.shapes]
+        if any(t.received for t in taps):  # its per-sample gradients would be formed from another loss's gradient
+            raise ConfigError(Code.UNGOVERNED_BATCH, "a backward through the governed forward ran before run.step(): "
+                                                     "the step differentiates the per-example losses itself; do not "
+                                                     "call backward() or autograd.grad on the model's output")
         # Gradients flow to the reached parameters of the recorded modules (autograd stops at the deepest);
         # the hooks on the recorded outputs see every output gradient on the way (`_received`). What autograd
         # returns, the non-private sum, is dropped.

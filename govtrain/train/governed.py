@@ -10,13 +10,16 @@
 The run owns sampling. `batches()` plans each ledger epoch, writes its spend ahead, then hands out every
 logical Poisson batch in physical chunks (`GovernedBatch`, at most `training.physical_batch` examples);
 `step(losses)` adds a chunk's clipped per-sample gradients and, after the step's last chunk, draws the
-noise once and moves the parameters. A forward of `run.model` on a governed batch runs under the router's
+noise once and moves the parameters. The run keeps its own copy of each draw and encodes it with its own copy
+of the tokenizer: what a batch says about its draw is for reading, and a step left mid-way is completed as
+drawn when `batches()` is iterated again. A forward of `run.model` on a governed batch runs under the router's
 capture and the run's precision (forward hooks on the model: its type and state_dict keys are unchanged).
 Anything that would train on batches the sampler did not draw is refused (`ungoverned_batch`, `guard.py`): a
 loader or sampler handed to `batches()`, a forward with gradients enabled outside a governed batch (of
 `run.model` or of any module in it holding a trainable parameter), a governed forward that is not given
-exactly the batch's input tensors, a batch whose tensors changed after the draw, a second forward of one
-batch, a loss for a batch that is not the one waiting. The accountant's q holds only if govtrain drew the
+exactly the batch's input tensors (each under its own keyword), a batch whose tensors changed after the draw, a
+model whose hooks, methods or modules changed after the run opened, a second forward of one batch, a loss for a
+batch that is not the one waiting. The accountant's q holds only if govtrain drew the
 batch.
 
 Leaving the `with` block before the last step keeps the run's state in `<output>/run-state.pt`: opening
@@ -26,6 +29,7 @@ written again). An exception (a kill) keeps the last checkpoint, as `govtrain tr
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -38,8 +42,8 @@ from govtrain import units
 from govtrain.errors import Code, ConfigError
 from govtrain.tasks.base import Batch
 from govtrain.train.config import RunConfig, run_config
-from govtrain.train.guard import NOT_YOURS, Guard
-from govtrain.train.run import LOG, Chunk, Run, RunResult
+from govtrain.train.guard import NOT_YOURS, Drawn, Guard
+from govtrain.train.run import LOG, Run, RunResult
 
 if TYPE_CHECKING:
     from torch import nn
@@ -51,12 +55,22 @@ if TYPE_CHECKING:
 class GovernedBatch(Batch):
     """One physical chunk of a logical Poisson step: the model's keyword `inputs` and the task's `targets`
     on the run's device. `step` counts logical steps over the whole run; `chunk` of `chunks` places this one
-    in its step (the optimizer moves after the last)."""
+    in its step (the optimizer moves after the last). The place is read-only and only says what the run's own
+    record of the draw says: nothing written into a batch changes how it is clipped or when its step ends."""
 
-    step: int = 0
-    chunk: int = 0
-    chunks: int = 1
-    _drawn: Chunk | None = field(default=None, repr=False, compare=False)
+    _place: tuple[int, int, int] = field(default=(0, 0, 1), repr=False, compare=False)
+
+    @property
+    def step(self) -> int:
+        return self._place[0]
+
+    @property
+    def chunk(self) -> int:
+        return self._place[1]
+
+    @property
+    def chunks(self) -> int:
+        return self._place[2]
 
     @property
     def last(self) -> bool:
@@ -70,6 +84,8 @@ class GovernedRun:
         self._run, self._ledger, self._on_step = run, ledger, on_step
         self._saved = self._closed = False
         self._guard = Guard(run.model, run.forward)  # the run owns sampling
+        self._tokenizer = copy.deepcopy(run.tokenizer)  # encodes every draw: patching run.tokenizer changes none
+        self._weights_after_step: dict[str, torch.Tensor] | None = None  # kept by _end_step once asked for
 
     @classmethod
     def open(cls, config: RunConfig | Mapping[str, Any] | str | Path, ledger_url: str, *, key: str | Path | None = None,
@@ -127,6 +143,7 @@ class GovernedRun:
 
     @property
     def tokenizer(self) -> Any:
+        """The tokenizer the model was loaded with, for your own use: the run encodes its draws with its own copy."""
         return self._run.tokenizer
 
     @property
@@ -177,7 +194,9 @@ class GovernedRun:
     def batches(self, loader: object = None) -> Iterator[GovernedBatch]:
         """Every physical chunk of every remaining logical step, each planned epoch's spend written ahead
         first. Ends when the run has taken `training.steps` steps, or when no contribution is eligible any
-        more (`result.exhausted`). Call `step(losses)` on each batch before asking for the next."""
+        more (`result.exhausted`). Call `step(losses)` on each batch before asking for the next. A step is
+        completed as drawn: iterated again after leaving a step mid-way, it hands out that draw's remaining
+        chunks, the one handed out and not stepped first."""
         if loader is not None:
             raise ConfigError(Code.UNGOVERNED_BATCH, f"run.batches() got a {type(loader).__name__}: it draws its "
                                                      f"own batches, and {NOT_YOURS}")
@@ -197,17 +216,17 @@ class GovernedRun:
                 if not run.write_ahead():
                     continue  # another run holds this ledger epoch: plan the next one
                 while not run.epoch_done:
-                    chunks = run.draw()
-                    for index, chunk in enumerate(chunks):
-                        encoded = run.encode(chunk)
-                        batch = GovernedBatch(encoded.inputs, encoded.targets, encoded.extra, step=run.result.steps,
-                                              chunk=index, chunks=len(chunks), _drawn=chunk)
-                        guard.wait(batch)
-                        yield batch
-                        if guard.waiting is not None:
-                            raise RuntimeError("call run.step(losses) on each batch before asking for the next")
-                    if not chunks:  # an empty draw is still a step: its noise is drawn and the update runs
-                        self._end_step()
+                    if guard.drawn is None:
+                        chunks = run.draw()
+                        if not chunks:  # an empty draw is still a step: its noise is drawn and the update runs
+                            self._end_step()
+                            continue
+                        guard.drawn = Drawn(run.result.steps, copy.deepcopy(chunks))  # the run's own record
+                    batch = self._encode(guard.drawn)
+                    guard.wait(batch)
+                    yield batch
+                    if guard.waiting is not None:
+                        raise RuntimeError("call run.step(losses) on each batch before asking for the next")
                 run.close_epoch()
         finally:
             guard.iterating, guard.waiting = False, None
@@ -221,23 +240,29 @@ class GovernedRun:
         """Add the clipped per-sample gradients of the waiting batch from its per-example `losses` (one value
         per example, each depending on its own example only). After the logical step's last chunk, noise the
         sum once, move the parameters and return the step's mean loss per example; None before that. A batch
-        whose tensors changed after the draw is refused here too (`ungoverned_batch`), before anything is summed."""
+        whose tensors changed after the draw is refused here too (`ungoverned_batch`), before anything is summed.
+        What is clipped, with which norms and classes, and whether the step ends here come from the run's own
+        record of the draw, never from the batch."""
         guard = self._guard
-        waiting = guard.waiting
+        waiting, drawn = guard.waiting, guard.drawn
         if waiting is None:
             raise ConfigError(Code.UNGOVERNED_BATCH, f"run.step() with no batch waiting: {NOT_YOURS}")
         if not waiting.forwarded:
             raise ConfigError(Code.UNGOVERNED_BATCH, "run.step() before run.model ran on the waiting batch: its "
                                                      "losses must come from that forward")
         guard.check_unchanged(waiting)
-        size = len(waiting.batch)
+        size = len(waiting.chunk.indices)
         if getattr(losses, "shape", None) != (size,):
             raise ValueError(f"run.step() needs one loss per example, shape ({size},); got shape "
                              f"{tuple(getattr(losses, 'shape', ()))}: use run.per_example_loss, or a reduction='none' "
                              "loss averaged over each example's own tokens")
-        self._run.accumulate(waiting.batch._drawn, losses)
+        self._run.accumulate(waiting.chunk, losses)
         guard.waiting = None
-        return self._end_step() if waiting.batch.last else None
+        drawn.next += 1
+        if not waiting.last:
+            return None
+        guard.drawn = None
+        return self._end_step()
 
     def save(self) -> RunResult:
         """Save the adapter to the config's output folder and record the run entry (adapter and config hashes,
@@ -256,8 +281,24 @@ class GovernedRun:
 
     # -- internals -------------------------------------------------------------------------------------
 
+    def _encode(self, drawn: Drawn) -> GovernedBatch:
+        """The next chunk of `drawn` as a batch, encoded afresh by the task with the run's own tokenizer."""
+        run = self._run
+        chunk = drawn.chunks[drawn.next]
+        encoded = run.task.encode([run.examples.items[i] for i in chunk.indices], self._tokenizer,
+                                  run.config.file.model.max_length, run.device)
+        return GovernedBatch(encoded.inputs, encoded.targets, encoded.extra,
+                             _place=(drawn.step, drawn.next, len(drawn.chunks)))
+
     def _end_step(self) -> float:
         loss = self._run.apply()
+        if self._weights_after_step is not None:  # asked for by the Trainer integration (integrations/hf.py)
+            self._weights_after_step = trainable_weights(self.model)
         if self._on_step is not None:
             self._on_step(self._run.result.steps, loss)
         return loss
+
+
+def trainable_weights(model: "nn.Module") -> dict[str, "torch.Tensor"]:
+    """A copy of every trainable parameter, by name."""
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}

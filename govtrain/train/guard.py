@@ -1,26 +1,44 @@
 """The run owns sampling: hooks on `run.model` that refuse (`ungoverned_batch`) whatever would train on rows
 the Poisson sampler did not draw. The accountant's q holds only for batches govtrain drew.
 
+- **The draw is the run's.** `batches()` keeps its own copy of each logical step's draw (`Drawn`: every
+  chunk's examples, contributions, classes and signed clipping norms, and which chunk is next), and
+  `run.step()` clips with, routes by and closes the step from that copy alone. A `GovernedBatch` holds the
+  tensors and, read-only, its place in its step, none of it authoritative: clipping norms rewritten in the
+  batch turned clipping off, and a last chunk made to look like one with more to come dropped its step, so
+  the loop could draw again until it liked the draw (review 2, P8 and P9). A drawn step is completed as
+  drawn: a loop that leaves `batches()` before the step's last chunk is stepped gets the same draw's
+  remaining chunks when it iterates again, the one handed out and not stepped first.
 - **The batch as drawn.** Each batch is handed out with its tensors (inputs and targets) recorded: the objects,
   their version counters and their values. A tensor written in place after the draw (which bumps its counter;
   a write through `.data` or `.numpy()` does not, so the values are compared too), or replaced in the batch, is
   refused at the governed forward and again at `run.step()`: otherwise overwriting the drawn rows with any
   others trains on them while the ledger charges the draw (issue 20, item 6a).
-- **Exactly the batch's inputs.** The governed forward of `run.model` receives every input tensor of the
-  waiting batch and no other tensor (positional or keyword, inside lists, tuples or dicts too); plain options
-  (`return_dict`, `output_hidden_states`: bool, int, float, str, None) pass, and any other object, which could
-  carry tensors, is refused.
+- **Exactly the batch's inputs, each under its own keyword.** The governed forward of `run.model` receives every
+  input tensor of the waiting batch as the keyword it was drawn under (`**batch.inputs`), and no other tensor;
+  a tensor passed positionally is refused (P6: the batch's `input_ids` and `attention_mask` passed under each
+  other's keyword moved a GPT-2 classifier's clipped sum by 1.61 C). Plain options (`return_dict`,
+  `output_hidden_states`: bool, int, float, str, None) pass, and any other object, which could carry tensors,
+  is refused.
+- **The model as opened.** Every module's path, identity and type, its instance-level methods (a replaced
+  `forward`) and hooks, and torch's global module hooks are recorded when the run opens (`structure`, after
+  the run's own hooks and the forwards that install transformers' own), and a governed forward that finds any
+  of it changed is refused: a hook or method added later runs after the checks above and could swap the rows
+  they checked (P1). In that forward the model's input embedding must receive the drawn `input_ids`, by value.
 - **Inner modules.** Every module that directly holds a trainable parameter gets a forward pre-hook: while the
   run is iterating `batches()`, calling it with gradients enabled outside the governed forward of `run.model`
   is refused, so the model's inner modules (`run.model.base_model.model`, a LoRA factor) are no way around the
   top-level checks (item 6b). Under `torch.no_grad()` anything may run (evaluation).
 
 The hooks change neither the model's type nor its `state_dict` keys, and `remove()` takes every one away.
+Code that patches a library's classes (torch, transformers, peft, govtrain) changes what every instance does,
+and no check inside the process can tell it from the library: that is outside what the guard can stop.
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
@@ -31,29 +49,47 @@ from govtrain.errors import Code, ConfigError
 
 if TYPE_CHECKING:
     from govtrain.train.governed import GovernedBatch
+    from govtrain.train.run import Chunk
 
 NOT_YOURS = ("the accountant's q holds only for batches govtrain's Poisson sampler drew: iterate run.batches() "
              "and put your data in training.data")
 PLAIN = (bool, int, float, str, type(None))
+HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+         "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+
+
+@dataclass
+class Drawn:
+    """One logical step as the sampler drew it: the run's own copies of its chunks, and the next to hand out."""
+
+    step: int
+    chunks: list["Chunk"]
+    next: int = 0
 
 
 @dataclass
 class Waiting:
-    """The batch handed out and not yet stepped: its tensors as drawn (where in the batch, the tensor, its
-    version counter, a copy of its values)."""
+    """The batch handed out and not yet stepped: its chunk (the run's copy) and place, and its tensors as drawn
+    (where in the batch, the tensor, its version counter, a copy of its values)."""
 
     batch: "GovernedBatch"
+    chunk: "Chunk"
+    last: bool
     inputs: dict[str, Tensor]
     drawn: list[tuple[str, Any, int, Tensor]] = field(default_factory=list)
+    ids: Tensor | None = None  # the drawn input_ids' values, which the input embedding must receive
     forwarded: bool = False
+    embedded: bool = False
 
     @classmethod
-    def of(cls, batch: "GovernedBatch") -> "Waiting":
+    def of(cls, batch: "GovernedBatch", draw: Drawn) -> "Waiting":
         inputs = {k: v for k, v in batch.inputs.items() if isinstance(v, Tensor)}
         tensors = {f"batch.inputs[{k!r}]": v for k, v in inputs.items()}
         tensors.update(_tensors_in(batch.targets, "batch.targets"))
         tensors.update(_tensors_in(batch.extra, "batch.extra"))
-        return cls(batch, inputs, [(where, v, v._version, v.detach().clone()) for where, v in tensors.items()])
+        drawn = [(where, v, v._version, v.detach().clone()) for where, v in tensors.items()]
+        ids = next((values for where, _, _, values in drawn if where == "batch.inputs['input_ids']"), None)
+        return cls(batch, draw.chunks[draw.next], draw.next == len(draw.chunks) - 1, inputs, drawn, ids)
 
     def changed(self) -> str | None:
         """Which tensor of the batch is not as drawn, or None."""
@@ -74,10 +110,12 @@ class Waiting:
 
 class Guard:
     """The hooks on `model`: the top-level checks of the governed forward (run under `forward()`, the router's
-    capture and the run's precision) and the pre-hooks on every module holding a trainable parameter."""
+    capture and the run's precision), the input embedding's check and the pre-hooks on every module holding a
+    trainable parameter; then the model's structure as opened."""
 
     def __init__(self, model: nn.Module, forward: Callable[[], ContextManager[None]]) -> None:
         self.model, self._context = model, forward
+        self.drawn: Drawn | None = None  # the logical step being handed out
         self.waiting: Waiting | None = None
         self.iterating = False
         self._forward: contextlib.ExitStack | None = None
@@ -86,6 +124,11 @@ class Guard:
         self._hooks = [model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
                        model.register_forward_hook(self._after_forward, always_call=True),
                        *(module.register_forward_pre_hook(self._inner(name)) for name, module in holders)]
+        embedding = _input_embedding(model)
+        if embedding is not None:
+            self._hooks.append(embedding.register_forward_pre_hook(self._embedding, with_kwargs=True))
+        # last: the run's own hooks are part of the model as opened
+        self._structure, self._fingerprint = structure(model), fingerprint(model)
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -93,8 +136,9 @@ class Guard:
         self._hooks.clear()
 
     def wait(self, batch: "GovernedBatch") -> None:
-        """`batch` is handed out: record its tensors as drawn."""
-        self.waiting = Waiting.of(batch)
+        """`batch`, the next chunk of the step being handed out, is handed out: record its tensors as drawn."""
+        assert self.drawn is not None
+        self.waiting = Waiting.of(batch, self.drawn)
 
     def check_waiting(self, batch: object) -> Waiting:
         if self.waiting is None or batch is not self.waiting.batch:
@@ -109,6 +153,27 @@ class Guard:
                                                      f"not draw while the ledger charges the draw; {NOT_YOURS} "
                                                      "(leave the batch's tensors as handed out)")
 
+    def check_structure(self) -> None:
+        self.adopt(lambda where, value: False)
+
+    def adopt(self, expected: Callable[[str, Any], bool]) -> None:
+        """Take the model as it is now for the model as opened where every difference is one `expected(where,
+        value now)` accepts (a library's own change: TRL's fused LM head, `integrations/hf.py`); refuse any
+        other difference, as a governed forward refuses it."""
+        fast = fingerprint(self.model)
+        if len(fast) == len(self._fingerprint) and all(map(operator.is_, fast, self._fingerprint)):
+            return
+        now, opened = structure(self.model), self._structure
+        for where in [*opened, *(k for k in now if k not in opened)]:
+            if now.get(where) is not opened.get(where) and not expected(where, now.get(where)):
+                what = "added" if where not in opened else "removed" if where not in now else "replaced"
+                raise ConfigError(Code.UNGOVERNED_BATCH, f"run.model changed after the run opened ({where} {what}): a "
+                                                         "hook, method or module added later runs after the guard's "
+                                                         "checks and can swap the rows the sampler drew; remove it "
+                                                         "before the next governed forward (read activations with "
+                                                         "output_hidden_states=True), or add it after run.save()")
+        self._structure, self._fingerprint = now, fast
+
     # -- hooks -----------------------------------------------------------------------------------------
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -120,32 +185,15 @@ class Guard:
                                                           "a batch of run.batches()") +
                                   f": {NOT_YOURS} (run other forwards under torch.no_grad())")
             return
-        passed = list(_arguments(args, kwargs))
         drawn = waiting.inputs
-        given = {id(t) for _, t in passed if isinstance(t, Tensor)}
-        missing = [key for key, tensor in drawn.items() if id(tensor) not in given]
+        given = {id(t) for _, t in _arguments(args, kwargs) if isinstance(t, Tensor)}
         if not grad:
-            if not missing:
+            if all(id(tensor) in given for tensor in drawn.values()):
                 raise ConfigError(Code.UNGOVERNED_BATCH, "the forward of a governed batch ran under torch.no_grad(): "
                                                          "its per-sample gradients cannot be formed")
             return  # another forward without gradients (evaluation) trains nothing
-        ours = {id(t) for t in drawn.values()}
-        for where, value in passed:
-            if isinstance(value, Tensor) and id(value) not in ours:
-                raise ConfigError(Code.UNGOVERNED_BATCH, "a forward of run.model with gradients enabled got the "
-                                                         f"tensor {where}, which is not one of the waiting batch's "
-                                                         f"inputs: {NOT_YOURS} (pass exactly **batch.inputs; run "
-                                                         "other forwards under torch.no_grad())")
-            if not isinstance(value, (Tensor, *PLAIN)):
-                raise ConfigError(Code.UNGOVERNED_BATCH, f"a forward of run.model with gradients enabled got {where} "
-                                                         f"of type {type(value).__name__}, which may carry tensors the "
-                                                         f"sampler did not draw: {NOT_YOURS} (pass **batch.inputs and "
-                                                         "plain options only)")
-        if missing:
-            raise ConfigError(Code.UNGOVERNED_BATCH, f"a forward of run.model with gradients enabled without the "
-                                                     f"waiting batch's {', '.join(missing)}: {NOT_YOURS} (pass "
-                                                     "exactly **batch.inputs; run other forwards under "
-                                                     "torch.no_grad())")
+        self.check_structure()
+        _check_arguments(args, kwargs, drawn)
         self.check_unchanged(waiting)
         waiting.forwarded = True
         self._forward = contextlib.ExitStack()
@@ -155,6 +203,25 @@ class Guard:
         if self._forward is not None:
             self._forward, forward = None, self._forward
             forward.close()
+            waiting = self.waiting  # output None: the forward raised, and that error is the one to see
+            if output is not None and waiting is not None and waiting.ids is not None and not waiting.embedded:
+                raise ConfigError(Code.UNGOVERNED_BATCH, "the governed forward of run.model never passed the waiting "
+                                                         "batch's input_ids to the model's input embedding: its "
+                                                         f"tokens came from elsewhere; {NOT_YOURS}")
+
+    def _embedding(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        waiting = self.waiting
+        if self._forward is None or waiting is None or waiting.ids is None:
+            return
+        ids = args[0] if args else kwargs.get("input")
+        drawn = waiting.ids
+        if not (isinstance(ids, Tensor) and ids.dtype == drawn.dtype and ids.shape == drawn.shape
+                and torch.equal(ids, drawn)):
+            raise ConfigError(Code.UNGOVERNED_BATCH, "the model's input embedding got other token ids than the "
+                                                     "waiting batch's input_ids in its governed forward: something "
+                                                     "between run.model and the embedding (a hook, a replaced forward "
+                                                     f"or class) swapped the rows the sampler drew; {NOT_YOURS}")
+        waiting.embedded = True
 
     def _inner(self, name: str) -> Callable[[nn.Module, tuple], None]:
         def before(module: nn.Module, args: tuple) -> None:
@@ -165,6 +232,100 @@ class Guard:
                                                          "on **batch.inputs; run other forwards under torch.no_grad())")
 
         return before
+
+
+def _check_arguments(args: tuple, kwargs: dict, drawn: dict[str, Tensor]) -> None:
+    """A governed forward's arguments: each drawn tensor under its own keyword, no other tensor, plain options."""
+    ours = {id(t): key for key, t in drawn.items()}
+    for where, value in _arguments(args, kwargs):
+        if isinstance(value, Tensor) and id(value) in ours and where != f"keyword {ours[id(value)]}":
+            raise ConfigError(Code.UNGOVERNED_BATCH, f"a forward of run.model with gradients enabled got the waiting "
+                                                     f"batch's {ours[id(value)]} as {where}: each of its tensors goes "
+                                                     "under the keyword it was drawn under, or the model reads one "
+                                                     f"as another; {NOT_YOURS} (pass exactly **batch.inputs)")
+        if isinstance(value, Tensor) and id(value) not in ours:
+            raise ConfigError(Code.UNGOVERNED_BATCH, "a forward of run.model with gradients enabled got the "
+                                                     f"tensor {where}, which is not one of the waiting batch's "
+                                                     f"inputs: {NOT_YOURS} (pass exactly **batch.inputs; run "
+                                                     "other forwards under torch.no_grad())")
+        if not isinstance(value, (Tensor, *PLAIN)):
+            raise ConfigError(Code.UNGOVERNED_BATCH, f"a forward of run.model with gradients enabled got {where} "
+                                                     f"of type {type(value).__name__}, which may carry tensors the "
+                                                     f"sampler did not draw: {NOT_YOURS} (pass **batch.inputs and "
+                                                     "plain options only)")
+    missing = [key for key, tensor in drawn.items() if kwargs.get(key) is not tensor]
+    if missing:
+        raise ConfigError(Code.UNGOVERNED_BATCH, f"a forward of run.model with gradients enabled without the "
+                                                 f"waiting batch's {', '.join(missing)}: {NOT_YOURS} (pass "
+                                                 "exactly **batch.inputs; run other forwards under "
+                                                 "torch.no_grad())")
+
+
+def structure(model: nn.Module) -> dict[str, Any]:
+    """What decides a forward of `model` besides its weights and inputs, by where it is: every module (path,
+    object, type), each instance attribute that overrides a method of its class (`forward`), each hook of
+    each module and torch's global module hooks. Compared by identity (the dict keeps every object alive)."""
+    found: dict[str, Any] = {}
+    for name, hooks in _global_hooks():
+        found.update({f"torch's {name}[{key}]": hook for key, hook in hooks.items()})
+    for path, module in model.named_modules(remove_duplicate=False):
+        where, methods = path or "run.model", _methods(type(module))
+        found[where] = module
+        found[f"{where}'s type"] = type(module)
+        found.update({f"{where}.{name}": value for name, value in vars(module).items() if name in methods})
+        for hooks in HOOKS:
+            found.update({f"{where}.{hooks}[{key}]": hook for key, hook in getattr(module, hooks, {}).items()})
+    return found
+
+
+def fingerprint(model: nn.Module) -> list[Any]:
+    """What `structure` records, without the names, in an order fixed by the model: the objects alone (hook ids
+    are the dicts' own key objects), compared one by one by identity at every governed forward (`structure`,
+    which names each, only when they differ)."""
+    found: list[Any] = []
+    for _, hooks in _global_hooks():
+        found += [*hooks.keys(), *hooks.values()]
+    for _, module in model.named_modules(remove_duplicate=False):
+        state, methods = module.__dict__, _methods(type(module))
+        found += [module, type(module)]
+        found += [item for name, value in state.items() if name in methods for item in (name, value)]
+        for name in HOOKS:
+            hooks = state.get(name)
+            if hooks:
+                found += [name, *hooks.keys(), *hooks.values()]
+    return found
+
+
+def _global_hooks() -> list[tuple[str, dict]]:
+    from torch.nn.modules import module as torch_module
+
+    return [(name, hooks) for name, hooks in sorted(vars(torch_module).items())
+            if name.startswith("_global_") and isinstance(hooks, dict)]
+
+
+_METHODS: dict[type, frozenset[str]] = {}
+
+
+def _methods(kind: type) -> frozenset[str]:
+    """The names of `kind`'s callable attributes: an instance attribute of one of these names overrides it."""
+    if kind not in _METHODS:
+        _METHODS[kind] = frozenset(name for name in dir(kind) if _callable(kind, name))
+    return _METHODS[kind]
+
+
+def _callable(kind: type, name: str) -> bool:
+    try:
+        return callable(getattr(kind, name, None))
+    except Exception:  # a class-level descriptor that raises: whatever it is, an instance may shadow it
+        return True
+
+
+def _input_embedding(model: nn.Module) -> nn.Module | None:
+    try:
+        embedding = model.get_input_embeddings()  # type: ignore[operator]
+    except (AttributeError, NotImplementedError):
+        return None
+    return embedding if isinstance(embedding, nn.Module) else None
 
 
 def _arguments(args: tuple, kwargs: dict) -> Iterator[tuple[str, Any]]:

@@ -77,33 +77,47 @@ def for_run(base, file, adapters: list[str]):
     return wrap_lora(use_pooling(base, file.model.pooling), file.lora, adapters)
 
 
-def load_base(config: RunConfig):
-    """(base model, tokenizer, its folder): the model `[model]` names for its task (a sequence classifier, or a
-    causal LM with its own LM head), on the CPU in fp32 (whatever dtype its checkpoint holds), loaded quietly.
-    Training and evaluation both start here."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+def load_tokenizer(config: RunConfig):
+    """(tokenizer, folder of the base model): the tokenizer `[model]` names, as a run encodes with it (with a pad
+    token: `use_eos_for_padding`)."""
+    from transformers import AutoTokenizer
 
     from govtrain.resolver.load import model_path
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     path = Path(model_path(config.model_spec))
-    section = config.file.model
     with quiet_loading():
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    use_eos_for_padding(tokenizer, path)
+    return tokenizer, path
+
+
+def load_base(config: RunConfig):
+    """(base model, tokenizer, its folder): the model `[model]` names for its task (a sequence classifier, or a
+    causal LM with its own LM head), on the CPU in fp32 (whatever dtype its checkpoint holds), loaded quietly.
+    Training and evaluation both start here."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    tokenizer, path = load_tokenizer(config)
+    section = config.file.model
+    with quiet_loading():
         if section.task == "causal-lm":
             base = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-            use_eos_for_padding(tokenizer, path)
         else:
             base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=section.num_labels,
                                                                       local_files_only=True, dtype=torch.float32)
+            if base.config.pad_token_id is None:  # a decoder classifier finds each example's last token by it
+                base.config.pad_token_id = tokenizer.pad_token_id
     return base, tokenizer, path
 
 
 def use_eos_for_padding(tokenizer, path: Path) -> None:
     """GPT-2 and Llama tokenizers have no pad token: pad with EOS, as is usual. A padded position has its
     attention mask off and is never a target (the causal-LM task marks targets by position, not by id), so
-    which id fills it changes nothing. A tokenizer with neither token cannot pad: refused."""
+    which id fills it changes nothing; a sequence classifier with no pad id of its own is given the same one
+    (`load_base`), and pools each example's last token before the padding. A tokenizer with neither token
+    cannot pad: refused."""
     if tokenizer.pad_token is not None:
         return
     if tokenizer.eos_token is None:

@@ -7,8 +7,8 @@
 Each trial k is `train()` on its own config (the base RUN.toml with one grid point, run id
 `<tune_id>-trial-<k>`, output `<training.output>/trial-<k>`), so its spend is written ahead like any run's.
 Every trial's adapter is then scored with `govtrain eval`'s code on the selection file, which must hold no
-admitted data (neither an admitted file nor any row of one, by row digest: `govtrain.data.rows`): selecting
-on it is then post-processing. The `tune` entry binds the trials and
+admitted data (neither an admitted file nor any row of one, by input digest and by the base model's tokens:
+`govtrain.data.rows`): selecting on it is then post-processing. The `tune` entry binds the trials and
 states the epsilon their spend entries charged (`govtrain/ledger/tuning.py`); the verifier recomputes it.
 A search stopped by a kill is resumed by running it again with the same id: finished trials (those with a
 run entry) are kept, an interrupted one resumes from its run state.
@@ -252,11 +252,15 @@ def read_selection(path: Path, task, integer_columns: tuple[str, ...]) -> Select
 
 def check_selection(ledger, config: RunConfig, task, selection: Selection) -> None:  # type: ignore[no-untyped-def]
     """Refuse (SELECTION_ADMITTED) a selection file that is an admitted contribution's data (its digest, for
-    every admitted contribution), or that holds any row of one (its row digests, `govtrain.data.rows`, against
-    the rows of every admitted contribution whose data is in training.data, withdrawn ones included): selecting
-    on private data is not post-processing."""
-    from govtrain.data.rows import AdmittedRows, admitted_summary, row_digest
+    every admitted contribution), or that holds any row of one (against the rows of every admitted contribution
+    whose data is in training.data, withdrawn ones included), compared as inputs, the label left out: by input
+    digest (`govtrain.data.rows`), then as the base model's tokenizer reads them: by input digest after its
+    normaliser (a zero-width space, an uncased text's case), and by the token ids it gives them, cut at
+    `model.max_length` as the trials are scored, without padding and structural special tokens (a row with an
+    unknown token by its digests only). Selecting on private data is not post-processing."""
+    from govtrain.data.rows import AdmittedRows, admitted_summary, input_digest, normalised_digest, token_rows
     from govtrain.train.data import load_examples
+    from govtrain.train.model import load_tokenizer
 
     admissions = ledger.store.admissions()
     for row in admissions:
@@ -268,7 +272,16 @@ def check_selection(ledger, config: RunConfig, task, selection: Selection) -> No
     loaded = load_examples(config.data_dir, {row.data_sha256: row.contribution_id for row in admissions}, task,
                            integer_columns=(config.file.data.label_column,))
     admitted = AdmittedRows(tuple(loaded.items), tuple(loaded.owner))
-    matched = admitted.matches(zip(selection.where, map(row_digest, selection.examples)))
+    matched = admitted.matches(zip(selection.where, map(input_digest, selection.examples)))
+    if not matched and admitted.examples:
+        tokenizer, _ = load_tokenizer(config)
+        length, normalised = config.file.model.max_length, admitted.normalised(tokenizer)
+        tokens = admitted.tokens(task, tokenizer, length, keep_unknown=False)
+        read = token_rows(task, selection.examples, tokenizer, length, keep_unknown=False)
+        for where, example, row in zip(selection.where, selection.examples, read):
+            owner = normalised.get(normalised_digest(example, tokenizer)) or tokens.get(row)  # type: ignore[arg-type]
+            if owner is not None:
+                matched.append((where, owner))
     if matched:
         raise ConfigError(Code.SELECTION_ADMITTED, f"select.data {selection.path}: "
                                                    f"{admitted_summary(matched, len(selection.examples))}: selecting "
