@@ -511,6 +511,51 @@ def test_a_step_left_mid_way_is_completed_as_drawn_when_the_loop_iterates_again(
     assert verify_ledger(corpus.url).by_kind["run"] == 1
 
 
+@pytest.mark.parametrize("how", ["the with block left mid-step", "a kill after the checkpoint"])
+def test_a_step_run_again_in_a_new_process_draws_the_same_batch(tmp_path: Path, tiny_model: Path, how: str):
+    """P9's last route: leave the run's `with` block in the middle of a step (or kill the process) and open the
+    config again, to have the step drawn afresh until the draw suits. Each step's draw is a function of the
+    run's secret sampling key (in the run state, 0600) and the step: the re-run step draws the same rows. No
+    `insecure_seed` here: the key is the OS's, kept in the state."""
+    import stat
+
+    from govtrain.train.config import load_run_config
+    from govtrain.train.loop import train
+
+    corpus = _corpus(tmp_path, "redraw")
+    config = _config(corpus, tiny_model, 8)
+    first: dict[int, list[str]] = {}
+    again: dict[int, list[str]] = {}
+    if how == "the with block left mid-step":
+        with govtrain.GovernedRun.open(config, corpus.url, observe=lambda step, ids: first.setdefault(step, ids),
+                                       **QUIET) as run:
+            batches = run.batches()
+            for batch in batches:
+                if batch.step == 2:
+                    break  # step 2 drawn, seen, not stepped: leave
+                run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+            batches.close()
+        resumed_at = 2
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            train(load_run_config(config), corpus.url, checkpoint_every=2, interrupt_after_steps=5,
+                  observe=lambda step, ids: first.setdefault(step, ids), **QUIET)
+        resumed_at = 4  # the checkpoint before the kill: steps 4 and 5 run again
+    state = corpus.dir / "adapter" / "run-state.pt"
+    assert stat.S_IMODE(state.stat().st_mode) == 0o600
+    assert resumed_at in first  # the step that runs again was drawn (and seen) before
+    with govtrain.GovernedRun.open(config, corpus.url, observe=lambda step, ids: again.setdefault(step, ids),
+                                   **QUIET) as run:
+        assert run.steps == resumed_at
+        for batch in run.batches():
+            run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+        run.save()
+    repeated = sorted(set(first) & set(again))
+    assert repeated and all(sorted(first[step]) == sorted(again[step]) for step in repeated), (first, again)
+    assert any(first[step] for step in repeated)  # not only empty draws
+    assert verify_ledger(corpus.url).by_kind["run"] == 1
+
+
 # -- review 2: the governed forward's inputs cannot be swapped after the checks (P1, P6) ------------------
 
 

@@ -292,3 +292,48 @@ def test_weight_decay_is_refused_where_a_heads_profile_reaches_part_of_a_paramet
     assert info.value.code.value == "run_config_invalid" and "heads profile" in info.value.detail
     check_weight_decay(with_heads, 0.0)
     check_weight_decay(resolve({"public": CLASSES["public"]}, describe(net)), 0.01)  # whole parameters only
+
+
+def test_a_keyed_sampler_draws_each_step_from_the_key_and_the_step_alone():
+    """With the run's key, step t's draw is fixed by (key, t): the same in a new process, unaffected by which
+    other units are eligible (a unit's inclusion is its own uniform), independent across steps and units at
+    rate q, and another key draws otherwise."""
+    import os
+
+    import numpy as np
+
+    from govtrain.routing.sampler import PoissonSampler
+
+    def sampler(key: bytes) -> PoissonSampler:
+        drawn = PoissonSampler(0.1)
+        drawn.key = key
+        return drawn
+
+    key, units = os.urandom(32), 500
+    everyone, some = np.arange(units), np.arange(0, units, 3)
+    a, b = sampler(key), sampler(key)
+    a.at_step(7)
+    b.at_step(7)
+    full = a.sample(everyone, units=units)
+    assert np.array_equal(full, b.sample(everyone, units=units))
+    b.at_step(7)
+    assert np.array_equal(b.sample(some, units=units), full[np.isin(full, some)])  # the others are unmoved
+    b.at_step(8)
+    assert not np.array_equal(b.sample(everyone, units=units), full)
+    other = sampler(os.urandom(32))
+    other.at_step(7)
+    assert not np.array_equal(other.sample(everyone, units=units), full)
+    counts = np.zeros(units)
+    pairs = 0
+    for step in range(2000):
+        a.at_step(step)
+        drawn = np.isin(everyone, a.sample(everyone, units=units))
+        counts += drawn
+        pairs += drawn[0] and drawn[1]
+    assert np.abs(counts / 2000 - 0.1).max() < 0.05 and abs(pairs / 2000 - 0.01) < 0.008  # rate q, independent
+    members = np.arange(40)
+    c, d = sampler(key), sampler(key)
+    c.at_step(3)
+    d.at_step(3)
+    d.sample(everyone, units=units)  # draws made before it do not move one unit's examples
+    assert np.array_equal(c.take(members, 4, unit=9), d.take(members, 4, unit=9))

@@ -85,7 +85,10 @@ def _save_state(path: Path, state: dict) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".tmp")
-    torch.save(state, temporary)
+    # 0600 from its creation: it holds the sampling key, which decides every step's draw (`routing/sampler.py`).
+    with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as handle:
+        torch.save(state, handle)
+    os.chmod(temporary, 0o600)  # an earlier, looser file of that name keeps its mode through O_TRUNC
     os.replace(temporary, path)
 
 
@@ -255,7 +258,11 @@ class Run:
         book = ledger.spend_book()
         if state is not None:
             run_id = result.run_id = state["run_id"]
-            self.run_nonce = state.get("run_nonce")
+            self.run_nonce, self.sampler.key = state.get("run_nonce"), state.get("sampling_key")
+            if self.sampler.key is None:
+                raise ConfigError(Code.RUN_CONFIG_INVALID, f"{self.state_path} was written by an earlier govtrain (no "
+                                                           "lease or sampling key): finish that run with it, or move "
+                                                           "the file away and start afresh")
             if self.run_nonce is None or book.leases.get(run_id, self.run_nonce) != self.run_nonce:
                 raise RejectedError(Code.RUN_ID_TAKEN, f"run {run_id!r}'s spend was written under another lease than "
                                                        f"{self.state_path} holds: another run took this id; move the "
@@ -283,6 +290,9 @@ class Run:
                                                        "give this run another id")
         else:
             self.run_nonce = os.urandom(16)  # a one-time lease on the id: every spend and the run entry carry it
+            # The sampling key fixes each step's draw (`PoissonSampler.at_step`): secret, in the run state only.
+            self.sampler.key = (os.urandom(32) if self.insecure_seed is None
+                                else hashlib.sha256(b"govtrain insecure sampling key %d" % self.insecure_seed).digest())
         self._claim()
         drawn = (f"{expected_batch:g} of {records} examples from {len(present)} contributions" if
                  self.per_contribution is None else f"{expected_batch:g} of {len(present)} contributions, at most "
@@ -439,15 +449,17 @@ class Run:
         import numpy as np
 
         chunk = self.chunk
+        self.sampler.at_step(self.result.steps)  # the step's draw is fixed by the run's key and the step
         if self.per_contribution is None:
-            chosen = self.sampler.sample(np.flatnonzero(live[self.owner]) if len(self.owner) else np.zeros(0, int))
+            chosen = self.sampler.sample(np.flatnonzero(live[self.owner]) if len(self.owner) else np.zeros(0, int),
+                                         units=len(self.owner))
             size = chunk or max(len(chosen), 1)
             return [(chosen[i:i + size].tolist(), None) for i in range(0, len(chosen), size)]
         chunks: list[tuple[list[int], list[int] | None]] = []
         part: list[int] = []
         units: list[int] = []
-        for k in self.sampler.sample(np.flatnonzero(live)):
-            taken = self.sampler.take(self.members[k], self.per_contribution).tolist()
+        for k in self.sampler.sample(np.flatnonzero(live), units=len(self.ids)):
+            taken = self.sampler.take(self.members[k], self.per_contribution, unit=k).tolist()
             if part and chunk is not None and len(part) + len(taken) > chunk:
                 chunks.append((part, units))
                 part, units = [], []
@@ -533,7 +545,8 @@ class Run:
         """The run state: trainable weights, the update's state and the pending epoch with its plan."""
         result = self.result
         _save_state(self.state_path, {
-            "run_id": result.run_id, "run_nonce": self.run_nonce, "config_sha256": self.config.sha256,
+            "run_id": result.run_id, "run_nonce": self.run_nonce, "sampling_key": self.sampler.key,
+            "config_sha256": self.config.sha256,
             "step": result.steps,
             "losses": result.losses, "epochs": result.epochs, "eps_by_class": result.eps_by_class,
             "pending": self.pending,
