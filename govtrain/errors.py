@@ -38,6 +38,8 @@ class Code(str, Enum):
     SAMPLING_MISMATCH = "sampling_mismatch"  # the sampler's rate is not the rate the ledger's spend charged
     BATCH_COUPLED = "batch_coupled"  # an example's gradient depends on the other examples in its batch
     STALE_PARAMETERS = "stale_parameters"  # a privatized gradient the update would not apply to the model
+    UNGOVERNED_UPDATE = "ungoverned_update"  # the trained weights moved outside a governed step
+    STEP_FAILED = "step_failed"  # a step raised after its draw: the run in this process stops there
     GRID_INVALID = "grid_invalid"  # a tuning grid that is unreadable, names a key it may not, or builds a bad trial
     TUNE_EXISTS = "tune_exists"  # the ledger already records a tune with this id
     SELECTION_ADMITTED = "selection_admitted"  # selection (tune's file, a Trainer's evaluation) on admitted rows

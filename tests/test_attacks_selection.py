@@ -554,3 +554,89 @@ def test_selection_settings_govtrain_never_sees_on_cannot_choose_what_is_recorde
             assert at.steps == [1, 2, 3, 4, 5, 6] and "ran without a check" in refused.value.detail
         assert snapshot(corpus.url) == at.ledger and run.result.adapter_sha256 is None
     assert "run" not in verify_ledger(corpus.url).by_kind
+
+
+# -- review 3, F5 (b): what is released is a governed step's weights, or the best checkpoint on held-out rows ---
+
+
+class _PickBest(transformers.TrainerCallback):
+    """Scores the model with `predict()` on admitted rows after each step, keeps the weights it liked best and
+    writes them back at the end of training (no Trainer checkpoint involved)."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        self.rows, self.trainer, self.best = rows, None, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        loss = self.trainer.predict(self.rows).metrics["test_loss"]
+        if self.best is None or loss < self.best[0]:
+            self.best = (loss, {n: p.detach().clone() for n, p in self.trainer.model.named_parameters()
+                                if p.requires_grad})
+
+    def on_train_end(self, args, state, control, **kwargs):
+        with torch.no_grad():
+            for name, p in self.trainer.model.named_parameters():
+                if name in self.best[1]:
+                    p.copy_(self.best[1][name])
+
+
+@pytest.mark.parametrize("rows", ["admitted", "held out"])
+def test_a_callback_that_writes_back_the_weights_it_liked_is_refused_and_nothing_is_recorded(
+        tmp_path: Path, tiny_model: Path, rows: str):
+    """F5 (b): a callback scored each step with predict() on admitted rows and restored the best weights at the
+    end, and the run recorded them. Predictions are recorded as evaluations are (unchecked: no selection setting is
+    on, so the rows are not compared, held out or not), and weights other than the last governed step's after an
+    unchecked one are refused."""
+    corpus = _corpus(tmp_path, "pick")
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 6), corpus.url, insecure_seed=1, **QUIET) as run:
+        data = ([dict(run.tokenizer(e.text)) | {"labels": e.label} for e in run.admitted_rows.examples[:8]]
+                if rows == "admitted" else _held_out(run))
+        pick = _PickBest(data)
+        trainer = _trainer(run, args=_arguments(tmp_path), callbacks=[pick])
+        pick.trainer = trainer
+        with pytest.raises(ConfigError) as refused:
+            trainer.train()
+        assert run.result.adapter_sha256 is None and run.steps == 6
+    assert refused.value.code is Code.SELECTION_ADMITTED and "predict(test_dataset)" in refused.value.detail
+    assert "the weights are not those of the last governed step" in refused.value.detail
+    assert verify_ledger(corpus.url).by_kind.get("run") is None
+
+
+def test_the_best_checkpoint_on_held_out_rows_is_released_when_it_is_not_the_last(tmp_path: Path, tiny_model: Path):
+    """The honest reload: a metric that prefers the first evaluation makes checkpoint-2 the best of 8 steps; its
+    weights, as this Trainer saved them after a governed step, are what is released and recorded."""
+    from safetensors.torch import load_file
+
+    corpus = _corpus(tmp_path, "best")
+    calls = iter(range(100))
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 8), corpus.url, insecure_seed=1, **QUIET) as run:
+        trainer = _trainer(run, args=_evaluating(tmp_path, load_best_model_at_end=True, save_strategy="steps",
+                                                 save_steps=2, metric_for_best_model="first",
+                                                 greater_is_better=True),
+                           eval_dataset=_held_out(run), compute_metrics=lambda _: {"first": -next(calls)})
+        trainer.train()
+        assert Path(trainer.state.best_model_checkpoint).name == "checkpoint-2"
+        last = load_file(str(Path(trainer.args.output_dir) / "checkpoint-8" / "adapter_model.safetensors"))
+        best = load_file(str(Path(trainer.state.best_model_checkpoint) / "adapter_model.safetensors"))
+    saved = load_file(str(corpus.dir / "adapter" / "adapter_model.safetensors"))
+    assert all(torch.equal(saved[k], best[k]) for k in saved) and not all(torch.equal(saved[k], last[k]) for k in saved)
+    assert verify_ledger(corpus.url).by_kind["run"] == 1
+
+
+def test_weights_written_after_the_best_checkpoint_is_loaded_are_refused(tmp_path: Path, tiny_model: Path):
+    """load_best_model_at_end on held-out rows, and a callback that writes the weights after the load: they are
+    neither the last step's nor the checkpoint's, so nothing is recorded."""
+
+    class Nudge(transformers.TrainerCallback):
+        def on_train_end(self, args, state, control, model=None, **kwargs):
+            with torch.no_grad():
+                next(p for p in model.parameters() if p.requires_grad).add_(0.01)
+
+    corpus = _corpus(tmp_path, "nudged")
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 4), corpus.url, insecure_seed=1, **QUIET) as run:
+        trainer = _trainer(run, args=_evaluating(tmp_path, load_best_model_at_end=True, save_strategy="steps",
+                                                 save_steps=2, metric_for_best_model="loss"),
+                           eval_dataset=_held_out(run), callbacks=[Nudge()])
+        with pytest.raises(ConfigError) as refused:
+            trainer.train()
+    assert refused.value.code is Code.UNGOVERNED_UPDATE
+    assert verify_ledger(corpus.url).by_kind.get("run") is None

@@ -21,6 +21,7 @@ step as they were.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -731,3 +732,206 @@ def test_a_decoder_classifier_without_a_pad_token_pads_with_eos_and_trains(tmp_p
             run.step(run.per_example_loss(run.model(**batch.inputs), batch))
         assert run.save().steps == 2
     assert verify_ledger(corpus.url).by_kind["run"] == 1
+
+
+# -- review 3: a step is one transaction; the weights move only in governed steps (F1, F2, F5, F6) ---------
+
+
+def _loop(run) -> None:
+    for batch in run.batches():
+        run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+
+
+def _raise_in_the_sum(run, batch):
+    """A hook of the loop's on the forward's output that raises while the step sums the chunk's clipped
+    per-sample gradients (after the draw): the error the loop would catch to have the step drawn again."""
+    output = run.model(**batch.inputs)
+    output.logits.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("not this draw")))
+    return run.per_example_loss(output, batch)
+
+
+def _swap_a_parameter(run, batch):
+    """F2 (b): a trainable parameter swapped for an equal copy after the forward: the update raises."""
+    losses = run.per_example_loss(run.model(**batch.inputs), batch)
+    lora = [m for n, m in run.model.named_modules() if n.endswith("lora_A.default")][-1]
+    lora.weight = torch.nn.Parameter(lora.weight.detach().clone())
+    return losses
+
+
+@pytest.mark.parametrize("how", ["raised in the sum", "parameter swapped under the update"])
+def test_an_error_inside_a_step_stops_the_run_in_this_process_and_a_reopened_run_draws_the_same_rows(
+        tmp_path: Path, tiny_model: Path, how: str):
+    """Review 3, F1 and F2: an exception between a step's draw and its update lost the draw, and the loop that
+    caught it had the step drawn again (41 draws for 3 released steps, each holding the row it wanted; the
+    ledger verified). Now the run stops in this process: batches() and step() refuse (`step_failed`), leaving
+    the block saves nothing, and the config opened again resumes from its last checkpoint with the same rows."""
+    corpus = _corpus(tmp_path, "broken")
+    config = _config(corpus, tiny_model, 3, extra="physical_batch = 1")
+    first: list[tuple[int, list[str]]] = []
+    again: list[tuple[int, list[str]]] = []
+    attack = _raise_in_the_sum if how == "raised in the sum" else _swap_a_parameter
+    with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, observe=lambda s, ids: first.append((s, ids)),
+                                   **QUIET) as run:
+        batches = run.batches()
+        batch = next(batches)
+        while not batch.last:  # the last chunk of step 0: its step() runs the update
+            run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+            batch = next(batches)
+        losses = attack(run, batch)
+        with pytest.raises((RuntimeError, ConfigError)):
+            run.step(losses)
+        batches.close()
+        written = snapshot(corpus.url)
+        for retry in (lambda: next(run.batches()), lambda: run.step(losses), run.save):
+            with pytest.raises(ConfigError) as refused:
+                retry()
+            assert refused.value.code is Code.STEP_FAILED and "open the same config again" in refused.value.detail
+        assert run.steps == 0 and snapshot(corpus.url) == written
+    assert [s for s, _ in first] == [0]  # drawn once: nothing drew it again
+    with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, observe=lambda s, ids: again.append((s, ids)),
+                                   **QUIET) as run:
+        assert run.steps == 0
+        _loop(run)
+        assert run.save().steps == 3
+    assert sorted(again[0][1]) == sorted(first[0][1])
+    assert verify_ledger(corpus.url).by_kind["run"] == 1
+
+
+def test_an_observer_that_raises_cannot_have_a_step_drawn_again(tmp_path: Path, tiny_model: Path):
+    """F2 (a): `observe` raised before the draw was recorded, and the loop iterated again for another draw (101
+    draws for 3 steps). It is called once the draw is the run's: iterating again continues the same draw."""
+    corpus = _corpus(tmp_path, "observer")
+    seen: list[int] = []
+
+    def observe(step: int, ids: list[str]) -> None:
+        seen.append(step)
+        if len(seen) == 1:
+            raise RuntimeError("not this draw")
+
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 3), corpus.url, insecure_seed=1, observe=observe,
+                                   **QUIET) as run:
+        with pytest.raises(RuntimeError, match="not this draw"):
+            _loop(run)
+        _loop(run)
+        assert run.save().steps == 3
+    assert seen == [0, 1, 2]
+    assert verify_ledger(corpus.url).by_kind["run"] == 1
+
+
+def test_a_loss_of_a_tensor_subclass_is_refused_before_anything_is_summed(tmp_path: Path, tiny_model: Path):
+    """F6: a loss whose `detach()` raised once the chunk was summed had the chunk handed out and summed again (2 C
+    per example). Only a plain torch.Tensor is taken, and its sum is read before anything is summed."""
+
+    class Once(torch.Tensor):
+        def detach(self):
+            raise RuntimeError("boom")
+
+    corpus, run, batches, batch, weights, written = open_first_batch(tmp_path, tiny_model, "subclass")
+    with run:
+        losses = run.per_example_loss(run.model(**batch.inputs), batch)
+        with pytest.raises(ValueError, match="needs a torch.Tensor of losses, not a Once"):
+            run.step(losses.as_subclass(Once))
+        assert_nothing_changed(corpus, run, weights, written)
+        run.step(losses)  # the plain tensor is taken: the run was not broken by a refusal
+        batches.close()
+
+
+def _own_optimizer_step(run) -> None:
+    """F5 (a): an optimizer of the loop's own on the admitted rows, not clipped, noised, sampled or charged."""
+    mine = torch.optim.SGD([p for p in run.model.parameters() if p.requires_grad], lr=0.1)
+    rows = run.tokenizer([e.text for e in run.admitted_rows.examples[:8]], padding=True, return_tensors="pt")
+    labels = torch.tensor([e.label for e in run.admitted_rows.examples[:8]])
+    torch.nn.functional.cross_entropy(run.model(**rows).logits, labels).backward()
+    mine.step()
+    mine.zero_grad()
+
+
+WRITES = {
+    "own optimizer": _own_optimizer_step,
+    "in place": lambda run: next(p for p in run.model.parameters() if p.requires_grad).data.add_(0.01),
+    "frozen weight": lambda run: run.model.get_input_embeddings().weight.mul_(1.01),
+    "requires_grad switched": lambda run: run.model.get_input_embeddings().weight.requires_grad_(True),
+}
+
+
+@pytest.mark.parametrize("how", sorted(WRITES))
+def test_weights_written_outside_a_governed_step_are_refused_at_the_next_step_and_at_save(
+        tmp_path: Path, tiny_model: Path, how: str):
+    """F5 (a): 200 non-private Adam steps between the last governed step and save() moved the weights 27.1 against
+    the governed steps' 0.48, and the run recorded them. Weights written outside a governed step are refused at
+    the next draw, forward, update and at save (`ungoverned_update`), nothing recorded; leaving the block keeps
+    the weights as the last governed step left them."""
+    corpus = _corpus(tmp_path, "written")
+    config = _config(corpus, tiny_model, 2)
+    with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **QUIET) as run:
+        batches = run.batches()
+        batch = next(batches)
+        run.step(run.per_example_loss(run.model(**batch.inputs), batch))  # step 0 (one chunk)
+        governed, written = _trainable(run), snapshot(corpus.url)
+        with torch.no_grad() if how != "own optimizer" else contextlib.nullcontext():
+            batches.close()
+            WRITES[how](run)
+        with pytest.raises(ConfigError) as refused:
+            next(run.batches())
+        assert refused.value.code is Code.UNGOVERNED_UPDATE and "outside a governed step" in refused.value.detail
+        assert run.steps == 1 and snapshot(corpus.url) == written
+    state = torch.load(corpus.dir / "adapter" / STATE_FILE, weights_only=False)
+    assert state["step"] == 1 and all(torch.equal(state["trainable"][n], governed[n]) for n in governed)
+    with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **QUIET) as run:  # resumed as governed
+        assert _same(governed, run)
+        _loop(run)
+        WRITES[how](run) if how == "own optimizer" else torch.no_grad()(WRITES[how])(run)
+        with pytest.raises(ConfigError) as refused:
+            run.save()
+        assert refused.value.code is Code.UNGOVERNED_UPDATE
+    assert verify_ledger(corpus.url).by_kind.get("run") is None
+
+
+def test_weights_written_in_the_middle_of_a_step_are_refused_at_its_forward(tmp_path: Path, tiny_model: Path):
+    """Gradients taken at weights other code moved are a query the ledger never saw: refused at the forward,
+    nothing summed."""
+    corpus, run, batches, batch, weights, written = open_first_batch(tmp_path, tiny_model, "mid-step")
+    with run:
+        lora = next(p for p in run.model.parameters() if p.requires_grad)
+        kept = lora.detach().clone()
+        with torch.no_grad():
+            lora.add_(1.0)
+        with pytest.raises(ConfigError) as refused:
+            run.model(**batch.inputs)
+        assert refused.value.code is Code.UNGOVERNED_UPDATE and "at a governed forward" in refused.value.detail
+        with torch.no_grad():
+            lora.copy_(kept)
+        assert_nothing_changed(corpus, run, weights, written)
+        batches.close()
+
+
+@pytest.mark.parametrize("when", ["before the run opens", "between steps"])
+def test_torchs_global_optimizer_hooks_are_refused(tmp_path: Path, tiny_model: Path, when: str):
+    """F1: a global optimizer step pre-hook that raised unless the draw held a target row (3 of 3 released
+    steps held it), and a post-hook that raised after the update (10 updates for 3 charged steps). The hooks run
+    inside every governed update: refused at open, and at the next step when registered later."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    corpus = _corpus(tmp_path, "hooks")
+    written = snapshot(corpus.url)
+    hook = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: None) if when != "between steps" else None
+    try:
+        if hook is not None:
+            with pytest.raises(ConfigError) as refused:
+                govtrain.GovernedRun.open(_config(corpus, tiny_model, 2), corpus.url, insecure_seed=1, **QUIET)
+            assert refused.value.code is Code.UNGOVERNED_UPDATE and snapshot(corpus.url) == written
+            return
+        with govtrain.GovernedRun.open(_config(corpus, tiny_model, 2), corpus.url, insecure_seed=1, **QUIET) as run:
+            batches = run.batches()
+            batch = next(batches)
+            run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+            batches.close()
+            hook = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: None)
+            written, weights = snapshot(corpus.url), _trainable(run)
+            with pytest.raises(ConfigError) as refused:
+                next(run.batches())
+            assert refused.value.code is Code.UNGOVERNED_UPDATE and "global optimizer" in refused.value.detail
+            assert run.steps == 1 and snapshot(corpus.url) == written and _same(weights, run)
+    finally:
+        if hook is not None:
+            hook.remove()

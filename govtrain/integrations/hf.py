@@ -244,7 +244,7 @@ class _Governed:
         run = self.run
         if run.steps >= run.total_steps or run.result.exhausted:
             self._check_selection(named(self.eval_dataset, "eval_dataset"), self._selection_settings())
-            self._evaluations.before_release(self.state)  # whatever the settings said when they were read
+            self._evaluations.before_release(self.state, self.args)  # whatever the settings said when read
             run.save()
         return output
 
@@ -284,6 +284,24 @@ class _Governed:
             metrics.update(self._evaluate_once(f"{label}[{key!r}]", item, item if given else key, ignore_keys,
                                                f"{metric_key_prefix}_{key}"))
         return metrics
+
+    def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
+                metric_key_prefix: str = "test") -> Any:
+        """The Trainer's `predict`, on a list of the rows as read, checked and recorded as `evaluate` checks
+        and records them: a callback can choose what is released from predictions as well as from metrics."""
+        label = "predict(test_dataset)"
+        rows = materialised(test_dataset)
+        settings = self._selection_settings()
+        self._check_selection({label: rows if rows is not None else test_dataset}, settings)
+        if not settings:
+            self._evaluations.unchecked.append(label)
+        return super().predict(rows if rows is not None else test_dataset, ignore_keys, metric_key_prefix)
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        self._evaluations.saved(f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
 
     def _evaluate_once(self, label: str, data: Any, argument: Any, ignore_keys: list[str] | None,
                        prefix: str) -> dict[str, float]:

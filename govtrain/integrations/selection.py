@@ -30,9 +30,12 @@ What is evaluated is what was checked: the Trainer evaluates a list of the rows 
 the data set object, whose batch access (`__getitems__`) may serve other rows than its `__getitem__`, and
 a `data_collator` replaced after the Trainer was built is refused while a setting is on. The settings are read
 again after every evaluation (a callback may turn one on in `on_evaluate`), and each evaluation is recorded as
-checked or not (`Evaluations`): before the run is recorded, an unchecked evaluation with a best checkpoint
-tracked or the weights moved since the last governed step (a checkpoint reloaded) is refused, however the
-settings looked whenever they were read.
+checked or not (`Evaluations`, `predict()` too): before the run is recorded, an unchecked evaluation with a
+best checkpoint tracked or the weights moved since the last governed step (a checkpoint reloaded) is refused,
+however the settings looked whenever they were read. Weights other than the last governed step's are
+released only when they are exactly those of the checkpoint `load_best_model_at_end` names, as this Trainer
+saved it after a governed step (`ungoverned_update` otherwise: review 3 had a callback restore the weights it
+liked best on admitted rows, and the run recorded them).
 
 What it does not catch: an admitted row altered beyond the normal form (a word changed), a callback that
 remembers an evaluation and acts on it at a later step, and code of yours that reads any data itself
@@ -41,8 +44,11 @@ remembers an evaluation and acts on it at a later step, and code of yours that r
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
+import torch
 from transformers import EarlyStoppingCallback, TrainingArguments
 
 from govtrain.errors import Code, ConfigError
@@ -189,13 +195,13 @@ class SelectionCheck:
 
 
 class Evaluations:
-    """Every evaluation a governed Trainer ran, and whether its rows were checked held out, and the collator it
-    was built with: what `before_release` reads."""
+    """Every evaluation and prediction a governed Trainer ran, whether its rows were checked held out, the
+    collator it was built with, and the weights at each checkpoint it saved: what `before_release` reads."""
 
     def __init__(self, run: GovernedRun, collator: Any) -> None:
         self.run, self.collator = run, collator
         self.unchecked: list[str] = []  # the data sets evaluated without a check, one entry per evaluation
-        run._weights_after_step = trainable_weights(run.model)  # kept after every governed step from now on
+        self.checkpoints: dict[str, bytes] = {}  # checkpoint folder name: digest of the trainable weights saved
 
     def check_collator(self, collator: Any, settings: list[str]) -> None:
         if settings and collator is not self.collator:
@@ -204,17 +210,22 @@ class Evaluations:
                                                        " the rows it collates would not be the rows checked; build "
                                                        "the Trainer with the collator you need, or turn that off")
 
-    def before_release(self, state: Any) -> None:
-        """Refuse (nothing recorded) when an evaluation that was not checked held out may have chosen what is
-        released: the Trainer tracked a best checkpoint, or the weights are not the last governed step's."""
-        if not self.unchecked:
-            return
+    def saved(self, folder: str) -> None:
+        """The Trainer saved a checkpoint in `folder`: the weights it holds are a governed step's."""
+        self.checkpoints[folder] = weights_digest(trainable_weights(self.run.model))
+
+    def before_release(self, state: Any, args: Any) -> None:
+        """Refuse (nothing recorded) when what is released may have been chosen other than by checked held-out
+        evaluation: an unchecked evaluation or prediction ran and the Trainer tracked a best checkpoint, or the
+        weights are not the last governed step's. Weights other than the last step's are released only when
+        they are, bit for bit, those of the checkpoint the Trainer's `load_best_model_at_end` names, saved by
+        this Trainer after a governed step, and every evaluation and prediction was checked (review 3, F5)."""
         chose = []
-        if state.best_model_checkpoint is not None or state.best_metric is not None:
+        if self.unchecked and (state.best_model_checkpoint is not None or state.best_metric is not None):
             chose.append(f"the Trainer tracked a best checkpoint ({state.best_model_checkpoint or state.best_metric})")
-        after = self.run._weights_after_step or {}
         now = trainable_weights(self.run.model)
-        if now.keys() != after.keys() or any(not value.equal(after[name]) for name, value in now.items()):
+        moved = not self.run._weights.same(now)
+        if moved and self.unchecked:
             chose.append("the weights are not those of the last governed step (a checkpoint was loaded)")
         if chose:
             raise ConfigError(Code.SELECTION_ADMITTED, f"{len(self.unchecked)} evaluation(s) ran without a check that "
@@ -222,6 +233,26 @@ class Evaluations:
                                                        f"{' and '.join(chose)}: an evaluation may have chosen what "
                                                        "is released, so nothing is recorded; turn selection on "
                                                        "before training, with held-out rows, or leave it off")
+        if not moved:
+            return
+        best = state.best_model_checkpoint if args.load_best_model_at_end else None
+        if best is None or self.checkpoints.get(Path(best).name) != weights_digest(now):
+            raise ConfigError(Code.UNGOVERNED_UPDATE, "the weights are neither the last governed step's nor those of "
+                                                      "the best checkpoint this Trainer saved and "
+                                                      "load_best_model_at_end loaded: something else wrote them, so "
+                                                      "nothing is recorded; leave the model's parameters alone while "
+                                                      "the run is open")
+        self.run._weights.update()  # the released weights: a governed step's, chosen on held-out rows
+
+
+def weights_digest(weights: dict[str, torch.Tensor]) -> bytes:
+    """SHA-256 over the names, dtypes, shapes and bytes of `weights`, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        tensor = weights[name].detach().cpu().contiguous()
+        digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.digest()
 
 
 def materialised(dataset: Any) -> list[Any] | None:

@@ -22,6 +22,16 @@ model whose hooks, methods or modules changed after the run opened, a second for
 batch that is not the one waiting. The accountant's q holds only if govtrain drew the
 batch.
 
+A step is one transaction from its draw to its update. An exception in between (a hook of yours raising in the
+per-sample backward, a parameter swapped under the update) stops the run in this process, as a kill would:
+`batches()`, `step()` and `save()` refuse (`step_failed`), leaving the block saves nothing, and the config
+opened again resumes from the last checkpoint, drawing the same rows (the sampler is keyed). `observe` sees a
+draw only once it is recorded, and `step()` takes a plain `torch.Tensor` whose sum it reads before anything is
+summed. The weights move only in governed steps: the trainable ones as the last step left them (compared by
+value), every parameter's identity and every frozen one's version counter are checked before each draw, each
+governed forward, each update and at `save()`, and torch's global optimizer hooks are refused (they run inside
+the update); all `ungoverned_update`. Leaving the block keeps the weights as the last governed step left them.
+
 Leaving the `with` block before the last step keeps the run's state in `<output>/run-state.pt`: opening
 the same config again resumes it (same run id, same ledger history; spend already written is never
 written again). An exception (a kill) keeps the last checkpoint, as `govtrain train` does.
@@ -29,6 +39,7 @@ written again). An exception (a kill) keeps the last checkpoint, as `govtrain tr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import dataclass, field
@@ -83,9 +94,11 @@ class GovernedRun:
     def __init__(self, run: Run, ledger: "Ledger", *, on_step: Callable[[int, float], None] | None = None) -> None:
         self._run, self._ledger, self._on_step = run, ledger, on_step
         self._saved = self._closed = False
-        self._guard = Guard(run.model, run.forward)  # the run owns sampling
+        self._broken: str | None = None  # what raised inside a step, after its draw (`_in_step`)
+        check_optimizer_hooks()
+        self._weights = Weights(run.model)  # the model as the last governed step left it
+        self._guard = Guard(run.model, self._governed_forward)  # the run owns sampling
         self._tokenizer = copy.deepcopy(run.tokenizer)  # encodes every draw: patching run.tokenizer changes none
-        self._weights_after_step: dict[str, torch.Tensor] | None = None  # kept by _end_step once asked for
 
     @classmethod
     def open(cls, config: RunConfig | Mapping[str, Any] | str | Path, ledger_url: str, *, key: str | Path | None = None,
@@ -118,10 +131,16 @@ class GovernedRun:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
-        if kind is None and not self._saved and (self._run.pending is not None or self._run.result.steps):
-            self._run._save()  # between logical steps: what is saved is exactly what the ledger charged for
-            self._run.log(f"{self.run_id} paused at step {self.steps}/{self.total_steps}: open the same config again "
-                          "to resume it")
+        run = self._run
+        if self._broken is not None:
+            run.log(f"{self.run_id} stopped: {self._broken}; its state is its last checkpoint's: open the same config "
+                    "again to resume from there")
+        elif kind is None and not self._saved and (run.pending is not None or run.result.steps):
+            # between logical steps: what is saved is exactly what the ledger charged for, with the weights as
+            # the last governed step left them (a change made since is not the run's)
+            run._save(trainable=self._weights.trainable)
+            run.log(f"{self.run_id} paused at step {self.steps}/{self.total_steps}: open the same config again "
+                    "to resume it")
         self.close()
 
     def close(self) -> None:
@@ -205,6 +224,7 @@ class GovernedRun:
             raise RuntimeError("run.batches() is already being iterated")
         if self._closed:
             raise RuntimeError("the run is closed")
+        self._check_whole()
         guard.iterating = True
         run = self._run
         try:
@@ -217,11 +237,17 @@ class GovernedRun:
                     continue  # another run holds this ledger epoch: plan the next one
                 while not run.epoch_done:
                     if guard.drawn is None:
-                        chunks = run.draw()
-                        if not chunks:  # an empty draw is still a step: its noise is drawn and the update runs
-                            self._end_step()
+                        self._check_governed(f"before step {run.result.steps}")
+                        with self._in_step():
+                            chunks = run.draw()
+                            if chunks:
+                                guard.drawn = Drawn(run.result.steps, copy.deepcopy(chunks))  # the run's own record
+                            else:  # an empty draw is still a step: its noise is drawn and the update runs
+                                loss = self._apply()
+                        self._observe(chunks)
+                        if not chunks:
+                            self._stepped(loss)
                             continue
-                        guard.drawn = Drawn(run.result.steps, copy.deepcopy(chunks))  # the run's own record
                     batch = self._encode(guard.drawn)
                     guard.wait(batch)
                     yield batch
@@ -243,6 +269,7 @@ class GovernedRun:
         whose tensors changed after the draw is refused here too (`ungoverned_batch`), before anything is summed.
         What is clipped, with which norms and classes, and whether the step ends here come from the run's own
         record of the draw, never from the batch."""
+        self._check_whole()
         guard = self._guard
         waiting, drawn = guard.waiting, guard.drawn
         if waiting is None:
@@ -252,17 +279,24 @@ class GovernedRun:
                                                      "losses must come from that forward")
         guard.check_unchanged(waiting)
         size = len(waiting.chunk.indices)
-        if getattr(losses, "shape", None) != (size,):
+        if type(losses) is not torch.Tensor:  # a subclass or proxy runs its own code inside the step (F6)
+            raise ValueError(f"run.step() needs a torch.Tensor of losses, not a {type(losses).__name__}: use "
+                             "run.per_example_loss, or a reduction='none' loss averaged over each example's own tokens")
+        if losses.shape != (size,):
             raise ValueError(f"run.step() needs one loss per example, shape ({size},); got shape "
-                             f"{tuple(getattr(losses, 'shape', ()))}: use run.per_example_loss, or a reduction='none' "
+                             f"{tuple(losses.shape)}: use run.per_example_loss, or a reduction='none' "
                              "loss averaged over each example's own tokens")
-        self._run.accumulate(waiting.chunk, losses)
-        guard.waiting = None
-        drawn.next += 1
-        if not waiting.last:
-            return None
-        guard.drawn = None
-        return self._end_step()
+        total = float(losses.detach().sum())  # read before anything is summed
+        with self._in_step():
+            self._run.accumulate(waiting.chunk, losses, total)
+            guard.waiting = None
+            drawn.next += 1
+            if not waiting.last:
+                return None
+            guard.drawn = None
+            loss = self._apply()
+        self._stepped(loss)
+        return loss
 
     def save(self) -> RunResult:
         """Save the adapter to the config's output folder and record the run entry (adapter and config hashes,
@@ -271,9 +305,11 @@ class GovernedRun:
         run = self._run
         if self._saved:
             raise RuntimeError("the run is already saved")
+        self._check_whole()
         if not (run.done or run.result.exhausted):
             raise RuntimeError(f"the run has taken {run.result.steps} of {run.total} steps: iterate run.batches() to "
                                "the end, or leave the with block to keep its state and resume later")
+        self._check_governed("at run.save()")
         self._guard.remove()  # the saved model carries no hook of the run
         result = run.finish()
         self._saved = True
@@ -290,13 +326,105 @@ class GovernedRun:
         return GovernedBatch(encoded.inputs, encoded.targets, encoded.extra,
                              _place=(drawn.step, drawn.next, len(drawn.chunks)))
 
-    def _end_step(self) -> float:
+    def _apply(self) -> float:
+        """The step's noise and update (inside `_in_step`), on the weights as the last governed step left them."""
+        self._check_governed(f"at step {self._run.result.steps}'s update")
         loss = self._run.apply()
-        if self._weights_after_step is not None:  # asked for by the Trainer integration (integrations/hf.py)
-            self._weights_after_step = trainable_weights(self.model)
-        if self._on_step is not None:
-            self._on_step(self._run.result.steps, loss)
+        self._weights.update()
         return loss
+
+    def _stepped(self, loss: float) -> None:
+        if self._on_step is not None:  # the step is whole: what the callback does is after it
+            self._on_step(self._run.result.steps, loss)
+
+    def _observe(self, chunks: list) -> None:
+        run = self._run
+        if run.observe is not None:  # after the draw is recorded: raising here cannot make the run draw again
+            step = run.result.steps - (0 if chunks else 1)
+            run.observe(step, [c for chunk in chunks for c in chunk.owners])
+
+    @contextlib.contextmanager
+    def _in_step(self) -> Iterator[None]:
+        """A step is one transaction from its draw to its update: anything raised in between (a hook of yours, a
+        loss that raises once summed, a parameter swapped under the update) leaves the run broken in this
+        process, as a kill would, and it refuses to go on. Otherwise the loop could catch the error and have the
+        step drawn again until it liked the draw, or summed a chunk twice, or moved the weights without a
+        counted step (review 3, F1, F2, F6)."""
+        try:
+            yield
+        except BaseException as error:
+            self._broken = (f"step {self._run.result.steps} raised {type(error).__name__} after its draw "
+                            f"({str(error)[:120]})")
+            raise
+
+    def _check_whole(self) -> None:
+        if self._broken is not None:
+            raise ConfigError(Code.STEP_FAILED, f"{self._broken}: what this process holds is no longer what the "
+                                                "ledger charged; close the run and open the same config again (it "
+                                                "resumes from its last checkpoint and draws the same rows)")
+
+    def _check_governed(self, when: str) -> None:
+        check_optimizer_hooks()
+        changed = self._weights.changed()
+        if changed is not None:
+            raise ConfigError(Code.UNGOVERNED_UPDATE, f"{changed} {when}, outside a governed step: only the run's "
+                                                      "noised updates may move what it trains, or the released "
+                                                      "weights carry what no step charged; leave the model's "
+                                                      "parameters alone while the run is open")
+
+    @contextlib.contextmanager
+    def _governed_forward(self) -> Iterator[None]:
+        """The guard's context for a governed forward: the weights as the last step left them, then the run's
+        capture and precision. Gradients taken at weights moved by other code are a query the ledger never saw."""
+        self._check_governed("at a governed forward")
+        with self._run.forward():
+            yield
+
+
+class Weights:
+    """The model's parameters as the last governed step left them: a copy of each trainable one's values, and
+    each parameter's identity and version counter (a frozen one is never written by a step: an in-place write
+    bumps its counter). `changed()` names the first that differs. Writes to a frozen parameter's storage that
+    bypass its counter (`.data`, `.numpy()`) are not seen: that, like patching a library, is out of reach."""
+
+    def __init__(self, model: "nn.Module") -> None:
+        self.model = model
+        self.update()
+
+    def update(self) -> None:
+        self.trainable = trainable_weights(self.model)
+        self.params = [(name, p, p._version) for name, p in self.model.named_parameters()]
+
+    def changed(self) -> str | None:
+        now = list(self.model.named_parameters())
+        if len(now) != len(self.params) or any(p is not q for (_, p), (_, q, _) in zip(now, self.params)):
+            return "a parameter of run.model was replaced or added"
+        for name, p, version in self.params:
+            if not p.requires_grad and p._version != version:
+                return f"{name} (frozen) was written"
+        for name, p in now:
+            kept = self.trainable.get(name)
+            if p.requires_grad != (kept is not None):
+                return f"{name} had requires_grad switched"
+            if kept is not None and not torch.equal(p.detach(), kept):
+                return f"{name} was written"
+        return None
+
+    def same(self, weights: dict[str, "torch.Tensor"]) -> bool:
+        return weights.keys() == self.trainable.keys() and all(torch.equal(v, self.trainable[n])
+                                                               for n, v in weights.items())
+
+
+def check_optimizer_hooks() -> None:
+    """torch's global optimizer-step hooks run inside every governed update, with the weights and the step in
+    hand: a pre-hook that raises could reject draws, a post-hook could move the weights again (review 3, F1)."""
+    from torch.optim import optimizer
+
+    hooks = [*optimizer._global_optimizer_pre_hooks.values(), *optimizer._global_optimizer_post_hooks.values()]
+    if hooks:
+        raise ConfigError(Code.UNGOVERNED_UPDATE, f"torch has {len(hooks)} global optimizer step hook(s) registered "
+                                                  "(register_optimizer_step_pre_hook/post_hook): they would run inside "
+                                                  "each governed update; remove them while the run is open")
 
 
 def trainable_weights(model: "nn.Module") -> dict[str, "torch.Tensor"]:

@@ -128,8 +128,9 @@ class Run:
     out the chunks, so a user's own loop, the Hugging Face Trainer and `govtrain train` take one path.
 
     Every phase reads the ledger it needs at that moment, so each can be interrupted (a kill) and the
-    next call with the same config resumes from the saved state. `observe(step, ids)` sees the
-    contributions drawn at each step (for tests and audits of the sampler).
+    next call with the same config resumes from the saved state. `observe(step, ids)`, called by
+    `GovernedRun` once a draw is recorded, sees the contributions drawn at each step (for tests and audits of
+    the sampler).
     """
 
     def __init__(self, config: RunConfig, ledger: Ledger, *, insecure_seed: int | None = None, log: LOG = print,
@@ -393,8 +394,6 @@ class Run:
             else:  # each contribution's examples are averaged, then clipped together
                 who = [owners[i] for i in range(len(part)) if i == 0 or unit[i] != unit[i - 1]]
             chunks.append(Chunk(part, unit, owners, [self.classes[c] for c in who], [self.signed_clip[c] for c in who]))
-        if self.observe is not None:
-            self.observe(result.steps, [c for chunk in chunks for c in chunk.owners])
         self.router.begin()
         self._loss_sum, self._drawn = 0.0, 0
         return chunks
@@ -410,11 +409,13 @@ class Run:
         with self.router.capture(), self._autocast():
             yield
 
-    def accumulate(self, chunk: Chunk, losses) -> None:  # type: ignore[no-untyped-def]
+    def accumulate(self, chunk: Chunk, losses, total: float | None = None) -> None:  # type: ignore[no-untyped-def]
         """Add `chunk`'s clipped gradients (per example, or per contribution's mean) from its per-example
-        `losses`, computed from the forward just run under `forward()`."""
+        `losses`, computed from the forward just run under `forward()`; `total` is their sum, for the log
+        (`GovernedRun` reads it before anything is summed)."""
+        total = float(losses.detach().sum()) if total is None else total
         self.router.accumulate(losses, chunk.classes, chunk.clips, units=chunk.units)
-        self._loss_sum += float(losses.detach().sum())
+        self._loss_sum += total
         self._drawn += len(chunk.indices)
 
     def apply(self) -> float:
@@ -541,8 +542,9 @@ class Run:
                           {c: (tuple(recorded[c].history), recorded[c].eps_u) for c in live},
                           [c for c in live if recorded[c].retired or c in self._retired_here]), q, batch
 
-    def _save(self) -> None:
-        """The run state: trainable weights, the update's state and the pending epoch with its plan."""
+    def _save(self, trainable: dict | None = None) -> None:
+        """The run state: trainable weights (the model's, or `trainable`), the update's state and the pending
+        epoch with its plan."""
         result = self.result
         _save_state(self.state_path, {
             "run_id": result.run_id, "run_nonce": self.run_nonce, "sampling_key": self.sampler.key,
@@ -550,5 +552,6 @@ class Run:
             "step": result.steps,
             "losses": result.losses, "epochs": result.epochs, "eps_by_class": result.eps_by_class,
             "pending": self.pending,
-            "trainable": {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad},
+            "trainable": trainable if trainable is not None else {
+                n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad},
             "update": self.update.state_dict()})
