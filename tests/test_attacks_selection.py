@@ -6,9 +6,11 @@ machinery (`load_best_model_at_end`, `metric_for_best_model`, `save_strategy="be
 a callback of its own that stops or saves when an evaluation comes in) fed an `eval_dataset` of admitted rows,
 and `govtrain tune`'s selection file made of admitted rows that are not byte for byte an admitted file (a blank
 line appended, re-saved as CSV, two admitted files concatenated, whitespace, key order and Unicode form changed,
-one admitted row among held-out ones). Each is refused with `selection_admitted` and nothing changes: the ledger
-(`tests.conftest.snapshot`), the trials (none runs), the model's weights. Selection on rows that are held out
-stays allowed and is recorded, and evaluation that selects nothing stays allowed on any data.
+one admitted row among held-out ones), and, for a causal LM, rows that score as admitted rows without being
+them (an admitted row with a token appended, its first 8 tokens or more: review 3, F7). Each is refused with
+`selection_admitted` and nothing changes: the ledger (`tests.conftest.snapshot`), the trials (none runs), the
+model's weights. Selection on rows that are held out (a causal LM's sharing a short opening with admitted rows
+included) stays allowed and is recorded, and evaluation that selects nothing stays allowed on any data.
 """
 
 from __future__ import annotations
@@ -640,3 +642,230 @@ def test_weights_written_after_the_best_checkpoint_is_loaded_are_refused(tmp_pat
             trainer.train()
     assert refused.value.code is Code.UNGOVERNED_UPDATE
     assert verify_ledger(corpus.url).by_kind.get("run") is None
+
+
+# -- review 3: a causal LM scores an admitted row's opening as that row (F7) -----------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    """tests/causal_models.py's tiny random Llama and its word-level tokenizer (BOS, no pad token)."""
+    from tests import causal_models
+
+    return causal_models.save(tmp_path_factory.mktemp("tiny-llama"), "llama", layers=6)
+
+
+def _long_texts(n: int) -> list[dict]:
+    """Texts of 16 words of the tiny vocabulary (17 tokens with BOS, none unknown), so that an admitted row's first
+    8 tokens are not a whole row."""
+    from tests.causal_models import WORDS as LM
+
+    return [{"text": f"the {LM[i % 9]} sat on the {LM[9 + i % 8]} mat of the dog who sat on a red mat"}
+            for i in range(n)]
+
+
+def _held_out_texts(n: int) -> list[dict]:
+    """Held-out texts that open with an admitted row's first 6 words, then go on with their own; and texts of 7
+    words that are an admitted row's opening (under `MIN_PREFIX`, an opening that many texts share)."""
+    from tests.causal_models import WORDS as LM
+
+    return [{"text": f"the {LM[i % 9]} sat on the {LM[9 + i % 8]} world is very good hello"} for i in range(n)] + \
+        [{"text": f"the {LM[i % 9]} sat on the {LM[9 + i % 8]} mat"} for i in range(n)]
+
+
+def _lm_corpus(tmp_path: Path) -> Corpus:
+    from tests.test_causal_lm import _contribution
+    from tests.test_hf_trainer import _corpus_lm
+
+    corpus = _corpus_lm(tmp_path, "lm")
+    _contribution(corpus, "texts", _long_texts(40))
+    return corpus
+
+
+def _tokenized(run, texts: list[dict], extra: list[int] | None = None, *, cut: int | None = None,
+               pad: tuple[int, int] = (0, 0), width: int = 0) -> list[dict]:
+    """Texts tokenized as a user would (BOS first), `extra` token ids appended with label -100, cut to their
+    first `cut` ids, and padded left and right (to `width` ids at least) with the pad id under an attention mask
+    of 0."""
+    rows = []
+    for row in texts:
+        ids = run.tokenizer(row["text"])["input_ids"][:cut]
+        labels = list(ids) + [-100] * len(extra or [])
+        ids = list(ids) + list(extra or [])
+        left, right = pad[0], max(pad[1], width - pad[0] - len(ids))
+        rows.append({"input_ids": [run.tokenizer.pad_token_id] * left + ids + [run.tokenizer.pad_token_id] * right,
+                     "attention_mask": [0] * left + [1] * len(ids) + [0] * right,
+                     "labels": [-100] * left + labels + [-100] * right})
+    return rows
+
+
+def _lm_selecting(tmp_path: Path, **overrides) -> transformers.TrainingArguments:
+    return _evaluating(tmp_path, load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=False,
+                       save_strategy="steps", save_steps=2, **overrides)
+
+
+def _dataset(rows: list[dict]):
+    import datasets
+
+    return datasets.Dataset.from_list(rows)
+
+
+F7_ROWS = {  # the admitted rows as a causal LM scores them, but not the same token ids -> (rows, matched, says)
+    "one token appended, its label -100": lambda run, yes: (_tokenized(run, _long_texts(8), [yes]), "starts with"),
+    "one token appended, padded both sides": lambda run, yes: (_tokenized(run, _long_texts(8), [yes], pad=(2, 3)),
+                                                               "starts with"),
+    "the first 8 tokens": lambda run, yes: (_tokenized(run, _long_texts(8), cut=9), "is the start of"),
+    "the first 12 tokens, no BOS": lambda run, yes: (
+        [dict(run.tokenizer(" ".join(r["text"].split()[:12]), add_special_tokens=False)) for r in _long_texts(8)],
+        "is the start of"),
+    "text rows with a word appended": lambda run, yes: (
+        _dataset([{"text": r["text"] + " yes"} for r in _long_texts(8)]),
+        "starts with"),
+}
+
+
+@pytest.mark.parametrize("how", sorted(F7_ROWS))
+def test_a_causal_lm_selecting_on_admitted_rows_by_their_opening_is_refused(tmp_path: Path, tiny_llama: Path,
+                                                                          how: str):
+    """F7: appending one token (label -100) to an admitted row changes none of a causal LM's earlier logits, so
+    the eval loss is the admitted row's; the exact check let it through, load_best_model_at_end chose the
+    checkpoint by it and the run was recorded. An admitted row's first 8 tokens or more score its first targets
+    in the same way. Refused with selection_admitted when the Trainer is built: nothing moved or was written."""
+    from tests.test_causal_lm import _run_toml
+
+    corpus = _lm_corpus(tmp_path)
+    before = snapshot(corpus.url)
+    with govtrain.GovernedRun.open(_run_toml(corpus, tiny_llama, 6), corpus.url, insecure_seed=1, **QUIET) as run:
+        yes = run.tokenizer.convert_tokens_to_ids("yes")
+        rows, says = F7_ROWS[how](run, yes)
+        if how.startswith("one token appended, its label"):  # the premise: the same logits on the admitted tokens
+            with torch.no_grad():
+                for admitted, appended in zip(_tokenized(run, _long_texts(8)), rows):
+                    short = run.model(input_ids=torch.tensor([admitted["input_ids"]])).logits[0]
+                    long = run.model(input_ids=torch.tensor([appended["input_ids"]])).logits[0, :len(short)]
+                    assert torch.allclose(short, long, atol=1e-5, rtol=0)
+        weights = _trainable(run)
+        with pytest.raises(ConfigError) as refused:
+            GovernedTrainer(run, args=_lm_selecting(tmp_path), eval_dataset=rows)
+        assert refused.value.code is Code.SELECTION_ADMITTED, refused.value
+        detail = refused.value.detail
+        assert "eval_dataset: 8 of 8 rows" in detail and f"row 0 {says} a row of contribution 'texts'" in detail, detail
+        assert "\n" not in detail and "evaluate on held-out rows, or turn that off" in detail
+        assert _same(weights, run) and run.steps == 0 and run.result.adapter_sha256 is None
+    assert snapshot(corpus.url) == before
+    assert "run" not in verify_ledger(corpus.url).by_kind
+
+
+def test_a_causal_lm_selecting_on_held_out_rows_with_a_short_common_opening_is_recorded(tmp_path: Path,
+                                                                                      tiny_llama: Path):
+    """Held-out rows that open as admitted rows do for 6 or 7 tokens (under `MIN_PREFIX`), then differ or end,
+    are not admitted rows to the check: the Trainer selects on them and the run is recorded."""
+    from govtrain.data.rows import MIN_PREFIX
+    from tests.test_causal_lm import _run_toml
+
+    corpus = _lm_corpus(tmp_path)
+    with govtrain.GovernedRun.open(_run_toml(corpus, tiny_llama, 2), corpus.url, insecure_seed=1, **QUIET) as run:
+        rows = _tokenized(run, _held_out_texts(4), width=14)
+        admitted = [run.tokenizer(r["text"])["input_ids"][1:] for r in _long_texts(40)]
+        for row in rows:  # each shares 6 or 7 tokens with an admitted row, and is not a whole admitted row
+            ids = [t for t, on in zip(row["input_ids"], row["attention_mask"]) if on][1:]
+            assert any(a[:6] == ids[:6] for a in admitted) and ids not in admitted
+            assert len(ids) < MIN_PREFIX or not any(a[:len(ids)] == ids for a in admitted)
+        trainer = GovernedTrainer(run, args=_lm_selecting(tmp_path), eval_dataset=rows)
+        trainer.train()
+        assert trainer.state.best_model_checkpoint is not None and run.result.adapter_sha256 is not None
+    assert verify_ledger(corpus.url).by_kind["run"] == 1
+
+
+def test_the_prefix_rule_against_a_brute_force_oracle():
+    """`PrefixIndex.match` against the rule read literally, on token rows over a 3-token vocabulary (so that
+    rows are openings of each other at every length), and at the threshold."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import strategies as st
+
+    from govtrain.data.rows import MIN_PREFIX, PrefixIndex
+
+    rows = st.lists(st.integers(0, 2), min_size=1, max_size=12).map(tuple)
+
+    @hypothesis.settings(max_examples=300, deadline=None)
+    @hypothesis.given(admitted=st.lists(rows, max_size=12), probe=rows)
+    def agrees(admitted, probe):
+        owners = {row: f"c{i}" for i, row in enumerate(admitted)}
+        found = PrefixIndex.of(owners).match(probe)
+        starts = [a for a in owners if probe[:len(a)] == a]
+        opens = [a for a in owners if a[:len(probe)] == probe] if len(probe) >= MIN_PREFIX else []
+        if starts:
+            assert found is not None and found[0] == ("is" if probe in owners else "starts with")
+            assert any(found[1] == owners[a] for a in starts)
+        elif opens:
+            assert found is not None and found[0] == "is the start of" and any(found[1] == owners[a] for a in opens)
+        else:
+            assert found is None
+
+    agrees()
+    index = PrefixIndex.of({tuple(range(20)): "pub", (5,): "short", (5, 7, 0): "other"})
+    assert index.match(tuple(range(MIN_PREFIX))) == ("is the start of", "pub")
+    assert index.match(tuple(range(MIN_PREFIX - 1))) is None
+    assert index.match((5, 7, 9)) == ("starts with", "short")  # the greatest row below (5, 7, 9) is not its opening
+    assert index.match(()) is None
+
+
+def _lm_tune(corpus: Corpus, model: Path, selection: list[dict]):
+    from click.testing import CliRunner
+
+    from govtrain.cli.main import cli
+    from tests.test_causal_lm import _run_toml
+
+    (corpus.dir / "selection.jsonl").write_text("".join(json.dumps(row) + "\n" for row in selection))
+    grid = _grid(corpus, '"optimizer.lr" = [0.01, 0.05]', 'data = "selection.jsonl"')
+    return CliRunner().invoke(cli, ["tune", "--config", str(_run_toml(corpus, model, 2)), "--grid", str(grid),
+                                    "--ledger", corpus.url, "--insecure-seed", "3", "--json"])
+
+
+TUNE_F7 = {  # a selection file a causal LM scores as admitted rows -> (its rows, how row 1 holds one)
+    "a word appended": ([{"text": r["text"] + " yes"} for r in _long_texts(40)], "starts with"),
+    "as a prompt, a completion appended": ([{"prompt": r["text"], "completion": " yes"} for r in _long_texts(40)],
+                                           "starts with"),
+    "an unknown word appended": ([{"text": r["text"] + " zebra"} for r in _long_texts(40)], "starts with"),
+    "the first 8 words": ([{"text": " ".join(r["text"].split()[:8])} for r in _long_texts(40)], "is the start of"),
+}
+
+
+@pytest.mark.parametrize("how", sorted(TUNE_F7))
+def test_tune_refuses_a_causal_lm_selection_file_that_scores_as_admitted_rows(corpus: Corpus, tiny_llama: Path,
+                                                                              how: str):
+    """F7 in `govtrain tune`: the selection file's rows compared by token ids only as they are let an admitted row
+    with a word appended (or its opening) rank the trials by the admitted rows' loss. Refused before any trial."""
+    from tests.test_causal_lm import _contribution
+
+    _contribution(corpus, "texts", _long_texts(40))
+    rows, says = TUNE_F7[how]
+    before = snapshot(corpus.url)
+    result = _lm_tune(corpus, tiny_llama, rows)
+    assert result.exit_code == 2 and "error[selection_admitted]" in result.stderr, result.output
+    assert "40 of 40 rows" in result.stderr and f"selection.jsonl:1 {says} a row of contribution 'texts'" in \
+        result.stderr, result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("error[")] == \
+        [result.stderr.strip().splitlines()[-1]]
+    assert snapshot(corpus.url) == before and not _entries(corpus.url, "spend")
+    assert not (corpus.dir / "adapter").exists()
+
+
+def test_tune_accepts_a_causal_lm_selection_file_with_a_short_common_opening(corpus: Corpus, tiny_llama: Path):
+    """The held-out rows of the Trainer case: checked, and not refused (the search itself is tested elsewhere)."""
+    from govtrain.tasks import task_for
+    from govtrain.train.config import load_run_config
+    from govtrain.train.tune import check_selection, read_selection
+    from tests.test_causal_lm import _contribution, _run_toml
+
+    _contribution(corpus, "texts", _long_texts(40))
+    path = corpus.dir / "selection.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in _held_out_texts(20)))
+    config = load_run_config(_run_toml(corpus, tiny_llama, 2))
+    task = task_for(config.file)
+    with corpus.open() as ledger:
+        check_selection(ledger, config, task, read_selection(path, task, ()))
+        appended = TUNE_F7["a word appended"][0][:1]  # and with one admitted row, a word appended, among them
+        path.write_text("".join(json.dumps(row) + "\n" for row in _held_out_texts(20) + appended))
+        with pytest.raises(ConfigError) as refused:
+            check_selection(ledger, config, task, read_selection(path, task, ()))
+        assert refused.value.code is Code.SELECTION_ADMITTED and "1 of 41 rows" in refused.value.detail

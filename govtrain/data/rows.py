@@ -4,6 +4,7 @@
     admitted = AdmittedRows(examples, owners)              # the rows no selection may score on
     matched = admitted.matches((where, input_digest(e)) for ...)  # [(where, contribution id)] of admitted rows
     admitted.tokens(task, tokenizer, max_length)           # {token ids as the model reads them: contribution id}
+    PrefixIndex.of(tokens).match(row)                      # a causal task: ("starts with", contribution id) | None
     admitted_summary(matched, total)                       # "3 of 40 rows are admitted rows (e.g. ...)"
 
 A file's SHA-256 (`govtrain.data.digest`) binds bytes; a row digest names an example. Two data sets share a row
@@ -30,10 +31,20 @@ a text into UNK, its token ids no longer tell two texts apart: such a row's text
 (`keep_unknown=False`, as `govtrain tune` does), while a tokenized row, which has no text, is compared as it
 is. `govtrain tune` (its selection file) and the Trainer integration (evaluation that chooses what is
 released) refuse selection on admitted rows with these (`selection_admitted`).
+
+For a causal task (`task.causal`) equality is not enough: the logit at a position reads only the tokens before
+it, so a row that is an admitted row followed by more tokens scores the admitted row's tokens exactly as the
+admitted row does (one token appended, its label -100, gives the admitted row's loss), and a row that is an
+admitted row's first k tokens scores those k tokens as the admitted row does (review 3, F7). `PrefixIndex`
+finds both over the same token rows (structural special tokens and padding left out): a row an admitted row is
+a prefix of, at any length (an admitted row's whole loss is in it, as in an exact copy), and a row that is a
+prefix of an admitted row once it has `MIN_PREFIX` tokens or more (shorter, it is an opening many texts share:
+see the constant).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import json
@@ -46,6 +57,13 @@ DOMAIN = b"govtrain row digest v1\n"
 INPUT_DOMAIN = b"govtrain input digest v1\n"
 LABELS = frozenset({"label"})  # an example's fields that are its target, not its input
 STRUCTURAL = ("bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id", "pad_token_id")
+# The fewest tokens (special tokens left out) a row needs before being an admitted row's opening refuses it (a
+# causal task). A shorter row is an opening that independent texts share (a greeting, "what is the capital of",
+# a chat role header that survives as ordinary tokens), so refusing it would refuse honest held-out rows, while
+# all it scores of the admitted row is the loss of its first 7 tokens or fewer. 8 is the low end of the 8- to
+# 13-token runs that contamination studies take as copied rather than coincidental (PaLM's 8-grams, GPT-3's
+# 13-grams). A row that holds a whole admitted row as its opening is refused at any length, as an exact copy is.
+MIN_PREFIX = 8
 _CHUNK = 64  # examples encoded at once
 
 
@@ -162,11 +180,65 @@ class AdmittedRows:
         return found
 
 
-def admitted_summary(matched: list[tuple[str, str]], total: int) -> str:
-    """"3 of 40 rows are admitted rows (e.g. valid.csv:7 is a row of contribution 'pub')"."""
-    where, owner = matched[0]
-    return f"{len(matched)} of {total} rows are admitted rows (e.g. {where} is a row of contribution {owner!r})"
+@dataclass(frozen=True)
+class PrefixIndex:
+    """Admitted token rows in lexicographic order, for the prefix rule of a causal task (module docstring).
+
+    Sorted tuples put every row that starts with `r` in one run right after `r`'s place, so "`r` is the
+    opening of an admitted row" is one binary search. "An admitted row is an opening of `r`" is a few: the
+    greatest admitted row not above `r` either is an opening of it, or differs from `r` at a position k where
+    every admitted opening of `r` has ended (any longer one would sort after it), so the search goes on with
+    `r`'s first k tokens, a strictly shorter probe. No per-token table is built: memory is the rows themselves.
+    """
+
+    rows: tuple[tuple[int, ...], ...]  # sorted, none empty
+    owners: Mapping[tuple[int, ...], str]  # row -> contribution id
+
+    @classmethod
+    def of(cls, tokens: Mapping[tuple[int, ...], str]) -> PrefixIndex:
+        """From `AdmittedRows.tokens` (one or more of them merged)."""
+        return cls(rows=tuple(sorted(row for row in tokens if row)), owners=tokens)
+
+    def match(self, row: Sequence[int]) -> tuple[str, str] | None:
+        """(how `row` holds an admitted row, its contribution id), or None: "is" (the same tokens), "starts with"
+        (an admitted row followed by more tokens) or "is the start of" (an admitted row's first `MIN_PREFIX` or
+        more tokens). `row` is compared as given: leave out padding and structural special tokens first."""
+        row, rows = tuple(row), self.rows
+        if not row:
+            return None
+        probe = row
+        while probe:
+            at = bisect.bisect_right(rows, probe)
+            if at == 0:
+                break
+            below = rows[at - 1]
+            if probe[:len(below)] == below:
+                return ("is" if below == row else "starts with"), self.owners[below]
+            probe = probe[:_common(below, probe)]
+        if len(row) >= MIN_PREFIX:
+            at = bisect.bisect_left(rows, row)
+            if at < len(rows) and rows[at][:len(row)] == row:
+                return ("is" if rows[at] == row else "is the start of"), self.owners[rows[at]]
+        return None
 
 
-__all__ = ["DOMAIN", "LABELS", "STRUCTURAL", "AdmittedRows", "admitted_summary", "input_digest", "normal_form",
-           "normalised_digest", "row_digest", "special_ids", "token_rows"]
+def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """The length of the longest common opening of `a` and `b`."""
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def admitted_summary(matched: Sequence[tuple[str, ...]], total: int) -> str:
+    """"3 of 40 rows are admitted rows (e.g. valid.csv:7 is a row of contribution 'pub')". Each match is (where,
+    contribution id) or (where, contribution id, how) with how from `PrefixIndex.match`; once one is a prefix
+    match, the summary says what a causal LM scores as an admitted row."""
+    where, owner, *how = matched[0]
+    relation = how[0] if how else "is"
+    if all(len(m) < 3 or m[2] == "is" for m in matched):
+        return f"{len(matched)} of {total} rows are admitted rows (e.g. {where} is a row of contribution {owner!r})"
+    return (f"{len(matched)} of {total} rows are admitted rows, or score as one to a causal LM (an admitted row "
+            f"with tokens appended, or its first {MIN_PREFIX}+ tokens: e.g. {where} {relation} a row of contribution "
+            f"{owner!r})")
+
+
+__all__ = ["DOMAIN", "LABELS", "MIN_PREFIX", "STRUCTURAL", "AdmittedRows", "PrefixIndex", "admitted_summary",
+           "input_digest", "normal_form", "normalised_digest", "row_digest", "special_ids", "token_rows"]

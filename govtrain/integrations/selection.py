@@ -26,6 +26,12 @@ compared, never labels (an admitted text under a flipped label is still the admi
 - a row that can be compared neither way, or a data set whose rows cannot be listed (an iterable one), is
   refused as one that cannot be checked.
 
+For a causal LM (`task.causal`) the same token ids are also compared by prefix (`govtrain.data.rows.PrefixIndex`,
+review 3, F7): a position's logit reads only the tokens before it, so an admitted row with one token appended
+(its label -100) has the admitted row's eval loss. A row is refused when an admitted row's tokens are its
+opening, at any length, and when it is the opening of an admitted row with `MIN_PREFIX` (8) tokens or more;
+a row in the task's columns is encoded by the run's task for this (uncut and cut at `model.max_length`).
+
 What is evaluated is what was checked: the Trainer evaluates a list of the rows as read (`materialised`), never
 the data set object, whose batch access (`__getitems__`) may serve other rows than its `__getitem__`, and
 a `data_collator` replaced after the Trainer was built is refused while a setting is on. The settings are read
@@ -37,9 +43,10 @@ released only when they are exactly those of the checkpoint `load_best_model_at_
 saved it after a governed step (`ungoverned_update` otherwise: review 3 had a callback restore the weights it
 liked best on admitted rows, and the run recorded them).
 
-What it does not catch: an admitted row altered beyond the normal form (a word changed), a callback that
-remembers an evaluation and acts on it at a later step, and code of yours that reads any data itself
-(`compute_metrics`, a callback, the `processing_class` that pads evaluation batches).
+What it does not catch: an admitted row altered beyond the normal form (a word changed), a causal LM's row
+that is an admitted row's first 7 tokens or fewer (below `MIN_PREFIX`) or holds one after other tokens (the
+logits then differ), a callback that remembers an evaluation and acts on it at a later step, and code of yours
+that reads any data itself (`compute_metrics`, a callback, the `processing_class` that pads evaluation batches).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 from transformers import EarlyStoppingCallback, TrainingArguments
 
+from govtrain.data.rows import PrefixIndex
 from govtrain.errors import Code, ConfigError
 from govtrain.train.governed import GovernedRun, trainable_weights
 
@@ -108,6 +116,7 @@ class SelectionCheck:
         self.run = run
         self.task = task_for(run.config.file)
         self._tokens: dict[tuple[int, ...], str] | None = None
+        self._prefixes: PrefixIndex | None = None
 
     def check(self, datasets: Mapping[str, Any], settings: list[str]) -> None:
         """Each named data set, in order: refused at the first that holds admitted rows or cannot be checked."""
@@ -129,16 +138,17 @@ class SelectionCheck:
         matched, total = [], 0
         for index, row in enumerate(rows):
             total += 1
-            owner = self._owner(row, f"row {index}", name, why)
-            if owner is not None:
-                matched.append((f"row {index}", owner))
+            found = self._owner(row, f"row {index}", name, why)
+            if found is not None:
+                matched.append((f"row {index}", found[1], found[0]))
         if matched:
             raise ConfigError(Code.SELECTION_ADMITTED, f"{name}: {admitted_summary(matched, total)}, and {why}, "
                                                        "so it would select on private data that no spend entry "
                                                        "charges: evaluate on held-out rows, or turn that off")
 
-    def _owner(self, row: Any, where: str, name: str, why: str) -> str | None:
-        """The contribution whose admitted row `row` is, or None; refused where it can be compared neither way."""
+    def _owner(self, row: Any, where: str, name: str, why: str) -> tuple[str, str] | None:
+        """(how `row` holds an admitted row, that row's contribution) as `PrefixIndex.match` says it, or None;
+        refused where it can be compared neither way."""
         from govtrain.data.rows import input_digest
 
         if not isinstance(row, Mapping):
@@ -156,22 +166,26 @@ class SelectionCheck:
             checked = True
             owner = self.run.admitted_rows.digests.get(input_digest(example))
             if owner is not None:
-                return owner
+                return "is", owner
+            found = self._example_match(example) if self.task.causal else None
+            if found is not None:
+                return found
         ids = row.get("input_ids")
         if _token_ids(ids):
             checked = True
-            owner = self._token_owner(ids, row.get("attention_mask"))
-            if owner is not None:
-                return owner
+            found = self._token_owner(ids, row.get("attention_mask"))
+            if found is not None:
+                return found
         if not checked:
             raise ConfigError(Code.SELECTION_ADMITTED, f"{name}: cannot check {where} (columns {sorted(map(str, row))}:"
                                                        f" neither the task's columns nor input_ids), and {why}: give "
                                                        "rows with the task's columns or input_ids, or turn that off")
         return None
 
-    def _token_owner(self, ids: list[int], mask: Any) -> str | None:
-        """The contribution whose admitted example has these token ids, the structural special tokens left out on
-        both sides: with the padding the attention mask strips taken out, and as they are."""
+    def _token_owner(self, ids: list[int], mask: Any) -> tuple[str, str] | None:
+        """(how, contribution) of the admitted example these token ids are (or, for a causal task, share an
+        opening with: `PrefixIndex.match`), the structural special tokens left out on both sides: with the
+        padding the attention mask strips taken out, and as they are."""
         from govtrain.data.rows import special_ids
 
         index, special = self._token_index(), special_ids(self.run._tokenizer)
@@ -179,10 +193,38 @@ class SelectionCheck:
         if isinstance(mask, list) and len(mask) == len(ids) and all(isinstance(m, (int, bool)) for m in mask):
             forms.insert(0, [token for token, keep in zip(ids, mask) if keep])
         for form in forms:
-            owner = index.get(tuple(token for token in form if token not in special))
+            tokens = tuple(token for token in form if token not in special)
+            owner = index.get(tokens)
             if owner is not None:
-                return owner
+                return "is", owner
+            found = self._prefix_index().match(tokens) if self.task.causal else None
+            if found is not None:
+                return found
         return None
+
+    def _example_match(self, example: Any) -> tuple[str, str] | None:
+        """A causal task's example encoded by the run's task as a tokenized row of it would be (uncut, and cut at
+        `model.max_length`), against the prefix index. A length at which the task refuses the example (no target
+        token left) gives no encoding to compare and is passed over; the other still is compared."""
+        from govtrain.data.rows import token_rows
+
+        for length in (_UNCUT, self.run.config.file.model.max_length):
+            try:
+                (tokens,) = token_rows(self.task, [example], self.run._tokenizer, length)
+            except ConfigError as e:
+                if e.code is not Code.BAD_DATA:
+                    raise
+                continue
+            found = self._prefix_index().match(tokens)
+            if found is not None:
+                return found
+        return None
+
+    def _prefix_index(self) -> PrefixIndex:
+        """`_token_index` sorted for prefix search (a causal task); built once, on first use."""
+        if self._prefixes is None:
+            self._prefixes = PrefixIndex.of(self._token_index())
+        return self._prefixes
 
     def _token_index(self) -> dict[tuple[int, ...], str]:
         """`AdmittedRows.tokens` cut at `model.max_length` and uncut, with the run's own tokenizer (a patched

@@ -30,6 +30,10 @@ class Batch:
 
 class Task(Protocol):
     name: str
+    # True where the loss at a position reads only the tokens before it (next-token prediction): a row's opening
+    # then fixes that part of its loss, so a selection refuses rows that share one with an admitted row
+    # (`govtrain.data.rows.PrefixIndex`); False where the whole row is read at once (a classifier's pooled output).
+    causal: bool
 
     def example(self, row: Mapping[str, Any], where: str) -> Any:
         """One example from one data row, or ConfigError(BAD_DATA) naming `where` (file:row)."""

@@ -31,7 +31,7 @@ Why each rule:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 from govtrain.errors import Code, ConfigError
 from govtrain.tasks.base import Batch, probe_texts
@@ -68,6 +68,8 @@ class Tokens:
 
 @dataclass(frozen=True)
 class CausalLM:
+    causal: ClassVar[bool] = True  # a position's logit reads the tokens before it only (`Task.causal`)
+
     text_column: str = "text"
     prompt_column: str = "prompt"
     completion_column: str = "completion"

@@ -11,7 +11,7 @@ writes any spend.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 from govtrain.data.columns import require_columns
 from govtrain.errors import Code, ConfigError
@@ -26,6 +26,8 @@ class Labelled:
 
 @dataclass(frozen=True)
 class Classification:
+    causal: ClassVar[bool] = False  # the label is read from the whole row at once (`Task.causal`)
+
     num_labels: int
     text_column: str = "text"
     label_column: str = "label"

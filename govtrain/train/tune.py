@@ -8,8 +8,10 @@ Each trial k is `train()` on its own config (the base RUN.toml with one grid poi
 `<tune_id>-trial-<k>`, output `<training.output>/trial-<k>`), so its spend is written ahead like any run's.
 Every trial's adapter is then scored with `govtrain eval`'s code on the selection file, which must hold no
 admitted data (neither an admitted file nor any row of one, by input digest and by the base model's tokens:
-`govtrain.data.rows`): selecting on it is then post-processing. The `tune` entry binds the trials and
-states the epsilon their spend entries charged (`govtrain/ledger/tuning.py`); the verifier recomputes it.
+`govtrain.data.rows`; for a causal LM, nor a row that starts with an admitted row or is an admitted row's first
+8 tokens or more, which score as that row: `PrefixIndex`): selecting on it is then post-processing. The `tune`
+entry binds the trials and states the epsilon their spend entries charged (`govtrain/ledger/tuning.py`); the
+verifier recomputes it.
 A search stopped by a kill is resumed by running it again with the same id: finished trials (those with a
 run entry) are kept, an interrupted one resumes from its run state.
 """
@@ -256,9 +258,13 @@ def check_selection(ledger, config: RunConfig, task, selection: Selection) -> No
     whose data is in training.data, withdrawn ones included), compared as inputs, the label left out: by input
     digest (`govtrain.data.rows`), then as the base model's tokenizer reads them: by input digest after its
     normaliser (a zero-width space, an uncased text's case), and by the token ids it gives them, cut at
-    `model.max_length` as the trials are scored, without padding and structural special tokens (a row with an
-    unknown token by its digests only). Selecting on private data is not post-processing."""
-    from govtrain.data.rows import AdmittedRows, admitted_summary, input_digest, normalised_digest, token_rows
+    `model.max_length` as the trials are scored, without padding and structural special tokens (an admitted row
+    with an unknown token by its digests only). For a causal task those token ids are also compared by prefix
+    (`PrefixIndex`): a selection row that starts with an admitted row (its loss on those tokens is the admitted
+    row's), or that is an admitted row's first `MIN_PREFIX` tokens or more. Selecting on private data is not
+    post-processing."""
+    from govtrain.data.rows import (AdmittedRows, PrefixIndex, admitted_summary, input_digest, normalised_digest,
+                                    token_rows)
     from govtrain.train.data import load_examples
     from govtrain.train.model import load_tokenizer
 
@@ -272,16 +278,23 @@ def check_selection(ledger, config: RunConfig, task, selection: Selection) -> No
     loaded = load_examples(config.data_dir, {row.data_sha256: row.contribution_id for row in admissions}, task,
                            integer_columns=(config.file.data.label_column,))
     admitted = AdmittedRows(tuple(loaded.items), tuple(loaded.owner))
-    matched = admitted.matches(zip(selection.where, map(input_digest, selection.examples)))
+    matched: list[tuple[str, ...]] = list(admitted.matches(zip(selection.where,
+                                                               map(input_digest, selection.examples))))
     if not matched and admitted.examples:
         tokenizer, _ = load_tokenizer(config)
         length, normalised = config.file.model.max_length, admitted.normalised(tokenizer)
         tokens = admitted.tokens(task, tokenizer, length, keep_unknown=False)
-        read = token_rows(task, selection.examples, tokenizer, length, keep_unknown=False)
+        prefixes = PrefixIndex.of(tokens) if task.causal else None
+        # A selection row as it is read, unknown tokens kept: no admitted row here holds one, so an unknown token
+        # never makes a row match an admitted row it does not hold, and after an admitted opening it still counts
+        # (an admitted row with an unknown word appended is refused).
+        read = token_rows(task, selection.examples, tokenizer, length)
         for where, example, row in zip(selection.where, selection.examples, read):
             owner = normalised.get(normalised_digest(example, tokenizer)) or tokens.get(row)  # type: ignore[arg-type]
             if owner is not None:
                 matched.append((where, owner))
+            elif prefixes is not None and (found := prefixes.match(row)) is not None:
+                matched.append((where, found[1], found[0]))
     if matched:
         raise ConfigError(Code.SELECTION_ADMITTED, f"select.data {selection.path}: "
                                                    f"{admitted_summary(matched, len(selection.examples))}: selecting "
