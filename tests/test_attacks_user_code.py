@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -935,3 +936,171 @@ def test_torchs_global_optimizer_hooks_are_refused(tmp_path: Path, tiny_model: P
     finally:
         if hook is not None:
             hook.remove()
+
+
+# -- review 3: what picks the attention, after the run opened (F3, F4); transformers' own output hooks (L1) --
+
+
+@pytest.fixture
+def registries(monkeypatch):
+    """transformers' attention and attention-mask registries as copies of their own for the test, made before
+    the run opens (so they are the registries as opened) and put back after it: what `register` writes goes."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for kind in (AttentionInterface, AttentionMaskInterface):
+        monkeypatch.setattr(kind, "_global_mapping", dict(kind._global_mapping))
+    for registry in (ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS):
+        monkeypatch.setattr(registry, "_local_mapping", dict(registry._local_mapping))
+
+
+def mixing(module, query, key, value, attention_mask, **kwargs):
+    """F3's attention: every example's values plus 100 times the batch's sum, so each example's gradient
+    depends on the other examples of its batch."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value + 100 * value.sum(0, keepdim=True), attention_mask,
+                                  **kwargs)
+
+
+def injecting(hidden: torch.Tensor):
+    """F4's attention: every drawn example's values replaced by 100 times those the layer's own (LoRA-wrapped)
+    value projection computes, inside the governed forward, from `hidden`, a row no contribution admitted."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        b, h, t, d = value.shape
+        rows = torch.zeros(b, t, hidden.shape[-1])
+        rows[:, :min(t, hidden.shape[1])] = hidden[0, :t]
+        value = 100 * module.value(rows).view(b, t, h, d).transpose(1, 2)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    return attention
+
+
+def _select(run, name: str, attention) -> Callable[[], None]:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, attention)
+    run.model.base_model.model.set_attn_implementation(name)
+
+    def undo() -> None:
+        run.model.base_model.model.set_attn_implementation("sdpa")
+        del AttentionInterface._global_mapping[name]
+
+    return undo
+
+
+def _register(kind: str, name: str, function) -> Callable[[], None]:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    registry = {"attention": AttentionInterface, "mask": AttentionMaskInterface}[kind]
+    before = registry._global_mapping[name]
+    registry.register(name, function)
+    return lambda: registry.register(name, before)
+
+
+def _in_all_attention_functions(name: str, function) -> Callable[[], None]:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS[name] = function
+    return lambda: ALL_ATTENTION_FUNCTIONS.__delitem__(name)
+
+
+def _layer_config(run) -> Callable[[], None]:
+    import copy
+
+    layer = _bert(run).encoder.layer[0].attention.self
+    config = layer.config
+    layer.config = copy.deepcopy(config)
+    layer.config._attn_implementation = "eager"
+    return lambda: setattr(layer, "config", config)
+
+
+def _hidden(run, batch) -> torch.Tensor:
+    with torch.no_grad():
+        return _bert(run).embeddings(input_ids=never_admitted(run, batch)["input_ids"][:1])
+
+
+ATTENTIONS = {  # how the loop changes what picks the attention after the run opened -> (do it, undo it), where
+    "F3: an attention mixing the batch's examples, registered and selected": (
+        lambda run, batch: _select(run, "mixing", mixing), "base_model.model.config._attn_implementation_internal"),
+    "F4: an attention injecting a never-admitted row's values, registered and selected": (
+        lambda run, batch: _select(run, "injecting", injecting(_hidden(run, batch))),
+        "base_model.model.config._attn_implementation_internal"),
+    "sdpa registered again as an attention mixing the batch": (
+        lambda run, batch: _register("attention", "sdpa", mixing),
+        "transformers.modeling_utils.AttentionInterface._global_mapping['sdpa']"),
+    "sdpa set in ALL_ATTENTION_FUNCTIONS": (
+        lambda run, batch: _in_all_attention_functions("sdpa", mixing),
+        "transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS._local_mapping['sdpa']"),
+    "sdpa's attention mask registered again": (
+        lambda run, batch: _register("mask", "sdpa", lambda *args, **kwargs: None),
+        "transformers.masking_utils.AttentionMaskInterface._global_mapping['sdpa']"),
+    "one layer given a config of its own": (
+        lambda run, batch: _layer_config(run), "base_model.model.bert.encoder.layer.0.attention.self.config"),
+}
+
+
+@pytest.mark.parametrize("how", sorted(ATTENTIONS))
+def test_the_attention_changed_after_the_run_opened_is_refused_at_the_governed_forward(
+        tmp_path: Path, tiny_model: Path, registries, how: str):
+    """F3 and F4: transformers' public `AttentionInterface.register` and `set_attn_implementation`, called after
+    the run opened, changed what every attention layer computes without changing a module, method or hook: the
+    name lives in the config the layers share, the function in transformers' registries, and the
+    batch-independence probe had checked the attention the run opened with. An attention mixing the batch's
+    examples moved the clipped sum by 1.34 C for one example (F3), one replacing the drawn examples' values with
+    a never-admitted row's by 5.85 C (F4); the runs were recorded and verified. The configs the model's modules
+    hold, the implementations they name and the registries' functions are part of the model as opened now: the
+    governed forward is refused, and with the attention put back the batch trains."""
+    corpus, run, batches, batch, weights, written = open_first_batch(tmp_path, tiny_model, "attention")
+    with run:
+        change, where = ATTENTIONS[how]
+        undo = change(run, batch)
+        try:
+            with pytest.raises(ConfigError) as refused:
+                run.model(**batch.inputs)
+        finally:
+            undo()
+        assert refused.value.code is Code.UNGOVERNED_BATCH and "\n" not in refused.value.line()
+        assert f"run.model's attention changed after the run opened ({where} " in refused.value.detail, \
+            refused.value.detail
+        assert "set the attention implementation before opening the run" in refused.value.detail
+        assert_nothing_changed(corpus, run, weights, written)
+        batches.close()
+        again = run.batches()
+        batch = next(again)  # the same draw's chunk, handed out again
+        assert run.step(run.per_example_loss(run.model(**batch.inputs), batch)) is not None and run.steps == 1
+        again.close()
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_hidden_states_and_attentions_asked_for_in_the_loop_train(tmp_path: Path, tiny_model: Path, models,
+                                                                   family: str):
+    """L1: transformers 5 installs the hooks that capture `output_hidden_states` and `output_attentions` on the
+    model's layers the first time a forward asks for them, after the run opened: the next governed forward
+    found the model changed and was refused. The guard installs them before it takes the model as opened (they
+    record only in a forward that asks), and takes them away with its own."""
+    if family == "bert":
+        corpus = _corpus(tmp_path, "outputs")
+        config = _config(corpus, tiny_model, 3)
+    else:
+        corpus = corpus_with(tmp_path, [{"text": " ".join(WORDS[(i + k) % len(WORDS)] for k in range(3 + i % 4))}
+                                        for i in range(40)])
+        config = run_toml(corpus, models("llama", task="causal-lm"), "llama", steps=3, task="causal-lm")
+    asked = {"output_hidden_states": True, "output_attentions": True}
+    with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **QUIET) as run:
+        model = run.model
+        for batch in run.batches():
+            out = run.model(**batch.inputs, **asked)
+            assert len(out.hidden_states) == 7  # the embeddings' output and each of the 6 layers'
+            run.step(run.per_example_loss(out, batch))
+            with torch.no_grad():  # an evaluation between steps, asking for them too
+                run.model(**batch.inputs, **asked)
+        assert run.save().steps == 3
+    assert verify_ledger(corpus.url).by_kind["run"] == 1
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    out = model(**run.tokenizer(["good movie"], return_tensors="pt"), output_hidden_states=True)
+    assert len(out.hidden_states) == 7  # transformers installs its hooks again when next asked

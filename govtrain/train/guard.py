@@ -21,16 +21,26 @@ the Poisson sampler did not draw. The accountant's q holds only for batches govt
   `output_hidden_states`: bool, int, float, str, None) pass, and any other object, which could carry tensors,
   is refused.
 - **The model as opened.** Every module's path, identity and type, its instance-level methods (a replaced
-  `forward`) and hooks, and torch's global module hooks are recorded when the run opens (`structure`, after
-  the run's own hooks and the forwards that install transformers' own), and a governed forward that finds any
-  of it changed is refused: a hook or method added later runs after the checks above and could swap the rows
-  they checked (P1). In that forward the model's input embedding must receive the drawn `input_ids`, by value.
+  `forward`) and hooks, and torch's global module hooks are recorded when the run opens (`structure`, after the
+  run's own hooks, the forwards that install transformers' own, and transformers' output-capturing hooks, which
+  transformers 5 would otherwise install on the first forward asking for `output_hidden_states` or
+  `output_attentions`, so that such a forward was refused), and so is what transformers picks each layer's
+  attention by (`dispatch`): the config each module holds, the attention and MoE-experts implementation it and its
+  sub-configs name, and each function the attention, attention-mask and experts registries (`AttentionInterface`
+  and its kind: the class's mapping and each instance's own) map a name to. A governed forward that finds any of
+  it changed is refused: a hook or method added later runs after the checks above and could swap the rows they
+  checked (P1); an attention registered and selected after the run opened (`AttentionInterface.register`,
+  `set_attn_implementation`) is one the batch-independence probe never saw: one mixing the examples of a batch
+  moved the clipped sum by 1.34 C for one example, one replacing the drawn examples' values with a never-admitted
+  row's by 5.85 C, and both runs were recorded (review 3, F3 and F4). The check runs as Python under
+  `torch.compile`. In that forward the model's input embedding must receive the drawn `input_ids`, by value.
 - **Inner modules.** Every module that directly holds a trainable parameter gets a forward pre-hook: while the
   run is iterating `batches()`, calling it with gradients enabled outside the governed forward of `run.model`
   is refused, so the model's inner modules (`run.model.base_model.model`, a LoRA factor) are no way around the
   top-level checks (item 6b). Under `torch.no_grad()` anything may run (evaluation).
 
-The hooks change neither the model's type nor its `state_dict` keys, and `remove()` takes every one away.
+The hooks change neither the model's type nor its `state_dict` keys, and `remove()` takes every one away
+(transformers' output-capturing hooks too: transformers installs them again when next asked).
 Code that patches a library's classes (torch, transformers, peft, govtrain) changes what every instance does,
 and no check inside the process can tell it from the library: that is outside what the guard can stop.
 """
@@ -39,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
@@ -56,6 +67,11 @@ NOT_YOURS = ("the accountant's q holds only for batches govtrain's Poisson sampl
 PLAIN = (bool, int, float, str, type(None))
 HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
          "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+# What transformers decides a layer's attention by, besides the module: the implementation's name in the config the
+# module holds (and its sub-configs), and the registries that name is looked up in (an `AttentionInterface` and its
+# kind: attention masks, MoE experts), bound in the module defining the layer's class or in these
+IMPLEMENTATIONS = ("_attn_implementation_internal", "_experts_implementation_internal")
+DISPATCHERS = ("transformers.modeling_utils", "transformers.masking_utils", "transformers.integrations.moe")
 
 
 @dataclass
@@ -127,13 +143,16 @@ class Guard:
         embedding = _input_embedding(model)
         if embedding is not None:
             self._hooks.append(embedding.register_forward_pre_hook(self._embedding, with_kwargs=True))
-        # last: the run's own hooks are part of the model as opened
+        self._uninstall = _install_output_capture(model)
+        # last: the run's own hooks and transformers' are part of the model as opened
         self._structure, self._fingerprint = structure(model), fingerprint(model)
+        self._dispatch = dispatch(model).keys()
 
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        self._uninstall()
 
     def wait(self, batch: "GovernedBatch") -> None:
         """`batch`, the next chunk of the step being handed out, is handed out: record its tensors as drawn."""
@@ -156,6 +175,9 @@ class Guard:
     def check_structure(self) -> None:
         self.adopt(lambda where, value: False)
 
+    # never traced: under torch.compile(run.model), dynamo traced this into the graph with the model's configs and
+    # hooks as it first saw them, and a hook added later passed (the check is Python's, so it runs as Python)
+    @torch.compiler.disable
     def adopt(self, expected: Callable[[str, Any], bool]) -> None:
         """Take the model as it is now for the model as opened where every difference is one `expected(where,
         value now)` accepts (a library's own change: TRL's fused LM head, `integrations/hf.py`); refuse any
@@ -167,12 +189,20 @@ class Guard:
         for where in [*opened, *(k for k in now if k not in opened)]:
             if now.get(where) is not opened.get(where) and not expected(where, now.get(where)):
                 what = "added" if where not in opened else "removed" if where not in now else "replaced"
+                if where in self._dispatch or where in dispatch(self.model):
+                    raise ConfigError(Code.UNGOVERNED_BATCH, f"run.model's attention changed after the run opened "
+                                                             f"({where} {what}): the attention implementation and the "
+                                                             "functions transformers' registries map it to decide how "
+                                                             "the examples of a batch meet, and the batch-independence "
+                                                             "probe checked the ones the run opened with; set the "
+                                                             "attention implementation before opening the run (in the "
+                                                             "model's config), not in the loop")
                 raise ConfigError(Code.UNGOVERNED_BATCH, f"run.model changed after the run opened ({where} {what}): a "
                                                          "hook, method or module added later runs after the guard's "
                                                          "checks and can swap the rows the sampler drew; remove it "
                                                          "before the next governed forward (read activations with "
                                                          "output_hidden_states=True), or add it after run.save()")
-        self._structure, self._fingerprint = now, fast
+        self._structure, self._fingerprint, self._dispatch = now, fast, dispatch(self.model).keys()
 
     # -- hooks -----------------------------------------------------------------------------------------
 
@@ -264,7 +294,8 @@ def _check_arguments(args: tuple, kwargs: dict, drawn: dict[str, Tensor]) -> Non
 def structure(model: nn.Module) -> dict[str, Any]:
     """What decides a forward of `model` besides its weights and inputs, by where it is: every module (path,
     object, type), each instance attribute that overrides a method of its class (`forward`), each hook of
-    each module and torch's global module hooks. Compared by identity (the dict keeps every object alive)."""
+    each module, torch's global module hooks, and what transformers picks each layer's attention by (`dispatch`).
+    Compared by identity (the dict keeps every object alive)."""
     found: dict[str, Any] = {}
     for name, hooks in _global_hooks():
         found.update({f"torch's {name}[{key}]": hook for key, hook in hooks.items()})
@@ -275,6 +306,30 @@ def structure(model: nn.Module) -> dict[str, Any]:
         found.update({f"{where}.{name}": value for name, value in vars(module).items() if name in methods})
         for hooks in HOOKS:
             found.update({f"{where}.{hooks}[{key}]": hook for key, hook in getattr(module, hooks, {}).items()})
+    found.update(dispatch(model))
+    return found
+
+
+def dispatch(model: nn.Module) -> dict[str, Any]:
+    """What transformers picks `model`'s attention, attention masks and MoE experts by, by where it is: the config
+    each module holds, the implementation it and its sub-configs name (`IMPLEMENTATIONS`), and every registry such
+    a name is looked up in, with each function it maps a name to. None of it is a module, method or hook:
+    `set_attn_implementation` and `AttentionInterface.register` change what every attention layer computes."""
+    found: dict[str, Any] = {}
+    kinds: dict[type, None] = {}
+    seen: set[int] = set()
+    for path, module in model.named_modules(remove_duplicate=False):
+        where, config = path or "run.model", vars(module).get("config")
+        kinds[type(module)] = None
+        if config is not None:
+            found[f"{where}.config"] = config
+            for at, each in _configs(config, f"{where}.config", seen):
+                found.update({f"{at}.{name}": value for name, value in zip(IMPLEMENTATIONS, _implementations(each))})
+    for at, registry in _registries(kinds):
+        found[at] = registry
+        for named, mapping in _mappings(at, registry):
+            found[named] = mapping
+            found.update({f"{named}[{key!r}]": function for key, function in mapping.items()})
     return found
 
 
@@ -285,14 +340,33 @@ def fingerprint(model: nn.Module) -> list[Any]:
     found: list[Any] = []
     for _, hooks in _global_hooks():
         found += [*hooks.keys(), *hooks.values()]
+    kinds: dict[type, None] = {}
+    configs: list[Any] = []
     for _, module in model.named_modules(remove_duplicate=False):
-        state, methods = module.__dict__, _methods(type(module))
-        found += [module, type(module)]
+        state, kind = module.__dict__, type(module)
+        methods = _methods(kind)
+        kinds[kind] = None
+        found += [module, kind]
         found += [item for name, value in state.items() if name in methods for item in (name, value)]
         for name in HOOKS:
             hooks = state.get(name)
             if hooks:
                 found += [name, *hooks.keys(), *hooks.values()]
+        config = state.get("config")
+        if config is not None:
+            found.append(config)
+            configs.append(config)
+    seen: set[int] = set()
+    for config in configs:
+        for _, each in _configs(config, "", seen):
+            found += _implementations(each)
+    mappings: set[int] = set()
+    for at, registry in _registries(kinds):
+        found.append(registry)
+        for _, mapping in _mappings(at, registry):
+            if id(mapping) not in mappings:
+                mappings.add(id(mapping))
+                found += [mapping, *mapping.keys(), *mapping.values()]
     return found
 
 
@@ -301,6 +375,68 @@ def _global_hooks() -> list[tuple[str, dict]]:
 
     return [(name, hooks) for name, hooks in sorted(vars(torch_module).items())
             if name.startswith("_global_") and isinstance(hooks, dict)]
+
+
+def _configs(config: Any, where: str, seen: set[int]) -> Iterator[tuple[str, Any]]:
+    """(where, config) of `config` and its sub-configs (a composite model's `text_config`), each once."""
+    if id(config) in seen:
+        return
+    seen.add(id(config))
+    yield where, config
+    subconfigs = getattr(type(config), "sub_configs", None)
+    if isinstance(subconfigs, dict):
+        state = getattr(config, "__dict__", {})
+        for key in subconfigs:
+            if state.get(key) is not None:
+                yield from _configs(state[key], f"{where}.{key}", seen)
+
+
+def _implementations(config: Any) -> list[Any]:
+    """The implementations `config` names (`IMPLEMENTATIONS`), strings interned: the same name set again is the
+    same object, compared by identity."""
+    state = getattr(config, "__dict__", {})
+    return [sys.intern(value) if type(value) is str else value for value in map(state.get, IMPLEMENTATIONS)]
+
+
+def _registries(kinds: dict[type, None]) -> list[tuple[str, Any]]:
+    """(where, registry) of each registry of implementations by name (transformers' `GeneralInterface`:
+    `ALL_ATTENTION_FUNCTIONS`, `ALL_MASK_ATTENTION_FUNCTIONS`, `ALL_EXPERTS_FUNCTIONS`) bound in one of
+    `DISPATCHERS` or in a module that defines one of `kinds` (where that class's forward finds it), each once:
+    what is bound now under each name that held one, so that a name bound to another object counts too."""
+    found: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    for module in dict.fromkeys([*DISPATCHERS, *(kind.__module__ for kind in kinds)]):
+        for where, space, name in _BOUND[module] if module in _BOUND else _bound_in(module):
+            registry = space.get(name)
+            if id(registry) not in seen:
+                seen.add(id(registry))
+                found.append((where, registry))
+    return found
+
+
+_BOUND: dict[str, tuple[tuple[str, dict[str, Any], str], ...]] = {}
+
+
+def _bound_in(module: str) -> tuple[tuple[str, dict[str, Any], str], ...]:
+    """(where, the module's globals, name) of each `GeneralInterface` bound in the module `module`, found once."""
+    interface = getattr(sys.modules.get("transformers.utils.generic"), "GeneralInterface", None)
+    if interface is None or module not in sys.modules:  # no transformers, or one before 4.48: no registry
+        return ()
+    if module not in _BOUND:
+        space = vars(sys.modules[module])
+        _BOUND[module] = tuple((f"{module}.{name}", space, name) for name, value in list(space.items())
+                               if isinstance(value, interface))
+    return _BOUND[module]
+
+
+def _mappings(at: str, registry: Any) -> list[tuple[str, dict]]:
+    """The mappings the registry bound at `at` looks a name up in, by where: its own (`_local_mapping`, which
+    `registry[name] = f` writes) and its class's (`_global_mapping`, which `register` writes for every instance)."""
+    kind = type(registry)
+    own, shared = getattr(registry, "__dict__", {}).get("_local_mapping"), getattr(kind, "_global_mapping", None)
+    return [(where, mapping) for where, mapping in ((f"{at}._local_mapping", own),
+                                                    (f"{kind.__module__}.{kind.__qualname__}._global_mapping", shared))
+            if isinstance(mapping, dict)]
 
 
 _METHODS: dict[type, frozenset[str]] = {}
@@ -318,6 +454,40 @@ def _callable(kind: type, name: str) -> bool:
         return callable(getattr(kind, name, None))
     except Exception:  # a class-level descriptor that raises: whatever it is, an instance may shadow it
         return True
+
+
+def _install_output_capture(model: nn.Module) -> Callable[[], None]:
+    """Install the forward hooks that transformers (5 and later) installs on a model's layers the first time a
+    forward asks for `output_hidden_states` or `output_attentions` (`capture_outputs`): installed in the loop, they
+    changed the model as opened and the next governed forward was refused. Each records only in a forward that
+    asks for it. Returns what takes them away again, leaving transformers to install them when next asked."""
+    if "transformers" not in sys.modules:
+        return lambda: None
+    try:
+        from transformers.utils.output_capturing import capture_outputs, maybe_install_capturing_hooks
+    except ImportError:  # a transformers before 5 installs no such hooks
+        return lambda: None
+    wrapper = capture_outputs(lambda self: None).__code__
+    modules = list(model.modules())
+    before = [(set(module._forward_hooks), "_output_capturing_hooks_installed" in vars(module)) for module in modules]
+    for module in modules:
+        forward = getattr(type(module), "forward", None)
+        while forward is not None and getattr(forward, "__code__", None) is not wrapper:
+            forward = getattr(forward, "__wrapped__", None)  # under its other decorators
+        if forward is not None:
+            maybe_install_capturing_hooks(module)
+    added = [(module, [key for key in module._forward_hooks if key not in hooks], flagged)
+             for module, (hooks, flagged) in zip(modules, before)]
+
+    def uninstall() -> None:
+        for module, keys, flagged in added:
+            for key in keys:
+                module._forward_hooks.pop(key, None)
+            if not flagged:
+                vars(module).pop("_output_capturing_hooks_installed", None)
+        added.clear()
+
+    return uninstall
 
 
 def _input_embedding(model: nn.Module) -> nn.Module | None:
