@@ -784,18 +784,19 @@ def test_the_prefix_rule_against_a_brute_force_oracle():
 
     from govtrain.data.rows import MIN_PREFIX, PrefixIndex
 
-    rows = st.lists(st.integers(0, 2), min_size=1, max_size=12).map(tuple)
+    rows = st.lists(st.integers(0, 2), min_size=1, max_size=14).map(tuple)
 
     @hypothesis.settings(max_examples=300, deadline=None)
     @hypothesis.given(admitted=st.lists(rows, max_size=12), probe=rows)
     def agrees(admitted, probe):
         owners = {row: f"c{i}" for i, row in enumerate(admitted)}
         found = PrefixIndex.of(owners).match(probe)
-        starts = [a for a in owners if probe[:len(a)] == a]
+        starts = [a for a in owners if a != probe and probe[:len(a)] == a and len(a) >= MIN_PREFIX]
         opens = [a for a in owners if a[:len(probe)] == probe] if len(probe) >= MIN_PREFIX else []
-        if starts:
-            assert found is not None and found[0] == ("is" if probe in owners else "starts with")
-            assert any(found[1] == owners[a] for a in starts)
+        if probe in owners:
+            assert found == ("is", owners[probe])
+        elif starts:
+            assert found is not None and found[0] == "starts with" and any(found[1] == owners[a] for a in starts)
         elif opens:
             assert found is not None and found[0] == "is the start of" and any(found[1] == owners[a] for a in opens)
         else:
@@ -805,7 +806,11 @@ def test_the_prefix_rule_against_a_brute_force_oracle():
     index = PrefixIndex.of({tuple(range(20)): "pub", (5,): "short", (5, 7, 0): "other"})
     assert index.match(tuple(range(MIN_PREFIX))) == ("is the start of", "pub")
     assert index.match(tuple(range(MIN_PREFIX - 1))) is None
-    assert index.match((5, 7, 9)) == ("starts with", "short")  # the greatest row below (5, 7, 9) is not its opening
+    assert index.match((5, 7, 0)) == ("is", "other") and index.match((5,)) == ("is", "short")
+    assert index.match((5, 7, 9)) is None  # (5,) opens it, but two words of common text refuse no held-out row
+    assert index.match((*range(20), 3)) == ("starts with", "pub")
+    assert index.match((*range(MIN_PREFIX), 99)) is None and index.match((*range(MIN_PREFIX),)) == \
+        ("is the start of", "pub")
     assert index.match(()) is None
 
 
@@ -869,3 +874,95 @@ def test_tune_accepts_a_causal_lm_selection_file_with_a_short_common_opening(cor
         with pytest.raises(ConfigError) as refused:
             check_selection(ledger, config, task, read_selection(path, task, ()))
         assert refused.value.code is Code.SELECTION_ADMITTED and "1 of 41 rows" in refused.value.detail
+
+
+# -- review 4: checkpoints hold governed weights (F1); every form of input_ids is compared (F3) ------------------
+
+
+class _Launder(transformers.TrainerCallback):
+    """Review 4's F1: weights of its own written after a governed step and before the Trainer's save, the governed
+    ones put back after it, so that load_best_model_at_end would reload the written ones."""
+
+    def __init__(self) -> None:
+        self.kept = None
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % args.save_steps:
+            return  # only before a save: the next draw's check would see it
+        self.kept = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        with torch.no_grad():
+            next(p for p in model.parameters() if p.requires_grad).fill_(7.0)
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in self.kept:
+                    p.copy_(self.kept[name])
+
+
+def test_weights_written_before_a_trainer_checkpoint_are_refused_at_its_save(tmp_path: Path, tiny_model: Path):
+    """F1: the checkpoint's digest was taken from whatever the model held when the Trainer saved, so written
+    weights passed as a governed step's and were released as the best checkpoint (the ledger verified). A save
+    of weights other than the last governed step's is refused, and the digest is the run's own copy's."""
+    corpus = _corpus(tmp_path, "launder")
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 4), corpus.url, insecure_seed=1, **QUIET) as run:
+        trainer = _trainer(run, args=_evaluating(tmp_path, load_best_model_at_end=True, save_strategy="steps",
+                                                 save_steps=2, metric_for_best_model="loss"),
+                           eval_dataset=_held_out(run), callbacks=[_Launder()])
+        with pytest.raises(ConfigError) as refused:
+            trainer.train()
+        assert refused.value.code is Code.UNGOVERNED_UPDATE and "at a Trainer checkpoint" in refused.value.detail
+    assert not list(Path(trainer.args.output_dir).glob("checkpoint-*"))
+    assert verify_ledger(corpus.url).by_kind.get("run") is None
+
+
+@pytest.mark.parametrize("form", ["tuple", "numpy ints", "numpy array", "tensor", "nested", "inputs_embeds"])
+def test_admitted_input_ids_in_any_form_beside_held_out_text_are_refused(tmp_path: Path, tiny_model: Path, form: str):
+    """F3: input_ids compared only as a list of Python ints; as a tuple or a list of numpy ints beside held-out
+    text, the rows were checked by the text alone and the collator scored the admitted tokens (the best checkpoint
+    chosen on them, the run recorded). Every form is read as token ids, and one that cannot be is refused."""
+    import numpy as np
+
+    forms = {"tuple": tuple, "numpy ints": lambda v: [np.int64(x) for x in v], "numpy array": np.array,
+             "tensor": torch.tensor, "nested": lambda v: [list(v)]}
+    corpus = _corpus(tmp_path, "forms")
+    before = snapshot(corpus.url)
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 4), corpus.url, insecure_seed=1, **QUIET) as run:
+        rows = []
+        for i, row in enumerate(_admitted(run, "pub", 8)):
+            disguised = {"text": f"great film is {WORDS[i]}", "label": row["labels"], "labels": row["labels"]}
+            if form == "inputs_embeds":
+                disguised["inputs_embeds"] = run.model.get_input_embeddings()(torch.tensor(row["input_ids"])).tolist()
+            else:
+                disguised["input_ids"] = forms[form](row["input_ids"])
+            rows.append(disguised)
+        with pytest.raises(ConfigError) as refused:
+            _trainer(run, args=_evaluating(tmp_path, load_best_model_at_end=True, save_strategy="steps", save_steps=2,
+                                           metric_for_best_model="loss"), eval_dataset=rows)
+        assert refused.value.code is Code.SELECTION_ADMITTED
+        assert ("cannot check" if form in ("nested", "inputs_embeds") else "8 of 8 rows") in refused.value.detail
+    assert snapshot(corpus.url) == before
+
+
+def test_a_short_admitted_causal_lm_row_refuses_no_held_out_row_that_starts_with_it(tmp_path: Path):
+    """Review 4, F5: an admitted line of one or two words refused every held-out row that began with them. The
+    prefix rule holds from 8 shared tokens; the short line itself is still refused."""
+    from govtrain.integrations.hf import GovernedTrainer
+    from tests import causal_models
+    from tests.test_causal_lm import _contribution, _run_toml
+    from tests.test_causal_lm import _rows as lm_rows
+    from tests.test_hf_trainer import _corpus_lm
+
+    model = causal_models.save(tmp_path / "tiny-llama", "llama", layers=6)
+    corpus = _corpus_lm(tmp_path, "lm")
+    _contribution(corpus, "texts", lm_rows("text", 20) + [{"text": "yes"}, {"text": "hello world"}])
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "t"), use_cpu=True, report_to=[],
+                                          lr_scheduler_type="constant", eval_strategy="steps", eval_steps=2,
+                                          save_strategy="steps", save_steps=2, load_best_model_at_end=True)
+    with govtrain.GovernedRun.open(_run_toml(corpus, model, 4), corpus.url, insecure_seed=1, **QUIET) as run:
+        for text in ("yes the red dog did sit on the mat", "hello world is good"):
+            GovernedTrainer(run, args=args, eval_dataset=[dict(run.tokenizer(text))], processing_class=run.tokenizer)
+        with pytest.raises(ConfigError) as refused:
+            GovernedTrainer(run, args=args, eval_dataset=[dict(run.tokenizer("hello world"))],
+                            processing_class=run.tokenizer)
+        assert refused.value.code is Code.SELECTION_ADMITTED

@@ -860,8 +860,8 @@ def test_weights_written_outside_a_governed_step_are_refused_at_the_next_step_an
         tmp_path: Path, tiny_model: Path, how: str):
     """F5 (a): 200 non-private Adam steps between the last governed step and save() moved the weights 27.1 against
     the governed steps' 0.48, and the run recorded them. Weights written outside a governed step are refused at
-    the next draw, forward, update and at save (`ungoverned_update`), nothing recorded; leaving the block keeps
-    the weights as the last governed step left them."""
+    the next draw, forward, update and at save (`ungoverned_update`), nothing recorded; leaving the block saves
+    nothing, and the run resumes from its last checkpoint."""
     corpus = _corpus(tmp_path, "written")
     config = _config(corpus, tiny_model, 2)
     with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **QUIET) as run:
@@ -877,9 +877,9 @@ def test_weights_written_outside_a_governed_step_are_refused_at_the_next_step_an
         assert refused.value.code is Code.UNGOVERNED_UPDATE and "outside a governed step" in refused.value.detail
         assert run.steps == 1 and snapshot(corpus.url) == written
     state = torch.load(corpus.dir / "adapter" / STATE_FILE, weights_only=False)
-    assert state["step"] == 1 and all(torch.equal(state["trainable"][n], governed[n]) for n in governed)
-    with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **QUIET) as run:  # resumed as governed
-        assert _same(governed, run)
+    assert state["step"] == 0  # nothing saved on leaving: the last checkpoint (the epoch's write-ahead) stays
+    with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **QUIET) as run:  # resumed from it
+        assert run.steps == 0 and not _same(governed, run)
         _loop(run)
         WRITES[how](run) if how == "own optimizer" else torch.no_grad()(WRITES[how])(run)
         with pytest.raises(ConfigError) as refused:
@@ -1104,3 +1104,56 @@ def test_hidden_states_and_attentions_asked_for_in_the_loop_train(tmp_path: Path
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
     out = model(**run.tokenizer(["good movie"], return_tensors="pt"), output_hidden_states=True)
     assert len(out.hidden_states) == 7  # transformers installs its hooks again when next asked
+
+
+# -- review 4: the update's state is the run's (F2) -----------------------------------------------------------
+
+
+def _forge_adam(view, model, name: str, target: torch.Tensor) -> dict:
+    """Review 4's F2: Adam moments and step count that make the next governed update land parameter `name` on
+    `target`, whatever its noise (the noise divided by 1e6), as the Trainer's optimizer view's state_dict."""
+    import math
+
+    p = dict(model.named_parameters())[name]
+    index = next(i for i, q in enumerate(q for g in view.param_groups for q in g["params"]) if q is p)
+    forged = view.state_dict()
+    group = next(g for g in forged["optimizer"]["param_groups"] if index in g["params"])
+    lr, (b1, b2), decay = group["lr"], group["betas"], group["weight_decay"]
+    scale = 1e6
+    forged["optimizer"]["state"][index] = {
+        "step": torch.tensor(1e7), "exp_avg": scale * math.sqrt(b2) * (p.detach() * (1 - lr * decay) - target) / (lr * b1),
+        "exp_avg_sq": torch.full_like(p, scale * scale)}
+    return forged
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "state written in place"])
+def test_the_updates_state_written_outside_a_governed_step_is_refused(tmp_path: Path, tiny_model: Path, how: str):
+    """Review 4, F2: forged Adam moments, loaded through the Trainer's optimizer view (`GovernedOptimizer`, which
+    a callback is handed), made the next governed update put admitted token ids into the head exactly, and the
+    run was recorded. The view loads only the update's own state, and the state as the last step left it is
+    checked with the weights (`ungoverned_update`): nothing changed."""
+    from govtrain.integrations.hf import GovernedOptimizer
+
+    corpus = _corpus(tmp_path, "forged")
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 3), corpus.url, insecure_seed=1, **QUIET) as run:
+        batches = run.batches()
+        batch = next(batches)
+        run.step(run.per_example_loss(run.model(**batch.inputs), batch))  # step 0: the moments exist
+        batches.close()
+        view, head = GovernedOptimizer(run), "base_model.model.classifier.modules_to_save.default.weight"
+        view.load_state_dict(view.state_dict())  # its own state, as accelerate loads it back: nothing happens
+        weights, written = _trainable(run), snapshot(corpus.url)
+        target = torch.full_like(dict(run.model.named_parameters())[head], 7.0)
+        forged = _forge_adam(view, run.model, head, target)
+        if how == "load_state_dict":
+            with pytest.raises(ConfigError) as refused:
+                view.load_state_dict(forged)
+            assert refused.value.code is Code.UNGOVERNED_UPDATE
+        else:
+            index = next(iter(k for k, v in forged["optimizer"]["state"].items() if v["step"] > 1e6))
+            p = [q for g in view.param_groups for q in g["params"]][index]
+            view.state[p]["exp_avg"].copy_(forged["optimizer"]["state"][index]["exp_avg"])
+            with pytest.raises(ConfigError) as refused:
+                next(run.batches())
+            assert refused.value.code is Code.UNGOVERNED_UPDATE and "update's state" in refused.value.detail
+        assert run.steps == 1 and snapshot(corpus.url) == written and _same(weights, run)

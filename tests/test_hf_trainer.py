@@ -110,8 +110,12 @@ def test_the_users_trainer_settings_evaluation_and_schedule_apply(tmp_path: Path
                                   eval_dataset=rows, compute_metrics=metrics, callbacks=[log],
                                   data_collator=None, processing_class=tokenizer)
         lr = trainer.optimizer.param_groups[0]["lr"]
+        used = []  # the rate in the run's own optimizer at each governed update (review 4: a stale copy was scaled)
+        inner = run._run.update.optimizer
+        inner.register_step_pre_hook(lambda optimizer, args, kwargs: used.append(optimizer.param_groups[0]["lr"]))
         trainer.train()
         assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.0)  # the linear schedule ran to zero
+        assert used == pytest.approx([0.01 * (6 - k) / 6 for k in range(6)])  # and the update used each rate
         assert lr == pytest.approx(0.01)  # RUN.toml's lr, which the schedule scales
         assert "eval_accuracy" in trainer.evaluate()
     assert any("eval_accuracy" in entry for entry in log.logs)

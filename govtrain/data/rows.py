@@ -36,10 +36,12 @@ For a causal task (`task.causal`) equality is not enough: the logit at a positio
 it, so a row that is an admitted row followed by more tokens scores the admitted row's tokens exactly as the
 admitted row does (one token appended, its label -100, gives the admitted row's loss), and a row that is an
 admitted row's first k tokens scores those k tokens as the admitted row does (review 3, F7). `PrefixIndex`
-finds both over the same token rows (structural special tokens and padding left out): a row an admitted row is
-a prefix of, at any length (an admitted row's whole loss is in it, as in an exact copy), and a row that is a
-prefix of an admitted row once it has `MIN_PREFIX` tokens or more (shorter, it is an opening many texts share:
-see the constant).
+finds both over the same token rows (structural special tokens and padding left out), each once the shared
+opening has `MIN_PREFIX` tokens or more: a row an admitted row of that length is a prefix of (the admitted row's
+whole loss is in it, as in an exact copy), and a row of that length that is a prefix of an admitted row. A
+shorter opening is one many texts share (see the constant): an admitted row of two words refused every held-out
+row starting with them (review 4), while all either way scores of an admitted row is the loss of 7 tokens or
+fewer. Equal token rows are refused at any length, as before.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ STRUCTURAL = ("bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id", "p
 # a chat role header that survives as ordinary tokens), so refusing it would refuse honest held-out rows, while
 # all it scores of the admitted row is the loss of its first 7 tokens or fewer. 8 is the low end of the 8- to
 # 13-token runs that contamination studies take as copied rather than coincidental (PaLM's 8-grams, GPT-3's
-# 13-grams). A row that holds a whole admitted row as its opening is refused at any length, as an exact copy is.
+# 13-grams). The same bound holds for a short admitted row found as a row's opening; equal rows, at any length.
 MIN_PREFIX = 8
 _CHUNK = 64  # examples encoded at once
 
@@ -212,8 +214,12 @@ class PrefixIndex:
             if at == 0:
                 break
             below = rows[at - 1]
-            if probe[:len(below)] == below:
-                return ("is" if below == row else "starts with"), self.owners[below]
+            if probe[:len(below)] == below:  # the longest admitted opening of `row`: any longer one sorts above
+                if below == row:
+                    return "is", self.owners[below]
+                if len(below) >= MIN_PREFIX:
+                    return "starts with", self.owners[below]
+                break
             probe = probe[:_common(below, probe)]
         if len(row) >= MIN_PREFIX:
             at = bisect.bisect_left(rows, row)

@@ -41,7 +41,7 @@ from transformers import Trainer, TrainingArguments
 from govtrain.errors import Code, ConfigError
 from govtrain.integrations.selection import (Evaluations, SelectionCheck, changed_by_evaluation, evaluation_flags,
                                              materialised, named, selection_settings)
-from govtrain.train.governed import GovernedBatch, GovernedRun
+from govtrain.train.governed import GovernedBatch, GovernedRun, same_state
 
 if TYPE_CHECKING:
     from govtrain.mechanisms.update import Update
@@ -93,15 +93,13 @@ class GovernedOptimizer(torch.optim.Optimizer):
     def __init__(self, run: GovernedRun) -> None:  # no super().__init__: the groups are the update's
         self._run = run
         self._update: Update = run._run.update
-        update, inner = self._update, self._update.optimizer
-        self.param_groups = list(inner.param_groups) if inner is not None else []
+        update = self._update
+        self._mechanism_groups: list[_MechanismGroup] = []
         if update.prism is not None:
-            self.param_groups.append(_MechanismGroup(update.prism, [p for pair in update.prism.pairs.values()
-                                                                    for p in pair]))
+            self._mechanism_groups.append(_MechanismGroup(update.prism, [p for pair in update.prism.pairs.values()
+                                                                         for p in pair]))
         if update.muon is not None:
-            self.param_groups.append(_MechanismGroup(update.muon, list(update.muon.params.values())))
-        self.defaults = inner.defaults if inner is not None else {}
-        self.state = inner.state if inner is not None else {}
+            self._mechanism_groups.append(_MechanismGroup(update.muon, list(update.muon.params.values())))
         self._optimizer_step_pre_hooks: dict = {}
         self._optimizer_step_post_hooks: dict = {}
         self._optimizer_state_dict_pre_hooks: dict = {}
@@ -109,6 +107,23 @@ class GovernedOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks: dict = {}
         self._optimizer_load_state_dict_post_hooks: dict = {}
         self._stepped = run.steps
+
+    @property
+    def param_groups(self) -> list[Any]:  # type: ignore[override]
+        """The run's optimizer's groups as they are now, then PRISM's and DP-Muon's: read live, so a schedule
+        scales the rates the update uses (a copy taken once went stale when torch replaced the dicts)."""
+        inner = self._update.optimizer
+        return [*(inner.param_groups if inner is not None else ()), *self._mechanism_groups]
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        inner = self._update.optimizer
+        return inner.state if inner is not None else {}
+
+    @property
+    def defaults(self) -> dict:  # type: ignore[override]
+        inner = self._update.optimizer
+        return inner.defaults if inner is not None else {}
 
     def step(self, closure: Any = None) -> None:
         if closure is not None:
@@ -125,7 +140,14 @@ class GovernedOptimizer(torch.optim.Optimizer):
         return self._update.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self._update.load_state_dict(state_dict)
+        """Only the update's own state as it is (accelerate loads `state_dict()` back when the Trainer prepares
+        the optimizer): nothing is loaded. Any other state would steer the next governed update, moments and step
+        count being what it divides the noise by (review 4: forged Adam moments landed a weight on chosen values
+        and the run was recorded); a governed run resumes from its own state."""
+        if not same_state(state_dict, self._update.state_dict()):
+            raise ConfigError(Code.UNGOVERNED_UPDATE, "the Trainer's optimizer was given a state other than the run "
+                                                      "update's own: it would steer the next governed update; a "
+                                                      "governed run resumes when the same config is opened again")
 
     def __repr__(self) -> str:
         return f"GovernedOptimizer({self._update.mechanism})"
@@ -298,6 +320,7 @@ class _Governed:
         return super().predict(rows if rows is not None else test_dataset, ignore_keys, metric_key_prefix)
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        self.run._check_governed("at a Trainer checkpoint")  # what it saves is a governed step's, or nothing
         super()._save_checkpoint(model, trial)
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 

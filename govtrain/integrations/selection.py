@@ -29,7 +29,7 @@ compared, never labels (an admitted text under a flipped label is still the admi
 For a causal LM (`task.causal`) the same token ids are also compared by prefix (`govtrain.data.rows.PrefixIndex`,
 review 3, F7): a position's logit reads only the tokens before it, so an admitted row with one token appended
 (its label -100) has the admitted row's eval loss. A row is refused when an admitted row's tokens are its
-opening, at any length, and when it is the opening of an admitted row with `MIN_PREFIX` (8) tokens or more;
+opening, or it is the opening of an admitted row, the shared opening `MIN_PREFIX` (8) tokens or more;
 a row in the task's columns is encoded by the run's task for this (uncut and cut at `model.max_length`).
 
 What is evaluated is what was checked: the Trainer evaluates a list of the rows as read (`materialised`), never
@@ -65,6 +65,7 @@ from govtrain.train.governed import GovernedRun, trainable_weights
 EVALUATION_FLAGS = ("should_training_stop", "should_epoch_stop", "should_save")
 _SCHEDULES = ("reduce_lr_on_plateau", "greedy")  # schedules that step on an evaluation metric
 _UNCUT = 1 << 30  # a max_length no example reaches: the untruncated encoding
+_MODEL_INPUTS = ("input_ids", "inputs_embeds")  # what carries the tokens a row puts before the model
 
 
 def selection_settings(args: TrainingArguments, callbacks: Iterable[Any]) -> list[str]:
@@ -170,6 +171,11 @@ class SelectionCheck:
             found = self._example_match(example) if self.task.causal else None
             if found is not None:
                 return found
+        unreadable = [key for key in _MODEL_INPUTS if key in row and not _token_ids(row[key])]
+        if unreadable:
+            raise ConfigError(Code.SELECTION_ADMITTED, f"{name}: cannot check {where}: its {', '.join(unreadable)} "
+                                                       "is not a flat list of token ids, and the model would read it; "
+                                                       f"and {why}: give input_ids as token ids, or turn that off")
         ids = row.get("input_ids")
         if _token_ids(ids):
             checked = True
@@ -253,8 +259,10 @@ class Evaluations:
                                                        "the Trainer with the collator you need, or turn that off")
 
     def saved(self, folder: str) -> None:
-        """The Trainer saved a checkpoint in `folder`: the weights it holds are a governed step's."""
-        self.checkpoints[folder] = weights_digest(trainable_weights(self.run.model))
+        """The Trainer saved a checkpoint in `folder`, of the weights the last governed step left (checked just
+        before it saved): their digest, from the run's own copy, is what a reload must match (review 4: a
+        callback wrote weights of its own before a save and put the governed ones back after it)."""
+        self.checkpoints[folder] = weights_digest(self.run._weights.trainable)
 
     def before_release(self, state: Any, args: Any) -> None:
         """Refuse (nothing recorded) when what is released may have been chosen other than by checked held-out
@@ -312,8 +320,13 @@ def _listed(dataset: Any) -> Iterator[Any] | None:
 
 
 def _plain(value: Any) -> Any:
-    """A tensor or array as Python lists and numbers, so rows compare however they are formatted."""
-    return value.tolist() if hasattr(value, "tolist") and not isinstance(value, (list, str)) else value
+    """A tensor, array, tuple or numpy scalar as Python lists and numbers, so rows compare however they are
+    formatted (review 4: input_ids as a tuple, or a list of numpy ints, were passed over unchecked)."""
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple, str)):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
 
 
 def _token_ids(value: Any) -> bool:

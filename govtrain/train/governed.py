@@ -30,7 +30,7 @@ draw only once it is recorded, and `step()` takes a plain `torch.Tensor` whose s
 summed. The weights move only in governed steps: the trainable ones as the last step left them (compared by
 value), every parameter's identity and every frozen one's version counter are checked before each draw, each
 governed forward, each update and at `save()`, and torch's global optimizer hooks are refused (they run inside
-the update); all `ungoverned_update`. Leaving the block keeps the weights as the last governed step left them.
+the update); all `ungoverned_update`. Leaving the block after such a change saves nothing: the run state stays its last checkpoint's.
 
 Leaving the `with` block before the last step keeps the run's state in `<output>/run-state.pt`: opening
 the same config again resumes it (same run id, same ledger history; spend already written is never
@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 
     from govtrain.data.rows import AdmittedRows
     from govtrain.ledger.ledger import Ledger
+    from govtrain.mechanisms.update import Update
 
 @dataclass
 class GovernedBatch(Batch):
@@ -96,7 +97,7 @@ class GovernedRun:
         self._saved = self._closed = False
         self._broken: str | None = None  # what raised inside a step, after its draw (`_in_step`)
         check_optimizer_hooks()
-        self._weights = Weights(run.model)  # the model as the last governed step left it
+        self._weights = Weights(run.model, run.update)  # the model and update as the last governed step left them
         self._guard = Guard(run.model, self._governed_forward)  # the run owns sampling
         self._tokenizer = copy.deepcopy(run.tokenizer)  # encodes every draw: patching run.tokenizer changes none
 
@@ -132,13 +133,12 @@ class GovernedRun:
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         run = self._run
-        if self._broken is not None:
-            run.log(f"{self.run_id} stopped: {self._broken}; its state is its last checkpoint's: open the same config "
+        stopped = self._broken or (None if self._saved or self._closed else self._weights.changed())
+        if stopped is not None:
+            run.log(f"{self.run_id} stopped ({stopped}): its state is its last checkpoint's; open the same config "
                     "again to resume from there")
         elif kind is None and not self._saved and (run.pending is not None or run.result.steps):
-            # between logical steps: what is saved is exactly what the ledger charged for, with the weights as
-            # the last governed step left them (a change made since is not the run's)
-            run._save(trainable=self._weights.trainable)
+            run._save()  # between logical steps: what is saved is exactly what the ledger charged for
             run.log(f"{self.run_id} paused at step {self.steps}/{self.total_steps}: open the same config again "
                     "to resume it")
         self.close()
@@ -229,6 +229,7 @@ class GovernedRun:
         run = self._run
         try:
             while not run.done:
+                self._check_governed(f"before step {run.result.steps}")  # before anything saves the run state
                 if run.pending is None and not run.plan_epoch():
                     run.log(f"no contribution is eligible after {run.result.steps} steps: every one is withdrawn or "
                             "has spent its budget")
@@ -237,7 +238,7 @@ class GovernedRun:
                     continue  # another run holds this ledger epoch: plan the next one
                 while not run.epoch_done:
                     if guard.drawn is None:
-                        self._check_governed(f"before step {run.result.steps}")
+                        self._check_governed(f"before step {run.result.steps}")  # and before each draw
                         with self._in_step():
                             chunks = run.draw()
                             if chunks:
@@ -253,6 +254,7 @@ class GovernedRun:
                     yield batch
                     if guard.waiting is not None:
                         raise RuntimeError("call run.step(losses) on each batch before asking for the next")
+                self._check_governed(f"at the end of ledger epoch {run.pending['epoch']}")  # it saves the state
                 run.close_epoch()
         finally:
             guard.iterating, guard.waiting = False, None
@@ -382,18 +384,21 @@ class GovernedRun:
 
 
 class Weights:
-    """The model's parameters as the last governed step left them: a copy of each trainable one's values, and
-    each parameter's identity and version counter (a frozen one is never written by a step: an in-place write
-    bumps its counter). `changed()` names the first that differs. Writes to a frozen parameter's storage that
-    bypass its counter (`.data`, `.numpy()`) are not seen: that, like patching a library, is out of reach."""
+    """The model's parameters and the update's state as the last governed step left them: a copy of each
+    trainable parameter's values, each parameter's identity and version counter (a frozen one is never written
+    by a step: an in-place write bumps its counter), and a copy of the update's state (optimizer moments and
+    step counts, PRISM's and DP-Muon's; the learning rates aside, which a schedule sets). `changed()` names the
+    first that differs. Writes to a frozen parameter's storage that bypass its counter (`.data`, `.numpy()`)
+    are not seen: that, like patching a library, is out of reach."""
 
-    def __init__(self, model: "nn.Module") -> None:
-        self.model = model
+    def __init__(self, model: "nn.Module", mechanism: "Update") -> None:
+        self.model, self.mechanism = model, mechanism
         self.update()
 
     def update(self) -> None:
         self.trainable = trainable_weights(self.model)
         self.params = [(name, p, p._version) for name, p in self.model.named_parameters()]
+        self.state = _copied(self.mechanism.state_dict())
 
     def changed(self) -> str | None:
         now = list(self.model.named_parameters())
@@ -408,11 +413,37 @@ class Weights:
                 return f"{name} had requires_grad switched"
             if kept is not None and not torch.equal(p.detach(), kept):
                 return f"{name} was written"
+        if not same_state(self.mechanism.state_dict(), self.state):
+            return "the update's state (optimizer moments, step counts) was written"
         return None
 
     def same(self, weights: dict[str, "torch.Tensor"]) -> bool:
         return weights.keys() == self.trainable.keys() and all(torch.equal(v, self.trainable[n])
                                                                for n, v in weights.items())
+
+
+_SCHEDULED = frozenset({"lr", "initial_lr"})  # what a learning-rate schedule writes into an optimizer's groups
+
+
+def _copied(state: Any) -> Any:
+    if isinstance(state, Mapping):
+        return {key: _copied(value) for key, value in state.items() if key not in _SCHEDULED}
+    if isinstance(state, (list, tuple)):
+        return [_copied(value) for value in state]
+    return state.detach().clone() if isinstance(state, torch.Tensor) else copy.deepcopy(state)
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """Whether two update states are equal, tensors by value, the learning rates aside."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        keys = {k for k in a if k not in _SCHEDULED}
+        return keys == {k for k in b if k not in _SCHEDULED} and all(same_state(a[k], b[k]) for k in keys)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a, b))
+    return type(a) is type(b) and (a == b or (a != a and b != b))
 
 
 def check_optimizer_hooks() -> None:

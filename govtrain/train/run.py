@@ -542,9 +542,8 @@ class Run:
                           {c: (tuple(recorded[c].history), recorded[c].eps_u) for c in live},
                           [c for c in live if recorded[c].retired or c in self._retired_here]), q, batch
 
-    def _save(self, trainable: dict | None = None) -> None:
-        """The run state: trainable weights (the model's, or `trainable`), the update's state and the pending
-        epoch with its plan."""
+    def _save(self) -> None:
+        """The run state: trainable weights, the update's state and the pending epoch with its plan."""
         result = self.result
         _save_state(self.state_path, {
             "run_id": result.run_id, "run_nonce": self.run_nonce, "sampling_key": self.sampler.key,
@@ -552,6 +551,5 @@ class Run:
             "step": result.steps,
             "losses": result.losses, "epochs": result.epochs, "eps_by_class": result.eps_by_class,
             "pending": self.pending,
-            "trainable": trainable if trainable is not None else {
-                n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad},
+            "trainable": {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad},
             "update": self.update.state_dict()})
