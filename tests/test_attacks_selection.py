@@ -720,6 +720,12 @@ F7_ROWS = {  # the admitted rows as a causal LM scores them, but not the same to
     "text rows with a word appended": lambda run, yes: (
         _dataset([{"text": r["text"] + " yes"} for r in _long_texts(8)]),
         "starts with"),
+    # review 5: the input_ids leave the admitted row, the labels do not (the position-i logit reads ids[:i])
+    "last token replaced, labels the admitted row's": lambda run, yes: (
+        [dict(row, input_ids=row["input_ids"][:-1] + [yes]) for row in _tokenized(run, _long_texts(8))], "is"),
+    "a middle token replaced, labels the admitted row's": lambda run, yes: (
+        [dict(row, input_ids=row["input_ids"][:9] + [yes] + row["input_ids"][10:])
+         for row in _tokenized(run, _long_texts(8))], "is the start of"),
 }
 
 

@@ -22,6 +22,7 @@ step as they were.
 from __future__ import annotations
 
 import contextlib
+import math
 import json
 from pathlib import Path
 from typing import Callable
@@ -1157,3 +1158,42 @@ def test_the_updates_state_written_outside_a_governed_step_is_refused(tmp_path: 
                 next(run.batches())
             assert refused.value.code is Code.UNGOVERNED_UPDATE and "update's state" in refused.value.detail
         assert run.steps == 1 and snapshot(corpus.url) == written and _same(weights, run)
+
+
+class _Rate(float):
+    """Review 5's learning rate: a float whose division, inside the governed update (after every check, before
+    the step's weights are kept), writes the weights."""
+
+    model: torch.nn.Module | None = None
+
+    def __truediv__(self, other):
+        with torch.no_grad():
+            next(p for p in self.model.parameters() if p.requires_grad).fill_(7.0)
+        return float(self) / other
+
+
+@pytest.mark.parametrize("rate", ["a float subclass", "a tensor", "nan"])
+def test_a_learning_rate_that_is_not_a_finite_float_is_refused_before_the_update(tmp_path: Path, tiny_model: Path,
+                                                                                  rate: str):
+    """Review 5, F1: learning rates are the schedule's, left out of the update's state; a float subclass set as
+    one ran its code inside the governed update and the weights it wrote were released as the step's (the
+    ledger verified). A rate must be a finite float or int, checked with the weights (`ungoverned_update`)."""
+    from govtrain.integrations.hf import GovernedOptimizer
+
+    corpus = _corpus(tmp_path, "rate")
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 3), corpus.url, insecure_seed=1, **QUIET) as run:
+        batches = run.batches()
+        batch = next(batches)
+        run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+        batches.close()
+        weights, written = _trainable(run), snapshot(corpus.url)
+        _Rate.model = run.model
+        group = GovernedOptimizer(run).param_groups[0]  # the run's optimizer's own group, as a callback gets it
+        group["lr"] = {"a float subclass": _Rate(0.01), "a tensor": torch.tensor(0.01), "nan": math.nan}[rate]
+        with pytest.raises(ConfigError) as refused:
+            next(run.batches())
+        assert refused.value.code is Code.UNGOVERNED_UPDATE and "not a finite float" in refused.value.detail
+        assert run.steps == 1 and snapshot(corpus.url) == written and _same(weights, run)
+        group["lr"] = 0.01  # a plain rate again: the run goes on
+        _loop(run)
+        assert run.save().steps == 3

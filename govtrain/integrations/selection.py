@@ -29,7 +29,9 @@ compared, never labels (an admitted text under a flipped label is still the admi
 For a causal LM (`task.causal`) the same token ids are also compared by prefix (`govtrain.data.rows.PrefixIndex`,
 review 3, F7): a position's logit reads only the tokens before it, so an admitted row with one token appended
 (its label -100) has the admitted row's eval loss. A row is refused when an admitted row's tokens are its
-opening, or it is the opening of an admitted row, the shared opening `MIN_PREFIX` (8) tokens or more;
+opening, or it is the opening of an admitted row, the shared opening `MIN_PREFIX` (8) tokens or more; and
+a tokenized row with `labels` is compared also as the text it scores up to where its labels leave its input_ids
+(`_scored_fork`: the position-i logit reads input_ids[:i] and is scored against labels[i]);
 a row in the task's columns is encoded by the run's task for this (uncut and cut at `model.max_length`).
 
 What is evaluated is what was checked: the Trainer evaluates a list of the rows as read (`materialised`), never
@@ -182,6 +184,10 @@ class SelectionCheck:
             found = self._token_owner(ids, row.get("attention_mask"))
             if found is not None:
                 return found
+            scored = _scored_fork(ids, row.get("labels")) if self.task.causal else None
+            found = self._token_owner(scored, None) if scored is not None else None
+            if found is not None:
+                return found
         if not checked:
             raise ConfigError(Code.SELECTION_ADMITTED, f"{name}: cannot check {where} (columns {sorted(map(str, row))}:"
                                                        f" neither the task's columns nor input_ids), and {why}: give "
@@ -327,6 +333,19 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(item) for item in value]
     return value
+
+
+def _scored_fork(ids: list[int], labels: Any) -> list[int] | None:
+    """For a causal LM, the text a row scores up to where its labels leave its input_ids: the position-i logit
+    reads input_ids[:i] and is scored against labels[i], so input_ids[:i] + [labels[i]] at the first i where the
+    label is neither -100 nor the input token (None: the labels follow the inputs, or there are none). Review 5:
+    an admitted row with its last token replaced, the labels the admitted row's, scored the admitted row's loss
+    bit for bit while its input_ids matched no admitted row."""
+    if not (isinstance(labels, list) and len(labels) == len(ids) and _token_ids([v for v in labels if v != -100]
+                                                                                or [0])):
+        return None
+    fork = next((i for i, (token, label) in enumerate(zip(ids, labels)) if label not in (-100, token)), None)
+    return None if fork is None else [*ids[:fork], labels[fork]]
 
 
 def _token_ids(value: Any) -> bool:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -415,6 +416,13 @@ class Weights:
                 return f"{name} was written"
         if not same_state(self.mechanism.state_dict(), self.state):
             return "the update's state (optimizer moments, step counts) was written"
+        optimizer = self.mechanism.optimizer
+        for group in optimizer.param_groups if optimizer is not None else ():
+            for key in sorted(_SCHEDULED & group.keys()):
+                rate = group[key]
+                if type(rate) not in (float, int) or not math.isfinite(rate):
+                    return (f"a learning rate ({key} = {rate!r}, a {type(rate).__name__}) is not a finite float: the "
+                            "update would run its arithmetic")
         return None
 
     def same(self, weights: dict[str, "torch.Tensor"]) -> bool:
@@ -442,7 +450,7 @@ def same_state(a: Any, b: Any) -> bool:
         return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and torch.equal(a, b))
+                and a.shape == b.shape and torch.equal(a.cpu(), b.cpu()))  # accelerate moves the state to the device
     return type(a) is type(b) and (a == b or (a != a and b != b))
 
 
