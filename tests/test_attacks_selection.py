@@ -709,6 +709,17 @@ def _dataset(rows: list[dict]):
     return datasets.Dataset.from_list(rows)
 
 
+def _forked(run, last: int, *, junk: bool = False, key: str = "labels") -> list[dict]:
+    """Admitted rows with their last input token replaced by `last`, their labels the admitted row's (the first
+    a junk token, never scored, if `junk`), under `key`."""
+    rows = []
+    for row in _tokenized(run, _long_texts(8)):
+        labels = row.pop("labels")
+        rows.append(dict(row, input_ids=row["input_ids"][:-1] + [last],
+                         **{key: ([last] + labels[1:]) if junk else labels}))
+    return rows
+
+
 F7_ROWS = {  # the admitted rows as a causal LM scores them, but not the same token ids -> (rows, matched, says)
     "one token appended, its label -100": lambda run, yes: (_tokenized(run, _long_texts(8), [yes]), "starts with"),
     "one token appended, padded both sides": lambda run, yes: (_tokenized(run, _long_texts(8), [yes], pad=(2, 3)),
@@ -723,6 +734,12 @@ F7_ROWS = {  # the admitted rows as a causal LM scores them, but not the same to
     # review 5: the input_ids leave the admitted row, the labels do not (the position-i logit reads ids[:i])
     "last token replaced, labels the admitted row's": lambda run, yes: (
         [dict(row, input_ids=row["input_ids"][:-1] + [yes]) for row in _tokenized(run, _long_texts(8))], "is"),
+    # review 6: a junk first label (never scored) hid the fork; labels under the keys collators rename
+    "last token replaced, a junk first label": lambda run, yes: (_forked(run, yes, junk=True), "is"),
+    "last token replaced, labels as label_ids": lambda run, yes: (_forked(run, yes, key="label_ids"), "is"),
+    "last token replaced, labels as label": lambda run, yes: (_forked(run, yes, key="label"), "is"),
+    "last token an EOS, labels the admitted row's": lambda run, yes: (
+        _forked(run, run.tokenizer.eos_token_id), "is the start of"),
     "a middle token replaced, labels the admitted row's": lambda run, yes: (
         [dict(row, input_ids=row["input_ids"][:9] + [yes] + row["input_ids"][10:])
          for row in _tokenized(run, _long_texts(8))], "is the start of"),

@@ -1197,3 +1197,76 @@ def test_a_learning_rate_that_is_not_a_finite_float_is_refused_before_the_update
         group["lr"] = 0.01  # a plain rate again: the run goes on
         _loop(run)
         assert run.save().steps == 3
+
+
+class _Moment(torch.Tensor):
+    """Review 6's moment: equal values, and code of its own wherever torch runs an op on it (the update)."""
+
+    ran = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        _Moment.ran += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _State(dict):
+    pass
+
+
+class _Betas(tuple):
+    pass
+
+
+def _swap_state(view, how: str) -> None:
+    """Put an object of the loop's, equal in value, where the update reads its state."""
+    p = next(p for g in view.param_groups for p in g["params"] if view.state.get(p))
+    if how == "a tensor subclass in the state":
+        view.state[p]["exp_avg"] = view.state[p]["exp_avg"].as_subclass(_Moment)
+    elif how == "a dict subclass as a parameter's state":
+        view.state[p] = _State(view.state[p])
+    else:
+        view.param_groups[0]["betas"] = _Betas(view.param_groups[0]["betas"])
+
+
+@pytest.mark.parametrize("how", ["a tensor subclass in the state", "a dict subclass as a parameter's state",
+                                 "a tuple subclass as betas"])
+def test_objects_of_the_loops_own_in_the_updates_state_are_refused(tmp_path: Path, tiny_model: Path, how: str):
+    """Review 6, F1: a tensor, dict or tuple subclass equal in value passed the state's comparison, and its code
+    ran inside the governed update and wrote admitted token ids into the released weights (the ledger verified).
+    Only exact dicts, lists, tuples and plain tensors are the run's state: refused (`ungoverned_update`)."""
+    from govtrain.integrations.hf import GovernedOptimizer
+
+    corpus = _corpus(tmp_path, "objects")
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 3), corpus.url, insecure_seed=1, **QUIET) as run:
+        batches = run.batches()
+        batch = next(batches)
+        run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+        batches.close()
+        weights, written = _trainable(run), snapshot(corpus.url)
+        _Moment.ran = 0
+        _swap_state(GovernedOptimizer(run), how)
+        with pytest.raises(ConfigError) as refused:
+            next(run.batches())
+        assert refused.value.code is Code.UNGOVERNED_UPDATE and "update's state" in refused.value.detail
+        assert run.steps == 1 and snapshot(corpus.url) == written and _same(weights, run)
+
+
+def test_a_numpy_learning_rate_from_a_schedule_of_ones_own_trains(tmp_path: Path, tiny_model: Path):
+    """Review 6, F3: a LambdaLR whose factor is numpy's writes np.float64 rates; numpy's floats are exact types
+    whose arithmetic is numpy's own, so they pass, and the update meets them as plain floats."""
+    import numpy as np
+
+    from govtrain.integrations.hf import GovernedOptimizer
+
+    corpus = _corpus(tmp_path, "numpy")
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 3), corpus.url, insecure_seed=1, **QUIET) as run:
+        view = GovernedOptimizer(run)
+        schedule = torch.optim.lr_scheduler.LambdaLR(view, lambda s: np.float64(0.5) ** s)
+        for batch in run.batches():
+            loss = run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+            if loss is not None:
+                view.step()  # checks that the governed step ran
+                schedule.step()
+        assert view.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5 ** 3)
+        assert run.save().steps == 3

@@ -228,6 +228,14 @@ class PrefixIndex:
         return None
 
 
+    def longest_opening(self, row: Sequence[int]) -> int:
+        """The most tokens `row` opens with that some admitted row opens with too (the longest common opening
+        with any admitted row is with one of `row`'s two neighbours in sorted order)."""
+        row = tuple(row)
+        at = bisect.bisect_left(self.rows, row)
+        return max((_common(self.rows[k], row) for k in (at - 1, at) if 0 <= k < len(self.rows)), default=0)
+
+
 def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     """The length of the longest common opening of `a` and `b`."""
     return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

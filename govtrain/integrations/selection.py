@@ -31,7 +31,7 @@ review 3, F7): a position's logit reads only the tokens before it, so an admitte
 (its label -100) has the admitted row's eval loss. A row is refused when an admitted row's tokens are its
 opening, or it is the opening of an admitted row, the shared opening `MIN_PREFIX` (8) tokens or more; and
 a tokenized row with `labels` is compared also as the text it scores up to where its labels leave its input_ids
-(`_scored_fork`: the position-i logit reads input_ids[:i] and is scored against labels[i]);
+(`_scored_owner`: the position-i logit reads input_ids[:i] and is scored against labels[i]);
 a row in the task's columns is encoded by the run's task for this (uncut and cut at `model.max_length`).
 
 What is evaluated is what was checked: the Trainer evaluates a list of the rows as read (`materialised`), never
@@ -68,6 +68,7 @@ EVALUATION_FLAGS = ("should_training_stop", "should_epoch_stop", "should_save")
 _SCHEDULES = ("reduce_lr_on_plateau", "greedy")  # schedules that step on an evaluation metric
 _UNCUT = 1 << 30  # a max_length no example reaches: the untruncated encoding
 _MODEL_INPUTS = ("input_ids", "inputs_embeds")  # what carries the tokens a row puts before the model
+_LABELS = ("labels", "label", "label_ids")  # what the Trainer's collators pass to the model as labels
 
 
 def selection_settings(args: TrainingArguments, callbacks: Iterable[Any]) -> list[str]:
@@ -184,8 +185,7 @@ class SelectionCheck:
             found = self._token_owner(ids, row.get("attention_mask"))
             if found is not None:
                 return found
-            scored = _scored_fork(ids, row.get("labels")) if self.task.causal else None
-            found = self._token_owner(scored, None) if scored is not None else None
+            found = self._scored_owner(ids, row) if self.task.causal else None
             if found is not None:
                 return found
         if not checked:
@@ -230,6 +230,38 @@ class SelectionCheck:
             found = self._prefix_index().match(tokens)
             if found is not None:
                 return found
+        return None
+
+    def _scored_owner(self, ids: list[int], row: Mapping[str, Any]) -> tuple[str, str] | None:
+        """For a causal LM: (how, contribution) of an admitted row whose opening the row scores through labels
+        that leave its input_ids. The logit at position i reads input_ids[:i] and is scored against label i, so
+        where input_ids[:i] opens an admitted row and label i is not the input token, the row scores the text
+        input_ids[:i] + [label i] (review 5: an admitted row with its last token replaced, its labels the admitted
+        row's, scored its loss bit for bit). Every such position up to the row's longest admitted opening is
+        checked (review 6: a junk label first hid a later fork), under every key a collator makes labels of."""
+        from govtrain.data.rows import special_ids
+
+        special, index = special_ids(self.run._tokenizer), self._prefix_index()
+        mask = row.get("attention_mask")
+        keep = mask if isinstance(mask, list) and len(mask) == len(ids) else [1] * len(ids)
+        read = [bool(keep[r]) and ids[r] not in special for r in range(len(ids))]  # the tokens compared
+        plain = [token for token, kept in zip(ids, read) if kept]
+        reach = index.longest_opening(plain)
+        for key in _LABELS:
+            labels = row.get(key)
+            if not (isinstance(labels, list) and len(labels) == len(ids)):
+                continue
+            before = 0  # compared tokens before position r: the context of label r
+            for r, label in enumerate(labels):
+                if before > reach:
+                    break  # no admitted row opens with this context: nothing later can be scored as one
+                fork = type(label) is int and label != -100 and label not in special and not (read[r] and
+                                                                                           label == ids[r])
+                if r and fork:  # label 0 is never scored: the model shifts the labels by one
+                    found = index.match((*plain[:before], label))
+                    if found is not None:
+                        return found
+                before += read[r]
         return None
 
     def _prefix_index(self) -> PrefixIndex:
@@ -333,19 +365,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(item) for item in value]
     return value
-
-
-def _scored_fork(ids: list[int], labels: Any) -> list[int] | None:
-    """For a causal LM, the text a row scores up to where its labels leave its input_ids: the position-i logit
-    reads input_ids[:i] and is scored against labels[i], so input_ids[:i] + [labels[i]] at the first i where the
-    label is neither -100 nor the input token (None: the labels follow the inputs, or there are none). Review 5:
-    an admitted row with its last token replaced, the labels the admitted row's, scored the admitted row's loss
-    bit for bit while its input_ids matched no admitted row."""
-    if not (isinstance(labels, list) and len(labels) == len(ids) and _token_ids([v for v in labels if v != -100]
-                                                                                or [0])):
-        return None
-    fork = next((i for i, (token, label) in enumerate(zip(ids, labels)) if label not in (-100, token)), None)
-    return None if fork is None else [*ids[:fork], labels[fork]]
 
 
 def _token_ids(value: Any) -> bool:

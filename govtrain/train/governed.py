@@ -48,6 +48,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
+import numpy as np
 import torch
 
 from govtrain import units
@@ -332,6 +333,7 @@ class GovernedRun:
     def _apply(self) -> float:
         """The step's noise and update (inside `_in_step`), on the weights as the last governed step left them."""
         self._check_governed(f"at step {self._run.result.steps}'s update")
+        self._weights.plain_rates()
         loss = self._run.apply()
         self._weights.update()
         return loss
@@ -416,14 +418,30 @@ class Weights:
                 return f"{name} was written"
         if not same_state(self.mechanism.state_dict(), self.state):
             return "the update's state (optimizer moments, step counts) was written"
+        for key, rate in self.rates():
+            if type(rate) not in _RATES or not math.isfinite(rate):
+                return (f"a learning rate ({key} = {rate!r}, a {type(rate).__name__}) is not a finite float: the "
+                        "update would run its arithmetic")
+        return None
+
+    def rates(self) -> Iterator[tuple[str, Any]]:
+        """Every learning rate the update reads, by where: the optimizer's groups', PRISM's and DP-Muon's."""
+        optimizer = self.mechanism.optimizer
+        for i, group in enumerate(optimizer.param_groups if optimizer is not None else ()):
+            for key in sorted(_SCHEDULED & group.keys()):
+                yield f"param_groups[{i}][{key!r}]", group[key]
+        for name in ("prism", "muon"):
+            part = getattr(self.mechanism, name)
+            if part is not None:
+                yield f"{name}.lr", part.lr
+
+    def plain_rates(self) -> None:
+        """Each group's learning rates as plain floats (once `changed()` found them of `_RATES`): what the
+        update's arithmetic meets is torch's and Python's own."""
         optimizer = self.mechanism.optimizer
         for group in optimizer.param_groups if optimizer is not None else ():
-            for key in sorted(_SCHEDULED & group.keys()):
-                rate = group[key]
-                if type(rate) not in (float, int) or not math.isfinite(rate):
-                    return (f"a learning rate ({key} = {rate!r}, a {type(rate).__name__}) is not a finite float: the "
-                            "update would run its arithmetic")
-        return None
+            for key in _SCHEDULED & group.keys():
+                group[key] = float(group[key])
 
     def same(self, weights: dict[str, "torch.Tensor"]) -> bool:
         return weights.keys() == self.trainable.keys() and all(torch.equal(v, self.trainable[n])
@@ -433,25 +451,35 @@ class Weights:
 _SCHEDULED = frozenset({"lr", "initial_lr"})  # what a learning-rate schedule writes into an optimizer's groups
 
 
+_PLAIN = (int, float, bool, str, type(None))  # the values an update's state holds besides tensors and containers
+_RATES = (float, int, np.float64, np.float32, np.float16)  # a learning rate's exact types (numpy's: C arithmetic)
+
+
 def _copied(state: Any) -> Any:
-    if isinstance(state, Mapping):
+    """A copy of an update's state, of the same exact types, the learning rates left out."""
+    if type(state) is dict:
         return {key: _copied(value) for key, value in state.items() if key not in _SCHEDULED}
-    if isinstance(state, (list, tuple)):
-        return [_copied(value) for value in state]
+    if type(state) in (list, tuple):
+        return type(state)(_copied(value) for value in state)
     return state.detach().clone() if isinstance(state, torch.Tensor) else copy.deepcopy(state)
 
 
 def same_state(a: Any, b: Any) -> bool:
-    """Whether two update states are equal, tensors by value, the learning rates aside."""
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
+    """Whether two update states are equal, tensors by value, the learning rates aside. Only exact dicts, lists,
+    tuples, plain tensors and plain values count as equal: a subclass of any of them (a tensor whose
+    `__torch_function__`, a dict whose `__getitem__`, a tuple whose `__iter__` is code of the loop's) would run
+    that code inside the governed update, which reads them (review 6)."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is dict:
         keys = {k for k in a if k not in _SCHEDULED}
-        return keys == {k for k in b if k not in _SCHEDULED} and all(same_state(a[k], b[k]) for k in keys)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return (keys == {k for k in b if k not in _SCHEDULED} and all(type(k) in _PLAIN for k in keys)
+                and all(same_state(a[k], b[k]) for k in keys))
+    if type(a) in (list, tuple):
         return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and torch.equal(a.cpu(), b.cpu()))  # accelerate moves the state to the device
-    return type(a) is type(b) and (a == b or (a != a and b != b))
+    if type(a) is torch.Tensor:  # accelerate moves the state to the device: compare on the CPU
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
+    return type(a) in _PLAIN and (a == b or (a != a and b != b))
 
 
 def check_optimizer_hooks() -> None:
