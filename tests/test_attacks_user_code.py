@@ -1218,6 +1218,10 @@ class _Betas(tuple):
     pass
 
 
+class _Params(list):
+    pass
+
+
 def _swap_state(view, how: str) -> None:
     """Put an object of the loop's, equal in value, where the update reads its state."""
     p = next(p for g in view.param_groups for p in g["params"] if view.state.get(p))
@@ -1225,12 +1229,14 @@ def _swap_state(view, how: str) -> None:
         view.state[p]["exp_avg"] = view.state[p]["exp_avg"].as_subclass(_Moment)
     elif how == "a dict subclass as a parameter's state":
         view.state[p] = _State(view.state[p])
+    elif how == "a list subclass as a group's parameters":
+        view.param_groups[0]["params"] = _Params(view.param_groups[0]["params"])
     else:
         view.param_groups[0]["betas"] = _Betas(view.param_groups[0]["betas"])
 
 
 @pytest.mark.parametrize("how", ["a tensor subclass in the state", "a dict subclass as a parameter's state",
-                                 "a tuple subclass as betas"])
+                                 "a tuple subclass as betas", "a list subclass as a group's parameters"])
 def test_objects_of_the_loops_own_in_the_updates_state_are_refused(tmp_path: Path, tiny_model: Path, how: str):
     """Review 6, F1: a tensor, dict or tuple subclass equal in value passed the state's comparison, and its code
     ran inside the governed update and wrote admitted token ids into the released weights (the ledger verified).

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import operator
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -402,6 +403,8 @@ class Weights:
         self.trainable = trainable_weights(self.model)
         self.params = [(name, p, p._version) for name, p in self.model.named_parameters()]
         self.state = _copied(self.mechanism.state_dict())
+        optimizer = self.mechanism.optimizer
+        self.groups = [list(group["params"]) for group in optimizer.param_groups] if optimizer is not None else []
 
     def changed(self) -> str | None:
         now = list(self.model.named_parameters())
@@ -416,13 +419,24 @@ class Weights:
                 return f"{name} had requires_grad switched"
             if kept is not None and not torch.equal(p.detach(), kept):
                 return f"{name} was written"
-        if not same_state(self.mechanism.state_dict(), self.state):
-            return "the update's state (optimizer moments, step counts) was written"
+        if not same_state(self.mechanism.state_dict(), self.state) or not self._same_groups():
+            return "the update's state (optimizer moments, step counts, parameter groups) was written"
         for key, rate in self.rates():
             if type(rate) not in _RATES or not math.isfinite(rate):
                 return (f"a learning rate ({key} = {rate!r}, a {type(rate).__name__}) is not a finite float: the "
                         "update would run its arithmetic")
         return None
+
+    def _same_groups(self) -> bool:
+        """The optimizer's groups hold, in exact lists of exact dicts, the parameters they held (`state_dict()`
+        gives their indices only, so a list subclass iterated inside the update would pass it)."""
+        optimizer = self.mechanism.optimizer
+        if optimizer is None:
+            return True
+        groups = optimizer.param_groups
+        return (type(groups) is list and len(groups) == len(self.groups)
+                and all(type(group) is dict and type(group["params"]) is list and len(group["params"]) == len(kept)
+                        and all(map(operator.is_, group["params"], kept)) for group, kept in zip(groups, self.groups)))
 
     def rates(self) -> Iterator[tuple[str, Any]]:
         """Every learning rate the update reads, by where: the optimizer's groups', PRISM's and DP-Muon's."""
