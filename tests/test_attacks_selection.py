@@ -740,6 +740,10 @@ F7_ROWS = {  # the admitted rows as a causal LM scores them, but not the same to
     "last token replaced, labels as label": lambda run, yes: (_forked(run, yes, key="label"), "is"),
     "last token an EOS, labels the admitted row's": lambda run, yes: (
         _forked(run, run.tokenizer.eos_token_id), "is the start of"),
+    # review 7: labels past the last scored one change nothing: the text scored ends there
+    "an admitted opening, then a token labelled -100": lambda run, yes: (
+        [dict(row, input_ids=row["input_ids"] + [yes], attention_mask=row["attention_mask"] + [1],
+              labels=row["labels"] + [-100]) for row in _tokenized(run, _long_texts(8), cut=12)], "is the start of"),
     "a middle token replaced, labels the admitted row's": lambda run, yes: (
         [dict(row, input_ids=row["input_ids"][:9] + [yes] + row["input_ids"][10:])
          for row in _tokenized(run, _long_texts(8))], "is the start of"),
@@ -989,3 +993,23 @@ def test_a_short_admitted_causal_lm_row_refuses_no_held_out_row_that_starts_with
             GovernedTrainer(run, args=args, eval_dataset=[dict(run.tokenizer("hello world"))],
                             processing_class=run.tokenizer)
         assert refused.value.code is Code.SELECTION_ADMITTED
+
+
+def test_a_causal_lm_row_whose_labels_are_not_one_per_input_token_cannot_be_checked(tmp_path: Path,
+                                                                                    tiny_llama: Path):
+    """Review 7, F4: labels one longer than the input_ids were passed over, and the Trainer's collator padded the
+    input_ids to them: an admitted row with its last token replaced scored the admitted row's loss. Refused as
+    a row that cannot be checked while selection is on."""
+    from tests.test_causal_lm import _run_toml
+
+    corpus = _lm_corpus(tmp_path)
+    before = snapshot(corpus.url)
+    with govtrain.GovernedRun.open(_run_toml(corpus, tiny_llama, 6), corpus.url, insecure_seed=1, **QUIET) as run:
+        yes = run.tokenizer.convert_tokens_to_ids("yes")
+        rows = [dict(row, input_ids=row["input_ids"][:-1] + [yes], labels=row["labels"] + [-100])
+                for row in _tokenized(run, _long_texts(8))]
+        with pytest.raises(ConfigError) as refused:
+            GovernedTrainer(run, args=_lm_selecting(tmp_path), eval_dataset=rows, processing_class=run.tokenizer)
+        assert refused.value.code is Code.SELECTION_ADMITTED and "cannot check" in refused.value.detail
+        assert "labels has" in refused.value.detail
+    assert snapshot(corpus.url) == before

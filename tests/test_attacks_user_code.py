@@ -1276,3 +1276,69 @@ def test_a_numpy_learning_rate_from_a_schedule_of_ones_own_trains(tmp_path: Path
                 schedule.step()
         assert view.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5 ** 3)
         assert run.save().steps == 3
+
+
+class _Loud(torch.nn.Parameter):
+    """Review 7's parameter class: the same object, values and version, and code of its own on every op."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _Truthy:
+    def __bool__(self) -> bool:
+        return False
+
+
+def _reach(view, run, how: str) -> None:
+    """Put code of the loop's where the update or its zero_grad would run it, through public objects."""
+    if how == "a parameter's class swapped":
+        next(p for p in run.model.parameters() if p.requires_grad).__class__ = _Loud
+    elif how == "the state's factory":
+        view.state.default_factory = lambda: {}
+    else:
+        view.defaults["foreach"] = _Truthy()
+
+
+@pytest.mark.parametrize("how", ["a parameter's class swapped", "the state's factory", "a defaults value"])
+def test_code_placed_where_the_update_runs_it_is_refused(tmp_path: Path, tiny_model: Path, how: str):
+    """Review 7, F1-F3: a parameter whose class was swapped in place (same object, values and version), the
+    optimizer state's default_factory, and a `defaults` value whose `__bool__` torch's zero_grad reads ran the
+    loop's code inside the governed update or after it, before the weights were kept, and wrote admitted token
+    ids into the released adapter (the ledger verified). Each is refused at the next check."""
+    from govtrain.integrations.hf import GovernedOptimizer
+
+    corpus = _corpus(tmp_path, "reach")
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 3), corpus.url, insecure_seed=1, **QUIET) as run:
+        batches = run.batches()
+        batch = next(batches)
+        run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+        batches.close()
+        weights, written = _trainable(run), snapshot(corpus.url)
+        _reach(GovernedOptimizer(run), run, how)
+        with pytest.raises(ConfigError) as refused:
+            next(run.batches())
+        assert refused.value.code is Code.UNGOVERNED_UPDATE
+        assert ("changed class" if how.startswith("a parameter") else "update's state") in refused.value.detail
+        assert run.steps == 1 and snapshot(corpus.url) == written
+
+
+def test_hooks_can_be_registered_on_the_trainers_optimizer_view(tmp_path: Path, tiny_model: Path):
+    """Review 7, H1: torch's public hook registration raised on the view (its tables were plain dicts, which
+    torch's handles cannot weakly reference). They register on the view, which runs them around its own step."""
+    from govtrain.integrations.hf import GovernedOptimizer
+
+    corpus = _corpus(tmp_path, "view-hooks")
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 2), corpus.url, insecure_seed=1, **QUIET) as run:
+        view, seen = GovernedOptimizer(run), []
+        handles = [view.register_step_pre_hook(lambda opt, args, kwargs: seen.append("pre")),
+                   view.register_step_post_hook(lambda opt, args, kwargs: seen.append("post")),
+                   view.register_state_dict_pre_hook(lambda opt: None),
+                   view.register_load_state_dict_post_hook(lambda opt: None)]
+        for batch in run.batches():
+            if run.step(run.per_example_loss(run.model(**batch.inputs), batch)) is not None:
+                view.step()
+        for handle in handles:
+            handle.remove()
+        assert run.save().steps == 2 and seen[:2] == ["pre", "post"]

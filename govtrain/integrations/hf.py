@@ -33,6 +33,7 @@ governed step too (noise only), taken between two Trainer steps, so `state.globa
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -100,12 +101,12 @@ class GovernedOptimizer(torch.optim.Optimizer):
                                                                          for p in pair]))
         if update.muon is not None:
             self._mechanism_groups.append(_MechanismGroup(update.muon, list(update.muon.params.values())))
-        self._optimizer_step_pre_hooks: dict = {}
-        self._optimizer_step_post_hooks: dict = {}
-        self._optimizer_state_dict_pre_hooks: dict = {}
-        self._optimizer_state_dict_post_hooks: dict = {}
-        self._optimizer_load_state_dict_pre_hooks: dict = {}
-        self._optimizer_load_state_dict_post_hooks: dict = {}
+        self._optimizer_step_pre_hooks: dict = OrderedDict()  # torch's handles hold weak references to these
+        self._optimizer_step_post_hooks: dict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: dict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: dict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: dict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: dict = OrderedDict()
         self._stepped = run.steps
 
     @property
@@ -131,7 +132,11 @@ class GovernedOptimizer(torch.optim.Optimizer):
         if self._run.steps == self._stepped:
             raise RuntimeError("the Trainer stepped its optimizer without a governed step: the training step must "
                                "run a logical step of run.batches() to its last chunk")
+        for hook in list(self._optimizer_step_pre_hooks.values()):  # torch's step hooks, on the view: they run
+            hook(self, (), {})                                     # after the governed update, never inside it
         self._stepped = self._run.steps
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, (), {})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._update.zero_grad()

@@ -185,6 +185,12 @@ class SelectionCheck:
             found = self._token_owner(ids, row.get("attention_mask"))
             if found is not None:
                 return found
+            uneven = [key for key in _LABELS if isinstance(row.get(key), list) and len(row[key]) != len(ids)]
+            if self.task.causal and uneven:  # a collator pads one to the other: what is scored cannot be told
+                raise ConfigError(Code.SELECTION_ADMITTED, f"{name}: cannot check {where}: its {uneven[0]} has "
+                                                           f"{len(row[uneven[0]])} entries for {len(ids)} input_ids, "
+                                                           f"and {why}: give one label per input token, or turn "
+                                                           "that off")
             found = self._scored_owner(ids, row) if self.task.causal else None
             if found is not None:
                 return found
@@ -249,8 +255,15 @@ class SelectionCheck:
         reach = index.longest_opening(plain)
         for key in _LABELS:
             labels = row.get(key)
-            if not (isinstance(labels, list) and len(labels) == len(ids)):
+            if not isinstance(labels, list):
                 continue
+            if len(labels) != len(ids):
+                continue  # refused by `_owner`
+            scored = [r for r, label in enumerate(labels) if r and label != -100]
+            if scored:  # the text scored ends at the last scored label (review 7: an ignored tail hid an opening)
+                found = index.match([token for token, kept in zip(ids[:scored[-1] + 1], read) if kept])
+                if found is not None:
+                    return found
             before = 0  # compared tokens before position r: the context of label r
             for r, label in enumerate(labels):
                 if before > reach:

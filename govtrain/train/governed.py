@@ -27,10 +27,12 @@ per-sample backward, a parameter swapped under the update) stops the run in this
 `batches()`, `step()` and `save()` refuse (`step_failed`), leaving the block saves nothing, and the config
 opened again resumes from the last checkpoint, drawing the same rows (the sampler is keyed). `observe` sees a
 draw only once it is recorded, and `step()` takes a plain `torch.Tensor` whose sum it reads before anything is
-summed. The weights move only in governed steps: the trainable ones as the last step left them (compared by
-value), every parameter's identity and every frozen one's version counter are checked before each draw, each
-governed forward, each update and at `save()`, and torch's global optimizer hooks are refused (they run inside
-the update); all `ungoverned_update`. Leaving the block after such a change saves nothing: the run state stays its last checkpoint's.
+summed. The weights move only in governed steps (`Weights`): the trainable ones as the last step left them
+(compared by value), every parameter's identity and class, every frozen one's version counter, and the update's
+state, groups, defaults and learning rates (exact types, so no object of the loop's runs inside the update) are
+checked before each draw, each governed forward, each update, each Trainer checkpoint and at `save()`, and
+torch's global optimizer hooks are refused (they run inside the update); all `ungoverned_update`. Leaving the
+block after such a change saves nothing: the run state stays its last checkpoint's.
 
 Leaving the `with` block before the last step keeps the run's state in `<output>/run-state.pt`: opening
 the same config again resumes it (same run id, same ledger history; spend already written is never
@@ -39,6 +41,7 @@ written again). An exception (a kill) keeps the last checkpoint, as `govtrain tr
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import math
@@ -402,14 +405,19 @@ class Weights:
     def update(self) -> None:
         self.trainable = trainable_weights(self.model)
         self.params = [(name, p, p._version) for name, p in self.model.named_parameters()]
+        self.kinds = [type(p) for _, p, _ in self.params]  # compared before any op runs on a parameter
         self.state = _copied(self.mechanism.state_dict())
         optimizer = self.mechanism.optimizer
         self.groups = [list(group["params"]) for group in optimizer.param_groups] if optimizer is not None else []
+        self.defaults = _copied(optimizer.defaults) if optimizer is not None else None
 
     def changed(self) -> str | None:
         now = list(self.model.named_parameters())
         if len(now) != len(self.params) or any(p is not q for (_, p), (_, q, _) in zip(now, self.params)):
             return "a parameter of run.model was replaced or added"
+        for (name, p), kind in zip(now, self.kinds):  # type() runs none of the parameter's code
+            if type(p) is not kind:
+                return f"{name} changed class to {type(p).__name__} (its code would run inside the update)"
         for name, p, version in self.params:
             if not p.requires_grad and p._version != version:
                 return f"{name} (frozen) was written"
@@ -419,7 +427,7 @@ class Weights:
                 return f"{name} had requires_grad switched"
             if kept is not None and not torch.equal(p.detach(), kept):
                 return f"{name} was written"
-        if not same_state(self.mechanism.state_dict(), self.state) or not self._same_groups():
+        if not self._same_groups() or not same_state(self.mechanism.state_dict(), self.state):  # types first
             return "the update's state (optimizer moments, step counts, parameter groups) was written"
         for key, rate in self.rates():
             if type(rate) not in _RATES or not math.isfinite(rate):
@@ -429,10 +437,17 @@ class Weights:
 
     def _same_groups(self) -> bool:
         """The optimizer's groups hold, in exact lists of exact dicts, the parameters they held (`state_dict()`
-        gives their indices only, so a list subclass iterated inside the update would pass it)."""
+        gives their indices only, so a list subclass iterated inside the update would pass it); its state is a
+        defaultdict of dicts, and its defaults as they were (review 7: a state factory and a `defaults` value
+        whose `__bool__` was the loop's ran inside the update and after it, before the weights were kept)."""
         optimizer = self.mechanism.optimizer
         if optimizer is None:
             return True
+        state = optimizer.state  # torch calls its factory inside the update, and zero_grad reads `defaults`
+        if type(state) is not collections.defaultdict or state.default_factory is not dict:
+            return False
+        if not same_state(optimizer.defaults, self.defaults):
+            return False
         groups = optimizer.param_groups
         return (type(groups) is list and len(groups) == len(self.groups)
                 and all(type(group) is dict and type(group["params"]) is list and len(group["params"]) == len(kept)
