@@ -1342,3 +1342,60 @@ def test_hooks_can_be_registered_on_the_trainers_optimizer_view(tmp_path: Path, 
         for handle in handles:
             handle.remove()
         assert run.save().steps == 2 and seen[:2] == ["pre", "post"]
+
+
+# -- review 8: nothing of the loop's runs between the update and the weights' snapshot, or in save() -----------
+
+
+class _Losses(list):
+    """Review 8's record: a list whose `append`, which the run called right after each update and before the
+    weights were kept, writes the weights."""
+
+    model: torch.nn.Module | None = None
+    ran = 0
+
+    def append(self, item) -> None:
+        _Losses.ran += 1
+        with torch.no_grad():
+            next(p for p in self.model.parameters() if p.requires_grad).fill_(7.0)
+        super().append(item)
+
+
+def test_the_runs_record_is_a_copy_so_nothing_of_the_loops_runs_in_its_bookkeeping(tmp_path: Path,
+                                                                                    tiny_model: Path):
+    """Review 8, G1: `run.result` was the run's own record, written after each update and pickled at each
+    checkpoint before the weights were kept: a list subclass put in it wrote admitted token ids into the
+    released adapter (the ledger verified). `run.result` is a copy, and the weights are kept right after the
+    update, before any bookkeeping."""
+    corpus = _corpus(tmp_path, "record")
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 3), corpus.url, insecure_seed=1, **QUIET) as run:
+        _Losses.model, _Losses.ran = run.model, 0
+        run.result.losses = _Losses(run.result.losses)
+        assert type(run.result.losses) is list  # the run's own is untouched
+        _loop(run)
+        result = run.save()
+    assert _Losses.ran == 0 and result.steps == 3 and len(result.losses) == 3
+    assert verify_ledger(corpus.url).by_kind["run"] == 1
+
+
+@pytest.mark.parametrize("hook", ["state_dict post-hook", "state_dict pre-hook", "save_pretrained replaced"])
+def test_code_added_to_what_save_writes_is_refused_and_nothing_is_recorded(tmp_path: Path, tiny_model: Path,
+                                                                           hook: str):
+    """Review 8, G2: a state_dict post-hook added after the last step rewrote the tensors `save()` wrote (the
+    weights in memory untouched, so every weight check passed) and the run entry signed that file. save() checks
+    the model as opened, state_dict hooks included: refused (`ungoverned_batch`), nothing recorded."""
+    corpus = _corpus(tmp_path, "saved")
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 2), corpus.url, insecure_seed=1, **QUIET) as run:
+        _loop(run)
+        if hook == "state_dict post-hook":
+            run.model.register_state_dict_post_hook(lambda module, state, prefix, local: None)
+        elif hook == "state_dict pre-hook":
+            run.model.base_model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: None)
+        else:
+            run.model.save_pretrained = lambda *args, **kwargs: None
+        written = snapshot(corpus.url)
+        with pytest.raises(ConfigError) as refused:
+            run.save()
+        assert refused.value.code is Code.UNGOVERNED_BATCH and "changed after the run opened" in refused.value.detail
+        assert snapshot(corpus.url) == written
+    assert verify_ledger(corpus.url).by_kind.get("run") is None

@@ -194,7 +194,9 @@ class GovernedRun:
 
     @property
     def result(self) -> RunResult:
-        return self._run.result
+        """A copy of the run's record (steps, losses, epochs, epsilons, adapter hash): the run's own is read
+        inside each step and pickled at each checkpoint, so no object of the loop's may sit in it (review 8)."""
+        return copy.deepcopy(self._run.result)
 
     @property
     def sampling_rate(self) -> float | None:
@@ -318,6 +320,7 @@ class GovernedRun:
             raise RuntimeError(f"the run has taken {run.result.steps} of {run.total} steps: iterate run.batches() to "
                                "the end, or leave the with block to keep its state and resume later")
         self._check_governed("at run.save()")
+        self._guard.check_structure()  # a state_dict hook or a replaced save_pretrained writes what is saved
         self._guard.remove()  # the saved model carries no hook of the run
         result = run.finish()
         self._saved = True
@@ -338,8 +341,9 @@ class GovernedRun:
         """The step's noise and update (inside `_in_step`), on the weights as the last governed step left them."""
         self._check_governed(f"at step {self._run.result.steps}'s update")
         self._weights.plain_rates()
-        loss = self._run.apply()
-        self._weights.update()
+        loss = self._run.move()
+        self._weights.update()  # before anything else runs: the step's bookkeeping and checkpoint come after
+        self._run.record(loss)
         return loss
 
     def _stepped(self, loss: float) -> None:

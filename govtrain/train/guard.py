@@ -66,7 +66,10 @@ NOT_YOURS = ("the accountant's q holds only for batches govtrain's Poisson sampl
              "and put your data in training.data")
 PLAIN = (bool, int, float, str, type(None))
 HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-         "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+         "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks",
+         # what `state_dict()` runs while `save()` writes the adapter (review 8: a post-hook rewrote the saved
+         # tensors, the weights in memory untouched)
+         "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 # What transformers decides a layer's attention by, besides the module: the implementation's name in the config the
 # module holds (and its sub-configs), and the registries that name is looked up in (an `AttentionInterface` and its
 # kind: attention masks, MoE experts), bound in the module defining the layer's class or in these

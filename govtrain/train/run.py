@@ -419,18 +419,27 @@ class Run:
         self._drawn += len(chunk.indices)
 
     def apply(self) -> float:
-        """Close the logical step: the router's noise once per group, then the update. Returns the mean
-        loss per example drawn (nan: empty batch)."""
+        """Close the logical step: the router's noise once per group, then the update (`move`), then the
+        step's record (`record`). Returns the mean loss per example drawn (nan: empty batch)."""
+        loss = self.move()
+        self.record(loss)
+        return loss
+
+    def move(self) -> float:
+        """The router's noise once per group, then the update; the step's mean loss per example drawn."""
         self.router.finish(self._group_std, self.pending["expected_batch"])
         loss = self._loss_sum / self._drawn if self._drawn else float("nan")
         self.update.step(self.router.noise_std)
         self.update.zero_grad()
+        return loss
+
+    def record(self, loss: float) -> None:
+        """Count the step moved by `move`, and save the run state at a checkpoint."""
         result = self.result
         result.steps += 1
         result.losses.append(loss)
         if result.steps % self.checkpoint_every == 0:
             self._save()
-        return loss
 
     def _check_rate(self) -> None:
         """The sampler draws at the rate the ledger's spend for this epoch charged, or the step does not run."""
