@@ -39,8 +39,10 @@ the Poisson sampler did not draw. The accountant's q holds only for batches govt
   is refused, so the model's inner modules (`run.model.base_model.model`, a LoRA factor) are no way around the
   top-level checks (item 6b). Under `torch.no_grad()` anything may run (evaluation).
 
-The hooks change neither the model's type nor its `state_dict` keys, and `remove()` takes every one away
-(transformers' output-capturing hooks too: transformers installs them again when next asked).
+The `state_dict` and `load_state_dict` hooks are part of the model as opened too: `save()` checks it before it
+writes the adapter (review 8). The hooks change neither the model's type nor its `state_dict` keys, and
+`remove()` takes every one away (transformers' output-capturing hooks too: transformers installs them again
+when next asked).
 Code that patches a library's classes (torch, transformers, peft, govtrain) changes what every instance does,
 and no check inside the process can tell it from the library: that is outside what the guard can stop.
 """
