@@ -1399,3 +1399,51 @@ def test_code_added_to_what_save_writes_is_refused_and_nothing_is_recorded(tmp_p
         assert refused.value.code is Code.UNGOVERNED_BATCH and "changed after the run opened" in refused.value.detail
         assert snapshot(corpus.url) == written
     assert verify_ledger(corpus.url).by_kind.get("run") is None
+
+
+class _Configs(dict):
+    """Review 9's `peft_config`: a dict whose `keys()`, which peft's save_pretrained calls first, writes the
+    weights."""
+
+    model: torch.nn.Module | None = None
+
+    def keys(self):
+        with torch.no_grad():
+            next(p for p in self.model.parameters() if p.requires_grad).fill_(7.0)
+        return super().keys()
+
+
+def _leave_a_file(run) -> None:
+    folder = run.config.output_dir / "leak"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "notes.txt").write_text(run.admitted_rows.examples[0].text)
+
+
+RELEASES = {
+    "peft_config replaced": lambda run: setattr(run.model.base_model, "peft_config",
+                                                _Configs(run.model.base_model.peft_config)),
+    "a file left in the output folder": _leave_a_file,
+    "admitted text in the adapter config": lambda run: setattr(run.model.peft_config["default"], "revision",
+                                                               run.admitted_rows.examples[0].text),
+    "lora_alpha rescaled": lambda run: setattr(run.model.peft_config["default"], "lora_alpha", 16000),
+}
+
+
+@pytest.mark.parametrize("how", sorted(RELEASES))
+def test_what_save_writes_is_the_runs_adapter_or_nothing_is_recorded(tmp_path: Path, tiny_model: Path, how: str):
+    """Review 9: a dict subclass as `peft_config` ran inside save_pretrained and wrote admitted token ids into the
+    saved weights; an adapter and a text file left in the output folder were hashed into the run entry (and the
+    loader took the adapter); admitted text went into adapter_config.json; lora_alpha was rescaled after training.
+    save() reads what it wrote (the files, the configs and model card as when the run opened, the tensors as the
+    last governed step left them) before it hashes and records anything (`ungoverned_update`)."""
+    corpus = _corpus(tmp_path, "release")
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 2), corpus.url, insecure_seed=1, **QUIET) as run:
+        _loop(run)
+        _Configs.model = run.model
+        RELEASES[how](run)
+        written = snapshot(corpus.url)
+        with pytest.raises(ConfigError) as refused:
+            run.save()
+        assert refused.value.code is Code.UNGOVERNED_UPDATE and "nothing is recorded" in refused.value.detail
+        assert snapshot(corpus.url) == written
+    assert verify_ledger(corpus.url).by_kind.get("run") is None

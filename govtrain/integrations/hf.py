@@ -208,7 +208,9 @@ class _Governed:
             del kwargs["model"]
         if "model" in kwargs:
             raise ConfigError(Code.RUN_CONFIG_INVALID, "the model is run.model: do not pass another one")
-        args = args if args is not None else TrainingArguments(output_dir=str(run.config.output_dir / "trainer"))
+        if args is None:  # beside the adapter's folder, which holds only what save() writes
+            output = run.config.output_dir
+            args = TrainingArguments(output_dir=str(output.with_name(f"{output.name}-trainer")))
         _check_arguments(args, run)
         left = run.total_steps - run.steps  # a resumed run has taken some already
         if args.max_steps <= 0:

@@ -504,14 +504,17 @@ class Run:
 
     # -- finish ----------------------------------------------------------------------------------------
 
-    def finish(self) -> RunResult:
+    def finish(self, check: Callable[[Path], None] | None = None) -> RunResult:
         """Save the adapter, record the run entry (mechanism, config, base model, adapter, device, precision)
-        and remove the run state. Called also when the budgets ran out (`result.exhausted`)."""
+        and remove the run state. Called also when the budgets ran out (`result.exhausted`). `check(output)`
+        reads what was written before it is hashed and recorded."""
         self.router.close()
         self._check_owner()
         output = self.config.output_dir
         output.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(output)
+        if check is not None:
+            check(output)
         result = self.result
         result.adapter_sha256 = tree_sha256(output)
         device = self.device.type if self.device.type == "cpu" else str(self.device)
