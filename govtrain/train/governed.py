@@ -518,15 +518,17 @@ def same_state(a: Any, b: Any) -> bool:
 
 class Release:
     """What `save()` may write, taken when the run opens: the files `save_pretrained` writes for this model and
-    their contents but the weights (each adapter's config, peft's model card). `check` reads the folder as
-    written: exactly those files, those contents, and each adapter's tensors equal to the weights the last
-    governed step left. Code of the loop's can run inside `save_pretrained` (a `peft_config` of its own is plain
+    their contents but the weights (each adapter's config). `check` takes out peft's model cards (README.md:
+    libraries add tags to them, TRL's SFTTrainer among them, so they are free text no check can pin) and reads the
+    folder as written: exactly those files, those contents, and each adapter's tensors equal to the weights the
+    last governed step left. Code of the loop's can run inside `save_pretrained` (a `peft_config` of its own is plain
     instance data the guard does not record) and files can be put in the folder beforehand; neither reaches the
     recorded adapter (review 9: a dict subclass as `peft_config` wrote admitted token ids into the saved
     weights, a sub-folder adapter written beforehand was hashed and loaded with it, admitted text was saved in
     `adapter_config.json` and `lora_alpha` rescaled)."""
 
     WEIGHTS = "adapter_model.safetensors"
+    CARD = "README.md"
 
     def __init__(self, model: "nn.Module") -> None:
         import tempfile
@@ -534,8 +536,9 @@ class Release:
         with tempfile.TemporaryDirectory() as folder:
             model.save_pretrained(folder)
             root = Path(folder)
+            self.cards = sorted(str(p.relative_to(root)) for p in root.rglob(self.CARD))
             self.files = {str(p.relative_to(root)): (None if p.name == self.WEIGHTS else p.read_bytes())
-                          for p in root.rglob("*") if p.is_file()}
+                          for p in root.rglob("*") if p.is_file() and p.name != self.CARD}
         self.adapters = list(model.peft_config)
 
     def check(self, output: Path, trainable: dict[str, torch.Tensor]) -> None:
@@ -543,6 +546,8 @@ class Release:
 
         from govtrain.train.run import _NOT_ADAPTER
 
+        for card in self.cards:  # written by save_pretrained: not part of the adapter
+            (output / card).unlink(missing_ok=True)
         written = {str(p.relative_to(output)) for p in output.rglob("*") if p.is_file() and p.name not in _NOT_ADAPTER}
         problems = [f"{name} is not a file save() writes" for name in sorted(written - self.files.keys())]
         problems += [f"{name} is missing" for name in sorted(self.files.keys() - written)]
