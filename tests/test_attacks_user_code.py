@@ -739,6 +739,15 @@ def test_a_decoder_classifier_without_a_pad_token_pads_with_eos_and_trains(tmp_p
 # -- review 3: a step is one transaction; the weights move only in governed steps (F1, F2, F5, F6) ---------
 
 
+def _step_once(run, corpus: Corpus) -> tuple[dict, tuple]:
+    """Step 0 taken (one chunk) and the loop left between steps: the trainable weights and the ledger as then."""
+    batches = run.batches()
+    batch = next(batches)
+    run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+    batches.close()
+    return _trainable(run), snapshot(corpus.url)
+
+
 def _loop(run) -> None:
     for batch in run.batches():
         run.step(run.per_example_loss(run.model(**batch.inputs), batch))
@@ -1182,11 +1191,7 @@ def test_a_learning_rate_that_is_not_a_finite_float_is_refused_before_the_update
 
     corpus = _corpus(tmp_path, "rate")
     with govtrain.GovernedRun.open(_config(corpus, tiny_model, 3), corpus.url, insecure_seed=1, **QUIET) as run:
-        batches = run.batches()
-        batch = next(batches)
-        run.step(run.per_example_loss(run.model(**batch.inputs), batch))
-        batches.close()
-        weights, written = _trainable(run), snapshot(corpus.url)
+        weights, written = _step_once(run, corpus)
         _Rate.model = run.model
         group = GovernedOptimizer(run).param_groups[0]  # the run's optimizer's own group, as a callback gets it
         group["lr"] = {"a float subclass": _Rate(0.01), "a tensor": torch.tensor(0.01), "nan": math.nan}[rate]
@@ -1245,11 +1250,7 @@ def test_objects_of_the_loops_own_in_the_updates_state_are_refused(tmp_path: Pat
 
     corpus = _corpus(tmp_path, "objects")
     with govtrain.GovernedRun.open(_config(corpus, tiny_model, 3), corpus.url, insecure_seed=1, **QUIET) as run:
-        batches = run.batches()
-        batch = next(batches)
-        run.step(run.per_example_loss(run.model(**batch.inputs), batch))
-        batches.close()
-        weights, written = _trainable(run), snapshot(corpus.url)
+        weights, written = _step_once(run, corpus)
         _Moment.ran = 0
         _swap_state(GovernedOptimizer(run), how)
         with pytest.raises(ConfigError) as refused:
@@ -1311,11 +1312,7 @@ def test_code_placed_where_the_update_runs_it_is_refused(tmp_path: Path, tiny_mo
 
     corpus = _corpus(tmp_path, "reach")
     with govtrain.GovernedRun.open(_config(corpus, tiny_model, 3), corpus.url, insecure_seed=1, **QUIET) as run:
-        batches = run.batches()
-        batch = next(batches)
-        run.step(run.per_example_loss(run.model(**batch.inputs), batch))
-        batches.close()
-        weights, written = _trainable(run), snapshot(corpus.url)
+        weights, written = _step_once(run, corpus)
         _reach(GovernedOptimizer(run), run, how)
         with pytest.raises(ConfigError) as refused:
             next(run.batches())
