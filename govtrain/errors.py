@@ -2,7 +2,7 @@
 
 Every `GovtrainError` carries a stable, machine-readable `Code` (printed as
 ``error[code]: detail``) and belongs to one family whose class fixes the exit
-code (DESIGN §7). Programmer mistakes stay `TypeError` / `RuntimeError`.
+code (docs/design.md §7). Programmer mistakes stay `TypeError` / `RuntimeError`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Code(str, Enum):
     TUNE_EXISTS = "tune_exists"  # the ledger already records a tune with this id
     SELECTION_ADMITTED = "selection_admitted"  # selection (tune's file, a Trainer's evaluation) on admitted rows
 
-    # -- encoding: the strict deterministic-CBOR decoder (DESIGN §2) ----------------------
+    # -- encoding: the strict deterministic-CBOR decoder (docs/design.md §2) ----------------------
     TOO_LARGE = "too_large"
     MALFORMED_CBOR = "malformed_cbor"
     TRAILING_BYTES = "trailing_bytes"
@@ -63,7 +63,7 @@ class Code(str, Enum):
     BAD_VALUE = "bad_value"
     UNSUPPORTED_VERSION = "unsupported_version"
 
-    # -- COSE_Sign1 envelope (DESIGN §3, RFC 9052 §4.2) -----------------------------------
+    # -- COSE_Sign1 envelope (docs/design.md §3, RFC 9052 §4.2) -----------------------------------
     NOT_COSE_SIGN1 = "not_cose_sign1"
     BAD_COSE_STRUCTURE = "bad_cose_structure"
     BAD_ALGORITHM = "bad_algorithm"
@@ -75,7 +75,7 @@ class Code(str, Enum):
     UNKNOWN_KEY = "unknown_key"
     KEY_NOT_AUTHORIZED = "key_not_authorized"
 
-    # -- admissibility against the policy (DESIGN §4) -------------------------------------
+    # -- admissibility against the policy (docs/design.md §4) -------------------------------------
     UNKNOWN_CLASS = "unknown_class"
     BAD_WINDOW = "bad_window"
     NOT_YET_VALID = "not_yet_valid"

@@ -1,5 +1,6 @@
-"""Contribution-level DP (DESIGN §5, privacy_unit = "contribution"): the routing layer averages a contribution's
-examples, restricts the average to its class's profile and clips it to its C_i, against a batch-size-1 oracle."""
+"""Contribution-level DP (docs/design.md §5, privacy_unit = "contribution"): the routing layer averages a
+contribution's examples, restricts the average to its class's profile and clips it to its C_i, against a
+batch-size-1 oracle."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Attestations: COSE_Sign1 (RFC 9052 §4.2) over a canonical descriptor (DESIGN §3).
+"""Attestations: COSE_Sign1 (RFC 9052 §4.2) over a canonical descriptor (docs/design.md §3).
 
     COSE_Sign1 = #6.18([protected: bstr .cbor {1: -8, ?3: content type, 4: kid}, unprotected: {},
                         payload: bstr (the descriptor's canonical bytes), signature: bstr .size 64])
@@ -129,7 +129,7 @@ def parse_attestation(raw: bytes) -> ParsedAttestation:
 
 def _parse_full(raw: bytes) -> ParsedAttestation:
     """The general path: decode everything, then check each rule and name the first broken one."""
-    # 1. Deterministic CBOR, no tags but COSE's own (DESIGN §2).
+    # 1. Deterministic CBOR, no tags but COSE's own (docs/design.md §2).
     top = cbor.decode(raw, tags=_OTHER_COSE_TAGS | {COSE_SIGN1_TAG})
 
     # 2. Tag 18 around a four-element array (RFC 9052 §4.2).

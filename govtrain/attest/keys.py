@@ -2,7 +2,7 @@
 
 Private keys are PKCS#8 PEM files created with mode 0600 (never overwritten, never
 logged); public keys are SubjectPublicKeyInfo PEM. The key id of a public key is the
-SHA-256 of its raw 32 bytes (DESIGN §3).
+SHA-256 of its raw 32 bytes (docs/design.md §3).
 
 OpenSSL, like RFC 8032's cofactorless equation, accepts forged signatures under
 small-order public keys (with A = identity, R = identity and S = 0 verify any

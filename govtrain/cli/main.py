@@ -1,4 +1,4 @@
-"""`govtrain`: a thin command line over the public API (DESIGN §7)."""
+"""`govtrain`: a thin command line over the public API (docs/design.md §7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""How the command line reports: one line per error, exit codes from one place (DESIGN §7)."""
+"""How the command line reports: one line per error, exit codes from one place (docs/design.md §7)."""
 
 from __future__ import annotations
 

@@ -383,7 +383,7 @@ class Ledger:
                      run_id: str, run_nonce: bytes, epoch_steps: int, noise_groups: "Sequence[dict]",
                      now: int | None = None) -> list[ledger_store.StoredEntry]:
         """Write ahead one ledger epoch's spend for run `run_id` (holding the lease `run_nonce`), which takes
-        `epoch_steps` steps in it (DESIGN §5): for each (contribution_id, steps, sigma_eff_u, eps_u), a `spend`
+        `epoch_steps` steps in it (docs/design.md §5): for each (contribution_id, steps, sigma_eff_u, eps_u), a `spend`
         entry recording the epoch's schedule `noise_groups` (`spend_rules.noise_groups_record`), all in one
         transaction with the checkpoint that covers them, before any of the epoch's steps run. Refuses the
         whole batch (writing nothing) if any record breaks a rule the verifier applies: unknown, withdrawn or

@@ -1,4 +1,4 @@
-"""Policy changes (DESIGN §4, §6): a `policy` entry governs every entry after it, once the policy before it
+"""Policy changes (docs/design.md §4, §6): a `policy` entry governs every entry after it, once the policy before it
 authorises it. `Ledger.open`, `Ledger.change_policy` and the verifier apply these same checks.
 
 What a change may not alter: the origin (the ledger's name in every checkpoint), and the terms every

@@ -1,4 +1,4 @@
-"""Retention (DESIGN §6): what a compaction retires, the `summary` entries that record it, and the checks
+"""Retention (docs/design.md §6): what a compaction retires, the `summary` entries that record it, and the checks
 that bind a summary to what it retired.
 
 A compaction retires whole contributions: every admit, spend and withdraw entry of a contribution that

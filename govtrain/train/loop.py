@@ -1,4 +1,4 @@
-"""`govtrain train`: governed DP-LoRA on admitted contributions only (DESIGN §5-7).
+"""`govtrain train`: governed DP-LoRA on admitted contributions only (docs/design.md §5-7).
 
 `train()` is the front door: the loop of the library API (`governed.GovernedRun`, which drives a `Run`,
 `run.py`, through its phases) with a progress bar.

@@ -1,5 +1,5 @@
-"""A training run as named phases (DESIGN §5): prepare, then per ledger epoch plan → write ahead → step … →
-close, then finish.
+"""A training run as named phases (docs/design.md §5): prepare, then per ledger epoch plan → write ahead →
+step … → close, then finish.
 
 `prepare` reads the corpus from the ledger, matches the data, loads the model onto its device, resolves
 every class's profile and probes the router: everything that can refuse the run does so before any spend

@@ -1,4 +1,4 @@
-"""The auditor's verifier (DESIGN §6). It never imports torch and trusts nothing it reads.
+"""The auditor's verifier (docs/design.md §6). It never imports torch and trusts nothing it reads.
 
 One pass over the entries, in the order an auditor would check them:
   1. sequence numbers are dense from 0 (nothing removed or inserted);
