@@ -32,7 +32,7 @@ step "Operator: 50 governed steps; each draws ~116 movies and at most 2 snippets
 show "$BIN/govtrain" train --config examples/run-contribution.toml --ledger "$LEDGER"
 show "$BIN/govtrain" ledger status --ledger "$LEDGER"
 
-step "Held-out accuracy (compare: the example-level demo at the same epsilon per snippet, README)"
+step "Held-out accuracy (compare: the example-level demo at the same epsilon per snippet, docs/demo.md)"
 show "$BIN/govtrain" eval --config examples/run-contribution.toml --data "$OUT/data/heldout.jsonl" --json
 
 step "Auditor: verify, recomputing every movie's spend"
