@@ -64,6 +64,8 @@ def store_errors() -> Iterator[None]:
         raise ConfigError(Code.LEDGER_MISSING, str(e)) from e
     except ledger_store.LedgerExists as e:
         raise ConfigError(Code.LEDGER_EXISTS, f"{e}; a ledger is initialised once") from e
+    except ledger_store.NotADatabase as e:
+        raise ConfigError(Code.LEDGER_NOT_DATABASE, str(e)) from e
 
 
 class Ledger:
