@@ -14,6 +14,7 @@ from govtrain.cli.output import (
     emit_json,
     json_option,
     ledger_option,
+    read_input,
     reports_errors,
     signing_key_option,
 )
@@ -72,7 +73,7 @@ def ledger_prove(contribution_id: str, ledger_url: str, checkpoint_path: str | N
     """Print an inclusion proof (c2sp.org/tlog-proof@v1) of a contribution's admit entry. Exit 3 if unknown."""
     from govtrain.ledger.ledger import Ledger
 
-    note = Path(checkpoint_path).read_text() if checkpoint_path else None
+    note = read_input(checkpoint_path, "--checkpoint") if checkpoint_path else None
     with Ledger.open(ledger_url) as opened:
         text = opened.prove(contribution_id, note).text()
     if out_path:
@@ -101,9 +102,12 @@ def ledger_verify_proof(proof_path: str, key_path: str | None, origin: str | Non
     key, origin = _proof_key(key_path, origin, key_name, vkey)
     try:
         text = Path(proof_path).read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise IntegrityError(Code.BAD_PROOF, f"cannot read proof {proof_path}") from e
-    attestation = Path(attestation_path).read_bytes() if attestation_path else None
+    except OSError as e:
+        raise ConfigError(Code.BAD_ARGUMENT, f"cannot read proof {proof_path}: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise IntegrityError(Code.BAD_PROOF, f"proof {proof_path} is not text; a proof is the c2sp.org/tlog-proof "
+                                             "file `govtrain ledger prove` wrote") from e
+    attestation = read_input(attestation_path, "--attestation", text=False) if attestation_path else None
     verified = verify_proof(text, [key], origin=origin, attestation=attestation)
     entry = verified.entry
     if as_json:
