@@ -297,7 +297,7 @@ def test_plan_and_privacy_epsilon_speak_of_the_unit(tmp_path):
     text = CliRunner().invoke(cli, ["plan", "--ledger", corpus.url, "--steps", "10"]).stdout
     assert "2 eligible contributions" in text and "protects a whole contribution" in text
     status = CliRunner().invoke(cli, ["ledger", "status", "--ledger", corpus.url])
-    assert "epsilon per contribution" in status.stdout
+    assert "ε per contribution" in status.stdout
     assert json.loads(CliRunner().invoke(cli, ["ledger", "status", "--ledger", corpus.url, "--json"]).stdout)[
         "examples_per_contribution"] == 4
     one = CliRunner().invoke(cli, ["privacy", "epsilon", "--q", "0.02", "--sigma", "1", "--steps", "50", "--delta",
