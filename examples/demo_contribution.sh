@@ -7,9 +7,9 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
 OUT=demo-out/contribution
 rm -rf "$OUT" && mkdir -p "$OUT/keys"
-LEDGER="sqlite:///$OUT/ledger.db"
+LEDGER="sqlite:///./$OUT/ledger.db"
 
-step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+if [ -t 1 ]; then step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }; else step() { printf '\n== %s\n' "$*"; }; fi
 show() { printf '$ %s\n' "$*"; "$@"; }
 
 step "Data: the demo's held-out movies again; every other movie is a contribution of its own"

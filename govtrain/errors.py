@@ -20,12 +20,14 @@ class Code(str, Enum):
     BAD_PUBLIC_KEY = "bad_public_key"
     KEY_UNREADABLE = "key_unreadable"
     KEY_PERMISSIONS = "key_permissions"
+    KEY_IS_PUBLIC = "key_is_public"  # a public key where a private (signing) key is needed
     KEY_EXISTS = "key_exists"
     KEY_MISMATCH = "key_mismatch"
     KEY_MISSING = "key_missing"
     LEDGER_URL = "ledger_url"
     LEDGER_EXISTS = "ledger_exists"
     LEDGER_MISSING = "ledger_missing"
+    LEDGER_NOT_DATABASE = "ledger_not_database"  # the file given as the ledger is no SQLite database
     BAD_ARGUMENT = "bad_argument"
     MODEL_UNREADABLE = "model_unreadable"
     RUN_CONFIG_INVALID = "run_config_invalid"

@@ -178,7 +178,7 @@ class SpendBook:
         if last is not None and last.retired:
             raise SpendRuleError(Code.BUDGET_EXCEEDED, f"{cid!r} retired in epoch {last.epoch}: no more spend")
         if last is not None and (last.epoch == epoch or entry["eps_u"] < last.eps_u):
-            raise SpendRuleError(Code.BUDGET_EXCEEDED, f"{cid!r}: spend already written for epoch {epoch}, or epsilon "
+            raise SpendRuleError(Code.BUDGET_EXCEEDED, f"{cid!r}: spend already written for epoch {epoch}, or ε "
                                                        f"{entry['eps_u']} below the recorded {last.eps_u}")
         self._check_sigma(entry, classes)  # 7.
 
