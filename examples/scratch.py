@@ -6,7 +6,7 @@
 It writes, replacing an earlier scratch workspace (never any other folder):
 
     scratch/keys/           copies of keys.example's INSECURE demo keys and policy (private keys 0600)
-    scratch/ledger.db       a fresh ledger under that policy (sqlite:///scratch/ledger.db)
+    scratch/ledger.db       a fresh ledger under that policy (sqlite:///./scratch/ledger.db)
     scratch/data/           two of the demo's contributions, attested and admitted (class public)
     scratch/trainer-data/   two others, for a second experiment that charges different contributions
     scratch/heldout.jsonl   the demo's held-out snippets
@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("attester.key", "ledger.key"):
         (keys / name).chmod(0o600)  # git keeps no modes; govtrain refuses keys that others can read
 
-    url = f"sqlite:///{out / 'ledger.db'}"
+    ledger_path = out / "ledger.db"  # a relative path with a folder is written with its ./ (sqlite:///./scratch/…)
+    url = f"sqlite:///{ledger_path}" if ledger_path.is_absolute() else f"sqlite:///./{ledger_path}"
     policy, digest = load_policy(keys / "policy.toml")
     Ledger.init(url, policy, digest, key_path=(keys / "ledger.key").resolve()).close()
     with Ledger.open(url) as ledger:

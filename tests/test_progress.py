@@ -51,9 +51,9 @@ def test_details_are_computed_only_for_a_line_and_finish_adds_the_last_step():
     for done in range(1, 6):
         clock.now += 0.5
         progress.update(done, details)
-    assert len(asked) == 1 and lines == ["example 1/5 | 0:00 elapsed | 2.00 examples/s | ETA 0:02"]
+    assert len(asked) == 1 and lines == ["example 1/5 | 0:00 elapsed | 2.00 example/s | ETA 0:02"]
     progress.finish()
-    assert lines[-1] == "example 5/5 | 0:02 elapsed | 2.00 examples/s | ETA 0:00"
+    assert lines[-1] == "example 5/5 | 0:02 elapsed | 2.00 example/s | ETA 0:00"
     progress.finish()  # nothing new to say
     assert len(lines) == 2
 

@@ -82,7 +82,7 @@ class ProgressLines:
         units = self.done - self.first
         if units > 0 and elapsed > 0:
             rate = units / elapsed
-            parts.append(f"{rate:.2f} {self.what}s/s" if rate >= 1 else f"{1 / rate:.2f} s/{self.what}")
+            parts.append(f"{rate:.2f} {self.what}/s" if rate >= 1 else f"{1 / rate:.2f} s/{self.what}")
             parts.append(f"ETA {clock_text(max(self.total - self.done, 0) / rate)}")
         return " | ".join([*parts, *details])
 
