@@ -199,3 +199,29 @@ def ledger_status_command(ledger_url: str, contribution_id: str | None, as_json:
             click.echo(f"tune {t['tune_id']} (entry {t['seq']}): {len(t['trials'])} trials, selected "
                        f"{t['selected_run_id'] or '-'}; total epsilon including tuning {t['eps_u'] / 1e6:.6f} "
                        f"({by_class or 'none'}), {t['accounting']}")
+
+
+@ledger.command("scratch", cls=Command, context_settings=CONTEXT_SETTINGS)
+@click.option("--from", "source_url", envvar="GOVTRAIN_LEDGER", required=True, metavar="URL",
+              help="The ledger to copy the policy and admissions of (read only); default $GOVTRAIN_LEDGER.")
+@click.option("--data", "data_dir", required=True, type=click.Path(file_okay=False),
+              help="The run's data folder (training.data): its files that URL admitted are admitted again.")
+@click.option("--out", "out_dir", required=True, type=click.Path(), help="A new or empty folder to create it in.")
+@json_option
+@reports_errors
+def ledger_scratch(source_url: str, data_dir: str, out_dir: str, as_json: bool) -> None:
+    """Make a scratch ledger to develop against: the policy and admissions of --from, none of its spend, under
+    an origin (scratch.invalid/...) and keys of its own. What a run charges there costs the real ledger nothing."""
+    from govtrain.ledger.scratch import make_scratch
+
+    scratch = make_scratch(out_dir, source_url=source_url, data=data_dir)
+    if as_json:
+        emit_json({"ok": True, "ledger": scratch.url, "origin": scratch.origin, "key": str(scratch.ledger_key),
+                   "contributions": list(scratch.contributions), "unmatched": list(scratch.unmatched)})
+        return
+    click.echo(f"scratch ledger {scratch.url}: origin {scratch.origin}, its own keys in {scratch.folder / 'keys'}")
+    click.echo(f"{len(scratch.contributions)} contribution(s) of {scratch.source_origin} admitted again with their "
+               f"classes and bounds, no spend" + (f"; {len(scratch.unmatched)} file(s) of {data_dir} skipped (not "
+                                                   "admitted there)" if scratch.unmatched else ""))
+    click.echo(f"train against it: --ledger {scratch.url} --key {scratch.ledger_key} (and a training.output of "
+               "its own)")
