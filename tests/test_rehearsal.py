@@ -107,18 +107,32 @@ def test_the_rehearsal_comes_first_moves_nothing_and_writes_nothing(tmp_path: Pa
         batches.close()
 
 
-def test_the_rehearsal_alone_writes_nothing_to_the_ledger(tmp_path: Path, tiny_model: Path):
+@pytest.mark.parametrize("mechanism", ["dpsgd", "prism", "dp-muon"])
+def test_the_rehearsal_moves_no_weight_or_update_state_under_any_mechanism(tmp_path: Path, tiny_model: Path,
+                                                                          mechanism: str):
+    """On a run resumed after a step (the update's moments, PRISM's and DP-Muon's state exist), the rehearsal
+    leaves the weights, the whole update state and the ledger's bytes as they were, under every mechanism."""
+    from tests.test_hf_trainer import MECHANISMS
+
     corpus = _corpus(tmp_path, "bytes")
-    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 2), corpus.url, insecure_seed=1, **QUIET) as run:
+    config = _config(corpus, tiny_model, 3, mechanism, MECHANISMS[mechanism])
+    with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **QUIET) as run:
+        for batch in run.batches():
+            if _honest(run, batch) is not None:
+                break  # one step taken; leaving the block keeps the state
+    with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **QUIET) as run:
+        assert run.steps == 1
+        weights, state = _trainable(run), _optimizer_state(run)
         stored, output = _stored(corpus), _folder(corpus.dir / "adapter")
         batches = run.batches()
         for batch in batches:
+            assert batch.rehearsal
             _honest(run, batch)
             if run.rehearsed:
                 break
         batches.close()
+        assert _same(weights, run) and _same_state(_optimizer_state(run), state)
         assert _stored(corpus) == stored and _folder(corpus.dir / "adapter") == output
-    assert not _spend(corpus.url)
 
 
 def _mean_loss(run, batch):
@@ -157,7 +171,7 @@ def _squeezed(run, batch):
     import torch.nn.functional as F
 
     out = run.model(**batch.inputs)
-    losses = F.cross_entropy(out.logits[:, None], batch.targets[:, None], reduction="none")  # [B, 1]
+    losses = F.cross_entropy(out.logits, batch.targets, reduction="none")[:, None]  # [B, 1]
     return run.step(losses.squeeze())  # a scalar for a chunk of one row
 
 

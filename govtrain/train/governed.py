@@ -393,8 +393,8 @@ class GovernedRun:
         Left mid-way and iterated again, it goes on from the chunk handed out and not stepped."""
         guard, run = self._guard, self._run
         while not self._rehearsed:
+            self._check_governed("before the rehearsal")  # and before each of its chunks, as before a step's
             if guard.drawn is None:
-                self._check_governed("before the rehearsal")
                 rehearsal = self._rehearsal = self._rehearsal or self._new_rehearsal()
                 rehearsal.losses.clear()
                 self._random = _random_state(run.device)

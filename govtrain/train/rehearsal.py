@@ -58,7 +58,10 @@ class Rehearsal:
         inside, alone = self.losses[i][p], self.losses[j][k]
         scale = max(abs(inside), abs(alone), 1e-12)
         difference = abs(inside - alone) / scale if inside == inside and alone == alone else float("nan")
-        if not difference <= TOLERANCE[precision]:  # a NaN is refused too
+        if difference != difference:
+            raise ValueError(f"your loop's loss for the rehearsal's row {self.chunks[i].indices[p] + 1} is {inside:g} "
+                             f"in a batch and {alone:g} alone: check the loss your loop computes (nothing was spent)")
+        if not difference <= TOLERANCE[precision]:
             raise ConfigError(Code.BATCH_COUPLED, f"the rehearsal's row {self.chunks[i].indices[p] + 1} has loss "
                                                   f"{inside:.6g} in a padded batch of {len(self.chunks[i].indices)} "
                                                   f"and {alone:.6g} alone ({difference:.3g} relative, at most "
@@ -95,10 +98,15 @@ def synthetic_examples(task: Any, tokenizer: Any, max_length: int, count: int, *
             if labels is not None and hasattr(shape, "label"):
                 changes["label"] = int(rng.integers(labels))
             example = dataclasses.replace(shape, **changes)
-            if _key(example) not in seen:
-                break
-        else:  # pragma: no cover - 100 draws of random tokens equal to admitted rows
-            raise RuntimeError("could not draw a rehearsal row that is not an admitted example")
+            if _key(example) in seen:
+                continue
+            try:  # e.g. a causal row whose tokens merged into one: no target left
+                task.check([example], tokenizer, max_length)
+            except ConfigError:
+                continue
+            break
+        else:  # pragma: no cover - 100 draws of random tokens, each an admitted row or unusable
+            raise RuntimeError("could not draw a usable rehearsal row that is not an admitted example")
         examples.append(example)
     return examples
 
