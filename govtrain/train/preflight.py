@@ -37,8 +37,9 @@ def check_output(folder: Path, left: Iterable[str]) -> None:
     if not found:
         return
     adapter = [name for name in found if name in ADAPTER_FILES]
+    shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
     what = (f"another run's adapter ({', '.join(adapter)})" if adapter else
-            f"{len(found)} file(s) no run of this config wrote ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''})")
+            f"{len(found)} file(s) no run of this config wrote ({shown})")
     raise ConfigError(Code.OUTPUT_TAKEN, f"training.output {folder} holds {what}: a run starts in an empty folder "
                                          "and saves only its own adapter there; give this run another "
                                          "training.output (resuming a run needs its own run-state.pt and config)")

@@ -25,7 +25,7 @@ from govtrain.errors import Code, ConfigError, GovtrainError, RejectedError
 from govtrain.ledger.ledger import Ledger
 from govtrain.ledger.spend_rules import noise_groups_record
 from govtrain.train.config import RunConfig
-from govtrain.train.preflight import Plan, charged_by, check_output, consent_error, project
+from govtrain.train.preflight import Plan, check_output, consent_error, project
 from govtrain.train.lease import (
     LOCK_FILE,
     Replan,
@@ -308,8 +308,7 @@ class Run:
             # The sampling key fixes each step's draw (`PoissonSampler.at_step`): secret, in the run state only.
             self.sampler.key = (os.urandom(32) if self.insecure_seed is None
                                 else hashlib.sha256(b"govtrain insecure sampling key %d" % self.insecure_seed).digest())
-            others = charged_by(ledger)  # this id has no spend: every charge is another run's
-            self.charged_before = {c for c in present if others.get(c)}
+            self.charged_before = present & book.charged.keys()  # this id has no spend: every charge is another run's
         if self.check or self.charged_before:
             self.plan = self.projection()
         if self.charged_before and not self.check:
