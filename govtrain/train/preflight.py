@@ -105,6 +105,8 @@ class Plan:
         rows = [f"  {'class':<14}{'contributions':>14}{'charged before':>16}{'sigma_eff':>12}{'ε before':>10}"
                 f"{'ε after':>10}"]
         for c in self.classes.values():
+            if not c.contributions:
+                continue
             sigma = (f"{min(c.sigma_eff):g}" + (f"-{max(c.sigma_eff):g}" if len(set(c.sigma_eff)) > 1 else "")
                      if c.sigma_eff else "-")
             rows.append(f"  {c.name:<14}{c.contributions:>14}{c.charged_before:>16}{sigma:>12}{c.eps_before:>10.4f}"
@@ -113,7 +115,8 @@ class Plan:
 
     def epsilons(self) -> str:
         """Each class's epsilon before -> after, on one line."""
-        return ", ".join(f"{c.name} ε {c.eps_before:.4f} -> {c.eps_after:.4f}" for c in self.classes.values())
+        return ", ".join(f"{c.name} ε {c.eps_before:.4f} -> {c.eps_after:.4f}" for c in self.classes.values()
+                         if c.contributions)
 
     def as_json(self) -> dict:
         return {"run_id": self.run_id, "steps": self.steps, "total_steps": self.total_steps,
