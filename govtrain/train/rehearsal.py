@@ -33,10 +33,11 @@ from govtrain import units
 from govtrain.errors import Code, ConfigError
 from govtrain.tasks.base import PROBE_WORDS
 
-# Honest differences between a row's loss alone and padded in a batch: fp32 ~1e-7 relative (the batch-independence
-# probe measured gradients: at most 6.2e-7); a loss normalised over the batch or left padding differs by 1e-2 and
-# more. Under bf16 autocast the padded and unpadded matmuls round differently.
-TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
+# Honest differences between a row's loss alone and padded in a batch, measured on CPU over 5 rehearsals each: the
+# tiny test BERT 0 (fp32 and bf16); the demo's MiniLM with mean pooling at most 3.0e-7 in fp32 and 1.2e-3 under
+# bf16 autocast (the padded and unpadded matmuls round differently). A loss normalised over the rehearsal's batch
+# (its sum, its mean, its size) differs by 0.5 and more.
+TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 
 
 @dataclass
