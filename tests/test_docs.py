@@ -41,7 +41,7 @@ NOT_RUN = "<!-- snippet: not run -->"
 SKIPPED: dict[str, int] = {}  # page (relative to the repository) -> python blocks marked NOT_RUN
 # Pages the nav names for features that land in other branches (issue 21): mkdocs.yml reports a missing nav
 # page only as info so that the site builds without them. Remove each name once its page exists.
-PENDING_PAGES = {"loading.md", "budget-safety.md"}
+PENDING_PAGES = {"loading.md"}
 
 
 @dataclass(frozen=True)
