@@ -138,7 +138,7 @@ def test_train_eval_and_tune_on_the_command_line_off_a_terminal(corpus: Corpus, 
     tune_config = corpus.dir / "tune.toml"
     tune_config.write_text(config.read_text().replace('output = "adapter"', 'output = "tuned"'))
     tuned = runner.invoke(cli, ["tune", "--config", str(tune_config), "--grid", str(grid), "--ledger", corpus.url,
-                                "--insecure-seed", "3", "--id", "t"])
+                                "--insecure-seed", "3", "--id", "t", "--yes"])  # the train run charged them
     assert tuned.exit_code == 0, tuned.output
     assert "step 5/5 |" in tuned.stdout and "example 70/70 |" in tuned.stdout
     for result in (trained, evaluated, tuned):
