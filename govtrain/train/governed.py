@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -126,7 +126,7 @@ class GovernedRun:
              insecure_seed: int | None = None, log: LOG = print, now: Callable[[], int] = lambda: int(time.time()),
              checkpoint_every: int = 10, observe: Callable[[int, list[str]], None] | None = None,
              on_step: Callable[[int, float], None] | None = None, confirm: bool = False,
-             check: bool = False) -> "GovernedRun":
+             check: bool = False, siblings: Collection[str] = ()) -> "GovernedRun":
         """Open the ledger at `ledger_url` and prepare the run `config` describes (a RUN.toml path, its
         contents as a dict, or a `RunConfig`): match the data to the admitted contributions, load the model,
         resolve the profiles and probe the router. Everything that can refuse the run does so here, before any
@@ -135,7 +135,10 @@ class GovernedRun:
         logical step, `observe(step, contribution_ids)` with every draw.
 
         A fresh run that would charge contributions other runs on this ledger already charged is refused
-        (`charged_before`, with each class's epsilon before and after) unless `confirm`. With `check`, the run
+        (`charged_before`, with each class's epsilon before and after) unless `confirm`; so is an unconfirmed run's
+        write-ahead of contributions another run charged after it opened (read under the ledger's write lock,
+        nothing written). `siblings`: runs whose charges need no consent besides this one's (`govtrain tune`
+        passes its other trials). With `check`, the run
         writes nothing: `batches()` hands out the rehearsal only, then logs the plan (`plan`) and ends; `save()`
         saves and records nothing."""
         from govtrain.ledger.ledger import Ledger
@@ -145,7 +148,7 @@ class GovernedRun:
         run = None
         try:
             run = Run(config, ledger, insecure_seed=insecure_seed, log=log, now=now, checkpoint_every=checkpoint_every,
-                      observe=observe, confirm=confirm, check=check)
+                      observe=observe, confirm=confirm, check=check, siblings=siblings)
             run.prepare()
             return cls(run, ledger, on_step=on_step)
         except BaseException:

@@ -360,9 +360,12 @@ def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str
             log(f"trial {trial.index} ({_show(trial.values)})")
             seed = None if insecure_seed is None else insecure_seed + trial.index
             try:
-                # consented above: the trials charge the contributions one after the other by design
+                # the trials charge the contributions one after the other by design (siblings); runs outside
+                # the search need `confirm`, asked again at each trial's open and write-ahead (one may charge
+                # between the check above and a trial's spend)
                 adapter = train(trial.config, ledger_url, key=key, insecure_seed=seed, log=log, now=now,
-                                **{"confirm": True, **(train_options or {})}).adapter_sha256
+                                **{"confirm": confirm, **(train_options or {})},
+                                siblings=[t.run_id for t in trials]).adapter_sha256
             except BudgetExhausted as e:
                 stopped, stopped_at = e, trial.index
         with Ledger.open(ledger_url, key=key) as ledger:
