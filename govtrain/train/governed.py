@@ -61,7 +61,14 @@ from govtrain.tasks.base import Batch
 from govtrain.train.config import RunConfig, run_config
 from govtrain.train.guard import NOT_YOURS, Drawn, Guard
 from govtrain.train.preflight import Plan
-from govtrain.train.rehearsal import Rehearsal, class_clips, plan_rehearsal, rehearsal_seed, synthetic_examples
+from govtrain.train.rehearsal import (
+    Rehearsal,
+    class_clips,
+    full_chunk_rows,
+    plan_rehearsal,
+    rehearsal_seed,
+    synthetic_examples,
+)
 from govtrain.train.run import LOG, Chunk, Run, RunResult
 
 if TYPE_CHECKING:
@@ -411,11 +418,16 @@ class GovernedRun:
 
     def _new_rehearsal(self) -> Rehearsal:
         run = self._run
+        length, seed = run.config.file.model.max_length, rehearsal_seed(run.insecure_seed)
         count = max(3, len(set(run.classes.values())))
-        examples = synthetic_examples(run.task, self._tokenizer, run.config.file.model.max_length, count,
-                                      seed=rehearsal_seed(run.insecure_seed), admitted=run.examples.items)
+        examples = synthetic_examples(run.task, self._tokenizer, length, count, seed=seed, admitted=run.examples.items)
+        # one chunk of the real size at max_length: a failure that depends on the size (out of memory) is met here
+        full = full_chunk_rows(physical_batch=run.chunk, expected_batch=run.expected_batch,
+                               per_contribution=run.per_contribution, examples=len(run.examples.items))
+        examples += synthetic_examples(run.task, self._tokenizer, length, full, seed=seed + b" full",
+                                       admitted=run.examples.items, lengths=(length + 4,))
         return plan_rehearsal(examples, class_clips(run.policy, list(run.classes.values())), chunk=run.chunk,
-                              per_contribution=run.per_contribution, Chunk=Chunk)
+                              per_contribution=run.per_contribution, Chunk=Chunk, full=full)
 
     def _rehearsal_step(self, waiting: Any, drawn: Drawn, losses: "torch.Tensor") -> None:
         """A rehearsal chunk's step: the router forms, measures and clips its per-sample gradients as in a real
