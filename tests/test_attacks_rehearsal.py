@@ -161,8 +161,9 @@ def test_tune_refuses_another_runs_adapter_folder_as_its_output(tmp_path: Path, 
     (run_entry,) = [r for r in _runs(corpus.url) if r["run_id"] == finished.run_id]
     before, folder = snapshot(corpus.url), _files(adapter)
     _valid(corpus)
-    tuned = CliRunner().invoke(cli, ["tune", "--config", str(path), "--grid", str(_grid(corpus, '"optimizer.lr" = [0.01]')),
-                                     "--ledger", corpus.url, "--insecure-seed", "3", "--json", "--yes", "--id", "t"])
+    grid = _grid(corpus, '"optimizer.lr" = [0.01]')
+    tuned = CliRunner().invoke(cli, ["tune", "--config", str(path), "--grid", str(grid), "--ledger", corpus.url,
+                                     "--insecure-seed", "3", "--json", "--yes", "--id", "t"])
     assert tuned.exit_code == 2 and "output_taken" in tuned.output + (tuned.stderr or "")
     assert snapshot(corpus.url) == before and _files(adapter) == folder
     assert tree_sha256(adapter) == run_entry["adapter_sha256"]
