@@ -45,7 +45,7 @@ class Code(str, Enum):
     GRID_INVALID = "grid_invalid"  # a tuning grid that is unreadable, names a key it may not, or builds a bad trial
     TUNE_EXISTS = "tune_exists"  # the ledger already records a tune with this id
     SELECTION_ADMITTED = "selection_admitted"  # selection (tune's file, a Trainer's evaluation) on admitted rows
-    CHARGED_BEFORE = "charged_before"  # a fresh run would charge contributions other runs charged, unconfirmed
+    CHARGED_BEFORE = "charged_before"  # a run would charge contributions other runs charged, unconfirmed
     OUTPUT_TAKEN = "output_taken"  # the output folder holds another run's adapter, run state or other files
 
     # -- encoding: the strict deterministic-CBOR decoder (docs/design.md §2) ----------------------

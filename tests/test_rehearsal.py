@@ -418,20 +418,32 @@ def test_charging_contributions_another_run_charged_needs_consent(tmp_path: Path
     verify_ledger(corpus.url)
 
 
-def test_a_run_resuming_its_own_id_needs_no_consent(tmp_path: Path, tiny_model: Path):
-    """Run A stops with its state kept; run B (confirmed) charges the same contributions; A resumes without a
-    new consent: it was confirmed, or needed none, when it started."""
+def test_a_run_resuming_its_own_id_keeps_the_consent_it_started_with(tmp_path: Path, tiny_model: Path):
+    """Run A stops with its state kept; run B (confirmed) charges the same contributions; A, which needed no
+    consent when it started, needs it to resume (what it would charge grew while it was paused), and B, confirmed
+    when it started, resumes without a new one: the run state keeps the consent."""
+    from tests.conftest import snapshot
+
     corpus = _corpus(tmp_path, "resume")
     first = _other(corpus, tiny_model, 14, "first", "first")
     with govtrain.GovernedRun.open(first, corpus.url, insecure_seed=1, **QUIET) as run:
         for batch in run.batches():
             if _honest(run, batch) is not None and run.steps == 3:
                 break
-    with govtrain.GovernedRun.open(_other(corpus, tiny_model, 4, "second", "second"), corpus.url, confirm=True,
-                                   **QUIET) as run:
-        _run_all(run)
-    with govtrain.GovernedRun.open(first, corpus.url, insecure_seed=1, **QUIET) as run:
+    second = _other(corpus, tiny_model, 4, "second", "second")
+    with govtrain.GovernedRun.open(second, corpus.url, confirm=True, **QUIET) as run:
+        for batch in run.batches():
+            if _honest(run, batch) is not None and run.steps == 2:
+                break
+    before = snapshot(corpus.url)
+    with pytest.raises(ConfigError) as refused:
+        govtrain.GovernedRun.open(first, corpus.url, insecure_seed=1, **QUIET)
+    assert refused.value.code.value == "charged_before" and snapshot(corpus.url) == before
+    with govtrain.GovernedRun.open(first, corpus.url, insecure_seed=1, confirm=True, **QUIET) as run:
         assert run.steps == 3
+        _run_all(run)
+    with govtrain.GovernedRun.open(second, corpus.url, **QUIET) as run:  # confirmed when it started
+        assert run.steps == 2
         _run_all(run)
     assert verify_ledger(corpus.url).by_kind["run"] == 2
 

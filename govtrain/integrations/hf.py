@@ -31,7 +31,8 @@ learning-rate schedule), callbacks, `evaluate()` and `predict()`. What is the ru
 
 Before its first step, `train()` runs the training step (your `training_step` or `per_example_loss`) once on
 the run's rehearsal (`batch.rehearsal is True`: synthetic rows, nothing spent, nothing moves), so a bug in it
-costs nothing; a run opened with `check=True` stops there, its plan logged, and the Trainer trains nothing.
+costs nothing; a run opened with `check=True` stops there, its plan logged, and the Trainer trains nothing (with
+no `args`, its default output folder is a temporary one, removed when the check ends: a check writes no folder).
 
 The model is `run.model` itself: not wrapped, same type, same `state_dict` keys. An empty Poisson draw is a
 governed step too (noise only), taken between two Trainer steps, so `state.global_step` can trail
@@ -216,7 +217,13 @@ class _Governed:
             del kwargs["model"]
         if "model" in kwargs:
             raise ConfigError(Code.RUN_CONFIG_INVALID, "the model is run.model: do not pass another one")
-        if args is None:  # beside the adapter's folder, which holds only what save() writes
+        self._check_folder = None  # a check's TrainingArguments folder: temporary, removed when the check ends
+        if args is None and run.checking:  # a check writes no folder: the Trainer creates its output_dir
+            import tempfile
+
+            self._check_folder = tempfile.TemporaryDirectory(prefix="govtrain-check-")
+            args = TrainingArguments(output_dir=self._check_folder.name)
+        elif args is None:  # beside the adapter's folder, which holds only what save() writes
             output = run.config.output_dir
             args = TrainingArguments(output_dir=str(output.with_name(f"{output.name}-trainer")))
         _check_arguments(args, run)
@@ -310,7 +317,11 @@ class _Governed:
             raise ConfigError(Code.RUN_CONFIG_INVALID, "hyperparameter search through the Trainer is not charged: "
                                                        "use govtrain tune")
         self._check_selection(named(self.eval_dataset, "eval_dataset"), self._selection_settings())
-        self._rehearse()
+        try:
+            self._rehearse()
+        finally:
+            if self.run.checking and self._check_folder is not None:
+                self._check_folder.cleanup()
         if self.run.checking:
             return None
         output = super().train(**kwargs)

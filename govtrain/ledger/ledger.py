@@ -13,7 +13,7 @@ import os
 import time as _time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Collection, Iterator, Sequence
 
 import ledger_store
 from govtrain.attest.keys import load_private_key, raw_public_key
@@ -249,6 +249,17 @@ class Ledger:
 
     # -- queries -----------------------------------------------------------------------
 
+    @property
+    def identity(self) -> tuple[str, bytes]:
+        """(the policy's origin, the leaf hash of entry 0, the header): what names this ledger among ledgers of
+        one policy. A run state records it, so that a run is resumed on the ledger that charged its steps."""
+        if self._header_leaf is None:
+            first = self.store.entry(0)
+            if first is None:
+                raise IntegrityError(Code.BAD_LEDGER_HEADER, "the ledger has no header entry")
+            self._header_leaf = first.leaf_hash
+        return self.policy.origin, self._header_leaf
+
     def epoch(self) -> int:
         """The current ledger epoch: how many `epoch` entries precede now."""
         return self.store.count_kind("epoch")
@@ -383,7 +394,8 @@ class Ledger:
 
     def record_spend(self, epoch: int, sampling_rate_u: int, spends: "Sequence[tuple[str, int, int, int]]", *,
                      run_id: str, run_nonce: bytes, epoch_steps: int, noise_groups: "Sequence[dict]",
-                     now: int | None = None) -> list[ledger_store.StoredEntry]:
+                     now: int | None = None, consent: Collection[str] | None = None
+                     ) -> list[ledger_store.StoredEntry]:
         """Write ahead one ledger epoch's spend for run `run_id` (holding the lease `run_nonce`), which takes
         `epoch_steps` steps in it (docs/design.md §5): for each (contribution_id, steps, sigma_eff_u, eps_u), a `spend`
         entry recording the epoch's schedule `noise_groups` (`spend_rules.noise_groups_record`), all in one
@@ -391,7 +403,10 @@ class Ledger:
         whole batch (writing nothing) if any record breaks a rule the verifier applies: unknown, withdrawn or
         compacted contribution, a multiplier below the signed one or above what the schedule implies, a
         cumulative epsilon that falls or exceeds the signed budget, or a rule of `spend_rules` (another run
-        holds the epoch: `epoch_held`; another run holds the id: `run_id_taken`)."""
+        holds the epoch: `epoch_held`; another run holds the id: `run_id_taken`). With `consent` (the run ids whose
+        charges need no consent: the run's own, a search's trials), a record of a contribution that any other run
+        charged is refused (`charged_before`), read under the write lock: a run that never confirmed charging
+        again is refused even where another run charged its contributions after it opened."""
         now = int(_time.time()) if now is None else now
         policy = self.policy
         if policy.sampling_rate_u is not None and sampling_rate_u != policy.sampling_rate_u:
@@ -427,6 +442,8 @@ class Ledger:
             floor = (min_sampling_rate_u(policy.expected_batch_size, live_records)
                      if policy.expected_batch_size is not None else None)
             ledger_epoch = appender.count_kind("epoch")
+            if consent is not None:
+                _check_consent(book, [record[0] for record in spends], {run_id, *consent}, run_id, epoch)
             stored = []
             for contribution_id, steps, sigma_u, eps_u in spends:
                 leaf, _ = signed[contribution_id]
@@ -569,6 +586,20 @@ class Ledger:
 
 
 _REJECTED = (Code.EPOCH_HELD, Code.BUDGET_EXCEEDED, Code.RUN_ID_TAKEN)  # a request refused, not a bad argument
+
+
+def _check_consent(book: SpendBook, contributions: Sequence[str], mine: set[str], run_id: str, epoch: int) -> None:
+    """Refuse (`charged_before`) a spend of contributions that runs outside `mine` charged, unconfirmed."""
+    others = {cid: sorted(book.charged_by.get(cid, set()) - mine) for cid in contributions}
+    others = {cid: runs for cid, runs in others.items() if runs}
+    if others:
+        runs = sorted({run for found in others.values() for run in found})
+        raise ConfigError(Code.CHARGED_BEFORE, f"{len(others)} contribution(s) run {run_id!r} would charge in ledger "
+                                               f"epoch {epoch} were charged by other runs since it opened "
+                                               f"({', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}): "
+                                               "charging them again spends more of their budgets and needs "
+                                               "consent; nothing was written; open the run again with --yes "
+                                               "(confirm=True) to charge them")
 
 
 class _NothingToRetire(Exception):

@@ -100,6 +100,7 @@ class SpendBook:
     holders: dict[int, tuple[str, bytes, int]] = field(default_factory=dict)  # epoch -> (run, nonce, epoch_steps)
     runs: dict[str, tuple[int, bool]] = field(default_factory=dict)  # run -> (first epoch_steps, ended short)
     charged: dict[str, _Charged] = field(default_factory=dict)  # contribution -> its latest spend
+    charged_by: dict[str, set[str]] = field(default_factory=dict)  # contribution -> the runs whose spend charged it
     rates: dict[int, set[int]] = field(default_factory=dict)  # epoch -> the sampling rates its spend charged
     leases: dict[str, bytes] = field(default_factory=dict)  # run id -> the nonce its spend carries
     finished: dict[str, bytes] = field(default_factory=dict)  # run id -> the nonce of its run entry
@@ -124,6 +125,7 @@ class SpendBook:
         self._charge(record, entry["contribution_id"])
         self.rates.setdefault(epoch, set()).add(entry["sampling_rate_u"])
         self.charged[entry["contribution_id"]] = _Charged(epoch, entry["eps_u"], entry["steps"] < length)
+        self.charged_by.setdefault(entry["contribution_id"], set()).add(run)
 
     def add_run(self, entry: dict) -> None:
         self.finished[entry["run_id"]] = entry["run_nonce"]

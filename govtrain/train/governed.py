@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -61,7 +61,14 @@ from govtrain.tasks.base import Batch
 from govtrain.train.config import RunConfig, run_config
 from govtrain.train.guard import NOT_YOURS, Drawn, Guard
 from govtrain.train.preflight import Plan
-from govtrain.train.rehearsal import Rehearsal, class_clips, plan_rehearsal, rehearsal_seed, synthetic_examples
+from govtrain.train.rehearsal import (
+    Rehearsal,
+    class_clips,
+    full_chunk_rows,
+    plan_rehearsal,
+    rehearsal_seed,
+    synthetic_examples,
+)
 from govtrain.train.run import LOG, Chunk, Run, RunResult
 
 if TYPE_CHECKING:
@@ -126,7 +133,7 @@ class GovernedRun:
              insecure_seed: int | None = None, log: LOG = print, now: Callable[[], int] = lambda: int(time.time()),
              checkpoint_every: int = 10, observe: Callable[[int, list[str]], None] | None = None,
              on_step: Callable[[int, float], None] | None = None, confirm: bool = False,
-             check: bool = False) -> "GovernedRun":
+             check: bool = False, siblings: Collection[str] = ()) -> "GovernedRun":
         """Open the ledger at `ledger_url` and prepare the run `config` describes (a RUN.toml path, its
         contents as a dict, or a `RunConfig`): match the data to the admitted contributions, load the model,
         resolve the profiles and probe the router. Everything that can refuse the run does so here, before any
@@ -135,7 +142,10 @@ class GovernedRun:
         logical step, `observe(step, contribution_ids)` with every draw.
 
         A fresh run that would charge contributions other runs on this ledger already charged is refused
-        (`charged_before`, with each class's epsilon before and after) unless `confirm`. With `check`, the run
+        (`charged_before`, with each class's epsilon before and after) unless `confirm`; so is an unconfirmed run's
+        write-ahead of contributions another run charged after it opened (read under the ledger's write lock,
+        nothing written). `siblings`: runs whose charges need no consent besides this one's (`govtrain tune`
+        passes its other trials). With `check`, the run
         writes nothing: `batches()` hands out the rehearsal only, then logs the plan (`plan`) and ends; `save()`
         saves and records nothing."""
         from govtrain.ledger.ledger import Ledger
@@ -145,7 +155,7 @@ class GovernedRun:
         run = None
         try:
             run = Run(config, ledger, insecure_seed=insecure_seed, log=log, now=now, checkpoint_every=checkpoint_every,
-                      observe=observe, confirm=confirm, check=check)
+                      observe=observe, confirm=confirm, check=check, siblings=siblings)
             run.prepare()
             return cls(run, ledger, on_step=on_step)
         except BaseException:
@@ -408,11 +418,16 @@ class GovernedRun:
 
     def _new_rehearsal(self) -> Rehearsal:
         run = self._run
+        length, seed = run.config.file.model.max_length, rehearsal_seed(run.insecure_seed)
         count = max(3, len(set(run.classes.values())))
-        examples = synthetic_examples(run.task, self._tokenizer, run.config.file.model.max_length, count,
-                                      seed=rehearsal_seed(run.insecure_seed), admitted=run.examples.items)
+        examples = synthetic_examples(run.task, self._tokenizer, length, count, seed=seed, admitted=run.examples.items)
+        # one chunk of the real size at max_length: a failure that depends on the size (out of memory) is met here
+        full = full_chunk_rows(physical_batch=run.chunk, expected_batch=run.expected_batch,
+                               per_contribution=run.per_contribution, examples=len(run.examples.items))
+        examples += synthetic_examples(run.task, self._tokenizer, length, full, seed=seed + b" full",
+                                       admitted=run.examples.items, lengths=(length + 4,))
         return plan_rehearsal(examples, class_clips(run.policy, list(run.classes.values())), chunk=run.chunk,
-                              per_contribution=run.per_contribution, Chunk=Chunk)
+                              per_contribution=run.per_contribution, Chunk=Chunk, full=full)
 
     def _rehearsal_step(self, waiting: Any, drawn: Drawn, losses: "torch.Tensor") -> None:
         """A rehearsal chunk's step: the router forms, measures and clips its per-sample gradients as in a real

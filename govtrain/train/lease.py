@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 from govtrain import units
 from govtrain.errors import Code, GovtrainError, RejectedError
@@ -49,14 +49,15 @@ class Replan(Exception):
 
 
 def write_ahead(ledger: Ledger, pending: dict, lease: tuple[str, bytes], now: Callable[[], int],
-                log: Callable[[str], None]) -> bool:
+                log: Callable[[str], None], *, consent: Collection[str] | None = None) -> bool:
     """Make sure this run's spend for the pending ledger epoch is in the ledger before its steps run
     (docs/design.md §5). True when it is: written now, or written by this same run (its id *and* its lease nonce)
     before a kill (a contribution withdrawn since is then simply not drawn). False when another run holds the
     epoch (its write-ahead charged its own steps, not ours): that epoch is then closed, if it is still open,
     and the caller plans the next one. `Replan` when the plan, not yet written, charges a contribution that
     has withdrawn since. Another run under this run's id (another nonce) is refused (`run_id_taken`). Any
-    spend that is not this run's never lets this run's steps go uncharged."""
+    spend that is not this run's never lets this run's steps go uncharged. `consent`: as `Ledger.record_spend`'s
+    (an unconfirmed run is refused, `charged_before`, where another run charged its contributions meanwhile)."""
     epoch = pending["epoch"]
     run_id, nonce = lease
     book, _, withdrawn = ledger.spend_state()  # from the entries, never the index tables
@@ -69,7 +70,8 @@ def write_ahead(ledger: Ledger, pending: dict, lease: tuple[str, bytes], now: Ca
             raise Replan  # not written yet: its plan counted a contribution that has since withdrawn
         try:
             ledger.record_spend(epoch, pending["q_u"], pending["spend"], run_id=run_id, run_nonce=nonce,
-                                epoch_steps=pending["steps"], noise_groups=pending["noise_groups"], now=now())
+                                epoch_steps=pending["steps"], noise_groups=pending["noise_groups"], now=now(),
+                                consent=consent)
             return True
         except GovtrainError as e:  # a concurrent run got the epoch first, or closed it
             if e.code in (Code.ALREADY_WITHDRAWN, Code.REDACTED):

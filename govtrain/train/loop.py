@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable
+from typing import Callable, Collection
 
 from govtrain.errors import Code
 from govtrain.train.config import RunConfig
@@ -44,7 +44,7 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
           log: LOG = print, now: Callable[[], int] = lambda: int(time.time()), checkpoint_every: int = 10,
           interrupt_after_steps: int | None = None, progress: bool = False,
           observe: Callable[[int, list[str]], None] | None = None, confirm: bool = False,
-          check: bool = False, clock: Callable[[], float] | None = None) -> RunResult:
+          check: bool = False, clock: Callable[[], float] | None = None, siblings: Collection[str] = ()) -> RunResult:
     """Run (or resume) the training `config` describes against the ledger at `ledger_url`.
 
     The run state (trainable weights, optimizer, the epoch in progress and its plan) is saved to
@@ -57,7 +57,8 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
     through `log` at least every 30 s of steps (`ProgressLines`, timed by `clock`).
 
     The loop's first step is the rehearsal (`rehearsal.py`), before any spend. `confirm` consents to charging
-    contributions other runs charged (`--yes`); `check` stops after the rehearsal and logs the plan, writing
+    contributions other runs charged (`--yes`; `siblings`, the runs whose charges need no consent besides this
+    one's: a search's other trials); `check` stops after the rehearsal and logs the plan, writing
     nothing (`--check`): the result then holds no step, and `result.plan` what the run would charge.
     """
     from tqdm import tqdm
@@ -84,7 +85,8 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
 
     with bar, GovernedRun.open(config, ledger_url, key=key, insecure_seed=insecure_seed,
                                log=_above_the_bar(log) if show else log, now=now, checkpoint_every=checkpoint_every,
-                               observe=observe, on_step=stepped, confirm=confirm, check=check) as run:
+                               observe=observe, on_step=stepped, confirm=confirm, check=check,
+                               siblings=siblings) as run:
         bar.update(run.steps)
         bar.set_description_str(progress_text(run.steps, run.total_steps, None, run.epsilons()))
         if progress and not show:

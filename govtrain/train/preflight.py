@@ -7,8 +7,13 @@ folder it may write, the contributions other runs already charged, and the plan 
   folder of the first and charge the contributions again (`output_taken`).
 - **Charging again needs consent.** `charged_by` reads which runs charged each contribution; a fresh run that
   would charge contributions another run charged says so, with each class's epsilon before and after
-  (`Plan`), and is refused (`charged_before`) unless the caller confirmed (`--yes`, `confirm=True`). A run
-  resuming its own id was confirmed when it started.
+  (`Plan`), and is refused (`charged_before`) unless the caller confirmed (`--yes`, `confirm=True`). The run
+  state keeps the consent; a run that has none is asked again when it resumes and at each write-ahead, under
+  the ledger's write lock (`Ledger.record_spend(consent=...)`): another run may charge its contributions after
+  it opened.
+- **The run state is the ledger's.** It names the ledger it was written against (`Ledger.identity`); a state of
+  another ledger, or one that took steps under a lease this ledger never recorded, is refused (`output_taken`,
+  `Run._check_ledger`).
 - **The plan** (`project`): the run's remaining steps, q, each class's sigma_eff and epsilon before and after,
   projected with the ledger's accountant from what the ledger says now (other runs may charge in between).
 """

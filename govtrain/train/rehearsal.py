@@ -6,7 +6,9 @@ logical step `run.batches()` hands out is a rehearsal (`batch.rehearsal is True`
 is written only once its last chunk was stepped. Its rows are synthetic: random tokens of the tokenizer's
 vocabulary at several lengths (so padding and truncation run), random labels, never a contributed row (a row
 equal to an admitted example is drawn again), spread over the classes of the run's contributions with each
-class's public clipping norm, so every class's profile is routed.
+class's public clipping norm, so every class's profile is routed. One of its chunks is full: as many rows as
+the largest chunk a real step is likely to hand out (`full_chunk_rows`), each at `max_length` tokens, so a
+failure that depends on a chunk's size (out of memory on the device) is met before any spend.
 
 It runs every check a real step runs, on the same code: the guard at its forward, the loss's shape and type,
 the router's per-sample gradients, layout and coverage, and clipping (`Router.accumulate`). Then its sums are
@@ -17,14 +19,21 @@ the other examples of its batch (a loss normalised over the batch, left padding;
 run in eval mode at full fp32 matmul precision, so that dropout or TF32 rounding is not taken for coupling.
 Torch's global random state is put back as it was, so a seeded run trains as it would have without it.
 
-The rehearsal proves the loop runs; it guards nothing. Every real step runs every check again, and code that
-tells the rehearsal apart (`batch.rehearsal`) gains nothing by it: what the rehearsal computes never leaves it.
+The rehearsal proves the loop runs; it guards nothing. Every real step runs the checks of a step again (the
+guard, the loss's shape and type, the router's per-sample gradients, layout, coverage and clipping), and code
+that tells the rehearsal apart (`batch.rehearsal`) gains nothing by it: what the rehearsal computes never leaves
+it. The one exception is the batch-coupling comparison (`check_alone`): it needs a row's loss alone and in a
+batch, so it runs on the rehearsal only. A loop that couples its losses on real batches alone (telling them
+apart by `batch.rehearsal` or by their rows) is not refused by it; its per-example gradients are then not each
+one example's, and the clipping bound the accountant relies on does not hold. That is code written against
+the run, like patching the library: out of reach of a check.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -73,11 +82,24 @@ class Rehearsal:
                                                   "own. Nothing was spent")
 
 
+def full_chunk_rows(*, physical_batch: int | None, expected_batch: float, per_contribution: int | None,
+                    examples: int) -> int:
+    """How many rows the rehearsal's full chunk holds: the largest chunk a real step is likely to hand out.
+    `physical_batch` rows, or with it unset the whole logical batch at its likely largest: the expected batch plus
+    four standard deviations of the Poisson draw (sqrt of the mean; exceeded about once in 30,000 steps for a
+    batch of 16, more rarely for larger ones), in sampling units (examples, or contributions of at most
+    `per_contribution` examples each). Never more than that likely largest draw, nor than the run's `examples`."""
+    likely = math.ceil(expected_batch + 4 * math.sqrt(expected_batch)) * (per_contribution or 1)
+    rows = likely if physical_batch is None else min(physical_batch, likely)
+    return max(1, min(rows, examples))
+
+
 def synthetic_examples(task: Any, tokenizer: Any, max_length: int, count: int, *, seed: bytes,
-                       admitted: Sequence[Any] = ()) -> list[Any]:
+                       admitted: Sequence[Any] = (), lengths: Sequence[int] | None = None) -> list[Any]:
     """`count` examples of the task's own kind (its public probe examples, their text replaced) made of random
-    tokens of the tokenizer's vocabulary, at cycling lengths of 2 tokens, about a third of `max_length` and past
-    it (cut there); a label, where the example has one, at random. None equals an example of `admitted`."""
+    tokens of the tokenizer's vocabulary, at cycling `lengths` (default 2 tokens, about a third of `max_length`
+    and past it, cut there); a label, where the example has one, at random. None equals an example of
+    `admitted`."""
     import numpy as np
 
     rng = np.random.default_rng(int.from_bytes(hashlib.sha256(seed).digest()[:8], "big"))
@@ -85,7 +107,7 @@ def synthetic_examples(task: Any, tokenizer: Any, max_length: int, count: int, *
     vocabulary = np.array([i for i in range(len(tokenizer)) if i not in special], dtype=np.int64)
     shapes = list(task.probe_examples())
     labels = getattr(task, "num_labels", None)
-    lengths = (2, max(3, max_length // 3), max_length + 4)
+    lengths = tuple(lengths) if lengths else (2, max(3, max_length // 3), max_length + 4)
     seen = {_key(e) for e in admitted}
     examples: list[Any] = []
     for k in range(count):
@@ -113,11 +135,13 @@ def synthetic_examples(task: Any, tokenizer: Any, max_length: int, count: int, *
 
 
 def plan_rehearsal(examples: list[Any], classes: Mapping[str, float], *, chunk: int | None,
-                   per_contribution: int | None, Chunk: type) -> Rehearsal:
-    """The rehearsal's chunks: every row in order (longest first, then the shortest, so that it is padded), in
-    chunks of at most `chunk` rows, each row its own clipping unit with a class of `classes` (name -> public
-    clipping norm) in turn; then the shortest row alone."""
-    order = sorted(range(len(examples)), key=lambda i: -len(getattr(examples[i], "text", "")))
+                   per_contribution: int | None, Chunk: type, full: int = 0) -> Rehearsal:
+    """The rehearsal's chunks: every row but the last `full` in order (longest first, then the shortest, so that
+    it is padded), in chunks of at most `chunk` rows, each row its own clipping unit with a class of `classes`
+    (name -> public clipping norm) in turn; then the last `full` rows as one chunk (the full chunk: a real
+    chunk's size at `max_length`); then the shortest row alone."""
+    small = len(examples) - full
+    order = sorted(range(small), key=lambda i: -len(getattr(examples[i], "text", "")))
     order = [order[0], order[-1], *order[1:-1]] if len(order) > 2 else order
     names = sorted(classes)
     size = chunk or len(order)
@@ -130,6 +154,11 @@ def plan_rehearsal(examples: list[Any], classes: Mapping[str, float], *, chunk: 
     shortest = order[1] if len(order) > 1 else order[0]
     batched = next((c, p) for c, part in enumerate(chunks) for p, i in enumerate(part.indices) if i == shortest)
     name = chunks[batched[0]].classes[batched[1]]
+    if full:
+        part = list(range(small, len(examples)))
+        chosen = [names[i % len(names)] for i in range(full)]
+        chunks.append(Chunk(part, None if per_contribution is None else list(range(full)), ["rehearsal"] * full,
+                            chosen, [classes[n] for n in chosen]))
     chunks.append(Chunk([shortest], None if per_contribution is None else [0], ["rehearsal"], [name], [classes[name]]))
     if len(chunks[batched[0]].indices) == 1:  # a physical batch of one: no batch to compare with
         batched = (len(chunks) - 1, 0)

@@ -18,7 +18,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 from govtrain import units
 from govtrain.errors import Code, ConfigError, GovtrainError, RejectedError
@@ -139,13 +139,15 @@ class Run:
     def __init__(self, config: RunConfig, ledger: Ledger, *, insecure_seed: int | None = None, log: LOG = print,
                  now: Callable[[], int] = lambda: int(time.time()), checkpoint_every: int = 10,
                  observe: Callable[[int, list[str]], None] | None = None, confirm: bool = False,
-                 check: bool = False) -> None:
+                 check: bool = False, siblings: Collection[str] = ()) -> None:
         self.config, self.ledger, self.log, self.now = config, ledger, log, now
         # `confirm`: charging contributions other runs charged is consented to; `check`: everything up to the first
-        # write-ahead, then stop, writing nothing (no lock, no claim, no run state, no spend)
-        self.confirm, self.check = confirm, check
+        # write-ahead, then stop, writing nothing (no lock, no claim, no run state, no spend); `siblings`: the runs
+        # whose charges need no consent besides this one (a search's other trials)
+        self.confirm, self.check, self.siblings = confirm, check, frozenset(siblings)
+        self.confirmed = confirm  # this run's consent, kept in its run state: set again by prepare
         self.plan: Plan | None = None  # what the run would charge, projected at prepare (check, or charged before)
-        self.charged_before: set[str] = set()  # the run's contributions other runs charged (a fresh run only)
+        self.charged_before: set[str] = set()  # the run's contributions other runs (not its siblings) charged
         self.resumed = False  # prepare found the run's own state
         self.insecure_seed, self.checkpoint_every, self.observe = insecure_seed, checkpoint_every, observe
         self.total = config.file.training.steps
@@ -225,6 +227,7 @@ class Run:
         q_u, expected_batch = sampling_rate_for(policy, training.expected_batch_size,
                                                 sum(policy.sampling_units(admitted[c].records) for c in present),
                                                 option="training.expected_batch_size", code=Code.RUN_CONFIG_INVALID)
+        self.expected_batch = expected_batch  # in sampling units, at open (the rehearsal's full chunk reads it)
         self.per_contribution = policy.examples_per_contribution  # None: the privacy unit is the example
         if self.per_contribution is not None and training.physical_batch is not None \
                 and training.physical_batch < self.per_contribution:
@@ -274,6 +277,7 @@ class Run:
         if state is not None:
             run_id = result.run_id = state["run_id"]
             self.run_nonce, self.sampler.key = state.get("run_nonce"), state.get("sampling_key")
+            self._check_ledger(state, book)
             if self.sampler.key is None:
                 raise ConfigError(Code.RUN_CONFIG_INVALID, f"{self.state_path} was written by an earlier govtrain (no "
                                                            "lease or sampling key): finish that run with it, or move "
@@ -294,6 +298,7 @@ class Run:
             self.pending = state["pending"]
             if self.pending is not None and ledger.epoch() > self.pending["epoch"]:
                 self.pending = None  # the epoch was closed just before the kill
+            self.confirmed = self.confirm or bool(state.get("confirmed"))
             log(f"resuming {run_id} at step {result.steps}")
         elif book.used(run_id):
             raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.run_id: run {run_id!r} already wrote spend or a run "
@@ -308,11 +313,15 @@ class Run:
             # The sampling key fixes each step's draw (`PoissonSampler.at_step`): secret, in the run state only.
             self.sampler.key = (os.urandom(32) if self.insecure_seed is None
                                 else hashlib.sha256(b"govtrain insecure sampling key %d" % self.insecure_seed).digest())
-            self.charged_before = present & book.charged.keys()  # this id has no spend: every charge is another run's
+        # Consent: contributions runs other than this one (and its siblings) charged. A run that started confirmed
+        # keeps its consent in its state; an unconfirmed one is asked again here, and at each write-ahead (under the
+        # ledger's write lock: another run may charge them between this read and that write).
+        mine = {run_id, *self.siblings}
+        self.charged_before = {c for c in present if book.charged_by.get(c, set()) - mine}
         if self.check or self.charged_before:
             self.plan = self.projection()
         if self.charged_before and not self.check:
-            if not self.confirm:
+            if not self.confirmed:
                 raise consent_error(self.plan)
             log(f"note: {len(self.charged_before)} contribution(s) were charged by other runs before; charging them "
                 f"again as confirmed ({self.plan.epsilons()})")
@@ -323,6 +332,24 @@ class Run:
                  f"{self.per_contribution} examples each: ε per contribution")
         log(f"{run_id}: {self.total} {training.mechanism} steps, q = {q_u / units.MICRO:g} (expected batch {drawn}), "
             f"{policy.accountant} at δ = {policy.delta_p / 1e12:g}")
+
+    def _check_ledger(self, state: dict, book) -> None:  # type: ignore[no-untyped-def]
+        """Refuse (`output_taken`) a run state written against another ledger, or one that took steps under a
+        lease this ledger never recorded: its steps were charged there (or nowhere), and this ledger's run
+        entry would name an adapter that carries them while it charged only the steps taken here."""
+        recorded = state.get("ledger")
+        if recorded is not None and tuple(recorded) != self.ledger.identity:
+            origin = recorded[0] if recorded else "?"
+            raise ConfigError(Code.OUTPUT_TAKEN, f"{self.state_path} holds the state of run {state['run_id']!r} on "
+                                                 f"another ledger ({origin!r}, another header): its steps were "
+                                                 "charged there; resume it against that ledger, or give this run "
+                                                 "another training.output")
+        if state["step"] > 0 and state["run_id"] not in book.leases:
+            raise ConfigError(Code.OUTPUT_TAKEN, f"{self.state_path} holds run {state['run_id']!r} at step "
+                                                 f"{state['step']}, but this ledger records no spend under its "
+                                                 "lease: its steps were charged elsewhere or not at all; resume it "
+                                                 "against the ledger that charged them, or give this run another "
+                                                 "training.output")
 
     def projection(self) -> Plan:
         """What the run's remaining steps would charge, projected from what the ledger says now."""
@@ -381,10 +408,14 @@ class Run:
         pending, self._written = self.pending, False
         try:
             if pending["spend"] and not write_ahead(self.ledger, pending, (self.run_id, self.run_nonce), self.now,
-                                                    self.log):
+                                                    self.log, consent=None if self.confirmed else self.siblings):
                 self.pending = None
                 self._save()
                 return False
+        except ConfigError as e:
+            if e.code is Code.CHARGED_BEFORE:  # unconfirmed, and another run charged its contributions meanwhile
+                self._drop_plan()
+            raise
         except Replan:
             # Its sigma*C set the plan's noise, and the ledger justifies s_g only by the contributions the spend
             # charges (spend rule 7): plan the epoch again without it, rather than drop it from the write-ahead.
@@ -408,6 +439,15 @@ class Run:
         self._charged_rates = self.ledger.spend_book().rates.get(pending["epoch"]) if pending["spend"] else None
         self._written = True
         return True
+
+    def _drop_plan(self) -> None:
+        """Forget the pending plan, not written: a run that never wrote spend leaves no run state (its folder is
+        as a refusal at open leaves it), one that did keeps its state without the plan."""
+        self.pending = None
+        if self.result.steps == 0 and not self.ledger.spend_book().used(self.run_id):
+            self.state_path.unlink(missing_ok=True)
+        else:
+            self._save()
 
     def draw(self) -> list[Chunk]:
         """The next logical step's Poisson draw over the units (examples, or whole contributions) still
@@ -601,7 +641,7 @@ class Run:
         result = self.result
         _save_state(self.state_path, {
             "run_id": result.run_id, "run_nonce": self.run_nonce, "sampling_key": self.sampler.key,
-            "config_sha256": self.config.sha256,
+            "config_sha256": self.config.sha256, "ledger": self.ledger.identity, "confirmed": self.confirmed,
             "step": result.steps,
             "losses": result.losses, "epochs": result.epochs, "eps_by_class": result.eps_by_class,
             "pending": self.pending,

@@ -17,8 +17,13 @@ run entry) are kept, an interrupted one resumes from its run state.
 
 Consent (issue 21): the trials charge the same contributions one after the other by design, and starting the
 search consents to that; contributions that runs outside this search charged before it need `confirm`
-(`--yes`), asked once before the first trial (`charged_before`, with each class's epsilon so far). Each trial's
-own loop is rehearsed before its first spend, as any run's is.
+(`--yes`), asked before the first trial (`charged_before`, with each class's epsilon so far) and again at each
+trial's open and write-ahead, so that a run outside the search charging meanwhile is not charged over unasked.
+Each trial's own loop is rehearsed before its first spend, as any run's is.
+
+The output folder is the search's: `training.output` holds only its trials' `trial-<k>.json` and `trial-<k>/`
+(`check_tune_output`), each config file this search's own (a resumed search); another run's adapter there, or
+another search's trials, is refused (`output_taken`).
 """
 
 from __future__ import annotations
@@ -339,6 +344,7 @@ def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str
                                                f"each of its {len(trials)} trials charges them again: pass --yes "
                                                "(confirm=True) to charge them, or search on a scratch ledger "
                                                "(make scratch)")
+    check_tune_output(config.output_dir, trials)
     config.output_dir.mkdir(parents=True, exist_ok=True)
     result = TuneResult(tune_id=tune_id, metric=metric)
     log(f"{tune_id}: {len(trials)} trials on {grid.selection.name} by {metric}; each trial's spend is charged")
@@ -360,9 +366,12 @@ def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str
             log(f"trial {trial.index} ({_show(trial.values)})")
             seed = None if insecure_seed is None else insecure_seed + trial.index
             try:
-                # consented above: the trials charge the contributions one after the other by design
+                # the trials charge the contributions one after the other by design (siblings); runs outside
+                # the search need `confirm`, asked again at each trial's open and write-ahead (one may charge
+                # between the check above and a trial's spend)
                 adapter = train(trial.config, ledger_url, key=key, insecure_seed=seed, log=log, now=now,
-                                **{"confirm": True, **(train_options or {})}).adapter_sha256
+                                **{"confirm": confirm, **(train_options or {})},
+                                siblings=[t.run_id for t in trials]).adapter_sha256
             except BudgetExhausted as e:
                 stopped, stopped_at = e, trial.index
         with Ledger.open(ledger_url, key=key) as ledger:
@@ -399,6 +408,38 @@ def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str
         raise BudgetExhausted(stopped.code, f"tune {tune_id!r} stopped at trial {stopped_at}: "
                                             f"{stopped.detail}; {recorded}; no trial selected")
     return result
+
+
+def check_tune_output(folder: Path, trials: list[Trial]) -> None:
+    """Refuse (`output_taken`) a search's `training.output` unless it is missing or holds only its trials' files:
+    `trial-<k>.json` with this search's trial config (a resumed search), and `trial-<k>/` beside it (each trial
+    checks its own folder as a run does). Another run's adapter there would no longer hash to what its run entry
+    records, and another search's trials would be mixed with this one's."""
+    from govtrain.train.lease import LOCK_FILE
+
+    if not folder.exists():
+        return
+    if not folder.is_dir():
+        raise ConfigError(Code.OUTPUT_TAKEN, f"training.output {folder} is a file, not a folder: give the search a "
+                                             "folder of its own")
+    configs = {TRIAL_CONFIG.format(k=t.index): t.document for t in trials}
+    ours = {name for name, document in configs.items()
+            if (folder / name).is_file() and (folder / name).read_bytes() == document}
+    foreign = []
+    for path in sorted(folder.iterdir()):
+        name = path.name
+        if name == LOCK_FILE or name in ours:  # the lock a refused run leaves; this search's own trial config
+            continue
+        if path.is_dir() and name.startswith("trial-") and f"{name}.json" in ours:
+            continue
+        foreign.append(name + ("/" if path.is_dir() else ""))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise ConfigError(Code.OUTPUT_TAKEN, f"training.output {folder} holds {len(foreign)} entr"
+                                             f"{'y' if len(foreign) == 1 else 'ies'} this search did not write "
+                                             f"({shown}): a search writes its trials into a folder of its own "
+                                             "(another run's adapter, another search's trials); give it another "
+                                             "training.output, or resume a search with its own --id and files")
 
 
 def _charged_outside(ledger, trials: set[str]) -> dict[str, tuple[int, int]]:  # type: ignore[no-untyped-def]
