@@ -100,8 +100,8 @@ def run_facts(ledger: "Ledger", run_id: str) -> RunFacts:
         privacy_unit=policy.unit, delta_p=some["delta_p"] if some else policy.delta_p,
         accountant=some["accountant"] if some else policy.accountant, sampling_rates_u=tuple(rates),
         steps=sum(epochs.values()),
-        classes=tuple(ClassSpend(data_class=t["data_class"], eps_u=t["eps_u"], contributions=count.get(t["data_class"], 0))
-                      for t in totals),
+        classes=tuple(ClassSpend(data_class=t["data_class"], eps_u=t["eps_u"],
+                                 contributions=count.get(t["data_class"], 0)) for t in totals),
         checkpoint_size=None if checkpoint is None else checkpoint.size,
         checkpoint_note=None if checkpoint is None else checkpoint.note)
 
@@ -116,35 +116,48 @@ def render_card(record: ArtifactRecord, facts: RunFacts) -> str:
     base = record.base_model
     classifier = record.task == "sequence-classification"
     on_hub = "/" in base.name  # a Hugging Face id; else a local folder's own name
+    auto = "AutoModelForSequenceClassification" if classifier else "AutoModelForCausalLM"
+    tag = "dp-sgd" if facts.mechanism == "dpsgd" else facts.mechanism
     front = ["---", "library_name: peft", *([f"base_model: {_yaml(base.name)}"] if on_hub else []),
              f"pipeline_tag: {'text-classification' if classifier else 'text-generation'}", "tags:",
-             "- govtrain", "- differential-privacy", "- dp-sgd" if facts.mechanism == "dpsgd" else f"- {facts.mechanism}",
-             "- lora", "---", ""]
+             "- govtrain", "- differential-privacy", f"- {tag}", "- lora", "---", ""]
     delta = f"{facts.delta_p / 1e12:g}"
     rows = [f"| {c.data_class} | {eps_text(c.eps_u)} | {delta} | {c.contributions} |" for c in facts.classes]
     q = ", ".join(f"{rate / 1e6:g}" for rate in facts.sampling_rates_u) or "-"
-    what = (f"a {record.num_labels}-label sequence classifier ({', '.join(record.id2label[str(i)] for i in range(record.num_labels or 0))})"  # noqa: E501
-            if classifier else "a causal language model")
-    pooling = {"mean": "the masked mean of the final token states (as sentence-transformers models pool)",
-               "model": "the architecture's own pooler"}[record.pooling] if classifier else None
+    named = f"[{base.name}](https://huggingface.co/{base.name})" if on_hub else f"`{base.name}`"
+    if classifier:
+        labels = ", ".join(record.id2label[str(i)] for i in range(record.num_labels or 0))
+        pooling = {"mean": "the masked mean of its final token states (as sentence-transformers models pool)",
+                   "model": "the architecture's own pooler"}[record.pooling]
+        what = f"a {record.num_labels}-label sequence classifier ({labels}) on {pooling}"
+    else:
+        what = "a causal language model"
+    unit = facts.privacy_unit.split(" ")[0]
+    adapter_hash = facts.adapter_sha256.hex() if facts.adapter_sha256 else "-"
+    revision = f" at revision `{base.revision}`" if base.revision else ""
+    if base.spec:
+        load = 'loaded = govtrain.load("THIS_FOLDER")  # finds the base model, checks its tree hash'
+    else:
+        load = f'loaded = govtrain.load("THIS_FOLDER", base="PATH/TO/{base.name}")  # checks its tree hash'
+    use = ('print(loaded.predict(["an example text"]))  # label ids, as `govtrain eval` scores them' if classifier
+           else "model, tokenizer = loaded.model, loaded.tokenizer")
     text = [
         *front,
         f"# {facts.run_id}",
         "",
-        f"A LoRA adapter for {f'[{base.name}](https://huggingface.co/{base.name})' if on_hub else f'`{base.name}`'}: "
-        f"{what}, trained with differential "
-        f"privacy by [govtrain](https://pypi.org/project/govtrain/) on contributions admitted to the ledger "
-        f"`{facts.origin}`, which records every step's privacy spend before the step runs.",
+        f"A LoRA adapter for {named}: {what}, trained with differential privacy by "
+        f"[govtrain](https://pypi.org/project/govtrain/) on contributions admitted to the ledger `{facts.origin}`, "
+        "which records every step's privacy spend before the step runs.",
         "",
         "## Privacy",
         "",
         "| class | ε | δ | contributions trained on |",
         "|---|---|---|---|",
-        *(rows or ["| (none) | 0 | " + delta + " | 0 |"]),
+        *(rows or [f"| (none) | 0 | {delta} | 0 |"]),
         "",
-        f"- **ε**, per class: the largest cumulative ε of any {facts.privacy_unit.split(' ')[0]} of that class this "
-        "run trained on, as the ledger's spend entries record it up to the run entry (it includes what earlier runs "
-        f"on this ledger charged them), by the `{facts.accountant}` accountant at **δ = {delta}**.",
+        f"- **ε**, per class: the largest cumulative ε of any {unit} of that class this run trained on, as the "
+        "ledger's spend entries record it up to the run entry (it includes what earlier runs on this ledger charged "
+        f"them), by the `{facts.accountant}` accountant at **δ = {delta}**.",
         f"- **Privacy unit**: {facts.privacy_unit}. What ε protects is the presence or absence of one such unit.",
         f"- **Mechanism**: {MECHANISM_NAMES.get(facts.mechanism, facts.mechanism)} on LoRA factors"
         f"{' and the classifier head' if record.heads and classifier else ''}: Poisson sampling at q = {q} per ledger "
@@ -156,10 +169,9 @@ def render_card(record: ArtifactRecord, facts: RunFacts) -> str:
         f"- run id: `{facts.run_id}`",
         f"- ledger origin: `{facts.origin}`",
         f"- run entry: entry {facts.seq}, leaf hash `{facts.leaf_hash.hex()}`",
-        f"- adapter hash (what the run entry records): `{facts.adapter_sha256.hex() if facts.adapter_sha256 else '-'}`, "
-        "over every file in this folder but this README.md",
-        f"- base model: `{base.name}`{f' at revision `{base.revision}`' if base.revision else ''}, tree hash "
-        f"`{base.sha256}`",
+        f"- adapter hash (what the run entry records): `{adapter_hash}`, over every file in this folder but this "
+        "README.md",
+        f"- base model: `{base.name}`{revision}, tree hash `{base.sha256}`",
         f"- run config hash: `{facts.config_sha256.hex()}`; computed on {facts.device} in {facts.precision}",
     ]
     if facts.checkpoint_note is not None:
@@ -185,25 +197,22 @@ def render_card(record: ArtifactRecord, facts: RunFacts) -> str:
         "```python",
         "import govtrain",
         "",
-        ("loaded = govtrain.load(\"THIS_FOLDER\")  # finds the base model, checks its tree hash" if base.spec else
-         f"loaded = govtrain.load(\"THIS_FOLDER\", base=\"PATH/TO/{base.name}\")  # checks its tree hash"),
-        *(["print(loaded.predict([\"an example text\"]))  # label ids, as `govtrain eval` scores them"] if classifier
-          else ["model, tokenizer = loaded.model, loaded.tokenizer"]),
+        load,
+        use,
         "```",
         "",
-        f"`loaded.model` is a peft `PeftModel` over transformers' Auto{'ModelForSequenceClassification' if classifier else 'ModelForCausalLM'}"  # noqa: E501
-        " in eval mode; `loaded.tokenizer` is the run's tokenizer (saved here).",
+        f"`loaded.model` is a peft `PeftModel` over transformers' `{auto}` in eval mode; `loaded.tokenizer` is the "
+        "run's tokenizer (saved here).",
     ]
     if record.plain_refusal is None:
-        auto = "AutoModelForSequenceClassification" if classifier else "AutoModelForCausalLM"
-        labels = f", num_labels={record.num_labels}" if classifier else ""
+        labels_arg = f", num_labels={record.num_labels}" if classifier else ""
+        path = base.name if on_hub else f"PATH/TO/{base.name}"
         text += ["", "Plain transformers and peft reproduce it too (load the base in float32, as govtrain does):", "",
                  "```python", "import torch", f"from transformers import AutoTokenizer, {auto}",
                  "from peft import PeftModel", "",
-                 f"base = {auto}.from_pretrained(\"{base.name if on_hub else 'PATH/TO/' + base.name}\"{labels}, "
-                 "dtype=torch.float32)",
-                 "model = PeftModel.from_pretrained(base, \"THIS_FOLDER\").eval()",
-                 "tokenizer = AutoTokenizer.from_pretrained(\"THIS_FOLDER\")", "```"]
+                 f'base = {auto}.from_pretrained("{path}"{labels_arg}, dtype=torch.float32)',
+                 'model = PeftModel.from_pretrained(base, "THIS_FOLDER").eval()',
+                 'tokenizer = AutoTokenizer.from_pretrained("THIS_FOLDER")', "```"]
     else:
         text += ["", f"Plain transformers and peft refuse this folder on purpose: {record.plain_refusal}. Use "
                      "`govtrain.load`."]
