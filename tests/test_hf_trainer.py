@@ -15,8 +15,8 @@ transformers = pytest.importorskip("transformers")
 import govtrain  # noqa: E402
 from govtrain.errors import Code, ConfigError  # noqa: E402
 from govtrain.integrations.hf import GovernedOptimizer, GovernedTrainer  # noqa: E402
-from govtrain.train.config import load_run_config  # noqa: E402
 from govtrain.release.artifact import adapter_sha256  # noqa: E402
+from govtrain.train.config import load_run_config  # noqa: E402
 from govtrain.verify.verifier import verify_ledger  # noqa: E402
 from tests.conftest import snapshot  # noqa: E402
 from tests.test_api import QUIET, _corpus, _spend  # noqa: E402
