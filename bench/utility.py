@@ -326,7 +326,7 @@ def tune(method: str, grid, epsilon: float | None, sigma: float | None, setup: S
 def run_rows(setup: Setup, performance: Performance, methods, epsilons, grids: dict[str, tuple[float, ...]],
              log=print, done: Callable[[Row], None] = lambda row: None, accountant: str = "pld") -> list[Row]:
     """Every method at every ε (the non-private row once), each tuned over its grid; `done` sees each row.
-    σ is calibrated with `accountant` (the bench's is PLD, as the README's tables state)."""
+    σ is calibrated with `accountant` (the bench's is PLD, as docs/performance.md's tables state)."""
     rows = []
     if "opacus" in methods and setup.unit == "contribution":
         log("opacus has no contribution-level DP: its rows are skipped under --unit contribution")

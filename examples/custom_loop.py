@@ -1,6 +1,6 @@
 """Governed training from your own loop: the library API that `govtrain train` itself runs.
 
-    python examples/custom_loop.py --config examples/run.toml --ledger sqlite:///demo-out/ledger.db \
+    python examples/custom_loop.py --config examples/run.toml --ledger sqlite:///./demo-out/ledger.db \
         --key demo-out/keys/ledger.key
 
 The run (`govtrain.GovernedRun`) owns the sampling: `run.batches()` plans each ledger epoch, writes its spend

@@ -6,9 +6,9 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
 OUT=demo-out
 rm -rf "$OUT" && mkdir -p "$OUT/keys" "$OUT/attestations"
-LEDGER="sqlite:///$OUT/ledger.db"
+LEDGER="sqlite:///./$OUT/ledger.db"
 
-step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+if [ -t 1 ]; then step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }; else step() { printf '\n== %s\n' "$*"; }; fi
 show() { printf '$ %s\n' "$*"; "$@"; }
 expect_rejection() {  # run a command that must be rejected (exit 3) and show its one-line error
   printf '$ %s\n' "$*"

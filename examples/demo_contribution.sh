@@ -7,9 +7,9 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
 OUT=demo-out/contribution
 rm -rf "$OUT" && mkdir -p "$OUT/keys"
-LEDGER="sqlite:///$OUT/ledger.db"
+LEDGER="sqlite:///./$OUT/ledger.db"
 
-step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+if [ -t 1 ]; then step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }; else step() { printf '\n== %s\n' "$*"; }; fi
 show() { printf '$ %s\n' "$*"; "$@"; }
 
 step "Data: the demo's held-out movies again; every other movie is a contribution of its own"
@@ -32,7 +32,7 @@ step "Operator: 50 governed steps; each draws ~116 movies and at most 2 snippets
 show "$BIN/govtrain" train --config examples/run-contribution.toml --ledger "$LEDGER"
 show "$BIN/govtrain" ledger status --ledger "$LEDGER"
 
-step "Held-out accuracy (compare: the example-level demo at the same epsilon per snippet, README)"
+step "Held-out accuracy (compare: the example-level demo at the same epsilon per snippet, docs/demo.md)"
 show "$BIN/govtrain" eval --config examples/run-contribution.toml --data "$OUT/data/heldout.jsonl" --json
 
 step "Auditor: verify, recomputing every movie's spend"

@@ -28,10 +28,12 @@ from govtrain.tasks import task_for  # noqa: E402
 from govtrain.train.config import load_run_config  # noqa: E402
 from govtrain.train.evaluate import read_examples  # noqa: E402
 from govtrain.train.model import load_model, resolve_device  # noqa: E402
+from govtrain.train.progress import ProgressLines  # noqa: E402
 
 
-def train_nonprivate(config, files: list[Path], steps: int, batch: int, seed: int = 0):
-    """The run's model (no adapter classes), trained without privacy: (model, tokenizer)."""
+def train_nonprivate(config, files: list[Path], steps: int, batch: int, seed: int = 0, progress=None):
+    """The run's model (no adapter classes), trained without privacy: (model, tokenizer). `progress`, a
+    `ProgressLines`, is told of each step."""
     torch.manual_seed(seed)
     task = task_for(config.file)
     examples = [e for path in files for e in read_examples(path, task, (config.file.data.label_column,))]
@@ -40,12 +42,15 @@ def train_nonprivate(config, files: list[Path], steps: int, batch: int, seed: in
     model.to(device)
     optimizer = make_optimizer(config.file.optimizer, {n: p for n, p in model.named_parameters() if p.requires_grad})
     rng = random.Random(seed)
-    for _ in range(steps):
+    for step in range(steps):
         chosen = rng.sample(range(len(examples)), min(batch, len(examples)))
         inputs = task.encode([examples[i] for i in chosen], tokenizer, config.file.model.max_length, device)
-        task.per_example_loss(model(**inputs.inputs), inputs).mean().backward()
+        loss = task.per_example_loss(model(**inputs.inputs), inputs).mean()
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if progress is not None:
+            progress.update(step + 1, lambda: [f"loss {loss.item():.3f}"])
     return model, tokenizer
 
 
@@ -62,7 +67,8 @@ def main() -> None:
     files = sorted(args.train.glob("contrib-*.jsonl"))
     if not files:
         parser.error(f"no contrib-*.jsonl files in {args.train}")
-    model, _ = train_nonprivate(config, files, args.steps, args.batch)
+    progress = ProgressLines(lambda line: print(line, flush=True), args.steps)  # a line every 30 s: it takes minutes
+    model, _ = train_nonprivate(config, files, args.steps, args.batch, progress=progress)
     model.save_pretrained(args.out)
     print(f"non-private LoRA, {args.steps} steps of {args.batch}: adapter saved to {args.out}")
 

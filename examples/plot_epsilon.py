@@ -1,6 +1,6 @@
 """Plot cumulative epsilon per class over training steps, from the ledger alone (no data needed).
 
-    python examples/plot_epsilon.py --ledger sqlite:///demo-out/ledger.db --out demo-out/epsilon.png
+    python examples/plot_epsilon.py --ledger sqlite:///./demo-out/ledger.db --out demo-out/epsilon.png
 
 Each `spend` entry is written ahead for one ledger epoch; the plot shows, per class, the largest
 cumulative epsilon any of its contributions has been charged, stepping up at the training step where

@@ -2,7 +2,7 @@
 
 Every `GovtrainError` carries a stable, machine-readable `Code` (printed as
 ``error[code]: detail``) and belongs to one family whose class fixes the exit
-code (DESIGN §7). Programmer mistakes stay `TypeError` / `RuntimeError`.
+code (docs/design.md §7). Programmer mistakes stay `TypeError` / `RuntimeError`.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ class Code(str, Enum):
     BAD_PUBLIC_KEY = "bad_public_key"
     KEY_UNREADABLE = "key_unreadable"
     KEY_PERMISSIONS = "key_permissions"
+    KEY_IS_PUBLIC = "key_is_public"  # a public key where a private (signing) key is needed
     KEY_EXISTS = "key_exists"
     KEY_MISMATCH = "key_mismatch"
     KEY_MISSING = "key_missing"
     LEDGER_URL = "ledger_url"
     LEDGER_EXISTS = "ledger_exists"
     LEDGER_MISSING = "ledger_missing"
+    LEDGER_NOT_DATABASE = "ledger_not_database"  # the file given as the ledger is no SQLite database
     BAD_ARGUMENT = "bad_argument"
     MODEL_UNREADABLE = "model_unreadable"
     RUN_CONFIG_INVALID = "run_config_invalid"
@@ -46,7 +48,7 @@ class Code(str, Enum):
     ARTIFACT_UNREADABLE = "artifact_unreadable"  # not an adapter folder govtrain wrote, or one of another format
     BASE_MODEL_MISMATCH = "base_model_mismatch"  # the base model found is not the one the adapter was trained on
 
-    # -- encoding: the strict deterministic-CBOR decoder (DESIGN §2) ----------------------
+    # -- encoding: the strict deterministic-CBOR decoder (docs/design.md §2) ----------------------
     TOO_LARGE = "too_large"
     MALFORMED_CBOR = "malformed_cbor"
     TRAILING_BYTES = "trailing_bytes"
@@ -65,7 +67,7 @@ class Code(str, Enum):
     BAD_VALUE = "bad_value"
     UNSUPPORTED_VERSION = "unsupported_version"
 
-    # -- COSE_Sign1 envelope (DESIGN §3, RFC 9052 §4.2) -----------------------------------
+    # -- COSE_Sign1 envelope (docs/design.md §3, RFC 9052 §4.2) -----------------------------------
     NOT_COSE_SIGN1 = "not_cose_sign1"
     BAD_COSE_STRUCTURE = "bad_cose_structure"
     BAD_ALGORITHM = "bad_algorithm"
@@ -77,7 +79,7 @@ class Code(str, Enum):
     UNKNOWN_KEY = "unknown_key"
     KEY_NOT_AUTHORIZED = "key_not_authorized"
 
-    # -- admissibility against the policy (DESIGN §4) -------------------------------------
+    # -- admissibility against the policy (docs/design.md §4) -------------------------------------
     UNKNOWN_CLASS = "unknown_class"
     BAD_WINDOW = "bad_window"
     NOT_YET_VALID = "not_yet_valid"

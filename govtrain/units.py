@@ -1,4 +1,4 @@
-"""Real numbers as integers, rounded in the direction that favours privacy (DESIGN §2).
+"""Real numbers as integers, rounded in the direction that favours privacy (docs/design.md §2).
 
 Signed and hashed structures carry no floats: a value x is stored as round(x · 10⁶)
 (``*_u``) or, for δ, round(x · 10¹²) (``delta_p``). Which way to round depends on

@@ -9,6 +9,7 @@ from ledger_store.store import (
     LedgerMissing,
     LedgerStore,
     NodeCache,
+    NotADatabase,
     StoredCheckpoint,
     StoredEntry,
     StoreError,
@@ -18,6 +19,6 @@ from ledger_store.store import (
 )
 
 __all__ = [
-    "PERSISTED_NODE_HEIGHT", "NodeCache", "StoredCheckpoint", "AdmissionRow", "Appender", "Conflict", "LedgerExists", "LedgerMissing", "LedgerStore", "StoredEntry",
+    "PERSISTED_NODE_HEIGHT", "NodeCache", "NotADatabase", "StoredCheckpoint", "AdmissionRow", "Appender", "Conflict", "LedgerExists", "LedgerMissing", "LedgerStore", "StoredEntry",
     "StoreError", "UnsupportedURL", "leaf_hash", "normalize_url",
 ]

@@ -18,7 +18,7 @@ from typing import Callable, Iterator, MutableMapping, NamedTuple
 
 from sqlalchemy import create_engine, event, func, insert, inspect, select, tuple_, update
 from sqlalchemy.engine import Connection, Engine, make_url
-from sqlalchemy.exc import ArgumentError, OperationalError
+from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError
 from sqlalchemy.exc import IntegrityError as SQLIntegrityError
 from sqlmodel import SQLModel
 
@@ -52,6 +52,10 @@ class LedgerMissing(StoreError):
 
 class LedgerExists(StoreError):
     pass
+
+
+class NotADatabase(StoreError):
+    """A file SQLite cannot read as a database (a data file, a key, a policy given as the ledger)."""
 
 
 class Conflict(StoreError):
@@ -93,10 +97,21 @@ class StoredCheckpoint:
 
 
 def normalize_url(url: str) -> str:
-    """A SQLAlchemy URL; a bare path means a SQLite file."""
+    """A SQLAlchemy URL; a bare path means a SQLite file (a relative one with a folder gets its explicit `./`)."""
     if "://" not in url:
-        return f"sqlite:///{Path(url).expanduser()}"
+        path = str(Path(url).expanduser())
+        return f"sqlite:///{path}" if os.path.isabs(path) or "/" not in path else f"sqlite:///./{path}"
     return url
+
+
+def _check_sqlite_path(url: str, database: str) -> None:
+    """Refuse `sqlite:///tmp/x.db`: three slashes make `tmp/x.db` relative to the working directory, which is
+    rarely what was meant. A relative path with a folder must say so (`./`, `../`); a bare file name need not."""
+    if os.path.isabs(database) or "/" not in database or database.startswith(("./", "../")):
+        return
+    raise UnsupportedURL(f"{url} names the relative path {database} (three slashes before a relative path, four "
+                         f"before an absolute one): write sqlite:////{database} for /{database}, or "
+                         f"sqlite:///./{database} for ./{database}")
 
 
 ADVISORY_LOCK = 0x67766E74  # "gvnt": PostgreSQL writers serialize on this transaction-scoped lock
@@ -112,6 +127,7 @@ def _backend(url: str) -> str:
     if backend == "sqlite":
         if not parsed.database or parsed.database == ":memory:":
             raise UnsupportedURL("a ledger needs a SQLite file, not an in-memory database")
+        _check_sqlite_path(url, parsed.database)
         return backend
     if backend == "postgresql":
         if parsed.get_driver_name() != "psycopg":
@@ -122,6 +138,15 @@ def _backend(url: str) -> str:
 
 def _sqlite_path(url: str) -> Path:
     return Path(make_url(url).database)
+
+
+def _not_a_database(url: str, error: DatabaseError) -> StoreError:
+    where = make_url(url)
+    if where.get_backend_name() != "sqlite":
+        return LedgerMissing(f"cannot read {where.render_as_string(hide_password=True)}: "
+                             f"{str(error.orig).splitlines()[0]}")
+    return NotADatabase(f"{where.database} is not a SQLite database ({str(error.orig).splitlines()[0]}): --ledger "
+                        "names the ledger file `govtrain init` created")
 
 
 def _engine(url: str, backend: str) -> Engine:
@@ -358,6 +383,9 @@ class LedgerStore:
             store.close()
             raise LedgerMissing(f"cannot reach {make_url(url).render_as_string(hide_password=True)}: "
                                 f"{str(e.orig).splitlines()[0]}") from e
+        except DatabaseError as e:
+            store.close()
+            raise _not_a_database(url, e) from e
         if store.size() > 0:
             store.close()
             raise LedgerExists(f"{url} already holds a ledger")
@@ -379,6 +407,9 @@ class LedgerStore:
             store.close()
             raise LedgerMissing(f"cannot reach {make_url(url).render_as_string(hide_password=True)}: "
                                 f"{str(e.orig).splitlines()[0]}") from e
+        except DatabaseError as e:
+            store.close()
+            raise _not_a_database(url, e) from e
         if not present:
             store.close()
             raise LedgerMissing(f"{url} is not a govtrain ledger; create one with `govtrain init`")

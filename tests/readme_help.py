@@ -1,6 +1,8 @@
-"""Regenerate the README's `--help` blocks from the real command line: `python -m tests.readme_help`.
+"""Regenerate the `--help` blocks of README.md and docs/*.md from the real command line: `make readme`
+(`python -m tests.readme_help`).
 
-tests/test_cli.py fails when they drift; this rewrites them.
+tests/test_cli.py fails when they drift; this rewrites them. The command-line reference,
+docs/reference/cli.md, needs none: mkdocs-click generates it from the commands themselves.
 """
 
 from __future__ import annotations
@@ -24,11 +26,18 @@ def real_help(command: str) -> str:
     return result.stdout.rstrip()
 
 
+def pages() -> list:
+    """The Markdown files that may hold `--help` blocks."""
+    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
 def main() -> None:
-    path = REPO / "README.md"
-    text = path.read_text()
-    path.write_text(BLOCK.sub(lambda m: f"```text\n$ {m.group(1)} --help\n{real_help(m.group(1))}\n```", text))
-    print("README.md help blocks regenerated")
+    for path in pages():
+        text = path.read_text()
+        new = BLOCK.sub(lambda m: f"```text\n$ {m.group(1)} --help\n{real_help(m.group(1))}\n```", text)
+        if new != text:
+            path.write_text(new)
+            print(f"{path.relative_to(REPO)}: help blocks regenerated")
 
 
 if __name__ == "__main__":

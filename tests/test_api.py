@@ -58,7 +58,7 @@ def _same(before: dict[str, torch.Tensor], run) -> bool:
 
 
 def test_a_users_own_loop_and_govtrain_train_release_the_same_adapter_and_spend(tmp_path: Path, tiny_model: Path):
-    """The README's loop with the user's own per-example loss gives, on the same seed, the adapter bytes and
+    """The documented loop (docs/python-api.md) with the user's own per-example loss gives, on the same seed, the adapter bytes and
     spend entries of `govtrain train` (chunks of 7: several physical chunks per logical step)."""
     import torch.nn.functional as F
 
@@ -88,16 +88,17 @@ def test_a_users_own_loop_and_govtrain_train_release_the_same_adapter_and_spend(
     assert verify_ledger(api.url).by_kind["run"] == 1
 
 
-def test_the_readme_loop_is_the_example_and_the_example_runs(tmp_path: Path, tiny_model: Path, capsys):
-    """The README's Python API block is `examples/custom_loop.py`'s loop, and that file trains, saves and
-    records a verifiable run on a tiny model."""
+def test_the_documented_loop_is_the_example_and_the_example_runs(tmp_path: Path, tiny_model: Path, capsys):
+    """The loop of docs/python-api.md's snippet (which tests/test_docs.py runs) is `examples/custom_loop.py`'s,
+    and that file trains, saves and records a verifiable run on a tiny model."""
     import runpy
 
-    readme = (ROOT / "README.md").read_text()
-    block = re.search(r"## Python API.*?```python\n(.*?)```", readme, re.S)
+    page = (ROOT / "docs" / "python-api.md").read_text()
+    block = re.search(r"```python\n(.*?)```", page, re.S)
     assert block is not None
     example = (ROOT / "examples" / "custom_loop.py").read_text()
-    for line in block.group(1).strip().splitlines():
+    loop = block.group(1).split("as run:\n", 1)[1].split("\n\n")[0]  # from the `for` to `run.save()`
+    for line in loop.strip().splitlines():
         assert line.strip() in example, line
 
     corpus = _corpus(tmp_path, "example")

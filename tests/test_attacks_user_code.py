@@ -1,6 +1,6 @@
 """Attacks by user code inside the documented loop (review issue 20, items 2 and 6).
 
-The adversary is the code a user writes around `GovernedRun` (README "Python API"): the loop over
+The adversary is the code a user writes around `GovernedRun` (docs/python-api.md): the loop over
 `run.batches()`, its forward of `run.model`, its loss and `run.step`, and the model and tokenizer it chooses
 (a decoder classifier whose tokenizer pads left, a wrapper around the model, a loss of its own).
 

@@ -23,11 +23,11 @@ def run(*args: str):
 def test_privacy_epsilon_text_and_json():
     text = run("privacy", "epsilon", "--q", "0.01", "--sigma", "1", "--steps", "1000", "--delta", "1e-5")
     expected = PLDAccountant().epsilon([Bucket(0.01, 1.0, 1000)], 1e-5)
-    assert text.exit_code == 0 and f"epsilon <= {expected.epsilon:.6f}" in text.stdout
+    assert text.exit_code == 0 and f"ε <= {expected.epsilon:.6f}" in text.stdout
     body = json.loads(run("privacy", "epsilon", "--q", "0.01", "--sigma", "1", "--steps", "1000", "--delta", "1e-5",
                           "--accountant", "prv", "--json").stdout)
     prv = PRVAccountant().epsilon([Bucket(0.01, 1.0, 1000)], 1e-5)
-    assert body["epsilon_u"] == prv.epsilon_u and body["lower"] <= body["estimate"] <= body["epsilon"]
+    assert body["eps_u"] == prv.epsilon_u and body["lower"] <= body["estimate"] <= body["eps"]
 
 
 def test_privacy_epsilon_reports_the_prv_fallback():
@@ -46,7 +46,7 @@ def test_privacy_sigma_single_release_and_subsampled():
     assert "not a guarantee" in warned.stdout
     body = json.loads(run("privacy", "sigma", "--epsilon", "2", "--delta", "1e-5", "--q", "0.01", "--steps", "500",
                           "--accountant", "rdp", "--json").stdout)
-    assert body["epsilon_at_sigma"] <= 2 and body["sigma"] > 0
+    assert body["eps_at_sigma"] <= 2 and body["sigma"] > 0
 
 
 @pytest.mark.parametrize("args", [

@@ -1,5 +1,6 @@
-"""Contribution-level DP (DESIGN §5, privacy_unit = "contribution"): the routing layer averages a contribution's
-examples, restricts the average to its class's profile and clips it to its C_i, against a batch-size-1 oracle."""
+"""Contribution-level DP (docs/design.md §5, privacy_unit = "contribution"): the routing layer averages a
+contribution's examples, restricts the average to its class's profile and clips it to its C_i, against a
+batch-size-1 oracle."""
 
 from __future__ import annotations
 
@@ -297,14 +298,14 @@ def test_plan_and_privacy_epsilon_speak_of_the_unit(tmp_path):
     text = CliRunner().invoke(cli, ["plan", "--ledger", corpus.url, "--steps", "10"]).stdout
     assert "2 eligible contributions" in text and "protects a whole contribution" in text
     status = CliRunner().invoke(cli, ["ledger", "status", "--ledger", corpus.url])
-    assert "epsilon per contribution" in status.stdout
+    assert "ε per contribution" in status.stdout
     assert json.loads(CliRunner().invoke(cli, ["ledger", "status", "--ledger", corpus.url, "--json"]).stdout)[
         "examples_per_contribution"] == 4
     one = CliRunner().invoke(cli, ["privacy", "epsilon", "--q", "0.02", "--sigma", "1", "--steps", "50", "--delta",
                                    "1e-5", "--group", "120", "--json"])
     body = json.loads(one.stdout)
     assert body["unit"] == "example" and body["group"]["size"] == 120
-    assert body["group"]["epsilon"] == pytest.approx(120 * body["epsilon"]) and body["group"]["delta"] > 1
+    assert body["group"]["eps"] == pytest.approx(120 * body["eps"]) and body["group"]["delta"] > 1
     refused = CliRunner().invoke(cli, ["privacy", "epsilon", "--q", "0.02", "--sigma", "1", "--steps", "50",
                                        "--delta", "1e-5", "--unit", "contribution", "--group", "3"])
     assert refused.exit_code == 2 and "error[" in refused.stderr

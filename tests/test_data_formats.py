@@ -1,6 +1,6 @@
 """Data formats and the digest an attestation binds: JSON Lines, CSV, Parquet and datasets directories.
 
-The tree hash is checked against its written specification (README "Data formats"), for stability under
+The tree hash is checked against its written specification (docs/data.md), for stability under
 the order files were written in, and for a change with any byte; every format is attested, admitted and
 refused on a changed byte with the ledger untouched; training matches files and directories by digest and
 reads RUN.toml's column names.
@@ -93,7 +93,7 @@ def _attest(corpus: Corpus, data: Path, **kwargs) -> bytes:
 
 
 def _spec_tree_hash(root: Path) -> bytes:
-    """The README's tree hash, written from the specification alone."""
+    """The tree hash of docs/data.md, written from the specification alone."""
     entries = []
     for dirpath, _, filenames in os.walk(root):
         for filename in filenames:

@@ -1,4 +1,4 @@
-"""Hardware never changes the mechanism (DESIGN §5): physical chunks, bf16 autocast and the device only
+"""Hardware never changes the mechanism (docs/design.md §5): physical chunks, bf16 autocast and the device only
 change how the same privatized step is computed. CUDA cases run where a GPU is present and skip elsewhere."""
 
 from __future__ import annotations

@@ -75,8 +75,8 @@ def test_a_change_of_gauge_changes_nothing_prism_releases(shape, seed, scale):
 
 
 def test_plain_dp_sgd_on_the_factors_is_not_gauge_invariant():
-    """The problem PRISM solves (seed 000, Issue I): (cA, B/c) is the same Z, but the factor-space norm
-    ‖gA‖² + ‖gB‖² that DP-SGD clips drifts with c; PRISM's intrinsic norm does not."""
+    """The problem PRISM solves (seed 000 in docs/design.md, its Issue I): (cA, B/c) is the same Z,
+    but the factor-space norm ‖gA‖² + ‖gB‖² that DP-SGD clips drifts with c; PRISM's intrinsic norm does not."""
     A, B, generator = factors(7, 5, 2, 0)
     G = torch.randn(7, 5, generator=generator, dtype=F64)
     factor_norms, intrinsic = [], []

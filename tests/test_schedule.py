@@ -190,7 +190,7 @@ def test_a_contribution_recorded_at_its_budget_retires_at_once():
 
 
 def test_classical_gaussian_matches_the_seed():
-    # seeds/002: sigma = 1 * sqrt(2 ln(1.25 / 1e-5)) / 1 = 4.8448
+    # seed 002 (docs/design.md): sigma = 1 * sqrt(2 ln(1.25 / 1e-5)) / 1 = 4.8448
     assert classical_gaussian_sigma(1.0, 1e-5) == pytest.approx(4.8448, abs=1e-4)
 
 

@@ -328,8 +328,10 @@ def test_status(real: Corpus):
     result = CliRunner().invoke(cli, ["ledger", "status", "--ledger", real.url, "--json"])
     status = json.loads(result.stdout)
     assert status["entries"] == 11 and status["epoch"] == 3 and status["last_checkpoint"]["size"] == 11
-    assert status["classes"]["public"] == {"admitted": 5, "withdrawn": 1}
-    assert status["classes"]["sensitive"] == {"admitted": 1, "withdrawn": 0}
+    counts = {name: {k: row[k] for k in ("admitted", "withdrawn", "charged")} for name, row in status["classes"].items()}
+    assert counts["public"] == {"admitted": 5, "withdrawn": 1, "charged": 0}
+    assert counts["sensitive"] == {"admitted": 1, "withdrawn": 0, "charged": 0}
+    assert status["classes"]["public"]["eps_max"] == 0 and status["runs"] == []
     text = CliRunner().invoke(cli, ["ledger", "status", "--ledger", real.url]).stdout
     assert "11 entries, epoch 3" in text and "public" in text
 

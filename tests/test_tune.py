@@ -286,7 +286,7 @@ def test_tune_charges_every_trial_selects_the_best_and_verifies(corpus: Corpus, 
     status = json.loads(CliRunner().invoke(cli, ["ledger", "status", "--ledger", corpus.url, "--json"]).stdout)
     assert status["tunes"][0]["tune_id"] == "lr" and status["tunes"][0]["eps_u"] == tune["eps_u"]
     text = CliRunner().invoke(cli, ["ledger", "status", "--ledger", corpus.url]).stdout
-    assert "total epsilon including tuning" in text
+    assert "total ε including tuning" in text
     mine = json.loads(CliRunner().invoke(cli, ["ledger", "status", "--ledger", corpus.url, "--contribution", "sens",
                                                "--json"]).stdout)
     assert mine["tunes"] == [{"tune_id": "lr", "seq": status["tunes"][0]["seq"], "selected_run_id": tune["selected_run_id"],

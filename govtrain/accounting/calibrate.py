@@ -42,7 +42,7 @@ def noise_multiplier_for(epsilon: float, delta: float, sampling_rate: float, ste
         raise ValueError("need epsilon > 0, 0 < delta < 1, 0 < q <= 1 and steps >= 1")
     target_u = units.eps_budget_u(epsilon)
     if target_u < 1:
-        raise ValueError("epsilon must be at least 1e-6")
+        raise ValueError("ε must be at least 1e-6")
     chosen = get_accountant(accountant)
     evaluations = 0
 
@@ -67,7 +67,8 @@ def _bracket(charge, target_u: int, start_u: int) -> tuple[int, int]:
     while charge(high) > target_u:
         high = high * 5 // 4 + 1
         if high > MAX_SIGMA * units.MICRO:
-            raise ValueError(f"that epsilon needs a noise multiplier above {MAX_SIGMA:g}")
+            raise ValueError(f"that ε needs a noise multiplier above {MAX_SIGMA:g}: ask for a larger ε, fewer steps or a "
+                             "smaller q")
     low = high * 4 // 5
     while low > 0 and charge(low) <= target_u:
         high, low = low, low * 4 // 5

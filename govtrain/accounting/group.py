@@ -3,7 +3,7 @@
 An (ε, δ)-DP mechanism is (Kε, K·e^{(K−1)ε}·δ)-DP for datasets that differ in K examples (group privacy;
 Dwork & Roth 2014, the (ε, δ) form of Theorem 2.2). For a contribution of 120 examples at ε = 3 the δ is
 astronomically larger than 1: the example-level ε says nothing about the contribution. That is the case for
-`privacy_unit = "contribution"` (DESIGN §5), whose ε is about the whole contribution directly.
+`privacy_unit = "contribution"` (docs/design.md §5), whose ε is about the whole contribution directly.
 """
 
 from __future__ import annotations

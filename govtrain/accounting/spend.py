@@ -32,7 +32,7 @@ def bucket_sigma_u(sigma_eff_u: int, signed_u: int) -> int:
 
     Rounding down over-charges (more epsilon for less noise claimed); the floor at the signed value
     keeps the recorded multiplier admissible, and it is still <= the true sigma_eff because the
-    true sigma_eff is at least the signed one (DESIGN §5).
+    true sigma_eff is at least the signed one (docs/design.md §5).
     """
     if sigma_eff_u < signed_u:
         raise ValueError(f"sigma_eff {sigma_eff_u} is below the signed noise multiplier {signed_u}")

@@ -1,4 +1,4 @@
-"""Attestations: COSE_Sign1 (RFC 9052 §4.2) over a canonical descriptor (DESIGN §3).
+"""Attestations: COSE_Sign1 (RFC 9052 §4.2) over a canonical descriptor (docs/design.md §3).
 
     COSE_Sign1 = #6.18([protected: bstr .cbor {1: -8, ?3: content type, 4: kid}, unprotected: {},
                         payload: bstr (the descriptor's canonical bytes), signature: bstr .size 64])
@@ -127,9 +127,24 @@ def parse_attestation(raw: bytes) -> ParsedAttestation:
     return fast if fast is not None else _parse_full(raw)
 
 
+def _preview(raw: bytes) -> str:
+    """The first bytes, as text where they are printable (a JSON line, a CSV header, a PEM), else in hex."""
+    head = raw[:24].split(b"\n")[0]
+    text = head.decode("ascii", errors="replace")
+    if text.strip() and text.isprintable():
+        return f"with the text {text + ('…' if len(raw) > len(head) else '')!r}"
+    return f"with the bytes {head[:8].hex(' ')}"
+
+
 def _parse_full(raw: bytes) -> ParsedAttestation:
     """The general path: decode everything, then check each rule and name the first broken one."""
-    # 1. Deterministic CBOR, no tags but COSE's own (DESIGN §2).
+    # 0. A COSE_Sign1 begins with a CBOR tag (major type 6) or, untagged, an array (4): anything else is some other
+    #    file (a data file, a key) given as the attestation, and decoding it would only report nonsense lengths.
+    if raw and raw[0] >> 5 not in (4, 6):
+        raise AttestationError(Code.NOT_COSE_SIGN1, f"not an attestation (COSE_Sign1): it begins {_preview(raw)}; give "
+                                                    "the .cose file `govtrain attest` wrote, and its data as --data")
+
+    # 1. Deterministic CBOR, no tags but COSE's own (docs/design.md §2).
     top = cbor.decode(raw, tags=_OTHER_COSE_TAGS | {COSE_SIGN1_TAG})
 
     # 2. Tag 18 around a four-element array (RFC 9052 §4.2).

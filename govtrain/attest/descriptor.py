@@ -1,4 +1,4 @@
-"""The contribution descriptor (DESIGN §3, `schemas/descriptor.cddl`).
+"""The contribution descriptor (docs/design.md §3, `schemas/descriptor.cddl`).
 
 A descriptor binds a contributor's data file (by SHA-256) to a class, a clipping
 norm, a noise multiplier, a budget and a validity window. Its canonical CBOR bytes

@@ -2,7 +2,7 @@
 
 Private keys are PKCS#8 PEM files created with mode 0600 (never overwritten, never
 logged); public keys are SubjectPublicKeyInfo PEM. The key id of a public key is the
-SHA-256 of its raw 32 bytes (DESIGN §3).
+SHA-256 of its raw 32 bytes (docs/design.md §3).
 
 OpenSSL, like RFC 8032's cofactorless equation, accepts forged signatures under
 small-order public keys (with A = identity, R = identity and S = 0 verify any
@@ -174,6 +174,11 @@ def load_private_key(path: str | os.PathLike) -> Ed25519PrivateKey:
         data = path.read_bytes()
     except OSError as e:
         raise ConfigError(Code.KEY_UNREADABLE, f"cannot read private key {path}: {e.strerror}") from e
+    if data.lstrip().startswith(b"-----BEGIN PUBLIC KEY-----"):  # before the mode: a .pub is meant to be 0644
+        pair = path.with_suffix(".key")
+        which = (str(pair) if path.suffix == ".pub" and pair.is_file()
+                 else "the NAME.key file `govtrain keys generate` wrote beside NAME.pub")
+        raise ConfigError(Code.KEY_IS_PUBLIC, f"{path} is a public key, and signing needs the private key: give {which}")
     if stat.S_IMODE(mode) & 0o077:
         raise ConfigError(
             Code.KEY_PERMISSIONS,

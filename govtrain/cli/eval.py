@@ -31,7 +31,7 @@ def eval_command(config_path: str, data_path: str, adapter_path: str | None, as_
     adapter = Path(adapter_path) if adapter_path is not None else config.output_dir
     model, tokenizer = load_trained(config, adapter)
     model.to(resolve_device(config.file.training.device))
-    figures = evaluate(model, tokenizer, task, examples, config.file.model.max_length)
+    figures = evaluate(model, tokenizer, task, examples, config.file.model.max_length, on_batch=_progress(len(examples)))
     if as_json:
         emit_json({"ok": True, "adapter": str(adapter), "data": data_path, **figures})
     elif "accuracy" in figures:
@@ -40,3 +40,15 @@ def eval_command(config_path: str, data_path: str, adapter_path: str | None, as_
     else:
         click.echo(f"{figures['examples']} examples, {figures['tokens']} target tokens: loss {figures['loss']:.4f} "
                    f"per token, perplexity {figures['perplexity']:.3f}")
+
+
+def _progress(total: int):  # type: ignore[no-untyped-def]
+    """Where stderr is not a terminal (a log, a pipe), a progress line on it at least every 30 s of batches."""
+    import sys
+
+    from govtrain.train.progress import ProgressLines
+
+    if sys.stderr.isatty():
+        return None
+    lines = ProgressLines(lambda line: click.echo(line, err=True), total, what="example")
+    return lines.update

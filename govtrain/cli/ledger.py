@@ -14,6 +14,7 @@ from govtrain.cli.output import (
     emit_json,
     json_option,
     ledger_option,
+    read_input,
     reports_errors,
     signing_key_option,
 )
@@ -72,7 +73,7 @@ def ledger_prove(contribution_id: str, ledger_url: str, checkpoint_path: str | N
     """Print an inclusion proof (c2sp.org/tlog-proof@v1) of a contribution's admit entry. Exit 3 if unknown."""
     from govtrain.ledger.ledger import Ledger
 
-    note = Path(checkpoint_path).read_text() if checkpoint_path else None
+    note = read_input(checkpoint_path, "--checkpoint") if checkpoint_path else None
     with Ledger.open(ledger_url) as opened:
         text = opened.prove(contribution_id, note).text()
     if out_path:
@@ -101,9 +102,12 @@ def ledger_verify_proof(proof_path: str, key_path: str | None, origin: str | Non
     key, origin = _proof_key(key_path, origin, key_name, vkey)
     try:
         text = Path(proof_path).read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise IntegrityError(Code.BAD_PROOF, f"cannot read proof {proof_path}") from e
-    attestation = Path(attestation_path).read_bytes() if attestation_path else None
+    except OSError as e:
+        raise ConfigError(Code.BAD_ARGUMENT, f"cannot read proof {proof_path}: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise IntegrityError(Code.BAD_PROOF, f"proof {proof_path} is not text; a proof is the c2sp.org/tlog-proof "
+                                             "file `govtrain ledger prove` wrote") from e
+    attestation = read_input(attestation_path, "--attestation", text=False) if attestation_path else None
     verified = verify_proof(text, [key], origin=origin, attestation=attestation)
     entry = verified.entry
     if as_json:
@@ -169,7 +173,8 @@ def ledger_compact(ledger_url: str, before_epoch: int, key_path: str | None, as_
 @json_option
 @reports_errors
 def ledger_status_command(ledger_url: str, contribution_id: str | None, as_json: bool) -> None:
-    """Entries, epochs, the last checkpoint and admissions per class (or one contribution's history)."""
+    """Entries, epochs, the last checkpoint, admissions and ε spent per class and per run, beside the
+    budgets signed (or one contribution's history)."""
     from govtrain.ledger.ledger import Ledger
     from govtrain.ledger.status import contribution_status, ledger_status
 
@@ -180,22 +185,45 @@ def ledger_status_command(ledger_url: str, contribution_id: str | None, as_json:
     elif contribution_id:
         withdrawn = f"withdrawn at entry {status['withdrawn_seq']}" if status["withdrawn_seq"] is not None else "active"
         click.echo(f"{status['contribution_id']}: class {status['data_class']}, admitted at entry "
-                   f"{status['admit_seq']}, {withdrawn}; epsilon spent {status['eps_u'] / 1e6:.6f} over "
+                   f"{status['admit_seq']}, {withdrawn}; ε spent {status['eps_u'] / 1e6:.6f} over "
                    f"{len(status['spend'])} epoch(s); in {status['checkpoints']['count']} checkpoint(s) from size "
                    f"{status['checkpoints']['first']}; {len(status['runs'])} run(s)")
         for t in status["tunes"]:
             click.echo(f"tuned by {t['tune_id']} (entry {t['seq']}): selected {t['selected_run_id'] or '-'}, total "
-                       f"epsilon including tuning {t['class_eps_u'] / 1e6:.6f} for its class")
+                       f"ε including tuning {t['class_eps_u'] / 1e6:.6f} for its class")
     else:
-        last = status["last_checkpoint"]
-        click.echo(f"{status['origin']}: {status['entries']} entries, epoch {status['epoch']}, "
-                   f"{status['checkpoints']} checkpoints (last at size {last['size'] if last else '-'}), "
-                   f"{status['summaries']} summaries; epsilon per {status['privacy_unit']}")
-        click.echo(f"{'class':<16}{'admitted':>10}{'withdrawn':>11}")
-        for name, counts in sorted(status["classes"].items()):
-            click.echo(f"{name:<16}{counts['admitted']:>10}{counts['withdrawn']:>11}")
-        for t in status["tunes"]:
-            by_class = ", ".join(f"{name} {eps / 1e6:.6f}" for name, eps in sorted(t["eps_by_class"].items()))
-            click.echo(f"tune {t['tune_id']} (entry {t['seq']}): {len(t['trials'])} trials, selected "
-                       f"{t['selected_run_id'] or '-'}; total epsilon including tuning {t['eps_u'] / 1e6:.6f} "
-                       f"({by_class or 'none'}), {t['accounting']}")
+        _print_status(status)
+
+
+def _eps_cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _print_status(status: dict) -> None:
+    last = status["last_checkpoint"]
+    click.echo(f"{status['origin']}: {status['entries']} entries, epoch {status['epoch']}, "
+               f"{status['checkpoints']} checkpoints (last at size {last['size'] if last else '-'}), "
+               f"{status['summaries']} summaries; ε per {status['privacy_unit']}")
+    header = f"{'ε max':>9}{'ε median':>10}{'ε budget':>10}{'ε left':>9}"
+    click.echo(f"{'class':<16}{'admitted':>10}{'withdrawn':>11}{'charged':>9}{header}")
+    for name, row in sorted(status["classes"].items()):
+        click.echo(f"{name:<16}{row['admitted']:>10}{row['withdrawn']:>11}{row['charged']:>9}"
+                   f"{_eps_cell(row['eps_max']):>9}{_eps_cell(row['eps_median']):>10}"
+                   f"{_eps_cell(row['eps_budget']):>10}{_eps_cell(row['eps_left_min']):>9}")
+    if status["runs"]:
+        click.echo(f"{'run':<26}{'epochs':>8}  {'class':<16}{'charged':>9}{header}")
+    for run in status["runs"]:
+        epochs = run["epochs"]
+        span = f"{epochs[0]}" if len(epochs) == 1 else f"{epochs[0]}-{epochs[-1]}"
+        for i, (name, row) in enumerate(run["classes"].items()):
+            first = f"{run['run_id']:<26}{span:>8}" if i == 0 else " " * 34
+            click.echo(f"{first}  {name:<16}{row['contributions']:>9}{_eps_cell(row['eps_max']):>9}"
+                       f"{_eps_cell(row['eps_median']):>10}{_eps_cell(row['eps_budget']):>10}"
+                       f"{_eps_cell(row['eps_left_min']):>9}")
+    click.echo("ε: each contribution's cumulative ε as the ledger records it (a run's rows: as of its last spend)")
+    click.echo("budget: the smallest budget its contributions signed; left: the least any of them has left")
+    for t in status["tunes"]:
+        by_class = ", ".join(f"{name} {eps / 1e6:.6f}" for name, eps in sorted(t["eps_by_class"].items()))
+        click.echo(f"tune {t['tune_id']} (entry {t['seq']}): {len(t['trials'])} trials, selected "
+                   f"{t['selected_run_id'] or '-'}; total ε including tuning {t['eps_u'] / 1e6:.6f} "
+                   f"({by_class or 'none'}), {t['accounting']}")

@@ -1,4 +1,4 @@
-"""`govtrain`: a thin command line over the public API (DESIGN §7)."""
+"""`govtrain`: a thin command line over the public API (docs/design.md §7)."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def init(policy_path: str, ledger_url: str, key_path: str, as_json: bool) -> Non
 @click.option("--class", "data_class", required=True, help="Admissibility class, as named by the policy.")
 @click.option("--clip-norm", required=True, help="Per-sample clipping norm C (rounded down to 1e-6).")
 @click.option("--noise-multiplier", required=True, help="Noise multiplier sigma (rounded up to 1e-6).")
-@click.option("--eps-budget", required=True, help="Most epsilon this contribution may be charged (rounded down).")
+@click.option("--eps-budget", required=True, help="Most ε this contribution may be charged (rounded down).")
 @click.option("--valid-days", default=DEFAULT_VALID_DAYS, show_default=True, type=int, help="Validity window.")
 @click.option("--id", "contribution_id", default=None,
               help="Contribution id [A-Za-z0-9._:-]{1,128}; default derived from the data's SHA-256.")

@@ -1,4 +1,4 @@
-"""How the command line reports: one line per error, exit codes from one place (DESIGN §7)."""
+"""How the command line reports: one line per error, exit codes from one place (docs/design.md §7)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,20 @@ def signing_key_option(f):  # type: ignore[no-untyped-def]
 
 def json_option(f):  # type: ignore[no-untyped-def]
     return click.option("--json", "as_json", is_flag=True, help="Print a JSON object on stdout.")(f)
+
+
+def read_input(path: str, what: str, *, text: bool = True) -> str | bytes:
+    """The file a command argument names, or `bad_argument` saying which argument and why it cannot be read."""
+    from pathlib import Path
+
+    from govtrain.errors import Code, ConfigError
+
+    try:
+        return Path(path).read_text() if text else Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(Code.BAD_ARGUMENT, f"cannot read {what} {path}: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(Code.BAD_ARGUMENT, f"{what} {path} is not text ({e.reason} at byte {e.start})") from e
 
 
 def emit_json(payload: dict) -> None:

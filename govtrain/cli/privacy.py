@@ -29,7 +29,7 @@ def _positive(ctx, param, value):  # type: ignore[no-untyped-def]
 
 @click.group(cls=Group, context_settings=CONTEXT_SETTINGS)
 def privacy() -> None:
-    """What-if accounting: epsilon for a noise multiplier, or the noise multiplier for an epsilon."""
+    """What-if accounting: ε for a noise multiplier, or the noise multiplier for an ε."""
 
 
 @privacy.command("epsilon", cls=Command, context_settings=CONTEXT_SETTINGS)
@@ -37,47 +37,47 @@ def privacy() -> None:
               help="Poisson sampling rate per step.")
 @click.option("--sigma", type=float, required=True, callback=_positive, help="Noise multiplier.")
 @click.option("--steps", type=click.IntRange(min=1), required=True, help="Number of steps T.")
-@click.option("--delta", type=float, required=True, callback=_probability(one=False), help="Target delta.")
+@click.option("--delta", type=float, required=True, callback=_probability(one=False), help="Target δ.")
 @click.option("--accountant", type=ACCOUNTANT_CHOICES, default="pld", show_default=True)
 @click.option("--unit", type=click.Choice(["example", "contribution"]), default="example", show_default=True,
-              help="What q samples and epsilon protects: one example, or one whole contribution (the policy's "
+              help="What q samples and ε protects: one example, or one whole contribution (the policy's "
                    "privacy_unit; the accounting is the same at that unit's q).")
 @click.option("--group", "group", type=click.IntRange(min=2), default=None, metavar="K",
               help="With --unit example: also the group-privacy bound for K examples of one contributor "
-                   "(K*epsilon at K*exp((K-1)*epsilon)*delta), what an example-level run says about a contribution.")
+                   "(K·ε at K·exp((K-1)·ε)·δ), what an example-level run says about a contribution.")
 @json_option
 @reports_errors
 def privacy_epsilon(sampling_rate: float, sigma: float, steps: int, delta: float, accountant: str, unit: str,
                     group: int | None, as_json: bool) -> None:
-    """Epsilon (an upper bound, rounded up to 1e-6) of T steps of the Poisson-subsampled Gaussian."""
+    """ε (an upper bound, rounded up to 1e-6) of T steps of the Poisson-subsampled Gaussian."""
     from govtrain.accounting import Bucket, get_accountant
     from govtrain.accounting.group import group_privacy
 
     if group is not None and unit != "example":
-        raise ConfigError(Code.BAD_ARGUMENT, "--group converts an example-level epsilon; with --unit contribution the "
-                                             "epsilon already covers the whole contribution")
+        raise ConfigError(Code.BAD_ARGUMENT, "--group converts an example-level ε; with --unit contribution the "
+                                             "ε already covers the whole contribution")
     result = get_accountant(accountant).epsilon([Bucket(sampling_rate, sigma, steps)], delta)
     grouped = group_privacy(result.epsilon, delta, group) if group is not None else None
     if as_json:
-        emit_json({"ok": True, "accountant": accountant, "epsilon": result.epsilon, "epsilon_u": result.epsilon_u,
+        emit_json({"ok": True, "accountant": accountant, "eps": result.epsilon, "eps_u": result.epsilon_u,
                    "estimate": result.estimate, "lower": result.lower, "fallback": result.fallback,
                    "q": sampling_rate, "sigma": sigma, "steps": steps, "delta": delta, "unit": unit,
-                   "group": None if grouped is None else {"size": group, "epsilon": grouped[0], "delta": grouped[1]}})
+                   "group": None if grouped is None else {"size": group, "eps": grouped[0], "delta": grouped[1]}})
         return
-    line = f"epsilon <= {result.epsilon:.6f} at delta = {delta:g} per {unit} ({accountant}"
+    line = f"ε <= {result.epsilon:.6f} at δ = {delta:g} per {unit} ({accountant}"
     if result.estimate is not None:
         line += f"; estimate {result.estimate:.6f}, lower bound {result.lower:.6f}"
     click.echo(line + ")")
     if grouped is not None:
-        vacuous = "  (vacuous: delta >= 1)" if grouped[1] >= 1 else ""
-        click.echo(f"a group of {group} examples: epsilon <= {grouped[0]:.6f} at delta = {grouped[1]:.6g}{vacuous}")
+        vacuous = "  (vacuous: δ >= 1)" if grouped[1] >= 1 else ""
+        click.echo(f"a group of {group} examples: ε <= {grouped[0]:.6f} at δ = {grouped[1]:.6g}{vacuous}")
     if result.fallback:
         click.echo(f"note: answered by {result.fallback}")
 
 
 @privacy.command("sigma", cls=Command, context_settings=CONTEXT_SETTINGS)
-@click.option("--epsilon", type=float, required=True, callback=_positive, help="Target epsilon.")
-@click.option("--delta", type=float, required=True, callback=_probability(one=False), help="Target delta.")
+@click.option("--epsilon", type=float, required=True, callback=_positive, help="Target ε.")
+@click.option("--delta", type=float, required=True, callback=_probability(one=False), help="Target δ.")
 @click.option("--q", "sampling_rate", type=float, default=None, callback=_probability(one=True),
               help="Sampling rate; with --steps, calibrate T subsampled steps. Omit both for one release.")
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Number of steps T.")
@@ -88,37 +88,41 @@ def privacy_epsilon(sampling_rate: float, sigma: float, steps: int, delta: float
 @reports_errors
 def privacy_sigma(epsilon: float, delta: float, sampling_rate: float | None, steps: int | None, accountant: str,
                   sensitivity: float, as_json: bool) -> None:
-    """The smallest noise multiplier (rounded up) that meets epsilon at delta.
+    """The smallest noise multiplier (rounded up) that meets ε at δ.
 
     With --q and --steps: bisection on the accountant over T steps of the Poisson-subsampled Gaussian.
     Without them: one Gaussian release, by the analytic Gaussian mechanism (Balle & Wang 2018) next to
-    the classical sqrt(2 ln(1.25/delta))/epsilon, which only holds for epsilon < 1.
+    the classical sqrt(2 ln(1.25/δ))/ε, which only holds for ε < 1.
     """
     from govtrain.accounting import calibrate
 
     if (sampling_rate is None) != (steps is None):
         raise ConfigError(Code.BAD_ARGUMENT, "give --q and --steps together (or neither, for a single release)")
     if sampling_rate is not None:
-        result = calibrate.noise_multiplier_for(epsilon, delta, sampling_rate, steps, accountant)
+        try:
+            result = calibrate.noise_multiplier_for(epsilon, delta, sampling_rate, steps, accountant)
+        except ValueError as e:  # a target no noise multiplier meets: say which and why
+            raise ConfigError(Code.BAD_ARGUMENT, f"--epsilon {epsilon:g} over {steps} steps at q = {sampling_rate:g}: "
+                                                 f"{e}") from e
         if as_json:
             emit_json({"ok": True, "accountant": accountant, "sigma": result.noise_multiplier,
-                       "sigma_u": result.noise_multiplier_u, "epsilon_at_sigma": result.epsilon_u / 1e6,
+                       "sigma_u": result.noise_multiplier_u, "eps_at_sigma": result.epsilon_u / 1e6,
                        "evaluations": result.evaluations, "fallback": result.fallback, "q": sampling_rate,
-                       "steps": steps, "delta": delta, "target_epsilon": epsilon})
+                       "steps": steps, "delta": delta, "target_eps": epsilon})
             return
-        click.echo(f"sigma >= {result.noise_multiplier:.6f} for epsilon <= {epsilon:g} at delta = {delta:g} over "
-                   f"{steps} steps at q = {sampling_rate:g} ({accountant}: epsilon {result.epsilon_u / 1e6:.6f} there)")
+        click.echo(f"sigma >= {result.noise_multiplier:.6f} for ε <= {epsilon:g} at δ = {delta:g} over "
+                   f"{steps} steps at q = {sampling_rate:g} ({accountant}: ε {result.epsilon_u / 1e6:.6f} there)")
         return
     analytic = calibrate.analytic_gaussian_sigma(epsilon, delta, sensitivity)
     classical = calibrate.classical_gaussian_sigma(epsilon, delta, sensitivity)
     if as_json:
         emit_json({"ok": True, "analytic_sigma": analytic, "classical_sigma": classical,
-                   "classical_valid": epsilon < 1, "epsilon": epsilon, "delta": delta, "sensitivity": sensitivity})
+                   "classical_valid": epsilon < 1, "eps": epsilon, "delta": delta, "sensitivity": sensitivity})
         return
-    click.echo(f"one Gaussian release, sensitivity {sensitivity:g}, epsilon {epsilon:g}, delta {delta:g}:")
+    click.echo(f"one Gaussian release, sensitivity {sensitivity:g}, ε {epsilon:g}, δ {delta:g}:")
     click.echo(f"  analytic (Balle & Wang 2018)  sigma >= {analytic:.6f}")
     click.echo(f"  classical (Dwork & Roth A.1)  sigma >= {classical:.6f}"
-               + ("" if epsilon < 1 else "  (not a guarantee: the theorem needs epsilon < 1)"))
+               + ("" if epsilon < 1 else "  (not a guarantee: the theorem needs ε < 1)"))
 
 
 @click.command("plan", cls=Command, context_settings=CONTEXT_SETTINGS)
@@ -135,7 +139,7 @@ def privacy_sigma(epsilon: float, delta: float, sampling_rate: float | None, ste
 @reports_errors
 def plan_command(ledger_url: str, config_path: str | None, steps: int | None, expected_batch_size: int | None,
                  model: str | None, as_json: bool) -> None:
-    """Project a run: per class and per contribution, sigma_eff, epsilon at the end and retirement."""
+    """Project a run: per class and per contribution, sigma_eff, ε at the end and retirement."""
     from govtrain.ledger.ledger import Ledger
     from govtrain.resolver.plan import plan_run
 
@@ -176,19 +180,19 @@ def plan_command(ledger_url: str, config_path: str | None, steps: int | None, ex
 def _print_plan(plan: dict) -> None:
     if plan["privacy_unit"] == "contribution":
         unit = (f"{plan['eligible_contributions']} eligible contributions, each using at most "
-                f"{plan['examples_per_contribution']} of its examples per step; epsilon protects a whole contribution")
+                f"{plan['examples_per_contribution']} of its examples per step; ε protects a whole contribution")
     else:
-        unit = f"{plan['eligible_records']} eligible examples; epsilon protects one example"
+        unit = f"{plan['eligible_records']} eligible examples; ε protects one example"
     click.echo(f"{plan['steps']} steps from ledger epoch {plan['first_epoch']} ({plan['steps_per_epoch']} steps each), "
                f"q = {plan['sampling_rate']:g} (expected batch {plan['expected_batch_size']:g} of {unit}), "
-               f"{plan['accountant']} at delta = {plan['delta']:g}")
+               f"{plan['accountant']} at δ = {plan['delta']:g}")
     if plan["compacted"]:
         click.echo(f"note: {plan['compacted']} compacted admission(s) cannot be planned")
     if plan["model"] is None:
         click.echo("no --model: each class counted as reaching only its own parameters (a conservative sigma_eff)")
     for group in plan["groups"]:
         click.echo(f"group {'+'.join(group['classes'])}: noise std {group['noise_std']:.6f} (first epoch)")
-    click.echo(f"{'class':<14}{'profile':<28}{'n':>6}{'sigma_eff':>14}{'max eps':>10}{'retire':>8}  reaches")
+    click.echo(f"{'class':<14}{'profile':<28}{'n':>6}{'sigma_eff':>14}{'max ε':>10}{'retire':>8}  reaches")
     for name, row in plan["classes"].items():
         sigmas = ",".join(f"{s:g}" for s in row["sigma_eff"]) or "-"
         if "reaches" in row:
@@ -200,7 +204,7 @@ def _print_plan(plan: dict) -> None:
         click.echo(f"{name:<14}{row['profile']:<28}{row['contributions']:>6}{sigmas:>14}"
                    f"{row['eps_projected_max']:>10.4f}{row['retiring']:>8}  {reach}")
     if plan["contributions"]:
-        click.echo(f"\n{'contribution':<24}{'class':<14}{'sigma_eff':>10}{'eps now':>10}{'eps end':>10}"
+        click.echo(f"\n{'contribution':<24}{'class':<14}{'sigma_eff':>10}{'ε now':>10}{'ε end':>10}"
                    f"{'budget':>9}{'retires at':>12}")
     for row in plan["contributions"]:
         sigma = f"{row['sigma_eff']:g}" if row["sigma_eff"] is not None else "-"

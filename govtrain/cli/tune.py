@@ -27,7 +27,7 @@ def tune_command(config_path: str, grid_path: str, ledger_url: str, key_path: st
     """Search hyperparameters with every trial charged: each grid point is a governed training run
     (its spend written ahead like any run's), each adapter is scored on a held-out selection file
     that no contribution admitted, the best is selected, and one tune entry records the trials, the
-    selection and the total epsilon their spend charged (plain composition)."""
+    selection and the total ε their spend charged (plain composition)."""
     import time
 
     from govtrain.train.config import load_run_config
@@ -40,15 +40,16 @@ def tune_command(config_path: str, grid_path: str, ledger_url: str, key_path: st
     grid = load_grid(grid_path)
     tune_id = tune_id or new_tune_id(int(time.time()))
     result = tune(config, config_path, grid, ledger_url, tune_id=tune_id, key=key_path, insecure_seed=insecure_seed,
-                  log=(lambda line: click.echo(line, err=True)) if as_json else click.echo)
+                  log=(lambda line: click.echo(line, err=True)) if as_json else click.echo,
+                  train_options={"progress": True})
     if as_json:
         emit_json({"ok": True, **result.as_json()})
         return
-    click.echo(f"{'trial':<7}{'run':<32}{result.metric:>10}{'epsilon':>12}")
+    click.echo(f"{'trial':<7}{'run':<32}{result.metric:>10}{'ε':>12}")
     for outcome in result.outcomes:
         click.echo(f"{outcome.trial.index:<7}{outcome.trial.run_id:<32}{outcome.score:>10.4f}{outcome.eps_u / 1e6:>12.6f}")
     assert result.selected is not None
     by_class = ", ".join(f"{name} {eps / 1e6:.6f}" for name, eps in sorted(result.eps_by_class.items()))
     click.echo(f"{tune_id}: selected trial {result.selected.trial.index} ({result.selected.trial.config.output_dir}); "
-               f"total epsilon including tuning {result.eps_u / 1e6:.6f} ({by_class}), plain composition; "
+               f"total ε including tuning {result.eps_u / 1e6:.6f} ({by_class}), plain composition; "
                f"tune entry {result.seq}")

@@ -4,7 +4,7 @@
 arguments, definite lengths only, map keys sorted by the bytewise order of their
 encodings. It accepts unsigned and negative integers that fit in 64 bits, byte
 strings, text strings, arrays, maps with integer or text keys, booleans, null and
-`Tag`. Floats are refused: DESIGN §2 keeps them out of every signed structure.
+`Tag`. Floats are refused: docs/design.md §2 keeps them out of every signed structure.
 
 `decode` is strict: it accepts exactly the bytes `encode` would produce for the
 decoded value and rejects, with a distinct `Code`, input over the size limit,

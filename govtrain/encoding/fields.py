@@ -1,4 +1,4 @@
-"""Exact-shape checks for decoded CBOR maps: no unknown, missing or mistyped fields (DESIGN §2)."""
+"""Exact-shape checks for decoded CBOR maps: no unknown, missing or mistyped fields (docs/design.md §2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The admissibility gate (DESIGN §1.1, §3, §4): is this signed contribution admissible here?
+"""The admissibility gate (docs/design.md §1.1, §3, §4): is this signed contribution admissible here?
 
 `Gate.verify` decodes and verifies an attestation and checks it against the policy
 (`Gate.verify_many` does the same for a batch, faster); `Gate.check_data` checks the data
@@ -6,7 +6,7 @@ file it binds. Neither touches the ledger:
 replay checks and the admit entry live in `govtrain.gate.admission`. Both raise
 (`AttestationError`, `EncodingError`, `AdmissionError`); neither returns a bool.
 
-Verification is cached per ledger epoch, as the primitive prescribes (seed 004):
+Verification is cached per ledger epoch, as the primitive prescribes (seed 004, docs/design.md):
 the expensive, time-independent part (decoding, signature, schema) is reused for an
 attestation seen before in the same epoch; the cheap checks that depend on the clock
 and the policy run every time.
@@ -172,7 +172,7 @@ class Gate:
             return [error for part in parts for error in part]
 
     def _parse(self, raw: bytes) -> tuple[ParsedAttestation, TrustedKey]:
-        # 1-4. Strict CBOR, COSE_Sign1 structure and headers (RFC 9052 §4.2, DESIGN §2-3).
+        # 1-4. Strict CBOR, COSE_Sign1 structure and headers (RFC 9052 §4.2, docs/design.md §2-3).
         parsed = parse_attestation(raw)
         # 5. The kid must name a key in the trust store; keys were screened as they entered it.
         return parsed, self.trust.key(parsed.kid)
@@ -180,7 +180,7 @@ class Gate:
     # 6. Ed25519 over Sig_structure (RFC 9052 §4.4), before the payload is interpreted: verify_signature.
 
     def _interpret(self, parsed: ParsedAttestation, key: TrustedKey, digest: bytes) -> VerifiedAttestation:
-        # 7. The payload is a canonical descriptor with exactly the DESIGN §3 fields.
+        # 7. The payload is a canonical descriptor with exactly the docs/design.md §3 fields.
         descriptor = Descriptor.from_bytes(parsed.payload)
         return VerifiedAttestation(
             raw=parsed.raw,
@@ -195,7 +195,7 @@ class Gate:
     def check_policy(self, verified: VerifiedAttestation, now: int) -> None:
         d = verified.descriptor
         policy = self.policy
-        # 8. The class exists and this attester may attest it (DESIGN §4).
+        # 8. The class exists and this attester may attest it (docs/design.md §4).
         cls = policy.classes.get(d.data_class)
         if cls is None:
             raise AdmissionError(Code.UNKNOWN_CLASS, f"class {d.data_class!r} is not in this corpus's policy")
@@ -219,7 +219,7 @@ class Gate:
                 f"validity window of {d.not_after - d.not_before} s exceeds the policy's {policy.max_validity_s} s",
             )
 
-        # 10. Bounds at least as strict as the corpus floor, then the class (DESIGN §4):
+        # 10. Bounds at least as strict as the corpus floor, then the class (docs/design.md §4):
         #     clip_norm <= class.clip_norm <= floor.max_clip_norm,
         #     noise_multiplier >= class.min_noise_multiplier >= floor.min_noise_multiplier,
         #     eps_budget <= class.max_eps_budget.

@@ -17,6 +17,10 @@ learning-rate schedule), callbacks, `evaluate()` and `predict()`. What is the ru
   (`GovernedOptimizer`): `TrainingArguments.lr_scheduler_type` and warm-up scale its learning rates, and its
   `step()` checks that the governed step happened. `max_grad_norm` clips nothing: each example's gradient was
   clipped to its contribution's bound and the gradients are consumed by the governed step;
+- the logs: the `grad_norm` the Trainer logs is the L2 norm of the privatized gradient the update applied (the
+  clipped sum plus its noise, over the expected batch size: post-processing, safe to show), never a statistic
+  of the un-noised gradients; and each training log carries every class's ε as charged so far (`eps/<class>`,
+  the epoch written ahead included), so TensorBoard and W&B plot it beside the loss;
 - the device and precision: RUN.toml's `training.device` and `training.precision`; a Trainer that would put
   the model elsewhere, use fp16/bf16 autocast, several processes, or resume from its own checkpoint is
   refused (a governed run resumes when the same config is opened again);
@@ -256,6 +260,24 @@ class _Governed:
             outputs = model(**batch.inputs)
             loss = self.run.step(self.per_example_loss(outputs, batch))
         return torch.tensor(loss if loss is not None else math.nan, device=self.args.device)
+
+    # -- what the Trainer logs: the privatized gradient's norm and ε per class ----------------------------------
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
+        """What the Trainer logs as `grad_norm`: the norm of the privatized gradient the governed update applied
+        (`Update.grad_norm`). Nothing is clipped: that gradient was consumed by the update inside the step, and
+        the Trainer's own clip of `.grad` would read nothing (it logged 0.0)."""
+        norm = self.run._run.update.grad_norm
+        return norm if norm is not None else torch.zeros(())
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
+        return self._clip_grad_norm(model) if grad_norm is None else grad_norm
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's `log`; a training log (its loss) also carries each class's ε as charged so far."""
+        if "loss" in logs or "train_loss" in logs:
+            logs.update({f"eps/{name}": eps for name, eps in sorted(self.run.epsilons().items())})
+        super().log(logs, *args, **kwargs)
 
     def floating_point_ops(self, inputs: Any) -> int:
         return 0  # the Trainer's estimate reads a dict batch; a logical step's chunks are not one

@@ -1,4 +1,4 @@
-"""Ledger entries: canonical CBOR maps ``{"v": 1, "seq": n, "kind": k, "time": t, …}`` (DESIGN §6).
+"""Ledger entries: canonical CBOR maps ``{"v": 1, "seq": n, "kind": k, "time": t, …}`` (docs/design.md §6).
 
 Each kind has one builder here and one exact field list (`SPECS`, mirrored by
 `schemas/ledger.cddl`). `decode_entry` reads an entry back without trusting it.
@@ -44,7 +44,7 @@ SPECS: dict[str, dict[str, type | tuple[type, ...]]] = {
         # The attestation as received, so that an auditor can re-verify the attester's signature.
         "attestation": bytes,
     },
-    # A contribution's privacy spend, written ahead for one ledger epoch (DESIGN §5-6).
+    # A contribution's privacy spend, written ahead for one ledger epoch (docs/design.md §5-6).
     "spend": {
         **_COMMON,
         "contribution_id": str,
@@ -101,7 +101,7 @@ SPECS: dict[str, dict[str, type | tuple[type, ...]]] = {
              "eps_by_class": list},         # CLASS_EPS maps, by class name
 }
 
-# One parameter group of an epoch's noise schedule (DESIGN §5): the classes that reach it and s_g, the largest
+# One parameter group of an epoch's noise schedule (docs/design.md §5): the classes that reach it and s_g, the largest
 # signed sigma_i * C_i of an eligible contribution reaching it, in pico-units (micro * micro).
 NOISE_GROUP: dict[str, type | tuple[type, ...]] = {"classes": list, "s_pu": int}
 # A tuning trial: the run's id and the SHA-256 of its derived config (the run entry records the same).

@@ -64,6 +64,8 @@ def store_errors() -> Iterator[None]:
         raise ConfigError(Code.LEDGER_MISSING, str(e)) from e
     except ledger_store.LedgerExists as e:
         raise ConfigError(Code.LEDGER_EXISTS, f"{e}; a ledger is initialised once") from e
+    except ledger_store.NotADatabase as e:
+        raise ConfigError(Code.LEDGER_NOT_DATABASE, str(e)) from e
 
 
 class Ledger:
@@ -383,7 +385,7 @@ class Ledger:
                      run_id: str, run_nonce: bytes, epoch_steps: int, noise_groups: "Sequence[dict]",
                      now: int | None = None) -> list[ledger_store.StoredEntry]:
         """Write ahead one ledger epoch's spend for run `run_id` (holding the lease `run_nonce`), which takes
-        `epoch_steps` steps in it (DESIGN §5): for each (contribution_id, steps, sigma_eff_u, eps_u), a `spend`
+        `epoch_steps` steps in it (docs/design.md §5): for each (contribution_id, steps, sigma_eff_u, eps_u), a `spend`
         entry recording the epoch's schedule `noise_groups` (`spend_rules.noise_groups_record`), all in one
         transaction with the checkpoint that covers them, before any of the epoch's steps run. Refuses the
         whole batch (writing nothing) if any record breaks a rule the verifier applies: unknown, withdrawn or
@@ -411,9 +413,9 @@ class Ledger:
                                                           f"{admit.seq}, which admits {entry['contribution_id']!r}")
             if sigma_u < entry["noise_multiplier_u"] or eps_u > entry["eps_budget_u"]:
                 raise RejectedError(Code.BUDGET_EXCEEDED,
-                                    f"spend for {contribution_id!r} ({steps} steps, sigma {sigma_u}, epsilon {eps_u}) "
+                                    f"spend for {contribution_id!r} ({steps} steps, sigma {sigma_u}, ε {eps_u}) "
                                     f"breaks its signed bounds (sigma >= {entry['noise_multiplier_u']}, "
-                                    f"epsilon <= {entry['eps_budget_u']})")
+                                    f"ε <= {entry['eps_budget_u']})")
             signed[contribution_id] = (admit.leaf_hash, entry)
         if len(signed) != len(spends):
             raise ConfigError(Code.BAD_ARGUMENT, "a contribution appears twice in one epoch's spend")

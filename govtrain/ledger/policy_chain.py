@@ -1,4 +1,4 @@
-"""Policy changes (DESIGN §4, §6): a `policy` entry governs every entry after it, once the policy before it
+"""Policy changes (docs/design.md §4, §6): a `policy` entry governs every entry after it, once the policy before it
 authorises it. `Ledger.open`, `Ledger.change_policy` and the verifier apply these same checks.
 
 What a change may not alter: the origin (the ledger's name in every checkpoint), and the terms every
@@ -56,7 +56,7 @@ def fixed_terms_changed(before: Policy, after: Policy) -> str | None:
     would let a contribution take steps its signed budget forbade under the rules it was admitted under.
     Start a new ledger for other terms."""
     if after.unit != before.unit:
-        return (f"the privacy unit ({before.unit} to {after.unit}): every epsilon in the ledger is about one "
+        return (f"the privacy unit ({before.unit} to {after.unit}): every ε in the ledger is about one "
                 "unit")
     if after.delta_p != before.delta_p:
         return (f"delta ({before.delta_p / 1e12:g} to {after.delta_p / 1e12:g}): every budget was signed, and "

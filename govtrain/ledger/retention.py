@@ -1,4 +1,4 @@
-"""Retention (DESIGN §6): what a compaction retires, the `summary` entries that record it, and the checks
+"""Retention (docs/design.md §6): what a compaction retires, the `summary` entries that record it, and the checks
 that bind a summary to what it retired.
 
 A compaction retires whole contributions: every admit, spend and withdraw entry of a contribution that
@@ -131,7 +131,7 @@ def check_structure(summary: dict) -> None:
             raise _bad(f"{where}.spends must list every entry after its admit but the withdrawal, in order")
         if any(a["eps_u"] > b["eps_u"] for a, b in zip(spends, spends[1:])) or \
                 r["eps_u"] != (spends[-1]["eps_u"] if spends else 0):
-            raise _bad(f"{where}: cumulative epsilon falls along its spends, or eps_u is not the last one's")
+            raise _bad(f"{where}: cumulative ε falls along its spends, or eps_u is not the last one's")
     counts = {"entries": sum(len(r["entry_seqs"]) for r in retired), "admitted": len(retired),
               "withdrawn": sum(1 for r in retired if r["withdraw_seq"] is not None)}
     for name, value in counts.items():

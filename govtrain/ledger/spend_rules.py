@@ -1,4 +1,4 @@
-"""The rules a `spend` or `run` entry must meet given the entries before it (DESIGN §5-6), in one place:
+"""The rules a `spend` or `run` entry must meet given the entries before it (docs/design.md §5-6), in one place:
 `Ledger.record_spend` and `Ledger.record_run` refuse what breaks them and the verifier fails an entry that does.
 
 A ledger epoch's spend is written ahead by one run, in one transaction: every spend of an epoch names
@@ -18,7 +18,7 @@ schedule (`noise_groups`). Then:
 5. Under a policy that sets an expected batch size B rather than q, q is at least B over the records of
    the contributions admitted and not withdrawn at that point: no run samples below that.
 6. Per contribution: one spend per epoch, in the epoch the ledger is in, and cumulative ε never falls.
-7. The noise schedule (DESIGN §5) bounds σ_eff from public metadata alone. Every spend of an epoch records
+7. The noise schedule (docs/design.md §5) bounds σ_eff from public metadata alone. Every spend of an epoch records
    the same groups, each as the classes that reach it and s_g (pico-units); a spend's σ_eff is at most min
    over the groups its class reaches of s_g / C_i; and s_g is at most the largest signed σ_j·C_j of a
    contribution whose class is one of the group's and that the epoch's spend charges. The charged contributions
@@ -178,7 +178,7 @@ class SpendBook:
         if last is not None and last.retired:
             raise SpendRuleError(Code.BUDGET_EXCEEDED, f"{cid!r} retired in epoch {last.epoch}: no more spend")
         if last is not None and (last.epoch == epoch or entry["eps_u"] < last.eps_u):
-            raise SpendRuleError(Code.BUDGET_EXCEEDED, f"{cid!r}: spend already written for epoch {epoch}, or epsilon "
+            raise SpendRuleError(Code.BUDGET_EXCEEDED, f"{cid!r}: spend already written for epoch {epoch}, or ε "
                                                        f"{entry['eps_u']} below the recorded {last.eps_u}")
         self._check_sigma(entry, classes)  # 7.
 

@@ -1,21 +1,97 @@
-"""What the ledger says, for people: sizes, epochs, checkpoints, classes, one contribution's history."""
+"""What the ledger says, for people: sizes, epochs, checkpoints, classes, ε spent, one contribution's history.
+
+ε spent is what the ledger records: each contribution's cumulative ε is its latest spend entry's `eps_u` (the
+verifier recomputes every one from the recorded parameters and fails a ledger where it is low; a spend that
+retention redacted counts as its summary recorded it). Per class and per run it is shown as the largest and the
+median over contributions, beside the budgets the contributions signed.
+"""
 
 from __future__ import annotations
 
-from govtrain.errors import Code, RejectedError
-from govtrain.ledger.entries import decode_entry
+import statistics
+from dataclasses import dataclass, field
+
+from govtrain import units
+from govtrain.errors import Code, IntegrityError, RejectedError
+from govtrain.ledger import retention
+from govtrain.ledger.entries import decode_entry, decode_stored
 from govtrain.ledger.ledger import Ledger
+
+
+@dataclass
+class Spending:
+    """Per contribution, in micro-units: its class, its signed budget, its latest cumulative ε, and per run the
+    cumulative ε that run's last spend of it recorded."""
+
+    data_class: dict[str, str] = field(default_factory=dict)
+    budget_u: dict[str, int] = field(default_factory=dict)
+    eps_u: dict[str, int] = field(default_factory=dict)
+    runs: dict[str, dict[str, int]] = field(default_factory=dict)  # run id -> contribution -> eps_u, ledger order
+    epochs: dict[str, list[int]] = field(default_factory=dict)  # run id -> the ledger epochs it charged
+
+    @classmethod
+    def read(cls, ledger: Ledger) -> "Spending":
+        spending, redacted = cls(), retention.Redacted.read(ledger.store)
+        for stored in ledger.store.entries(start=1, kinds=("admit", "spend")):
+            if stored.body is not None:
+                entry = decode_stored(stored)
+            elif stored.kind == "admit" and stored.seq in redacted.admits:
+                entry = redacted.admits[stored.seq]
+            elif stored.kind == "spend" and stored.seq in redacted.spends:
+                r, spent = redacted.spends[stored.seq]
+                entry = {**spent, "contribution_id": r["contribution_id"]}
+            else:
+                raise IntegrityError(Code.BAD_SUMMARY, f"entry {stored.seq} ({stored.kind}) has no body and no summary "
+                                                       "records it: the ledger was altered; run govtrain-verify")
+            cid = entry["contribution_id"]
+            if stored.kind == "admit":
+                spending.data_class[cid], spending.budget_u[cid] = entry["data_class"], entry["eps_budget_u"]
+                spending.eps_u[cid] = 0
+            else:
+                spending.eps_u[cid] = entry["eps_u"]
+                spending.runs.setdefault(entry["run_id"], {})[cid] = entry["eps_u"]
+                epochs = spending.epochs.setdefault(entry["run_id"], [])
+                if entry["epoch"] not in epochs:
+                    epochs.append(entry["epoch"])
+        return spending
+
+    def figures(self, contributions: dict[str, int]) -> dict:
+        """ε largest and median over `contributions` (id -> eps_u), with the smallest budget they signed."""
+        values = list(contributions.values())
+        return {
+            "contributions": len(values),
+            "eps_max": _eps(max(values, default=0)),
+            "eps_median": _eps(statistics.median(values)) if values else 0.0,
+            "eps_budget": _eps(min(self.budget_u[c] for c in contributions)) if values else None,
+            "eps_left_min": _eps(min(self.budget_u[c] - e for c, e in contributions.items())) if values else None,
+        }
+
+    def by_class(self, contributions: dict[str, int]) -> dict[str, dict]:
+        grouped: dict[str, dict[str, int]] = {}
+        for cid, eps_u in contributions.items():
+            grouped.setdefault(self.data_class[cid], {})[cid] = eps_u
+        return {name: self.figures(members) for name, members in sorted(grouped.items())}
+
+
+def _eps(micro: float) -> float:
+    return round(micro / units.MICRO, 6)
 
 
 def ledger_status(ledger: Ledger) -> dict:
     store = ledger.store
     latest = store.latest_checkpoint()
     withdrawn = store.withdrawals()
-    classes: dict[str, dict[str, int]] = {name: {"admitted": 0, "withdrawn": 0} for name in ledger.policy.classes}
+    spending = Spending.read(ledger)
+    counts: dict[str, dict[str, int]] = {name: {"admitted": 0, "withdrawn": 0} for name in ledger.policy.classes}
     for row in store.admissions():
-        counts = classes.setdefault(row.data_class, {"admitted": 0, "withdrawn": 0})
-        counts["admitted"] += 1
-        counts["withdrawn"] += row.contribution_id in withdrawn
+        count = counts.setdefault(row.data_class, {"admitted": 0, "withdrawn": 0})
+        count["admitted"] += 1
+        count["withdrawn"] += row.contribution_id in withdrawn
+    spent = spending.by_class(spending.eps_u)
+    classes = {name: {**count, **spent.get(name, spending.figures({}))} for name, count in counts.items()}
+    for name, row in classes.items():
+        del row["contributions"]  # the admitted count says it
+        row["charged"] = sum(1 for c, e in spending.eps_u.items() if e and spending.data_class[c] == name)
     return {
         "ledger": store.url,
         "origin": ledger.policy.origin,
@@ -27,7 +103,9 @@ def ledger_status(ledger: Ledger) -> dict:
         "last_checkpoint": None if latest is None else {"size": latest.size, "root": latest.root.hex(),
                                                         "time": latest.time},
         "summaries": len(store.summaries()),
-        "classes": classes,
+        "classes": classes,  # admitted, withdrawn, charged, and ε over its admitted contributions
+        "runs": [{"run_id": run_id, "epochs": spending.epochs[run_id], "classes": spending.by_class(charged)}
+                 for run_id, charged in spending.runs.items()],  # ε as each run's last spend recorded it
         "tunes": tunes(ledger),
     }
 

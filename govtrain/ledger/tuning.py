@@ -79,7 +79,7 @@ class TuneBook:
             if stored.body is None:
                 if stored.seq not in redacted.spends:
                     raise IntegrityError(Code.BAD_SUMMARY, f"spend entry {stored.seq} was redacted, but no summary "
-                                                           "records its run and epsilon: no tune total can be stated "
+                                                           "records its run and ε: no tune total can be stated "
                                                            "over it; run govtrain-verify")
                 r, spent = redacted.spends[stored.seq]
                 book.spend({**spent, "contribution_id": r["contribution_id"]}, r["data_class"])
@@ -185,7 +185,7 @@ class TuneBook:
         if entry["eps_u"] != max((item["eps_u"] for item in stated), default=0):
             raise bad(f"eps_u {entry['eps_u']} is not the largest of its eps_by_class")
         if entry["eps_u"] != eps_u or stated != by_class:
-            raise bad(f"states epsilon {entry['eps_u']} ({_show(stated)}) but its trials' spend entries imply "
+            raise bad(f"states ε {entry['eps_u']} ({_show(stated)}) but its trials' spend entries imply "
                       f"{eps_u} ({_show(by_class)})")
 
     def add(self, seq: int, entry: dict) -> None:

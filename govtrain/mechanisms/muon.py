@@ -1,4 +1,4 @@
-"""DP-Muon's orthogonalization (seed 001, arXiv 2605.12994): orient, normalize, Newton–Schulz.
+"""DP-Muon's orthogonalization (seed 001 in docs/design.md, arXiv 2605.12994): orient, normalize, Newton–Schulz.
 
     Y₀ = 𝒯(m) / max(1, ‖𝒯(m)‖_F),   Y_j = p_κ(Y_{j−1} Y_{j−1}ᵀ) Y_{j−1}  (j = 1 … q),   O = 𝒯⁻¹(Y_q)
 

@@ -1,4 +1,5 @@
-"""PRISM: clipping and noise in the tangent space of the rank-r manifold (seed 000, arXiv 2606.00944).
+"""PRISM: clipping and noise in the tangent space of the rank-r manifold (arXiv 2606.00944;
+seed 000 in docs/design.md).
 
 Notation is the paper's. A LoRA module's update is Z = A Bᵀ with
 

@@ -58,6 +58,14 @@ def make_optimizer(settings, params: Mapping[str, nn.Parameter]) -> torch.optim.
     return torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
 
 
+def privatized_norm(grads: Iterable[Tensor]) -> Tensor:
+    """The L2 norm over every tensor of a privatized gradient (clipped sum plus noise, over the expected batch
+    size: what the router wrote to `.grad` and the update consumes), as a 0-dim tensor on its device, so that a
+    log reads it (`.item()`) only when it shows it. Post-processing: it says nothing the noised gradient does not."""
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
 class Update:
     def __init__(self, mechanism: str, *, optimizer: torch.optim.Optimizer | None = None, prism: Prism | None = None,
                  muon: DPMuon | None = None, model: nn.Module | None = None) -> None:
@@ -65,6 +73,7 @@ class Update:
         every gradient on them reaches them (`stale_parameters`)."""
         self.mechanism, self.optimizer, self.prism, self.muon = mechanism, optimizer, prism, muon
         self.model = model
+        self.grad_norm: Tensor | None = None  # the last step's privatized gradient's L2 norm (`step`)
         # names of the tensors moved, as the model called them when the update was built (for messages about
         # a tensor the model no longer holds)
         self._names = {} if model is None else {id(p): n for n, p in model.named_parameters()}
@@ -98,6 +107,7 @@ class Update:
         Raises `stale_parameters` before anything moves when a gradient would not reach the model, and after
         the step when a tensor with a gradient was not written (module docstring)."""
         due = self._check_held()
+        self.grad_norm = privatized_norm(p.grad for p in self._moved() if p.grad is not None)
         versions = [(p, p._version) for p in due]
         if self.prism is not None:
             self.prism.step(noise_std)

@@ -1,4 +1,4 @@
-"""The policy file: TOML validated by pydantic, converted to a `Policy` (DESIGN §4).
+"""The policy file: TOML validated by pydantic, converted to a `Policy` (docs/design.md §4).
 
 Numbers are read as exact decimals and converted to integer micro-units in the
 direction that favours privacy (`govtrain.units`). Every invalid field is reported

@@ -1,4 +1,4 @@
-"""The corpus policy as govtrain uses it inside: frozen values, integers only (DESIGN §4).
+"""The corpus policy as govtrain uses it inside: frozen values, integers only (docs/design.md §4).
 
 `Policy.to_record()` is the canonical form stored in the ledger's `header` entry and
 `Policy.from_record()` reads it back without trusting it: every field is checked for
@@ -163,7 +163,7 @@ class Policy:
     origin: str
     delta_p: int
     accountant: str
-    # What neighbouring datasets differ by (DESIGN §5): one example, or one whole contribution. Fixed in the
+    # What neighbouring datasets differ by (docs/design.md §5): one example, or one whole contribution. Fixed in the
     # header: a later policy entry may not change it, nor examples_per_contribution.
     privacy_unit: str
     examples_per_contribution: int | None  # contribution unit: most examples of a sampled contribution per step
@@ -184,7 +184,7 @@ class Policy:
         object.__setattr__(self, "classes", MappingProxyType(dict(self.classes)))
 
     def validate(self, error: type[GovtrainError]) -> "Policy":
-        """Check every relation DESIGN §4 requires; `error` is ConfigError at init, IntegrityError on audit."""
+        """Check every relation docs/design.md §4 requires; `error` is ConfigError at init, IntegrityError on audit."""
 
         def bad(detail: str) -> GovtrainError:
             return _invalid(error, detail)

@@ -1,4 +1,4 @@
-"""The trust store: which attester keys may attest which classes (DESIGN §3, §4).
+"""The trust store: which attester keys may attest which classes (docs/design.md §3, §4).
 
 Built from a policy, it screens every key again (`check_public_key`) as it enters, so
 a small-order key in a policy or a tampered ledger header can never verify anything.

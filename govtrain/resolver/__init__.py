@@ -1,1 +1,1 @@
-"""The resolver (DESIGN §1 stage 2): class -> depth profile -> the parameters it reaches -> noise schedule."""
+"""The resolver (docs/design.md §1 stage 2): class -> depth profile -> the parameters it reaches -> noise schedule."""

@@ -1,6 +1,6 @@
 """Class -> depth profile -> the exact trainable parameters (or parts of them) of a model it may reach.
 
-Rules (DESIGN §4-5), each chosen so that an unclear case reaches *less*:
+Rules (docs/design.md §4-5), each chosen so that an unclear case reaches *less*:
 
 - `band = [a, b]` reaches layers a..b; `layers = [...]` exactly those; an index the model does not
   have is an error, not a silent clip.
@@ -89,7 +89,7 @@ class Resolution:
     _params: Mapping[str, Param] = field(repr=False, default_factory=dict)
 
     def class_groups(self) -> dict[str, list[frozenset[str]]]:
-        """Class -> the signatures of the groups it reaches (the g in P(i) of DESIGN §5)."""
+        """Class -> the signatures of the groups it reaches (the g in P(i) of docs/design.md §5)."""
         out: dict[str, list[frozenset[str]]] = {name: [] for name in self.reach}
         for group in self.groups:
             for name in group.classes:

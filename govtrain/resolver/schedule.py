@@ -1,4 +1,4 @@
-"""The noise schedule (DESIGN §5): s_g per parameter group, sigma_eff and retirement per contribution.
+"""The noise schedule (docs/design.md §5): s_g per parameter group, sigma_eff and retirement per contribution.
 
 For one ledger epoch, from public metadata only and before any of its steps run:
 

@@ -1,1 +1,1 @@
-"""The routing layer (DESIGN §1 stage 3): per-sample masking, clipping and noise before any optimizer step."""
+"""The routing layer (docs/design.md §1 stage 3): per-sample masking, clipping and noise before any optimizer step."""

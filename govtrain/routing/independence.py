@@ -1,4 +1,4 @@
-"""Batch independence (DESIGN §5): an example's gradient must depend on that example alone.
+"""Batch independence (docs/design.md §5): an example's gradient must depend on that example alone.
 
 Clipping bounds what one example adds to a step only if the other examples' gradients do not move when it
 joins or leaves the batch. Left padding breaks that (an example's absolute positions then depend on the

@@ -1,4 +1,4 @@
-"""The routing layer (DESIGN §5): per-sample gradients restricted to each sample's depth profile,
+"""The routing layer (docs/design.md §5): per-sample gradients restricted to each sample's depth profile,
 clipped jointly to its own C_i, summed, noised per parameter group, divided by the expected batch size.
 
     router = Router(model, resolution)               # refuses a trainable parameter no hook covers
@@ -312,7 +312,7 @@ class Router:
         """Add the clipped gradients of one chunk (the captured forward that gave `losses`, one per example).
 
         Without `units` every example is clipped on its own, and `classes` and `clip_norms` are per example.
-        With `units` (one index in [0, U) per example; DESIGN §5, privacy_unit = "contribution") the examples
+        With `units` (one index in [0, U) per example; docs/design.md §5, privacy_unit = "contribution") the examples
         of a unit are averaged first and the average is what is restricted to the unit's profile and clipped
         to its C_i: `classes` and `clip_norms` are then per unit. Every example of a unit must be in this chunk.
 

@@ -1,5 +1,5 @@
-"""Poisson sampling (DESIGN §5): every eligible unit (an example, or under privacy_unit = "contribution" a whole
-contribution) joins a step's batch independently with probability q, so batches vary in size and may be empty
+"""Poisson sampling (docs/design.md §5): every eligible unit (an example, or under privacy_unit = "contribution"
+a whole contribution) joins a step's batch independently with probability q, so batches vary in size and may be empty
 (the step then releases noise alone). A sampled contribution then uses at most a public number of its
 examples, drawn uniformly without replacement (`take`).
 

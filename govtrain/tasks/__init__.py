@@ -7,7 +7,7 @@ of model inputs, and each example's own loss.
     losses = task.per_example_loss(model(**batch.inputs), batch)   # [B]: one loss per example
     task.report(sum of task.tally(output, batch) over batches)    # held-out figures (`govtrain eval`)
 
-A loss is always one value per example (DESIGN §5): a mean over one example's tokens is fine, a mean over the
+A loss is always one value per example (docs/design.md §5): a mean over one example's tokens is fine, a mean over the
 batch's tokens couples examples and is never formed.
 """
 

@@ -7,7 +7,7 @@ forms, each example's loss the mean of its own target tokens' cross-entropy.
 
 Why each rule:
 
-- **Per-example mean** (DESIGN §5): a mean over the batch's tokens would weight an example by its length
+- **Per-example mean** (docs/design.md §5): a mean over the batch's tokens would weight an example by its length
   relative to the others, coupling examples; the mean over one example's own target tokens does not.
 - **Exact prompt/completion boundary**: the prompt is tokenized as the tokenizer tokenizes any text (with its
   own special tokens, e.g. Llama's BOS), the completion without special tokens, and the two id lists are

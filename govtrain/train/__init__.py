@@ -1,1 +1,1 @@
-"""Governed training (DESIGN §1 stage 4): the run config, contribution data and the training loop."""
+"""Governed training (docs/design.md §1 stage 4): the run config, contribution data and the training loop."""

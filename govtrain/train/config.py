@@ -182,7 +182,7 @@ class TrainingSection(_Strict):
     data: StrictStr = Field(description="folder of contribution data files, matched to admit entries by SHA-256")
     output: StrictStr = Field(description="folder the peft adapter is saved to")
     run_id: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")] | None = None
-    # How the step is computed, never what it releases (DESIGN §5: hardware never changes the mechanism).
+    # How the step is computed, never what it releases (docs/design.md §5: hardware never changes the mechanism).
     device: Annotated[StrictStr, Field(pattern=r"^(auto|cpu|cuda|cuda:[0-9]{1,2})$")] = Field(
         "auto", description="auto (CUDA when available, else CPU), cpu, cuda or cuda:N")
     precision: Literal["fp32", "bf16"] = Field(

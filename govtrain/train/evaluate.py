@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from govtrain.errors import Code, ConfigError
 from govtrain.train.config import RunConfig
@@ -78,9 +78,10 @@ def load_trained(config: RunConfig, adapter: Path):
 
 
 def evaluate(model, tokenizer, task, examples: Sequence[Any], max_length: int, *,  # type: ignore[no-untyped-def]
-             batch_size: int = 32) -> dict[str, Any]:
+             batch_size: int = 32, on_batch: Callable[[int], None] | None = None) -> dict[str, Any]:
     """The task's figures (`task.report`) over `examples`, in batches of `batch_size`, without gradients. The
-    model's mode is left as it was found."""
+    model's mode is left as it was found. `on_batch(done)` is told how many examples are done after each batch
+    (a progress display)."""
     import torch
 
     task.check(examples, tokenizer, max_length)
@@ -93,6 +94,8 @@ def evaluate(model, tokenizer, task, examples: Sequence[Any], max_length: int, *
             for start in range(0, len(examples), batch_size):
                 batch = task.encode(examples[start:start + batch_size], tokenizer, max_length, device)
                 totals.update(task.tally(model(**batch.inputs), batch))
+                if on_batch is not None:
+                    on_batch(min(start + batch_size, len(examples)))
     finally:
         model.train(training)
     return task.report(totals)

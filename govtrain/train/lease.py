@@ -1,4 +1,4 @@
-"""A run's hold on the ledger (DESIGN §5-6, spend rule 1): what makes one run, and one process, the only one
+"""A run's hold on the ledger (docs/design.md §5-6, spend rule 1): what makes one run, and one process, the only one
 that trains on a ledger epoch's write-ahead spend.
 
 - **The lease.** A run id is a one-time lease: the run draws a random `run_nonce` when it starts and keeps it
@@ -51,7 +51,7 @@ class Replan(Exception):
 def write_ahead(ledger: Ledger, pending: dict, lease: tuple[str, bytes], now: Callable[[], int],
                 log: Callable[[str], None]) -> bool:
     """Make sure this run's spend for the pending ledger epoch is in the ledger before its steps run
-    (DESIGN §5). True when it is: written now, or written by this same run (its id *and* its lease nonce)
+    (docs/design.md §5). True when it is: written now, or written by this same run (its id *and* its lease nonce)
     before a kill (a contribution withdrawn since is then simply not drawn). False when another run holds the
     epoch (its write-ahead charged its own steps, not ours): that epoch is then closed, if it is still open,
     and the caller plans the next one. `Replan` when the plan, not yet written, charges a contribution that

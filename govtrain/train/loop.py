@@ -1,4 +1,4 @@
-"""`govtrain train`: governed DP-LoRA on admitted contributions only (DESIGN §5-7).
+"""`govtrain train`: governed DP-LoRA on admitted contributions only (docs/design.md §5-7).
 
 `train()` is the front door: the loop of the library API (`governed.GovernedRun`, which drives a `Run`,
 `run.py`, through its phases) with a progress bar.
@@ -17,35 +17,16 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable, Mapping
+from typing import Callable
 
 from govtrain.errors import Code
 from govtrain.train.config import RunConfig
 from govtrain.train.model import check_weight_decay, resolve_device, wrap_lora  # noqa: F401 (their old home)
+from govtrain.train import progress as _progress
+from govtrain.train.progress import ProgressLines, progress_text, step_details
 from govtrain.train.run import LOG, STATE_FILE, BudgetExhausted, Run, RunResult, tree_sha256  # noqa: F401
 
-__all__ = ["train", "progress_text", "Run", "RunResult", "BudgetExhausted", "STATE_FILE"]
-
-
-def progress_text(step: int, total: int, seconds_per_step: float | None, eps_by_class: Mapping[str, float],
-                  loss: float | None = None) -> str:
-    """What the progress bar shows after `step` of `total` steps: the step, the pace (`seconds_per_step`,
-    None before the first step), the time left at that pace, the last loss (nan, an empty batch: not shown)
-    and each class's epsilon as charged so far, which includes the epoch written ahead."""
-    parts = [f"step {step}/{total}"]
-    if seconds_per_step is not None:
-        parts += [f"{seconds_per_step:.2f} s/step", f"ETA {_clock(seconds_per_step * max(total - step, 0))}"]
-    if loss is not None and loss == loss:
-        parts.append(f"loss {loss:.3f}")
-    if eps_by_class:
-        parts.append(", ".join(f"{name} ε {eps:.3f}" for name, eps in sorted(eps_by_class.items())))
-    return " | ".join(parts)
-
-
-def _clock(seconds: float) -> str:
-    minutes, seconds = divmod(round(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
+__all__ = ["train", "progress_text", "Run", "RunResult", "BudgetExhausted", "STATE_FILE"]  # progress_text: progress.py
 
 
 def _above_the_bar(log: LOG) -> LOG:
@@ -62,7 +43,8 @@ def _above_the_bar(log: LOG) -> LOG:
 def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecure_seed: int | None = None,
           log: LOG = print, now: Callable[[], int] = lambda: int(time.time()), checkpoint_every: int = 10,
           interrupt_after_steps: int | None = None, progress: bool = False,
-          observe: Callable[[int, list[str]], None] | None = None) -> RunResult:
+          observe: Callable[[int, list[str]], None] | None = None,
+          clock: Callable[[], float] | None = None) -> RunResult:
     """Run (or resume) the training `config` describes against the ledger at `ledger_url`.
 
     The run state (trainable weights, optimizer, the epoch in progress and its plan) is saved to
@@ -71,22 +53,27 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
     epoch whose spend already covers them, so nothing is under-counted; the lost steps' results
     were never saved. `interrupt_after_steps` is a test hook that simulates a kill; `observe(step, ids)`
     sees the contributions drawn at each step (for tests and audits of the sampler). `progress` shows a
-    progress bar (`progress_text`) on stderr when it is a terminal.
+    progress bar (`progress_text`) on stderr when it is a terminal, and otherwise writes a progress line
+    through `log` at least every 30 s of steps (`ProgressLines`, timed by `clock`).
     """
     from tqdm import tqdm
 
     from govtrain.train.governed import GovernedRun
 
+    clock = clock or _progress.CLOCK
     show = progress and sys.stderr.isatty()
     bar = tqdm(total=config.file.training.steps, disable=not show, dynamic_ncols=True, file=sys.stderr,
                bar_format="|{bar:20}| {desc}")
-    pace = {"started": time.perf_counter(), "steps": 0}
+    pace = {"started": clock(), "steps": 0}
+    lines: ProgressLines | None = None
 
     def stepped(step: int, loss: float) -> None:
         pace["steps"] += 1
         if show:
-            seconds = (time.perf_counter() - pace["started"]) / pace["steps"]
+            seconds = (clock() - pace["started"]) / pace["steps"]
             bar.set_description_str(progress_text(step, run.total_steps, seconds, run.epsilons(), loss), refresh=False)
+        elif lines is not None:
+            lines.update(step, lambda: step_details(run.epsilons(), loss))
         bar.update(1)
         if interrupt_after_steps is not None and pace["steps"] >= interrupt_after_steps:
             raise KeyboardInterrupt(f"test hook: interrupted after {pace['steps']} steps")
@@ -96,9 +83,13 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
                                observe=observe, on_step=stepped) as run:
         bar.update(run.steps)
         bar.set_description_str(progress_text(run.steps, run.total_steps, None, run.epsilons()))
+        if progress and not show:
+            lines = ProgressLines(log, run.total_steps, done=run.steps, clock=clock)
         for batch in run.batches():  # the API's loop, as a user's own code would write it
             output = run.model(**batch.inputs)
             run.step(run.per_example_loss(output, batch))
+        if lines is not None:
+            lines.finish(lambda: step_details(run.epsilons()))
         result = run.save()
     if result.exhausted:
         raise BudgetExhausted(Code.BUDGET_EXCEEDED, f"no contribution is eligible after {result.steps} steps: "

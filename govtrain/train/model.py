@@ -1,6 +1,6 @@
 """The run's model: the base model with its LoRA adapters, loaded quietly, on the device the run names.
 
-How the model is loaded and where it runs never changes what a step releases (DESIGN §5: hardware
+How the model is loaded and where it runs never changes what a step releases (docs/design.md §5: hardware
 never changes the mechanism); what is checked here is refused before any spend is written.
 """
 

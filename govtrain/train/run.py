@@ -1,5 +1,5 @@
-"""A training run as named phases (DESIGN §5): prepare, then per ledger epoch plan → write ahead → step … →
-close, then finish.
+"""A training run as named phases (docs/design.md §5): prepare, then per ledger epoch plan → write ahead →
+step … → close, then finish.
 
 `prepare` reads the corpus from the ledger, matches the data, loads the model onto its device, resolves
 every class's profile and probes the router: everything that can refuse the run does so before any spend
@@ -302,9 +302,9 @@ class Run:
         self._claim()
         drawn = (f"{expected_batch:g} of {records} examples from {len(present)} contributions" if
                  self.per_contribution is None else f"{expected_batch:g} of {len(present)} contributions, at most "
-                 f"{self.per_contribution} examples each: epsilon per contribution")
+                 f"{self.per_contribution} examples each: ε per contribution")
         log(f"{run_id}: {self.total} {training.mechanism} steps, q = {q_u / units.MICRO:g} (expected batch {drawn}), "
-            f"{policy.accountant} at delta = {policy.delta_p / 1e12:g}")
+            f"{policy.accountant} at δ = {policy.delta_p / 1e12:g}")
 
     # -- per ledger epoch ------------------------------------------------------------------------------
 
@@ -497,7 +497,7 @@ class Run:
         seen = [x for x in result.losses[-steps:] if x == x]  # empty batches have no loss
         self.log(f"epoch {epoch}: steps {result.steps}/{self.total}, "
                  f"loss {sum(seen) / len(seen) if seen else float('nan'):.4f}, "
-                 + ", ".join(f"{n} eps {v[-1]:.3f}" for n, v in sorted(result.eps_by_class.items())))
+                 + ", ".join(f"{n} ε {v[-1]:.3f}" for n, v in sorted(result.eps_by_class.items())))
 
     def epsilons(self) -> dict[str, float]:
         """Each policy class's epsilon as charged so far: its contributions' largest cumulative epsilon once

@@ -361,7 +361,8 @@ def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str
                                             eps_u=book.run_eps.get(trial.run_id, 0)))
     if stopped is None:
         for outcome in result.outcomes:
-            outcome.score = _score(outcome.trial.config, task, selection.examples, metric)
+            outcome.score = _score(outcome.trial.config, task, selection.examples, metric,
+                                   log if (train_options or {}).get("progress") else None)
             log(f"trial {outcome.trial.index}: {metric} {outcome.score:.4f}")
         best = (max if metric == "accuracy" else min)(outcome.score for outcome in result.outcomes)
         result.selected = next(o for o in result.outcomes if o.score == best)  # ties: the earliest trial
@@ -377,20 +378,27 @@ def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str
         result.eps_by_class = {item["data_class"]: item["eps_u"] for item in fields["eps_by_class"]}
     if stopped is not None:
         recorded = (f"tune entry {result.seq} charges the {len(result.outcomes)} trial(s) that wrote spend, total "
-                    f"epsilon {result.eps_u / 1e6:.6f}" if result.outcomes
+                    f"ε {result.eps_u / 1e6:.6f}" if result.outcomes
                     else "no trial wrote spend; nothing recorded")
         raise BudgetExhausted(stopped.code, f"tune {tune_id!r} stopped at trial {stopped_at}: "
                                             f"{stopped.detail}; {recorded}; no trial selected")
     return result
 
 
-def _score(config: RunConfig, task, examples, metric: str) -> float:  # type: ignore[no-untyped-def]
+def _score(config: RunConfig, task, examples, metric: str,  # type: ignore[no-untyped-def]
+           log: Callable[[str], None] | None = None) -> float:
+    """The trial's `metric` on the selection rows; with `log`, where stderr is no terminal, progress lines."""
+    import sys
+
     from govtrain.train.evaluate import evaluate, load_trained
     from govtrain.train.model import resolve_device
+    from govtrain.train.progress import ProgressLines
 
     model, tokenizer = load_trained(config, config.output_dir)
     model.to(resolve_device(config.file.training.device))
-    return float(evaluate(model, tokenizer, task, examples, config.file.model.max_length)[metric])
+    lines = ProgressLines(log, len(examples), what="example") if log is not None and not sys.stderr.isatty() else None
+    return float(evaluate(model, tokenizer, task, examples, config.file.model.max_length,
+                          on_batch=None if lines is None else lines.update)[metric])
 
 
 __all__ = ["Grid", "Trial", "TuneResult", "load_grid", "plan_trials", "tune", "new_tune_id"]

@@ -57,7 +57,7 @@ NOT_CHECKED = ("content rules (fields, floors, budgets, withdrawals)", "attestat
 
 
 # The kind column against the body, without decoding. An entry is a canonical CBOR map whose text keys
-# sort length-first (DESIGN §2): "v", then "kid" (admit entries only) and "seq", then "kind". So every
+# sort length-first (docs/design.md §2): "v", then "kid" (admit entries only) and "seq", then "kind". So every
 # entry of a kind starts with the same bytes up to its seq value (its lead), and its "kind" key and value
 # follow the seq value, whose width depends on the sequence number alone. Matching the lead and that field
 # reads the body's kind exactly; a body laid out otherwise is decoded instead (`_kind_failure`).

@@ -1,4 +1,4 @@
-"""Steps 9 and 10 of the verifier (DESIGN §6): retention, and the indexes that retention leaves behind.
+"""Steps 9 and 10 of the verifier (docs/design.md §6): retention, and the indexes that retention leaves behind.
 
 A summary commits to the contributions it retires (`govtrain.ledger.retention`). The verifier reads
 every summary before its pass (`RetentionAudit.read`), so that when the pass meets a redacted entry

@@ -1,4 +1,4 @@
-"""The auditor's verifier (DESIGN §6). It never imports torch and trusts nothing it reads.
+"""The auditor's verifier (docs/design.md §6). It never imports torch and trusts nothing it reads.
 
 One pass over the entries, in the order an auditor would check them:
   1. sequence numbers are dense from 0 (nothing removed or inserted);
@@ -401,7 +401,7 @@ class _Audit:
         if entry["noise_multiplier_u"] < c.noise_multiplier_u:
             raise bad("effective noise multiplier is below the one the contributor signed")
         if entry["eps_u"] > c.eps_budget_u:
-            raise bad(f"cumulative epsilon {entry['eps_u']} exceeds the signed budget {c.eps_budget_u}")
+            raise bad(f"cumulative ε {entry['eps_u']} exceeds the signed budget {c.eps_budget_u}")
         floor = (min_sampling_rate_u(self.policy.expected_batch_size, self.live_records)
                  if self.policy.expected_batch_size is not None else None)
         try:
@@ -416,7 +416,7 @@ class _Audit:
         if self.accountant is not None:
             implied = self.accountant(entry["accountant"], entry["delta_p"], c.history)
             if entry["eps_u"] < implied:
-                raise bad(f"records epsilon {entry['eps_u']} but its parameters imply at least {implied}")
+                raise bad(f"records ε {entry['eps_u']} but its parameters imply at least {implied}")
             if entry["steps"] < entry["epoch_steps"]:  # charged for part of the epoch: only where it retires
                 one_more = self.accountant(entry["accountant"], entry["delta_p"],
                                            [*c.history[:-1], (*c.history[-1][:2], entry["steps"] + 1)])
