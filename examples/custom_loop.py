@@ -1,14 +1,19 @@
 """Governed training from your own loop: the library API that `govtrain train` itself runs.
 
-    python examples/custom_loop.py --config examples/run.toml --ledger sqlite:///./demo-out/ledger.db \
-        --key demo-out/keys/ledger.key
+Try it in a scratch workspace (`make scratch`: a ledger of its own with the demo's keys and a few of its
+contributions, no real budget), into a folder of its own:
+
+    .venv/bin/python examples/scratch.py
+    .venv/bin/python examples/custom_loop.py --config scratch/run.toml --ledger sqlite:///./scratch/ledger.db \
+        --key scratch/keys/ledger.key --output scratch/custom-adapter
 
 The run (`govtrain.GovernedRun`) owns the sampling: `run.batches()` plans each ledger epoch, writes its spend
 ahead, and hands out every logical Poisson batch in physical chunks. Your code runs the forward and gives one
 loss per example; `run.step` clips each example's gradient to its contribution's bound and, after a logical
 step's last chunk, adds the noise once and moves the parameters. Here the loss is your own: cross-entropy
-with reduction="none" (one value per example), in float32. The demo's ledger (`make demo`) is a ready place
-to try it; the test suite runs this file on a tiny model.
+with reduction="none" (one value per example), in float32. The first batch is the rehearsal
+(`batch.rehearsal`): synthetic rows, before any spend, so a bug here costs nothing; `run.step` returns None for
+it. The test suite runs this file on a tiny model.
 """
 
 from __future__ import annotations
@@ -31,9 +36,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="run config (RUN.toml), a classification task")
     parser.add_argument("--ledger", required=True, help="ledger URL")
     parser.add_argument("--key", default=None, help="the ledger's signing key")
+    parser.add_argument("--output", default=None, help="where to save the adapter (default: training.output)")
     args = parser.parse_args(argv)
 
-    with govtrain.GovernedRun.open(args.config, args.ledger, key=args.key) as run:
+    config = args.config
+    if args.output is not None:  # the config as a dict, its output replaced: another run, in a folder of its own
+        import tomllib
+
+        from govtrain.train.config import run_config
+
+        with open(args.config, "rb") as handle:
+            document = tomllib.load(handle)
+        document["training"]["output"] = str(Path(args.output).resolve())
+        config = run_config(document, base=Path(args.config).resolve().parent)
+
+    with govtrain.GovernedRun.open(config, args.ledger, key=args.key) as run:
         for batch in run.batches():  # Poisson over the eligible data; withdrawals take effect
             out = run.model(**batch.inputs)
             losses = F.cross_entropy(out.logits.float(), batch.targets, reduction="none")  # one per example

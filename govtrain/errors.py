@@ -47,6 +47,8 @@ class Code(str, Enum):
     SELECTION_ADMITTED = "selection_admitted"  # selection (tune's file, a Trainer's evaluation) on admitted rows
     ARTIFACT_UNREADABLE = "artifact_unreadable"  # not an adapter folder govtrain wrote, or one of another format
     BASE_MODEL_MISMATCH = "base_model_mismatch"  # the base model found is not the one the adapter was trained on
+    CHARGED_BEFORE = "charged_before"  # a fresh run would charge contributions other runs charged, unconfirmed
+    OUTPUT_TAKEN = "output_taken"  # the output folder holds another run's adapter, run state or other files
 
     # -- encoding: the strict deterministic-CBOR decoder (docs/design.md §2) ----------------------
     TOO_LARGE = "too_large"

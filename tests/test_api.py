@@ -54,6 +54,17 @@ def _same(before: dict[str, torch.Tensor], run) -> bool:
     return all(torch.equal(before[n], p) for n, p in run.model.named_parameters() if p.requires_grad)
 
 
+def past_rehearsal(run, batches=None):
+    """The first real batch of `batches` (default: a new `run.batches()`), the rehearsal's chunks stepped by the
+    honest loop before it: for tests whose subject is a real step."""
+    batches = run.batches() if batches is None else batches
+    for batch in batches:
+        if not batch.rehearsal:
+            return batch
+        run.step(run.per_example_loss(run.model(**batch.inputs), batch))
+    raise AssertionError("run.batches() ended before a real batch")
+
+
 # -- one path -------------------------------------------------------------------------------------------
 
 
@@ -73,9 +84,12 @@ def test_a_users_own_loop_and_govtrain_train_release_the_same_adapter_and_spend(
         assert type(run.model).__name__ == "PeftModel"  # what load_model builds; the run wraps nothing
         for batch in run.batches():
             assert isinstance(batch, govtrain.GovernedBatch) and len(batch) <= 7
-            assert run.sampling_rate == pytest.approx(16 / 80)
             out = run.model(**batch.inputs)
             loss = run.step(F.cross_entropy(out.logits.float(), batch.targets, reduction="none"))
+            if batch.rehearsal:  # before the first spend: q is not charged yet, and the step moves nothing
+                assert run.sampling_rate is None and loss is None and not drawn and run.steps == 0
+                continue
+            assert run.sampling_rate == pytest.approx(16 / 80)
             assert (loss is not None) == batch.last
             if loss is not None:
                 losses.append(loss)
@@ -148,7 +162,7 @@ def test_a_loader_or_sampler_of_the_users_is_refused_and_nothing_changes(tmp_pat
         # their own batches, fed through the model inside the governed loop: the training forward is refused
         inputs = run.tokenizer(["good movie", "bad film"], return_tensors="pt")
         batches = run.batches()
-        next(batches)
+        past_rehearsal(run, batches)
         with pytest.raises(ConfigError) as refused:
             run.model(**inputs)  # a forward with gradients enabled, not on the waiting batch
         assert refused.value.code is Code.UNGOVERNED_BATCH
@@ -167,7 +181,7 @@ def test_each_misuse_of_the_loop_is_refused_before_anything_moves(tmp_path: Path
         with pytest.raises(ConfigError, match="no batch waiting"):
             run.step(torch.zeros(3))
         batches = run.batches()
-        batch = next(batches)
+        batch = past_rehearsal(run, batches)
         with pytest.raises(ConfigError, match="before run.model ran"):
             run.step(torch.zeros(len(batch)))
         with pytest.raises(ConfigError, match="not the one"):

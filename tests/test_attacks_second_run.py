@@ -72,7 +72,7 @@ def test_a_restarted_run_never_trains_on_the_killed_runs_write_ahead(corpus: Cor
     draws: dict[str, set[str]] = {"run-b": set()}
     lines: list[str] = []
     second = _second_config(corpus, tiny_model, 20, "run-b", "adapter-b")
-    train(second, corpus.url, insecure_seed=4, log=lines.append,
+    train(second, corpus.url, insecure_seed=4, log=lines.append, confirm=True,  # run A charged "pub" before
           observe=lambda step, ids: draws["run-b"].update(ids))
     assert any("ledger epoch 1 is held by test-run" in line for line in lines), lines
     assert "late" in draws["run-b"]
@@ -93,7 +93,7 @@ def test_two_concurrent_runs_each_charge_their_own_epochs(corpus: Corpus, tiny_m
         draws["run-a"].update(ids)
         if step == 3 and not started:  # run B starts while run A is inside its first ledger epoch
             started.append(True)
-            train(second, corpus.url, insecure_seed=6, log=lambda line: None,
+            train(second, corpus.url, insecure_seed=6, log=lambda line: None, confirm=True,  # run A charged both
                   observe=lambda s, i: draws["run-b"].update(i))
 
     result = train(first, corpus.url, insecure_seed=5, log=lambda line: None, observe=observe_a)

@@ -45,7 +45,7 @@ from govtrain.train.run import STATE_FILE, Chunk, Run  # noqa: E402
 from govtrain.verify.verifier import verify_ledger  # noqa: E402
 from tests import causal_models  # noqa: E402
 from tests.conftest import TEST_POLICY, Corpus, make_corpus, snapshot  # noqa: E402
-from tests.test_api import _corpus, _same, _trainable  # noqa: E402
+from tests.test_api import _corpus, _same, _trainable, past_rehearsal  # noqa: E402
 from tests.test_train import _config, save_tiny_bert, tiny_model  # noqa: E402,F401
 
 QUIET = {"log": lambda line: None}
@@ -291,7 +291,7 @@ def open_first_batch(tmp_path: Path, tiny_model: Path, name: str):
     corpus = _corpus(tmp_path, name)
     run = govtrain.GovernedRun.open(_config(corpus, tiny_model, 4), corpus.url, insecure_seed=1, **QUIET)
     batches = run.batches()
-    batch = next(batches)
+    batch = past_rehearsal(run, batches)
     return corpus, run, batches, batch, _trainable(run), snapshot(corpus.url)
 
 
@@ -467,8 +467,9 @@ def test_a_batchs_record_of_its_draw_rewritten_in_the_loop_changes_no_clipping_n
                                    observe=lambda step, ids: draws.append(step), **QUIET) as run:
         router = run._run.router
         accumulate = router.accumulate  # instrumentation: what the router clips with, and what it clipped
-        router.accumulate = lambda losses, classes, clips, units=None: reports.append(
-            (list(clips), accumulate(losses, classes, clips, units))) or reports[-1][1]
+        router.accumulate = lambda losses, classes, clips, units=None: reports.append(  # the rehearsal's aside
+            (list(clips), accumulate(losses, classes, clips, units))) or reports[-1][1] if run.rehearsed \
+            else accumulate(losses, classes, clips, units)
         for batch in run.batches():
             rewrite_the_batchs_record(batch)
             run.step(run.per_example_loss(run.model(**batch.inputs), batch))
@@ -491,7 +492,7 @@ def test_a_step_left_mid_way_is_completed_as_drawn_when_the_loop_iterates_again(
     with govtrain.GovernedRun.open(_config(corpus, tiny_model, 3, extra="physical_batch = 1"), corpus.url,
                                    insecure_seed=1, observe=lambda step, ids: draws.append(step), **QUIET) as run:
         batches = run.batches()
-        first = next(batches)
+        first = past_rehearsal(run, batches)
         if how == "loop broken after a chunk":
             run.step(run.per_example_loss(run.model(**first.inputs), first))
             first = next(batches)
@@ -742,7 +743,7 @@ def test_a_decoder_classifier_without_a_pad_token_pads_with_eos_and_trains(tmp_p
 def _step_once(run, corpus: Corpus) -> tuple[dict, tuple]:
     """Step 0 taken (one chunk) and the loop left between steps: the trainable weights and the ledger as then."""
     batches = run.batches()
-    batch = next(batches)
+    batch = past_rehearsal(run, batches)
     run.step(run.per_example_loss(run.model(**batch.inputs), batch))
     batches.close()
     return _trainable(run), snapshot(corpus.url)
@@ -784,7 +785,7 @@ def test_an_error_inside_a_step_stops_the_run_in_this_process_and_a_reopened_run
     with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, observe=lambda s, ids: first.append((s, ids)),
                                    **QUIET) as run:
         batches = run.batches()
-        batch = next(batches)
+        batch = past_rehearsal(run, batches)
         while not batch.last:  # the last chunk of step 0: its step() runs the update
             run.step(run.per_example_loss(run.model(**batch.inputs), batch))
             batch = next(batches)
@@ -876,7 +877,7 @@ def test_weights_written_outside_a_governed_step_are_refused_at_the_next_step_an
     config = _config(corpus, tiny_model, 2)
     with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **QUIET) as run:
         batches = run.batches()
-        batch = next(batches)
+        batch = past_rehearsal(run, batches)
         run.step(run.per_example_loss(run.model(**batch.inputs), batch))  # step 0 (one chunk)
         governed, written = _trainable(run), snapshot(corpus.url)
         with torch.no_grad() if how != "own optimizer" else contextlib.nullcontext():
@@ -934,7 +935,7 @@ def test_torchs_global_optimizer_hooks_are_refused(tmp_path: Path, tiny_model: P
             return
         with govtrain.GovernedRun.open(_config(corpus, tiny_model, 2), corpus.url, insecure_seed=1, **QUIET) as run:
             batches = run.batches()
-            batch = next(batches)
+            batch = past_rehearsal(run, batches)
             run.step(run.per_example_loss(run.model(**batch.inputs), batch))
             batches.close()
             hook = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: None)
@@ -1147,7 +1148,7 @@ def test_the_updates_state_written_outside_a_governed_step_is_refused(tmp_path: 
     corpus = _corpus(tmp_path, "forged")
     with govtrain.GovernedRun.open(_config(corpus, tiny_model, 3), corpus.url, insecure_seed=1, **QUIET) as run:
         batches = run.batches()
-        batch = next(batches)
+        batch = past_rehearsal(run, batches)
         run.step(run.per_example_loss(run.model(**batch.inputs), batch))  # step 0: the moments exist
         batches.close()
         view, head = GovernedOptimizer(run), "base_model.model.classifier.modules_to_save.default.weight"

@@ -200,7 +200,7 @@ def test_a_run_state_of_another_config_is_refused(corpus: Corpus, tiny_model: Pa
               checkpoint_every=2, interrupt_after_steps=3)
     with pytest.raises(ConfigError) as info:
         train(load_run_config(_config(corpus, tiny_model, 30)), corpus.url, log=lambda line: None)
-    assert "another config" in info.value.detail
+    assert info.value.code.value == "output_taken" and "another config" in info.value.detail
 
 
 def test_a_contribution_withdrawn_mid_run_is_never_charged_or_sampled_again(corpus: Corpus, tiny_model: Path):

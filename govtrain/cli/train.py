@@ -1,4 +1,4 @@
-"""`govtrain train --config RUN.toml --ledger URL`: governed DP-LoRA training (exit 0, 2, 3, 5)."""
+"""`govtrain train --config RUN.toml --ledger URL [--check] [--yes]`: governed DP-LoRA training (exit 0, 2, 3, 5)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,20 @@ from govtrain.cli.output import signing_key_option
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="Run config (TOML).")
 @ledger_option
 @signing_key_option
+@click.option("--check", is_flag=True,
+              help="Run everything up to the first spend (the rehearsal included), print the plan and stop: "
+                   "nothing is spent or written.")
+@click.option("--yes", "confirm", is_flag=True,
+              help="Charge contributions that other runs on this ledger already charged (refused without it).")
 @click.option("--insecure-seed", type=int, default=None,
               help="INSECURE, for tests only: a fixed seed for sampling and noise (default: OS entropy).")
 @json_option
 @reports_errors
-def train_command(config_path: str, ledger_url: str, key_path: str | None, insecure_seed: int | None,
-                  as_json: bool) -> None:
+def train_command(config_path: str, ledger_url: str, key_path: str | None, check: bool, confirm: bool,
+                  insecure_seed: int | None, as_json: bool) -> None:
     """Train a LoRA adapter on admitted contributions: spend written ahead per ledger epoch, every
     per-sample gradient restricted to its class's profile, clipped to its own bound and noised by the
-    run's mechanism (dpsgd, prism or dp-muon)."""
+    run's mechanism (dpsgd, prism or dp-muon). A rehearsal of synthetic rows runs first and spends nothing."""
     from govtrain.train.config import load_run_config
     from govtrain.train.loop import train
 
@@ -29,7 +34,13 @@ def train_command(config_path: str, ledger_url: str, key_path: str | None, insec
                    err=True)
     config = load_run_config(config_path)
     result = train(config, ledger_url, key=key_path, insecure_seed=insecure_seed,
-                   log=(lambda line: click.echo(line, err=True)) if as_json else click.echo, progress=True)
+                   log=(lambda line: click.echo(line, err=True)) if as_json else click.echo, progress=True,
+                   confirm=confirm, check=check)
+    if check:
+        assert result.plan is not None
+        if as_json:
+            emit_json({"ok": True, "check": True, "run_id": result.run_id, "plan": result.plan.as_json()})
+        return
     if as_json:
         emit_json({"ok": True, "run_id": result.run_id, "steps": result.steps, "epochs": result.epochs,
                    "eps_by_class": result.eps_by_class, "adapter_sha256": result.adapter_sha256.hex()})

@@ -18,12 +18,14 @@ from govtrain.cli.output import signing_key_option
 @signing_key_option
 @click.option("--id", "tune_id", default=None, help="Tune id (default: generated); rerun with the same id to "
                                                       "resume a search that was interrupted.")
+@click.option("--yes", "confirm", is_flag=True,
+              help="Charge contributions that runs outside this search already charged (refused without it).")
 @click.option("--insecure-seed", type=int, default=None,
               help="INSECURE, for tests only: a fixed seed for sampling and noise (default: OS entropy).")
 @json_option
 @reports_errors
 def tune_command(config_path: str, grid_path: str, ledger_url: str, key_path: str | None, tune_id: str | None,
-                 insecure_seed: int | None, as_json: bool) -> None:
+                 confirm: bool, insecure_seed: int | None, as_json: bool) -> None:
     """Search hyperparameters with every trial charged: each grid point is a governed training run
     (its spend written ahead like any run's), each adapter is scored on a held-out selection file
     that no contribution admitted, the best is selected, and one tune entry records the trials, the
@@ -41,7 +43,7 @@ def tune_command(config_path: str, grid_path: str, ledger_url: str, key_path: st
     tune_id = tune_id or new_tune_id(int(time.time()))
     result = tune(config, config_path, grid, ledger_url, tune_id=tune_id, key=key_path, insecure_seed=insecure_seed,
                   log=(lambda line: click.echo(line, err=True)) if as_json else click.echo,
-                  train_options={"progress": True})
+                  train_options={"progress": True}, confirm=confirm)
     if as_json:
         emit_json({"ok": True, **result.as_json()})
         return

@@ -29,6 +29,10 @@ learning-rate schedule), callbacks, `evaluate()` and `predict()`. What is the ru
   a setting is on, and so is recording a run that an unchecked evaluation may have chosen (`selection_admitted`,
   `govtrain/integrations/selection.py`). Evaluation runs on a list of the rows as read and checked.
 
+Before its first step, `train()` runs the training step (your `training_step` or `per_example_loss`) once on
+the run's rehearsal (`batch.rehearsal is True`: synthetic rows, nothing spent, nothing moves), so a bug in it
+costs nothing; a run opened with `check=True` stops there, its plan logged, and the Trainer trains nothing.
+
 The model is `run.model` itself: not wrapped, same type, same `state_dict` keys. An empty Poisson draw is a
 governed step too (noise only), taken between two Trainer steps, so `state.global_step` can trail
 `run.steps` by the number of empty draws; the run ends at `training.steps`.
@@ -279,6 +283,21 @@ class _Governed:
             logs.update({f"eps/{name}": eps for name, eps in sorted(self.run.epsilons().items())})
         super().log(logs, *args, **kwargs)
 
+    def _rehearse(self) -> None:
+        """The training step on the run's rehearsal, before the Trainer's loop and any spend (module docstring)."""
+        run = self.run
+        if run.rehearsed or run.steps >= run.total_steps:
+            return
+        batches = run.batches()
+        try:
+            first = next(batches, None)
+            if first is not None:
+                self.training_step(self.model, _LogicalStep(first, batches))
+            if run.checking:
+                next(batches, None)  # the plan, logged as the check ends
+        finally:
+            batches.close()
+
     def floating_point_ops(self, inputs: Any) -> int:
         return 0  # the Trainer's estimate reads a dict batch; a logical step's chunks are not one
 
@@ -292,6 +311,9 @@ class _Governed:
             raise ConfigError(Code.RUN_CONFIG_INVALID, "hyperparameter search through the Trainer is not charged: "
                                                        "use govtrain tune")
         self._check_selection(named(self.eval_dataset, "eval_dataset"), self._selection_settings())
+        self._rehearse()
+        if self.run.checking:
+            return None
         output = super().train(**kwargs)
         run = self.run
         if run.steps >= run.total_steps or run.result.exhausted:

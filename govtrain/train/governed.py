@@ -60,7 +60,9 @@ from govtrain.errors import Code, ConfigError
 from govtrain.tasks.base import Batch
 from govtrain.train.config import RunConfig, run_config
 from govtrain.train.guard import NOT_YOURS, Drawn, Guard
-from govtrain.train.run import LOG, Run, RunResult
+from govtrain.train.preflight import Plan
+from govtrain.train.rehearsal import Rehearsal, class_clips, plan_rehearsal, rehearsal_seed, synthetic_examples
+from govtrain.train.run import LOG, Chunk, Run, RunResult
 
 if TYPE_CHECKING:
     from torch import nn
@@ -77,6 +79,14 @@ class GovernedBatch(Batch):
     record of the draw says: nothing written into a batch changes how it is clipped or when its step ends."""
 
     _place: tuple[int, int, int] = field(default=(0, 0, 1), repr=False, compare=False)
+    _rehearsal: bool = field(default=False, repr=False, compare=False)
+
+    @property
+    def rehearsal(self) -> bool:
+        """Whether this chunk is of the rehearsal (`rehearsal.py`): synthetic rows, never a contribution's, handed
+        out before the run writes any spend; stepping it moves nothing. Read-only, as the place is: the run's own
+        record of the draw says which chunks are the rehearsal's."""
+        return self._rehearsal
 
     @property
     def step(self) -> int:
@@ -107,18 +117,27 @@ class GovernedRun:
         self._release = run.export  # what save() may write: peft's files for this model, govtrain's own
         self._guard = Guard(run.model, self._governed_forward)  # the run owns sampling
         self._tokenizer = copy.deepcopy(run.tokenizer)  # encodes every draw: patching run.tokenizer changes none
+        self._rehearsal: Rehearsal | None = None  # built when first handed out
+        self._rehearsed = False  # the rehearsal's last chunk was stepped: the run may write spend
+        self._random: tuple | None = None  # torch's random state when the rehearsal was drawn, put back after it
 
     @classmethod
     def open(cls, config: RunConfig | Mapping[str, Any] | str | Path, ledger_url: str, *, key: str | Path | None = None,
              insecure_seed: int | None = None, log: LOG = print, now: Callable[[], int] = lambda: int(time.time()),
              checkpoint_every: int = 10, observe: Callable[[int, list[str]], None] | None = None,
-             on_step: Callable[[int, float], None] | None = None) -> "GovernedRun":
+             on_step: Callable[[int, float], None] | None = None, confirm: bool = False,
+             check: bool = False) -> "GovernedRun":
         """Open the ledger at `ledger_url` and prepare the run `config` describes (a RUN.toml path, its
         contents as a dict, or a `RunConfig`): match the data to the admitted contributions, load the model,
         resolve the profiles and probe the router. Everything that can refuse the run does so here, before any
         spend is written; a config whose run state exists resumes it. `key` signs the ledger's entries;
         `insecure_seed` (tests only) fixes sampling and noise; `on_step(step, loss)` is called after every
-        logical step, `observe(step, contribution_ids)` with every draw."""
+        logical step, `observe(step, contribution_ids)` with every draw.
+
+        A fresh run that would charge contributions other runs on this ledger already charged is refused
+        (`charged_before`, with each class's epsilon before and after) unless `confirm`. With `check`, the run
+        writes nothing: `batches()` hands out the rehearsal only, then logs the plan (`plan`) and ends; `save()`
+        saves and records nothing."""
         from govtrain.ledger.ledger import Ledger
 
         config = run_config(config)
@@ -126,7 +145,7 @@ class GovernedRun:
         run = None
         try:
             run = Run(config, ledger, insecure_seed=insecure_seed, log=log, now=now, checkpoint_every=checkpoint_every,
-                      observe=observe)
+                      observe=observe, confirm=confirm, check=check)
             run.prepare()
             return cls(run, ledger, on_step=on_step)
         except BaseException:
@@ -144,7 +163,7 @@ class GovernedRun:
         if stopped is not None:
             run.log(f"{self.run_id} stopped ({stopped}): its state is its last checkpoint's; open the same config "
                     "again to resume from there")
-        elif kind is None and not self._saved and (run.pending is not None or run.result.steps):
+        elif kind is None and not self._saved and not run.check and (run.pending is not None or run.result.steps):
             run._save()  # between logical steps: what is saved is exactly what the ledger charged for
             run.log(f"{self.run_id} paused at step {self.steps}/{self.total_steps}: open the same config again "
                     "to resume it")
@@ -208,6 +227,24 @@ class GovernedRun:
         """Each class's epsilon as charged so far, the epoch written ahead included."""
         return self._run.epsilons()
 
+    @property
+    def checking(self) -> bool:
+        """Opened with `check=True`: the rehearsal, then the plan; nothing is spent or written."""
+        return self._run.check
+
+    @property
+    def rehearsed(self) -> bool:
+        """Whether the rehearsal passed in this process (the run writes spend only after it)."""
+        return self._rehearsed
+
+    @property
+    def plan(self) -> Plan:
+        """What the run's remaining steps would charge (`preflight.Plan`: steps, q, each class's sigma_eff and
+        epsilon before and after), projected from what the ledger says now."""
+        if self._run.plan is None or not self._run.check:
+            self._run.plan = self._run.projection()
+        return self._run.plan
+
     @cached_property
     def admitted_rows(self) -> "AdmittedRows":
         """The examples this run loaded from its admitted, not withdrawn contributions' data, each with its
@@ -237,6 +274,11 @@ class GovernedRun:
         guard.iterating = True
         run = self._run
         try:
+            if not run.done and not self._rehearsed:  # before any spend: the loop's bugs cost nothing
+                yield from self._rehearse()
+            if run.check:
+                self._report_check()
+                return
             while not run.done:
                 self._check_governed(f"before step {run.result.steps}")  # before anything saves the run state
                 if run.pending is None and not run.plan_epoch():
@@ -297,6 +339,8 @@ class GovernedRun:
             raise ValueError(f"run.step() needs one loss per example, shape ({size},); got shape "
                              f"{tuple(losses.shape)}: use run.per_example_loss, or a reduction='none' "
                              "loss averaged over each example's own tokens")
+        if drawn.rehearsal:
+            return self._rehearsal_step(waiting, drawn, losses)
         total = float(losses.detach().sum())  # read before anything is summed
         with self._in_step():
             self._run.accumulate(waiting.chunk, losses, total)
@@ -317,6 +361,9 @@ class GovernedRun:
         if self._saved:
             raise RuntimeError("the run is already saved")
         self._check_whole()
+        if run.check:
+            run.log(f"{self.run_id}: checked; nothing was spent, saved or recorded")
+            return self.result
         if not (run.done or run.result.exhausted):
             raise RuntimeError(f"the run has taken {run.result.steps} of {run.total} steps: iterate run.batches() to "
                                "the end, or leave the with block to keep its state and resume later")
@@ -333,10 +380,73 @@ class GovernedRun:
         """The next chunk of `drawn` as a batch, encoded afresh by the task with the run's own tokenizer."""
         run = self._run
         chunk = drawn.chunks[drawn.next]
-        encoded = run.task.encode([run.examples.items[i] for i in chunk.indices], self._tokenizer,
+        items = self._rehearsal.examples if drawn.rehearsal and self._rehearsal is not None else run.examples.items
+        encoded = run.task.encode([items[i] for i in chunk.indices], self._tokenizer,
                                   run.config.file.model.max_length, run.device)
         return GovernedBatch(encoded.inputs, encoded.targets, encoded.extra,
-                             _place=(drawn.step, drawn.next, len(drawn.chunks)))
+                             _place=(drawn.step, drawn.next, len(drawn.chunks)), _rehearsal=drawn.rehearsal)
+
+    # -- the rehearsal (`rehearsal.py`) ------------------------------------------------------------------
+
+    def _rehearse(self) -> Iterator[GovernedBatch]:
+        """The rehearsal's chunks, each handed out as a governed batch; its last stepped, the run may write spend.
+        Left mid-way and iterated again, it goes on from the chunk handed out and not stepped."""
+        guard, run = self._guard, self._run
+        while not self._rehearsed:
+            self._check_governed("before the rehearsal")  # and before each of its chunks, as before a step's
+            if guard.drawn is None:
+                rehearsal = self._rehearsal = self._rehearsal or self._new_rehearsal()
+                rehearsal.losses.clear()
+                self._random = _random_state(run.device)
+                run.router.begin()
+                guard.drawn = Drawn(run.result.steps, copy.deepcopy(rehearsal.chunks), rehearsal=True)
+            batch = self._encode(guard.drawn)
+            guard.wait(batch)
+            yield batch
+            if guard.waiting is not None:
+                raise RuntimeError("call run.step(losses) on each batch before asking for the next")
+
+    def _new_rehearsal(self) -> Rehearsal:
+        run = self._run
+        count = max(3, len(set(run.classes.values())))
+        examples = synthetic_examples(run.task, self._tokenizer, run.config.file.model.max_length, count,
+                                      seed=rehearsal_seed(run.insecure_seed), admitted=run.examples.items)
+        return plan_rehearsal(examples, class_clips(run.policy, list(run.classes.values())), chunk=run.chunk,
+                              per_contribution=run.per_contribution, Chunk=Chunk)
+
+    def _rehearsal_step(self, waiting: Any, drawn: Drawn, losses: "torch.Tensor") -> None:
+        """A rehearsal chunk's step: the router forms, measures and clips its per-sample gradients as in a real
+        step (every check of its runs), and the sum is dropped at the rehearsal's end; no noise, no update."""
+        run, guard = self._run, self._guard
+        assert self._rehearsal is not None
+        values = [float(v) for v in losses.detach().float().cpu()]  # read before anything is summed
+        with self._in_step():
+            chunk = waiting.chunk
+            run.router.accumulate(losses, chunk.classes, chunk.clips, units=chunk.units)
+            self._rehearsal.losses[drawn.next] = values
+            guard.waiting = None
+            drawn.next += 1
+            if not waiting.last:
+                return None
+            guard.drawn = None
+            run.router.begin()  # the rehearsal's clipped sums are dropped: nothing of it reaches an update
+            _restore_random(self._random, run.device)
+            self._check_governed("after the rehearsal")
+            self._rehearsal.check_alone(run.precision)
+            self._rehearsed = True
+        run.log(f"{self.run_id}: rehearsal passed: your loop ran {len(drawn.chunks)} chunk(s) of synthetic rows "
+                "through every check of a step; nothing was spent")
+        return None
+
+    def _report_check(self) -> None:
+        run = self._run
+        plan = self.plan
+        for line in plan.lines():
+            run.log(line)
+        if plan.charged_before:
+            run.log(f"{plan.charged_before} contribution(s) were charged by other runs: training needs --yes "
+                    "(confirm=True)")
+        run.log(f"{self.run_id}: check passed; nothing was spent or written (run again without --check to train)")
 
     def _apply(self) -> float:
         """The step's noise and update (inside `_in_step`), on the weights as the last governed step left them."""
@@ -391,7 +501,9 @@ class GovernedRun:
         """The guard's context for a governed forward: the weights as the last step left them, then the run's
         capture and precision. Gradients taken at weights moved by other code are a query the ledger never saw."""
         self._check_governed("at a governed forward")
-        with self._run.forward():
+        drawn = self._guard.drawn
+        with self._run.forward(), (_rehearsing(self._run.model) if drawn is not None and drawn.rehearsal
+                                   else contextlib.nullcontext()):
             yield
 
 
@@ -531,3 +643,34 @@ def check_optimizer_hooks() -> None:
 def trainable_weights(model: "nn.Module") -> dict[str, "torch.Tensor"]:
     """A copy of every trainable parameter, by name."""
     return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+@contextlib.contextmanager
+def _rehearsing(model: "nn.Module") -> Iterator[None]:
+    """A rehearsal forward: eval mode (no dropout) and full fp32 matmul precision (no TF32), so that the row
+    alone and in a batch differ only if the loop couples them; the modes and precision are put back after."""
+    modes = [(module, module.training) for module in model.modules()]
+    precision = torch.get_float32_matmul_precision()
+    model.eval()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        for module, training in modes:
+            module.train(training)
+
+
+def _random_state(device: "torch.device") -> tuple:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _restore_random(state: tuple | None, device: "torch.device") -> None:
+    """Torch's global random state as the rehearsal found it: a seeded run draws what it drew without it."""
+    if state is None:
+        return
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)

@@ -81,11 +81,13 @@ DISPATCHERS = ("transformers.modeling_utils", "transformers.masking_utils", "tra
 
 @dataclass
 class Drawn:
-    """One logical step as the sampler drew it: the run's own copies of its chunks, and the next to hand out."""
+    """One logical step as the sampler drew it: the run's own copies of its chunks, and the next to hand out; or
+    the rehearsal (`rehearsal.py`), whose chunks index its synthetic rows and whose sums are dropped."""
 
     step: int
     chunks: list["Chunk"]
     next: int = 0
+    rehearsal: bool = False
 
 
 @dataclass

@@ -43,8 +43,8 @@ def _above_the_bar(log: LOG) -> LOG:
 def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecure_seed: int | None = None,
           log: LOG = print, now: Callable[[], int] = lambda: int(time.time()), checkpoint_every: int = 10,
           interrupt_after_steps: int | None = None, progress: bool = False,
-          observe: Callable[[int, list[str]], None] | None = None,
-          clock: Callable[[], float] | None = None) -> RunResult:
+          observe: Callable[[int, list[str]], None] | None = None, confirm: bool = False,
+          check: bool = False, clock: Callable[[], float] | None = None) -> RunResult:
     """Run (or resume) the training `config` describes against the ledger at `ledger_url`.
 
     The run state (trainable weights, optimizer, the epoch in progress and its plan) is saved to
@@ -55,6 +55,10 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
     sees the contributions drawn at each step (for tests and audits of the sampler). `progress` shows a
     progress bar (`progress_text`) on stderr when it is a terminal, and otherwise writes a progress line
     through `log` at least every 30 s of steps (`ProgressLines`, timed by `clock`).
+
+    The loop's first step is the rehearsal (`rehearsal.py`), before any spend. `confirm` consents to charging
+    contributions other runs charged (`--yes`); `check` stops after the rehearsal and logs the plan, writing
+    nothing (`--check`): the result then holds no step, and `result.plan` what the run would charge.
     """
     from tqdm import tqdm
 
@@ -80,7 +84,7 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
 
     with bar, GovernedRun.open(config, ledger_url, key=key, insecure_seed=insecure_seed,
                                log=_above_the_bar(log) if show else log, now=now, checkpoint_every=checkpoint_every,
-                               observe=observe, on_step=stepped) as run:
+                               observe=observe, on_step=stepped, confirm=confirm, check=check) as run:
         bar.update(run.steps)
         bar.set_description_str(progress_text(run.steps, run.total_steps, None, run.epsilons()))
         if progress and not show:
@@ -88,9 +92,11 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
         for batch in run.batches():  # the API's loop, as a user's own code would write it
             output = run.model(**batch.inputs)
             run.step(run.per_example_loss(output, batch))
-        if lines is not None:
+        if lines is not None and not check:
             lines.finish(lambda: step_details(run.epsilons()))
-        result = run.save()
+        result = run.save()  # a check saves and records nothing
+        if check:
+            result.plan = run.plan
     if result.exhausted:
         raise BudgetExhausted(Code.BUDGET_EXCEEDED, f"no contribution is eligible after {result.steps} steps: "
                                                     "every one is withdrawn or has spent its budget (adapter saved)")

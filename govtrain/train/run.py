@@ -25,6 +25,7 @@ from govtrain.errors import Code, ConfigError, GovtrainError, RejectedError
 from govtrain.ledger.ledger import Ledger
 from govtrain.ledger.spend_rules import noise_groups_record
 from govtrain.train.config import RunConfig
+from govtrain.train.preflight import Plan, check_output, consent_error, project
 from govtrain.train.lease import (
     LOCK_FILE,
     Replan,
@@ -69,6 +70,7 @@ class RunResult:
     eps_by_class: dict[str, list[float]] = field(default_factory=dict)  # max cumulative eps per class, per epoch
     adapter_sha256: bytes | None = None
     exhausted: bool = False
+    plan: "Plan | None" = None  # a check's plan (`govtrain train --check`); None for a run that trained
 
 
 def tree_sha256(folder: Path) -> bytes:
@@ -99,8 +101,9 @@ def _load_state(path: Path, config: RunConfig) -> dict | None:
         return None
     state = torch.load(path, weights_only=False, map_location="cpu")
     if state.get("config_sha256") != config.sha256:
-        raise ConfigError(Code.RUN_CONFIG_INVALID, f"{path} holds the state of a run with another config; restore "
-                                                   "that config to resume it, or move the file away to start afresh")
+        raise ConfigError(Code.OUTPUT_TAKEN, f"{path} holds the state of a run with another config: training.output "
+                                             "is that run's; restore its config to resume it, or give this run "
+                                             "another training.output")
     return state
 
 
@@ -135,8 +138,15 @@ class Run:
 
     def __init__(self, config: RunConfig, ledger: Ledger, *, insecure_seed: int | None = None, log: LOG = print,
                  now: Callable[[], int] = lambda: int(time.time()), checkpoint_every: int = 10,
-                 observe: Callable[[int, list[str]], None] | None = None) -> None:
+                 observe: Callable[[int, list[str]], None] | None = None, confirm: bool = False,
+                 check: bool = False) -> None:
         self.config, self.ledger, self.log, self.now = config, ledger, log, now
+        # `confirm`: charging contributions other runs charged is consented to; `check`: everything up to the first
+        # write-ahead, then stop, writing nothing (no lock, no claim, no run state, no spend)
+        self.confirm, self.check = confirm, check
+        self.plan: Plan | None = None  # what the run would charge, projected at prepare (check, or charged before)
+        self.charged_before: set[str] = set()  # the run's contributions other runs charged (a fresh run only)
+        self.resumed = False  # prepare found the run's own state
         self.insecure_seed, self.checkpoint_every, self.observe = insecure_seed, checkpoint_every, observe
         self.total = config.file.training.steps
         self.state_path = config.output_dir / STATE_FILE
@@ -188,7 +198,10 @@ class Run:
 
         config, ledger, log = self.config, self.ledger, self.log
         training = config.file.training
-        self._lock = lock_state(config.output_dir)
+        if not self.check:  # a check writes nothing, the lock file and the output folder included
+            self._lock = lock_state(config.output_dir)
+        if not self.state_path.exists():  # a fresh run starts in an empty folder (`preflight.check_output`)
+            check_output(config.output_dir, (LOCK_FILE, STATE_FILE + ".tmp"))
         if self.insecure_seed is not None:
             torch.manual_seed(self.insecure_seed)
         self.policy = policy = ledger.policy
@@ -259,6 +272,7 @@ class Run:
         self.result = result = RunResult(run_id, 0)
         state = _load_state(self.state_path, config)
         book = ledger.spend_book()
+        self.resumed = state is not None
         if state is not None:
             run_id = result.run_id = state["run_id"]
             self.run_nonce, self.sampler.key = state.get("run_nonce"), state.get("sampling_key")
@@ -296,15 +310,37 @@ class Run:
             # The sampling key fixes each step's draw (`PoissonSampler.at_step`): secret, in the run state only.
             self.sampler.key = (os.urandom(32) if self.insecure_seed is None
                                 else hashlib.sha256(b"govtrain insecure sampling key %d" % self.insecure_seed).digest())
+            self.charged_before = present & book.charged.keys()  # this id has no spend: every charge is another run's
         record = artifact_record(config, self.model, base=base, base_sha256=self.base_sha256, run_id=run_id,
                                  origin=policy.origin)
         self.export = Release(self.model, record, tokenizer)  # what finish() will write
-        self._claim()
+        if self.check or self.charged_before:
+            self.plan = self.projection()
+        if self.charged_before and not self.check:
+            if not self.confirm:
+                raise consent_error(self.plan)
+            log(f"note: {len(self.charged_before)} contribution(s) were charged by other runs before; charging them "
+                f"again as confirmed ({self.plan.epsilons()})")
+        if not self.check:
+            self._claim()
         drawn = (f"{expected_batch:g} of {records} examples from {len(present)} contributions" if
                  self.per_contribution is None else f"{expected_batch:g} of {len(present)} contributions, at most "
                  f"{self.per_contribution} examples each: ε per contribution")
         log(f"{run_id}: {self.total} {training.mechanism} steps, q = {q_u / units.MICRO:g} (expected batch {drawn}), "
             f"{policy.accountant} at δ = {policy.delta_p / 1e12:g}")
+
+    def projection(self) -> Plan:
+        """What the run's remaining steps would charge, projected from what the ledger says now."""
+        cohorts, q_u, expected_batch = self._corpus_now()
+        first, epoch = self.result.steps, self.ledger.epoch()
+        if self.pending is not None:  # resumed inside an epoch planned (or written) before: from the next one
+            first, epoch = self.pending["first_step"] + self.pending["steps"], max(epoch, self.pending["epoch"] + 1)
+        elif self.ledger.spend_book().holder(epoch) is not None:  # another run holds this one
+            epoch += 1
+        return project(run_id=self.run_id, cohorts=cohorts, classes=self.classes, scheduler=self.scheduler, q_u=q_u,
+                       expected_batch=expected_batch, first_epoch=epoch, steps=max(self.total - first, 0),
+                       total_steps=self.total, policy=self.policy, resumed=self.resumed,
+                       charged_before=self.charged_before)
 
     # -- per ledger epoch ------------------------------------------------------------------------------
 
@@ -315,6 +351,8 @@ class Run:
         eligible any more."""
         if self.pending is not None:
             raise RuntimeError("plan_epoch() with an epoch pending: its written-ahead plan would be replaced")
+        if self.check:
+            raise RuntimeError("a check stops before the first epoch is planned: it writes nothing")
         cohorts, q_u, expected_batch = self._corpus_now()
         if not any(c.eligible for c in cohorts):
             self.result.exhausted = True
@@ -516,6 +554,8 @@ class Run:
         (`result.exhausted`). `check(output)` reads what was written before it is hashed and recorded."""
         from govtrain.release.artifact import adapter_sha256
 
+        if self.check:
+            raise RuntimeError("a check saves nothing and records no run")
         self.router.close()
         self._check_owner()
         output = self.config.output_dir
@@ -577,6 +617,8 @@ class Run:
 
     def _save(self) -> None:
         """The run state: trainable weights, the update's state and the pending epoch with its plan."""
+        if self.check:
+            raise RuntimeError("a check writes no run state")
         result = self.result
         _save_state(self.state_path, {
             "run_id": result.run_id, "run_nonce": self.run_nonce, "sampling_key": self.sampler.key,

@@ -14,6 +14,11 @@ entry binds the trials and states the epsilon their spend entries charged (`govt
 verifier recomputes it.
 A search stopped by a kill is resumed by running it again with the same id: finished trials (those with a
 run entry) are kept, an interrupted one resumes from its run state.
+
+Consent (issue 21): the trials charge the same contributions one after the other by design, and starting the
+search consents to that; contributions that runs outside this search charged before it need `confirm`
+(`--yes`), asked once before the first trial (`charged_before`, with each class's epsilon so far). Each trial's
+own loop is rehearsed before its first spend, as any run's is.
 """
 
 from __future__ import annotations
@@ -304,10 +309,12 @@ def check_selection(ledger, config: RunConfig, task, selection: Selection) -> No
 
 def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str, *, tune_id: str,
          key: str | None = None, insecure_seed: int | None = None, log: Callable[[str], None] = print,
-         now: Callable[[], int] = lambda: int(time.time()), train_options: dict | None = None) -> TuneResult:
+         now: Callable[[], int] = lambda: int(time.time()), train_options: dict | None = None,
+         confirm: bool = False) -> TuneResult:
     """Run (or resume) the search: validate everything, train each trial not yet finished, score every trial,
     select the best and record the `tune` entry. Where the budgets run out during a trial, the tune entry is
-    still recorded for the trials that wrote spend, with no selection, and `BudgetExhausted` is raised."""
+    still recorded for the trials that wrote spend, with no selection, and `BudgetExhausted` is raised.
+    Contributions that runs outside this search charged need `confirm` (module docstring)."""
     from govtrain.ledger.ledger import Ledger
     from govtrain.tasks import task_for
     from govtrain.train.loop import BudgetExhausted, train
@@ -321,9 +328,17 @@ def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str
     with Ledger.open(ledger_url, key=key) as ledger:
         check_selection(ledger, config, task, selection)
         book = ledger.tune_book()
+        before = _charged_outside(ledger, {trial.run_id for trial in trials})
     if tune_id in book.tunes:
         raise ConfigError(Code.TUNE_EXISTS, f"tune {tune_id!r} is already recorded by entry {book.tunes[tune_id]}; "
                                             "a search is recorded once: give a new one another --id")
+    if before and not confirm:
+        so_far = ", ".join(f"{name} ε {eps / 1e6:.4f}" for name, (_, eps) in sorted(before.items()))
+        raise ConfigError(Code.CHARGED_BEFORE, f"{sum(n for n, _ in before.values())} admitted contribution(s) were "
+                                               f"already charged by runs outside this search ({so_far} so far), and "
+                                               f"each of its {len(trials)} trials charges them again: pass --yes "
+                                               "(confirm=True) to charge them, or search on a scratch ledger "
+                                               "(make scratch)")
     config.output_dir.mkdir(parents=True, exist_ok=True)
     result = TuneResult(tune_id=tune_id, metric=metric)
     log(f"{tune_id}: {len(trials)} trials on {grid.selection.name} by {metric}; each trial's spend is charged")
@@ -345,8 +360,9 @@ def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str
             log(f"trial {trial.index} ({_show(trial.values)})")
             seed = None if insecure_seed is None else insecure_seed + trial.index
             try:
+                # consented above: the trials charge the contributions one after the other by design
                 adapter = train(trial.config, ledger_url, key=key, insecure_seed=seed, log=log, now=now,
-                                **(train_options or {})).adapter_sha256
+                                **{"confirm": True, **(train_options or {})}).adapter_sha256
             except BudgetExhausted as e:
                 stopped, stopped_at = e, trial.index
         with Ledger.open(ledger_url, key=key) as ledger:
@@ -383,6 +399,22 @@ def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str
         raise BudgetExhausted(stopped.code, f"tune {tune_id!r} stopped at trial {stopped_at}: "
                                             f"{stopped.detail}; {recorded}; no trial selected")
     return result
+
+
+def _charged_outside(ledger, trials: set[str]) -> dict[str, tuple[int, int]]:  # type: ignore[no-untyped-def]
+    """Per class, (how many admitted, not withdrawn contributions runs other than `trials` charged, their largest
+    ε so far in micro-units)."""
+    from govtrain.resolver.plan import read_corpus
+    from govtrain.train.preflight import charged_by
+
+    admitted, withdrawn, _ = read_corpus(ledger)
+    runs = charged_by(ledger)
+    found: dict[str, tuple[int, int]] = {}
+    for cid, record in admitted.items():
+        if cid not in withdrawn and runs.get(cid, set()) - trials:
+            count, eps = found.get(record.member.data_class, (0, 0))
+            found[record.member.data_class] = (count + 1, max(eps, record.eps_u))
+    return found
 
 
 def _score(config: RunConfig, task, examples, metric: str,  # type: ignore[no-untyped-def]
