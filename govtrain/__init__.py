@@ -3,16 +3,18 @@
 The pipeline, one stage per subpackage: `attest` (descriptors, COSE attestations, keys) →
 `policy` (the corpus policy, the trust store) → `gate` (admissibility and admission) →
 `ledger` (entries, the ledger) → `verify` (the auditor's verifier) → `train` (governed training; its
-library API is `govtrain.GovernedRun`). `cli` is the command line. Importing govtrain imports no torch:
-`GovernedRun` and `GovernedBatch` are loaded on first use.
+library API is `govtrain.GovernedRun`) → `release` (the adapter folder a run writes; `govtrain.load` reads it
+back for inference). `cli` is the command line. Importing govtrain imports no torch: `GovernedRun`,
+`GovernedBatch` and `load` are loaded on first use.
 """
 
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["GovernedBatch", "GovernedRun", "__version__"]
+__all__ = ["GovernedBatch", "GovernedRun", "load", "__version__"]
 
 if TYPE_CHECKING:
+    from govtrain.release.load import load
     from govtrain.train.governed import GovernedBatch, GovernedRun
 
 
@@ -21,4 +23,8 @@ def __getattr__(name: str) -> Any:
         from govtrain.train import governed
 
         return getattr(governed, name)
+    if name == "load":
+        from govtrain.release.load import load
+
+        return load
     raise AttributeError(f"module 'govtrain' has no attribute {name!r}")

@@ -45,6 +45,8 @@ class Code(str, Enum):
     GRID_INVALID = "grid_invalid"  # a tuning grid that is unreadable, names a key it may not, or builds a bad trial
     TUNE_EXISTS = "tune_exists"  # the ledger already records a tune with this id
     SELECTION_ADMITTED = "selection_admitted"  # selection (tune's file, a Trainer's evaluation) on admitted rows
+    ARTIFACT_UNREADABLE = "artifact_unreadable"  # not an adapter folder govtrain wrote, or one of another format
+    BASE_MODEL_MISMATCH = "base_model_mismatch"  # the base model found is not the one the adapter was trained on
     CHARGED_BEFORE = "charged_before"  # a run would charge contributions other runs charged, unconfirmed
     OUTPUT_TAKEN = "output_taken"  # the output folder holds another run's adapter, run state or other files
 
@@ -134,6 +136,7 @@ class Code(str, Enum):
     BAD_EPOCH = "bad_epoch"
     BAD_RUN = "bad_run"  # a run entry that repeats a run id or names another lease than the run's spend
     BAD_TUNE = "bad_tune"  # a tune entry whose trials, selection or stated epsilon the ledger does not bear out
+    ADAPTER_MISMATCH = "adapter_mismatch"  # an adapter folder that is not what its run entry records
     TIME_REVERSED = "time_reversed"  # an entry's time is earlier than the entry before it
     POLICY_UNAUTHORISED = "policy_unauthorised"  # a policy change no key of the policy before it signed
 

@@ -15,7 +15,8 @@ pytest.importorskip("transformers")
 import govtrain  # noqa: E402
 from govtrain.errors import Code, ConfigError  # noqa: E402
 from govtrain.train.config import load_run_config  # noqa: E402
-from govtrain.train.run import STATE_FILE, tree_sha256  # noqa: E402
+from govtrain.release.artifact import adapter_sha256  # noqa: E402
+from govtrain.train.run import STATE_FILE  # noqa: E402
 from govtrain.verify.verifier import verify_ledger  # noqa: E402
 from tests.conftest import TEST_POLICY, Corpus, make_corpus, snapshot  # noqa: E402
 from tests.test_train import _admit, _config, tiny_model  # noqa: E402,F401
@@ -96,7 +97,7 @@ def test_a_users_own_loop_and_govtrain_train_release_the_same_adapter_and_spend(
     # An empty draw is a step too (noise only, no batch to step): here the last, once public's budget is spent
     # and sensitive, at its own sigma, affords one step of the second epoch.
     assert result.steps == len(drawn) == 12 and len(losses) == sum(1 for n in drawn if n) == 11
-    assert tree_sha256(api.dir / "adapter") == tree_sha256(cli.dir / "adapter") == result.adapter_sha256
+    assert adapter_sha256(api.dir / "adapter") == adapter_sha256(cli.dir / "adapter") == result.adapter_sha256
     assert _spend(api.url) == _spend(cli.url) and {row[1] for row in _spend(api.url)} == {0, 1}  # two epochs
     assert verify_ledger(api.url).by_kind["run"] == 1
 

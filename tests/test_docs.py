@@ -38,10 +38,11 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 PAGES = [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]
 NOT_RUN = "<!-- snippet: not run -->"
-SKIPPED: dict[str, int] = {}  # page (relative to the repository) -> python blocks marked NOT_RUN
+# page (relative to the repository) -> python blocks marked NOT_RUN
+SKIPPED: dict[str, int] = {"docs/loading.md": 1}  # the plain peft load that the scratch policy's adapter class refuses
 # Pages the nav names for features that land in other branches (issue 21): mkdocs.yml reports a missing nav
 # page only as info so that the site builds without them. Remove each name once its page exists.
-PENDING_PAGES = {"loading.md"}
+PENDING_PAGES: set[str] = set()
 
 
 @dataclass(frozen=True)

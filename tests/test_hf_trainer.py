@@ -15,8 +15,8 @@ transformers = pytest.importorskip("transformers")
 import govtrain  # noqa: E402
 from govtrain.errors import Code, ConfigError  # noqa: E402
 from govtrain.integrations.hf import GovernedOptimizer, GovernedTrainer  # noqa: E402
+from govtrain.release.artifact import adapter_sha256  # noqa: E402
 from govtrain.train.config import load_run_config  # noqa: E402
-from govtrain.train.run import tree_sha256  # noqa: E402
 from govtrain.verify.verifier import verify_ledger  # noqa: E402
 from tests.conftest import snapshot  # noqa: E402
 from tests.test_api import QUIET, _corpus, _spend  # noqa: E402
@@ -86,7 +86,7 @@ def test_the_trainer_path_gives_the_cli_paths_gradients_adapter_and_spend(tmp_pa
     assert len(updates) == len(cli_updates) == 12
     for ours, theirs in zip(updates, cli_updates):
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    assert tree_sha256(hf.dir / "adapter") == tree_sha256(cli.dir / "adapter")
+    assert adapter_sha256(hf.dir / "adapter") == adapter_sha256(cli.dir / "adapter")
     assert _spend(hf.url) == _spend(cli.url)
     assert verify_ledger(hf.url).by_kind["run"] == 1
     assert log.steps == list(range(1, len(log.steps) + 1)) and log.steps[-1] <= 12  # an empty draw is no Trainer step

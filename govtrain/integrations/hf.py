@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -387,6 +388,14 @@ class _Governed:
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         self._evaluations.saved(f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The Trainer's save (each checkpoint, `save_model`), completed as the run's release is (`Release.write`):
+        portable adapter configs that plain peft refuses where it would predict wrong, the record and the run's
+        tokenizer, so `govtrain.load` reads it. What it saves is not recorded: the run's adapter is `run.save()`'s."""
+        super()._save(output_dir, state_dict)
+        if self.args.should_save:
+            self.run._release.write(Path(output_dir if output_dir is not None else self.args.output_dir))
 
     def _evaluate_once(self, label: str, data: Any, argument: Any, ignore_keys: list[str] | None,
                        prefix: str) -> dict[str, float]:

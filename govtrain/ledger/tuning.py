@@ -64,15 +64,18 @@ class TuneBook:
     tuned: dict[str, str] = field(default_factory=dict)  # trial run id -> its tune id
 
     @classmethod
-    def read(cls, store: "ledger_store.LedgerStore") -> "TuneBook":
-        """The runs, their spend and the tunes recorded in `store`, in ledger order. A spend retention redacted
-        counts as its summary recorded it; one no summary records refuses every tune (`bad_summary`)."""
+    def read(cls, store: "ledger_store.LedgerStore", *, until: int | None = None) -> "TuneBook":
+        """The runs, their spend and the tunes recorded in `store`, in ledger order (up to entry `until`, where
+        given). A spend retention redacted counts as its summary recorded it; one no summary records refuses every
+        tune (`bad_summary`)."""
         book, classes = cls(), {}
         for row in store.admissions():  # retired ones too: their index rows stay
             book.admit(row.data_sha256)
             classes[row.contribution_id] = row.data_class
         redacted = retention.Redacted.read(store)
         for stored in store.entries(start=1, kinds=("spend", "run", "tune")):
+            if until is not None and stored.seq > until:
+                break
             if stored.body is None:
                 if stored.seq not in redacted.spends:
                     raise IntegrityError(Code.BAD_SUMMARY, f"spend entry {stored.seq} was redacted, but no summary "

@@ -5,7 +5,7 @@ and a test keeps the two identical. Paths are relative to the config file. The c
 (of its bytes, as read) is what the ledger's `run` entry records.
 
     [model]
-    base = "minilm"              # the bundled all-MiniLM-L6-v2, or a local Hugging Face directory
+    base = "minilm"              # bundled all-MiniLM-L6-v2; or org/name (local HF cache); or a local directory
     task = "sequence-classification"   # or "causal-lm" (govtrain/tasks/causal_lm.py: rows, targets, padding)
     num_labels = 2               # sequence-classification only
     max_length = 48
@@ -72,7 +72,8 @@ class _Strict(BaseModel):
 
 
 class ModelSection(_Strict):
-    base: StrictStr = Field(description="'minilm' (bundled) or a local Hugging Face model directory")
+    base: StrictStr = Field(description="'minilm' (bundled), a Hugging Face id (org/name) in the local Hugging Face "
+                                        "cache, or a local Hugging Face model directory")
     task: Literal["sequence-classification", "causal-lm"] = Field(
         "sequence-classification", description="sequence-classification: {text, label} rows, a classifier head; "
                                                "causal-lm: {text}, {prompt, completion} or {messages} rows, "
@@ -235,8 +236,14 @@ class RunConfig:
 
     @property
     def model_spec(self) -> str:
+        """What `[model] base` names: a bundled model's short name, a Hugging Face id (`org/name`, read from the
+        local cache) or a local directory (relative to the config's folder); a folder that exists wins."""
+        from govtrain.resolver.load import HUB_ID
+
         base = self.file.model.base
-        return base if re.fullmatch(r"[a-z0-9-]+", base) and not self.path(base).exists() else str(self.path(base))
+        if (re.fullmatch(r"[a-z0-9-]+", base) or HUB_ID.fullmatch(base)) and not self.path(base).exists():
+            return base
+        return str(self.path(base))
 
 
 def load_run_config(path: str | Path) -> RunConfig:

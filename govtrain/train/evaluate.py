@@ -39,17 +39,31 @@ def read_examples(path: Path, task, integer_columns: Sequence[str] = ()) -> list
 
 
 def load_trained(config: RunConfig, adapter: Path):
-    """(model, tokenizer): the run's base model as training built it (its loader, its pooling) with the adapter
-    folder `govtrain train` saved (the default adapter and one sub-folder per `adapter` class), all active as in
-    training, in eval mode."""
+    """(model, tokenizer): the adapter folder `govtrain train` saved on the run's base model, as training built
+    it (its pooling, the default adapter and one sub-folder per `adapter` class, all active), in eval mode. A folder
+    govtrain released loads through `govtrain.load` (its record, the base model of `[model]` bound by its tree
+    hash), and `[model]` must describe it; an older one, with no record, is rebuilt from `[model]` alone."""
     from peft import PeftModel
 
+    from govtrain.release.artifact import RECORD
+    from govtrain.release.load import load
     from govtrain.train.model import load_base, quiet_loading
     from govtrain.train.pooling import use_pooling
 
     if not (adapter / ADAPTER_CONFIG).is_file():
         raise ConfigError(Code.BAD_ARGUMENT, f"--adapter {adapter}: no {ADAPTER_CONFIG} there; name the folder "
                                              "`govtrain train` saved (training.output)")
+    if (adapter / RECORD).is_file():
+        loaded = load(adapter, base=config.model_spec)
+        section, record = config.file.model, loaded.record
+        said = {"task": section.task, "pooling": section.pooling,
+                "num_labels": section.num_labels if section.task == "sequence-classification" else None}
+        differ = [f"{key} = {value!r} (the adapter's: {getattr(record, key)!r})" for key, value in said.items()
+                  if getattr(record, key) != value]
+        if differ:
+            raise ConfigError(Code.RUN_CONFIG_INVALID, f"--adapter {adapter} was not trained as [model] says: "
+                                                       f"{'; '.join(differ)} (its {RECORD})")
+        return loaded.model, loaded.tokenizer
     base, tokenizer, _ = load_base(config)
     if config.file.model.task == "sequence-classification":
         base = use_pooling(base, config.file.model.pooling)  # the pooling the adapter was trained under

@@ -121,7 +121,7 @@ class GovernedRun:
         self._broken: str | None = None  # what raised inside a step, after its draw (`_in_step`)
         check_optimizer_hooks()
         self._weights = Weights(run.model, run.update)  # the model and update as the last governed step left them
-        self._release = Release(run.model)  # what save_pretrained writes for this model, besides the weights
+        self._release = run.export  # what save() may write: peft's files for this model, govtrain's own
         self._guard = Guard(run.model, self._governed_forward)  # the run owns sampling
         self._tokenizer = copy.deepcopy(run.tokenizer)  # encodes every draw: patching run.tokenizer changes none
         self._rehearsal: Rehearsal | None = None  # built when first handed out
@@ -641,60 +641,6 @@ def same_state(a: Any, b: Any) -> bool:
     if type(a) is torch.Tensor:  # accelerate moves the state to the device: compare on the CPU
         return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
     return type(a) in _PLAIN and (a == b or (a != a and b != b))
-
-
-class Release:
-    """What `save()` may write, taken when the run opens: the files `save_pretrained` writes for this model and
-    their contents but the weights (each adapter's config). `check` takes out peft's model cards (README.md:
-    libraries add tags to them, TRL's SFTTrainer among them, so they are free text no check can pin) and reads the
-    folder as written: exactly those files, those contents, and each adapter's tensors equal to the weights the
-    last governed step left. Code of the loop's can run inside `save_pretrained` (a `peft_config` of its own is plain
-    instance data the guard does not record) and files can be put in the folder beforehand; neither reaches the
-    recorded adapter (review 9: a dict subclass as `peft_config` wrote admitted token ids into the saved
-    weights, a sub-folder adapter written beforehand was hashed and loaded with it, admitted text was saved in
-    `adapter_config.json` and `lora_alpha` rescaled)."""
-
-    WEIGHTS = "adapter_model.safetensors"
-    CARD = "README.md"
-
-    def __init__(self, model: "nn.Module") -> None:
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as folder:
-            model.save_pretrained(folder)
-            root = Path(folder)
-            self.cards = sorted(str(p.relative_to(root)) for p in root.rglob(self.CARD))
-            self.files = {str(p.relative_to(root)): (None if p.name == self.WEIGHTS else p.read_bytes())
-                          for p in root.rglob("*") if p.is_file() and p.name != self.CARD}
-        self.adapters = list(model.peft_config)
-
-    def check(self, output: Path, trainable: dict[str, torch.Tensor]) -> None:
-        from safetensors.torch import load_file
-
-        from govtrain.train.run import _NOT_ADAPTER
-
-        for card in self.cards:  # written by save_pretrained: not part of the adapter
-            (output / card).unlink(missing_ok=True)
-        written = {str(p.relative_to(output)) for p in output.rglob("*") if p.is_file() and p.name not in _NOT_ADAPTER}
-        problems = [f"{name} is not a file save() writes" for name in sorted(written - self.files.keys())]
-        problems += [f"{name} is missing" for name in sorted(self.files.keys() - written)]
-        problems += [f"{name} differs from what the run opened with" for name, data in sorted(self.files.items())
-                     if data is not None and name in written and (output / name).read_bytes() != data]
-        for adapter in self.adapters:
-            name = self.WEIGHTS if adapter == "default" else f"{adapter}/{self.WEIGHTS}"
-            if name not in written:
-                continue
-            expected = {key.replace(f".modules_to_save.{adapter}.", ".").replace(f".{adapter}.", "."): value
-                        for key, value in trainable.items() if f".{adapter}." in key}
-            saved = load_file(str(output / name))
-            if saved.keys() != expected.keys() or any(not torch.equal(saved[k].cpu(), expected[k].cpu())
-                                                      for k in saved):
-                problems.append(f"{name} holds other tensors than the last governed step's weights")
-        if problems:
-            raise ConfigError(Code.UNGOVERNED_UPDATE, f"the adapter save() wrote in {output} is not the run's "
-                                                      f"({'; '.join(problems[:3])}): nothing is recorded; leave the "
-                                                      "output folder to the run and the model's adapter "
-                                                      "configuration as it was opened")
 
 
 def check_optimizer_hooks() -> None:

@@ -93,23 +93,28 @@ def load_tokenizer(config: RunConfig):
 
 
 def load_base(config: RunConfig):
-    """(base model, tokenizer, its folder): the model `[model]` names for its task (a sequence classifier, or a
-    causal LM with its own LM head), on the CPU in fp32 (whatever dtype its checkpoint holds), loaded quietly.
-    Training and evaluation both start here."""
+    """(base model, tokenizer, its folder): the model `[model]` names for its task (`load_pretrained`). Training
+    and evaluation both start here."""
+    tokenizer, path = load_tokenizer(config)
+    section = config.file.model
+    return load_pretrained(path, section.task, section.num_labels, tokenizer), tokenizer, path
+
+
+def load_pretrained(path: Path, task: str, num_labels: int | None, tokenizer):
+    """The model in the folder `path` for `task` (a sequence classifier with `num_labels` labels, or a causal LM
+    with its own LM head), on the CPU in fp32 (whatever dtype its checkpoint holds), loaded quietly. A run's base
+    and the one `govtrain.load` rebuilds under a trained adapter are both loaded here, so they are the same model."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    tokenizer, path = load_tokenizer(config)
-    section = config.file.model
     with quiet_loading():
-        if section.task == "causal-lm":
-            base = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-        else:
-            base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=section.num_labels,
-                                                                      local_files_only=True, dtype=torch.float32)
-            if base.config.pad_token_id is None:  # a decoder classifier finds each example's last token by it
-                base.config.pad_token_id = tokenizer.pad_token_id
-    return base, tokenizer, path
+        if task == "causal-lm":
+            return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels, local_files_only=True,
+                                                                  dtype=torch.float32)
+    if base.config.pad_token_id is None:  # a decoder classifier finds each example's last token by it
+        base.config.pad_token_id = tokenizer.pad_token_id
+    return base
 
 
 def use_eos_for_padding(tokenizer, path: Path) -> None:

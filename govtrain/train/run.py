@@ -185,6 +185,7 @@ class Run:
 
         from govtrain.accounting.spend import SpendCalculator
         from govtrain.mechanisms.update import Update
+        from govtrain.release.export import Release, artifact_record, tokenizer_files
         from govtrain.resolver.model import describe
         from govtrain.resolver.plan import read_corpus, sampling_rate_for
         from govtrain.resolver.profile import resolve
@@ -243,6 +244,7 @@ class Run:
         self._autocast = ((lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if self.precision == "bf16"
                           else contextlib.nullcontext)
         self.model, self.tokenizer, base = load_model(config, adapters)
+        tokenizer = tokenizer_files(self.tokenizer)  # as loaded: encoding leaves its settings in a fast tokenizer
         self.task.check(examples.items, self.tokenizer, config.file.model.max_length)  # e.g. no target token left
         self.base_sha256 = tree_sha256(base)
         self.model.to(self.device)  # before the router: its noise generator lives on the parameters' device
@@ -318,6 +320,9 @@ class Run:
         # ledger's write lock: another run may charge them between this read and that write).
         mine = {run_id, *self.siblings}
         self.charged_before = {c for c in present if book.charged_by.get(c, set()) - mine}
+        record = artifact_record(config, self.model, base=base, base_sha256=self.base_sha256, run_id=run_id,
+                                 origin=policy.origin)
+        self.export = Release(self.model, record, tokenizer)  # what finish() will write
         if self.check or self.charged_before:
             self.plan = self.projection()
         if self.charged_before and not self.check:
@@ -583,9 +588,12 @@ class Run:
     # -- finish ----------------------------------------------------------------------------------------
 
     def finish(self, check: Callable[[Path], None] | None = None) -> RunResult:
-        """Save the adapter, record the run entry (mechanism, config, base model, adapter, device, precision)
-        and remove the run state. Called also when the budgets ran out (`result.exhausted`). `check(output)`
-        reads what was written before it is hashed and recorded."""
+        """Save the adapter (`self.export`, a `release.Release`: peft's files, then govtrain's record and
+        tokenizer), record the run entry (mechanism, config, base model, adapter, device, precision), remove the run
+        state, and write the model card from what the ledger then says. Called also when the budgets ran out
+        (`result.exhausted`). `check(output)` reads what was written before it is hashed and recorded."""
+        from govtrain.release.artifact import adapter_sha256
+
         if self.check:
             raise RuntimeError("a check saves nothing and records no run")
         self.router.close()
@@ -593,17 +601,30 @@ class Run:
         output = self.config.output_dir
         output.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(output)
+        self.export.write(output)
         if check is not None:
             check(output)
         result = self.result
-        result.adapter_sha256 = tree_sha256(output)
+        result.adapter_sha256 = adapter_sha256(output)  # every file but the card, which cites the run entry
         device = self.device.type if self.device.type == "cpu" else str(self.device)
         self.ledger.record_run(result.run_id, self.config.file.training.mechanism, self.config.sha256,
                                self.base_sha256, result.adapter_sha256, run_nonce=self.run_nonce, device=device,
                                precision=self.precision, now=self.now())
         self.state_path.unlink(missing_ok=True)
         (output / LOCK_FILE).unlink(missing_ok=True)  # the id is spent: no later run can take this state
+        self._write_card(output)
         return result
+
+    def _write_card(self, output: Path) -> None:
+        """The model card, from the ledger as the run entry left it. The run is recorded whatever happens here: a
+        card that cannot be written is said, not raised (`verify_adapter` checks the adapter without it)."""
+        from govtrain.release.card import run_facts, write_card
+
+        try:
+            write_card(output, self.export.record, run_facts(self.ledger, self.run_id))
+        except (GovtrainError, OSError) as e:
+            self.log(f"note: the model card {output / 'README.md'} was not written ({e}); the adapter and its run "
+                     "entry are saved")
 
     def _claim(self) -> None:
         self._owner = claim(self.ledger, self.run_id)

@@ -323,7 +323,7 @@ def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str
     from govtrain.ledger.ledger import Ledger
     from govtrain.tasks import task_for
     from govtrain.train.loop import BudgetExhausted, train
-    from govtrain.train.run import tree_sha256
+    from govtrain.release.artifact import adapter_sha256
 
     # Everything that can be refused is refused here, before any trial writes spend.
     trials = plan_trials(config, config_path, grid, tune_id)
@@ -358,7 +358,7 @@ def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str
                 raise ConfigError(Code.GRID_INVALID, f"run {trial.run_id!r} is recorded with another config than "
                                                      f"trial {trial.index} of this grid; resume with the same files")
             adapter = recorded[-1][1]
-            if adapter is None or tree_sha256(trial.config.output_dir) != adapter:
+            if adapter is None or adapter_sha256(trial.config.output_dir) != adapter:
                 raise ConfigError(Code.BAD_ARGUMENT, f"{trial.config.output_dir} is not the adapter run "
                                                      f"{trial.run_id!r} recorded")
             log(f"trial {trial.index} ({_show(trial.values)}): finished before, kept")
