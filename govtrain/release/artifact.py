@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -38,6 +39,8 @@ ADAPTER_CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 STATE = ("run-state.pt", "run-state.pt.tmp", "run-state.lock")  # a run's resumable state: never the adapter's
 PLAIN_PREFIX = "govtrain.load only: "  # how a refusing task_type starts
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9_-]+")  # a class adapter's sub-folder: never a path out of the folder
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")  # org/name
 
 Hex = str
 
@@ -94,6 +97,13 @@ class ArtifactRecord(_Strict):
             raise ValueError("id2label must name labels 0..num_labels-1 once each, and label2id invert it")
         if not self.adapters or self.adapters[0] != "default" or len(set(self.adapters)) != len(self.adapters):
             raise ValueError("adapters lists 'default' first, then each class adapter once")
+        if any(not ADAPTER_NAME.fullmatch(name) for name in self.adapters):
+            raise ValueError("an adapter is named by letters, digits, '_' and '-' only: its sub-folder of this one")
+        from govtrain.resolver.load import SHORT_NAMES
+
+        spec = self.base_model.spec
+        if spec is not None and spec not in SHORT_NAMES and not HUB_ID.fullmatch(spec):
+            raise ValueError("base_model.spec is a bundled model's short name or a Hugging Face id, never a path")
         return self
 
     def to_json(self) -> bytes:

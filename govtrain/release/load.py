@@ -83,9 +83,16 @@ def load(folder: str | os.PathLike[str], *, base: str | os.PathLike[str] | None 
         raise ConfigError(Code.BASE_MODEL_MISMATCH, f"{path} has tree hash {found}, but {folder} was trained on "
                                                     f"{named.name} with tree hash {named.sha256} (govtrain.json): "
                                                     "another model or revision; give the base it was trained on")
-    tokenizer = _tokenizer(folder)
-    return LoadedModel(model=build(folder, record, path, tokenizer).to(device).eval(), tokenizer=tokenizer,
-                       record=record)
+    try:
+        tokenizer = _tokenizer(folder)
+        model = build(folder, record, path, tokenizer)
+    except ConfigError:
+        raise
+    except Exception as e:  # a damaged folder: not JSON, a truncated tensor file, a head of another size
+        raise ConfigError(Code.ARTIFACT_UNREADABLE, f"{folder}: cannot be loaded as the model its govtrain.json "
+                                                    f"describes ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                          ) from None
+    return LoadedModel(model=model.to(device).eval(), tokenizer=tokenizer, record=record)
 
 
 _HASHED: dict[tuple, str] = {}  # tree hashes of base models this process read, by their files' stat
@@ -96,7 +103,8 @@ def _tree_hash(path: Path) -> str:
     while no file of it changes size or time: a tune scores every trial on the same base, which may be large."""
     from govtrain.train.run import tree_sha256
 
-    files = sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in Path(path).rglob("*") if p.is_file())
+    files = sorted((str(p), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)  # ctime: a restored mtime shows
+                   for p in Path(path).rglob("*") if p.is_file() for st in (p.stat(),))
     key = (str(Path(path).resolve()), tuple(files))
     if key not in _HASHED:
         _HASHED[key] = tree_sha256(path).hex()
@@ -108,8 +116,12 @@ def _tokenizer(folder: Path):  # type: ignore[no-untyped-def]
 
     from govtrain.train.model import quiet_loading, use_eos_for_padding
 
+    for name in ("tokenizer_config.json", "config.json"):
+        if (folder / name).is_file() and b'"auto_map"' in (folder / name).read_bytes():
+            raise ConfigError(Code.ARTIFACT_UNREADABLE, f"{folder / name}: names code to run (auto_map); govtrain "
+                                                        "writes no such file and runs no code from a folder")
     with quiet_loading():
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     use_eos_for_padding(tokenizer, folder)  # saved with its pad token: this changes nothing, unless edited
     return tokenizer
 
@@ -122,7 +134,7 @@ def build(folder: Path, record: ArtifactRecord, base: Path, tokenizer):  # type:
     from govtrain.train.model import load_pretrained, quiet_loading
     from govtrain.train.pooling import use_pooling
 
-    model = load_pretrained(base, record.task, record.num_labels, tokenizer)
+    model = load_pretrained(base, record.task, record.num_labels, tokenizer, record.pooling)
     if record.task == "sequence-classification":
         model = use_pooling(model, record.pooling)
     places = {name: folder if name == "default" else folder / name for name in record.adapters}

@@ -33,7 +33,9 @@ class AdapterReport:
 
     def __str__(self) -> str:
         eps = ", ".join(f"{c.data_class} ε {eps_text(c.eps_u)}" for c in self.facts.classes) or "no spend"
-        return (f"ok: {self.folder} is run {self.facts.run_id}'s adapter (run entry {self.facts.seq} of "
+        warning = f"the model card {self.card}: trust the ledger's figures below, not the card's; " \
+            if self.card != "matches" else ""
+        return (f"{warning}ok: {self.folder} is run {self.facts.run_id}'s adapter (run entry {self.facts.seq} of "
                 f"{self.facts.origin}); {eps} at δ = {self.facts.delta_p / 1e12:g}; model card {self.card}")
 
 

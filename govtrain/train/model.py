@@ -97,10 +97,10 @@ def load_base(config: RunConfig):
     and evaluation both start here."""
     tokenizer, path = load_tokenizer(config)
     section = config.file.model
-    return load_pretrained(path, section.task, section.num_labels, tokenizer), tokenizer, path
+    return load_pretrained(path, section.task, section.num_labels, tokenizer, section.pooling), tokenizer, path
 
 
-def load_pretrained(path: Path, task: str, num_labels: int | None, tokenizer):
+def load_pretrained(path: Path, task: str, num_labels: int | None, tokenizer, pooling: str = "model"):
     """The model in the folder `path` for `task` (a sequence classifier with `num_labels` labels, or a causal LM
     with its own LM head), on the CPU in fp32 (whatever dtype its checkpoint holds), loaded quietly. A run's base
     and the one `govtrain.load` rebuilds under a trained adapter are both loaded here, so they are the same model."""
@@ -109,12 +109,36 @@ def load_pretrained(path: Path, task: str, num_labels: int | None, tokenizer):
 
     with quiet_loading():
         if task == "causal-lm":
-            return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-        base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels, local_files_only=True,
-                                                                  dtype=torch.float32)
+            base, info = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32,
+                                                              trust_remote_code=False, output_loading_info=True)
+        else:
+            base, info = AutoModelForSequenceClassification.from_pretrained(
+                path, num_labels=num_labels, local_files_only=True, dtype=torch.float32, trust_remote_code=False,
+                output_loading_info=True)
+    check_initialised(path, task, pooling, info.get("missing_keys", ()))
+    if task == "causal-lm":
+        return base
     if base.config.pad_token_id is None:  # a decoder classifier finds each example's last token by it
         base.config.pad_token_id = tokenizer.pad_token_id
     return base
+
+
+def check_initialised(path: Path, task: str, pooling: str, missing) -> None:  # type: ignore[no-untyped-def]
+    """Refuse a base whose checkpoint lacks weights the model needs besides the new classifier head (HEADS): transformers
+    fills them with fresh random values at every load (DeBERTa's ContextPooler, a BERT saved without its pooler), so
+    no adapter could reproduce the predictions of the model it trained. The pooler a mean-pooling run replaces
+    (`pooling.use_pooling`) is dropped whatever its weights; a head is trained and saved in full (peft's
+    modules_to_save matches its name as a suffix: `pre_classifier` too)."""
+    replaced = pooling == "mean"  # the pooler's weights are never used
+    unexpected = sorted(k for k in missing if not k.split(".")[0].endswith(HEADS)  # peft's suffix match saves them
+                        and not (replaced and ".pooler." in f".{k}"))
+    if unexpected:
+        first = unexpected[0]
+        raise ConfigError(Code.MODEL_UNREADABLE, f"{path}: its checkpoint lacks {len(unexpected)} weight(s) "
+                                                 f"the model needs (e.g. {first}), which transformers initialises at "
+                                                 "random on every load, so no saved adapter reproduces its predictions: "
+                                                 "use a checkpoint that holds them (or pooling = \"mean\" where the "
+                                                 "missing module is the pooler)")
 
 
 def use_eos_for_padding(tokenizer, path: Path) -> None:
