@@ -67,7 +67,7 @@ def load(folder: str | os.PathLike[str], *, base: str | os.PathLike[str] | None 
     The base model is `base` (`minilm`, a Hugging Face id in the local cache, or a local directory), by default
     the one the folder's record names where it can be found again (a bundled model, a Hugging Face id). Its tree
     hash must be the one the record holds (`base_model_mismatch`). Nothing is downloaded."""
-    from govtrain.resolver.load import model_path
+    from govtrain.resolver.load import SHORT_NAMES, hub_snapshot, model_path
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     folder = Path(folder)
@@ -77,7 +77,10 @@ def load(folder: str | os.PathLike[str], *, base: str | os.PathLike[str] | None 
         raise ConfigError(Code.MODEL_UNREADABLE, f"{folder}: its base model is a local folder, {named.name!r} (tree "
                                                  f"hash {named.sha256}), which only its owner can point to: pass "
                                                  "base=\"PATH\" to govtrain.load")
-    path = model_path(str(base) if base is not None else named.spec)
+    if base is not None:
+        path = model_path(str(base))
+    else:  # the record's spec: a bundled model or a Hub id in the cache, never a folder of that name here
+        path = model_path(named.spec) if named.spec in SHORT_NAMES else hub_snapshot(named.spec)
     found = _tree_hash(path)
     if found != named.sha256:
         raise ConfigError(Code.BASE_MODEL_MISMATCH, f"{path} has tree hash {found}, but {folder} was trained on "

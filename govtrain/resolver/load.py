@@ -128,7 +128,8 @@ def load_layout(spec: str, num_labels: int = 2, wrap=None, task: str = "sequence
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-        config = AutoConfig.from_pretrained(path, num_labels=num_labels, local_files_only=True)
+        config = AutoConfig.from_pretrained(path, num_labels=num_labels, local_files_only=True,
+                                            trust_remote_code=False)
         auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
         with torch.device("meta"):
             model = auto.from_config(config)

@@ -77,6 +77,19 @@ def for_run(base, file, adapters: list[str]):
     return wrap_lora(use_pooling(base, file.model.pooling), file.lora, adapters)
 
 
+@contextlib.contextmanager
+def no_remote_code(path: Path) -> Iterator[None]:
+    """A model folder whose config names code that transformers needs to build it (auto_map, an unknown
+    model_type) is refused: every load passes trust_remote_code=False, and govtrain runs no code from a folder."""
+    try:
+        yield
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise ConfigError(Code.MODEL_UNREADABLE, f"{path}: its config names code to run to build the model "
+                                                 "(auto_map); govtrain runs no code from a model folder") from None
+
+
 def load_tokenizer(config: RunConfig):
     """(tokenizer, folder of the base model): the tokenizer `[model]` names, as a run encodes with it (with a pad
     token: `use_eos_for_padding`)."""
@@ -86,8 +99,8 @@ def load_tokenizer(config: RunConfig):
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     path = Path(model_path(config.model_spec))
-    with quiet_loading():
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    with quiet_loading(), no_remote_code(path):
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     use_eos_for_padding(tokenizer, path)
     return tokenizer, path
 
@@ -107,7 +120,7 @@ def load_pretrained(path: Path, task: str, num_labels: int | None, tokenizer, po
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    with quiet_loading():
+    with quiet_loading(), no_remote_code(path):
         if task == "causal-lm":
             base, info = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32,
                                                               trust_remote_code=False, output_loading_info=True)
