@@ -17,7 +17,8 @@ from govtrain.ledger.entries import decode_entry  # noqa: E402
 from govtrain.ledger.ledger import Ledger  # noqa: E402
 from govtrain.train.config import load_run_config  # noqa: E402
 from govtrain.train.loop import train  # noqa: E402
-from govtrain.train.run import STATE_FILE, tree_sha256  # noqa: E402
+from govtrain.release.artifact import adapter_sha256  # noqa: E402
+from govtrain.train.run import STATE_FILE  # noqa: E402
 from tests.conftest import snapshot  # noqa: E402
 from tests.test_api import _corpus  # noqa: E402
 from tests.test_train import _config, tiny_model  # noqa: E402,F401
@@ -166,7 +167,7 @@ def test_tune_refuses_another_runs_adapter_folder_as_its_output(tmp_path: Path, 
                                      "--insecure-seed", "3", "--json", "--yes", "--id", "t"])
     assert tuned.exit_code == 2 and "output_taken" in tuned.output + (tuned.stderr or "")
     assert snapshot(corpus.url) == before and _files(adapter) == folder
-    assert tree_sha256(adapter) == run_entry["adapter_sha256"]
+    assert adapter_sha256(adapter) == run_entry["adapter_sha256"]
 
 
 def test_tune_refuses_another_searchs_trials_and_resumes_its_own(tmp_path: Path, tiny_model: Path):
