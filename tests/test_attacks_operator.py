@@ -633,7 +633,8 @@ def test_8_review_l2_a_compaction_between_plan_and_write_ahead_plans_the_epoch_a
         record_spend(ledger, 1, Q, [("pub", 10, 1_000_000, _eps((Q, 1_000_000, 10)))], run_id="other",
                      epoch_steps=10, now=corpus.now)
         ledger.close_epoch(now=corpus.now)
-        run = Run(load_run_config(_config(corpus, tiny_bert, 10)), ledger, insecure_seed=1, log=lambda line: None)
+        run = Run(load_run_config(_config(corpus, tiny_bert, 10)), ledger, insecure_seed=1, log=lambda line: None,
+                  confirm=True)  # "other" charged pub
         run.prepare()
         assert run.plan_epoch() and [r[0] for r in run.pending["spend"]] == ["idle", "pub"]
         assert [e.kind for e in ledger.compact(1, now=corpus.now)] == ["admit"]  # idle, named by nothing since

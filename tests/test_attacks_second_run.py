@@ -23,6 +23,7 @@ from govtrain.train.config import load_run_config  # noqa: E402
 from govtrain.train.loop import STATE_FILE, train  # noqa: E402
 from govtrain.verify.verifier import verify_ledger  # noqa: E402
 from tests.conftest import REPO, Corpus, snapshot  # noqa: E402
+from tests.test_api import past_rehearsal  # noqa: E402
 from tests.test_train import _admit, _config, tiny_model  # noqa: E402,F401
 
 
@@ -256,8 +257,8 @@ def test_1_review_f4_a_copied_run_folder_takes_the_run_over_and_the_first_stops(
     config = _config(corpus, tiny_model, 20)
     with govtrain.GovernedRun.open(config, corpus.url, log=lambda line: None, insecure_seed=1) as run:
         batches = run.batches()
-        for _ in range(3):
-            batch = next(batches)
+        for k in range(3):
+            batch = past_rehearsal(run, batches) if k == 0 else next(batches)
             run.step(run.per_example_loss(run.model(**batch.inputs), batch))
         batches.close()
     copy = corpus.dir.parent / "copy-of-the-experiment"
