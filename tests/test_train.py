@@ -157,7 +157,8 @@ def test_train_reads_csv_examples_by_the_data_columns_of_run_toml(corpus: Corpus
                                       "1", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["steps"] == 2
-    config.write_text(config.read_text().replace('"stars"', '"rating"'))
+    config.write_text(config.read_text().replace('"stars"', '"rating"').replace('output = "adapter"',
+                                                                               'output = "adapter-2"'))
     result = CliRunner().invoke(cli, ["train", "--config", str(config), "--ledger", corpus.url])
     assert result.exit_code == 2 and result.stderr.startswith("error[bad_data]: reviews.csv:2: no column 'rating'")
 
@@ -285,7 +286,8 @@ def test_shorter_ledger_epochs_from_the_run_config(corpus: Corpus, tiny_model: P
         steps = [decode_entry(e.body, seq=e.seq, kind="spend")["steps"] for e in ledger.store.entries(kinds=("spend",))]
     assert steps == [4, 4, 4]
     verify_ledger(corpus.url)
-    path.write_text(path.read_text().replace("epoch_steps = 4", "epoch_steps = 11"))  # policy: 10 per epoch
+    path.write_text(path.read_text().replace("epoch_steps = 4", "epoch_steps = 11")  # policy: 10 per epoch
+                    .replace('output = "adapter"', 'output = "adapter-2"'))  # a new run's folder of its own
     with pytest.raises(ConfigError) as info:
         train(load_run_config(path), corpus.url, log=lambda line: None)
     assert "epoch_steps" in info.value.detail
