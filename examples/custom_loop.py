@@ -22,6 +22,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,6 +30,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch.nn.functional as F  # noqa: E402
 
 import govtrain  # noqa: E402
+
+if TYPE_CHECKING:
+    from govtrain.train.config import RunConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,18 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default=None, help="where to save the adapter (default: training.output)")
     args = parser.parse_args(argv)
 
-    config = args.config
-    if args.output is not None:  # the config as a dict, its output replaced: another run, in a folder of its own
-        import tomllib
+    if args.output is not None:
+        args.config = with_output(args.config, args.output)
 
-        from govtrain.train.config import run_config
-
-        with open(args.config, "rb") as handle:
-            document = tomllib.load(handle)
-        document["training"]["output"] = str(Path(args.output).resolve())
-        config = run_config(document, base=Path(args.config).resolve().parent)
-
-    with govtrain.GovernedRun.open(config, args.ledger, key=args.key) as run:
+    with govtrain.GovernedRun.open(args.config, args.ledger, key=args.key) as run:
         for batch in run.batches():  # Poisson over the eligible data; withdrawals take effect
             out = run.model(**batch.inputs)
             losses = F.cross_entropy(out.logits.float(), batch.targets, reduction="none")  # one per example
@@ -63,6 +59,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{result.run_id}: {result.steps} steps; adapter {result.adapter_sha256.hex()[:16]}… saved to "
           f"{run.config.output_dir}" + (" (every contribution's budget ran out first)" if result.exhausted else ""))
     return 0
+
+
+def with_output(path: str, output: str) -> "RunConfig":
+    """The config at `path` as a dict, its training.output replaced: another run, in a folder of its own."""
+    import tomllib
+
+    from govtrain.train.config import run_config
+
+    with open(path, "rb") as handle:
+        document = tomllib.load(handle)
+    document["training"]["output"] = str(Path(output).resolve())
+    return run_config(document, base=Path(path).resolve().parent)
 
 
 if __name__ == "__main__":

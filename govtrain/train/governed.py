@@ -405,6 +405,8 @@ class GovernedRun:
         while not self._rehearsed:
             self._check_governed("before the rehearsal")  # and before each of its chunks, as before a step's
             if guard.drawn is None:
+                if not run.check:
+                    run._check_owner()  # a process that no longer owns the run stops here, as at a draw
                 rehearsal = self._rehearsal = self._rehearsal or self._new_rehearsal()
                 rehearsal.losses.clear()
                 self._random = _random_state(run.device)
