@@ -26,10 +26,11 @@ QUIET = {"log": lambda line: None}
 BATCH_POLICY = TEST_POLICY.replace("sampling_rate = 0.01", "expected_batch_size = 4")  # q: the run's own batch
 
 
-def _corpus(tmp_path: Path, name: str) -> Corpus:
+def _corpus(tmp_path: Path, name: str, policy: str = BATCH_POLICY) -> Corpus:
+    """A fresh ledger under `policy` in tmp_path/name, with "pub" (public) and "sens" (sensitive) admitted."""
     folder = tmp_path / name
     folder.mkdir()
-    corpus = make_corpus(folder, f"sqlite:///{folder / 'ledger.db'}", BATCH_POLICY)
+    corpus = make_corpus(folder, f"sqlite:///{folder / 'ledger.db'}", policy)
     _admit(corpus, "pub")
     _admit(corpus, "sens", data_class="sensitive", clip_norm_u=500_000, eps_budget_u=3_000_000)
     return corpus

@@ -27,6 +27,7 @@ from govtrain.release.artifact import CARD, RECORD, adapter_sha256, read_record 
 from govtrain.release.verify import verify_adapter  # noqa: E402
 from govtrain.train.config import load_run_config  # noqa: E402
 from govtrain.train.run import tree_sha256  # noqa: E402
+from tests.test_api import _corpus as api_corpus  # noqa: E402
 from tests import causal_models  # noqa: E402
 from tests.conftest import Corpus, make_corpus  # noqa: E402
 from tests.test_api import BATCH_POLICY, QUIET  # noqa: E402
@@ -41,12 +42,7 @@ REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 
 def _corpus(tmp_path: Path, name: str, policy: str = ONE_ADAPTER) -> Corpus:
-    folder = tmp_path / name
-    folder.mkdir()
-    corpus = make_corpus(folder, f"sqlite:///{folder / 'ledger.db'}", policy)
-    _admit(corpus, "pub")
-    _admit(corpus, "sens", data_class="sensitive", clip_norm_u=500_000, eps_budget_u=3_000_000)
-    return corpus
+    return api_corpus(tmp_path, name, policy)
 
 
 def _run_toml(corpus: Corpus, base: str, *, pooling: str = "mean", task: str = "sequence-classification",
