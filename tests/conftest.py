@@ -209,6 +209,17 @@ def make_corpus(tmp_path: Path, url: str, policy_text: str = TEST_POLICY) -> Cor
     )
 
 
+@pytest.fixture(autouse=True)
+def auto_is_the_cpu(request, monkeypatch):
+    """`training.device = "auto"` means CUDA on a machine that has it. The suite checks CPU semantics and builds
+    its own inputs on the CPU (as do `use_cpu=True` Trainers), so outside tests/test_hardware.py, which names its
+    devices, "auto" is the CPU on every machine: the suite passes alike with and without a GPU."""
+    if request.module.__name__.rpartition(".")[2] != "test_hardware":
+        import torch
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 @pytest.fixture
 def corpus(tmp_path: Path) -> Corpus:
     return make_corpus(tmp_path, f"sqlite:///{tmp_path / 'ledger.db'}")

@@ -394,6 +394,30 @@ def test_a_hugging_face_id_loads_from_the_cache_bound_by_its_tree_hash(tmp_path:
     assert changed.value.code is Code.BASE_MODEL_MISMATCH
 
 
+def test_the_loader_takes_the_cached_revision_trained_on_not_what_refs_main_names_now(tmp_path: Path,
+                                                                                        tiny_model: Path, monkeypatch):
+    """A cache that has since fetched a newer revision (refs/main moved) still holds the one the adapter was trained
+    on: the loader takes that one. Where the cache lacks it, the error names the revision to download."""
+    cache = tmp_path / "hf-cache"
+    fake_hub_cache(cache, "org/tiny-bert", tiny_model)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    corpus = _corpus(tmp_path, "c")
+    _, trained, _ = _train(_run_toml(corpus, "org/tiny-bert", pooling="model"), corpus)
+    folder = corpus.dir / "adapter"
+    repo = cache / "models--org--tiny-bert"
+    newer = repo / "snapshots" / ("b" * 40)
+    shutil.copytree(repo / "snapshots" / REVISION, newer, symlinks=True)
+    (newer / "config.json").unlink()
+    (newer / "config.json").write_text((tiny_model / "config.json").read_text() + "\n")  # another tree hash
+    (repo / "refs" / "main").write_text("b" * 40)
+    assert torch.equal(govtrain.load(folder).logits(TEXTS), trained)
+    shutil.rmtree(repo / "snapshots" / REVISION)
+    with pytest.raises(ConfigError) as missing:
+        govtrain.load(folder)
+    assert missing.value.code is Code.MODEL_UNREADABLE
+    assert f"hf download org/tiny-bert --revision {REVISION}" in str(missing.value)
+
+
 def test_a_hugging_face_id_not_in_the_cache_says_how_to_get_it(tmp_path: Path, monkeypatch):
     from govtrain.resolver.load import model_path
 

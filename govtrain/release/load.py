@@ -65,7 +65,8 @@ def load(folder: str | os.PathLike[str], *, base: str | os.PathLike[str] | None 
     """The adapter govtrain released in `folder`, on its base model, ready for inference.
 
     The base model is `base` (`minilm`, a Hugging Face id in the local cache, or a local directory), by default
-    the one the folder's record names where it can be found again (a bundled model, a Hugging Face id). Its tree
+    the one the folder's record names where it can be found again (a bundled model, a Hugging Face id at the
+    revision it was trained on, whatever refs/main names now). Its tree
     hash must be the one the record holds (`base_model_mismatch`). Nothing is downloaded."""
     from govtrain.resolver.load import SHORT_NAMES, hub_snapshot, model_path
 
@@ -79,8 +80,8 @@ def load(folder: str | os.PathLike[str], *, base: str | os.PathLike[str] | None 
                                                  "base=\"PATH\" to govtrain.load")
     if base is not None:
         path = model_path(str(base))
-    else:  # the record's spec: a bundled model or a Hub id in the cache, never a folder of that name here
-        path = model_path(named.spec) if named.spec in SHORT_NAMES else hub_snapshot(named.spec)
+    else:  # the record's spec: a bundled model, or a Hub id in the cache at the revision trained on (not refs/main)
+        path = model_path(named.spec) if named.spec in SHORT_NAMES else hub_snapshot(named.spec, named.revision)
     found = _tree_hash(path)
     if found != named.sha256:
         raise ConfigError(Code.BASE_MODEL_MISMATCH, f"{path} has tree hash {found}, but {folder} was trained on "

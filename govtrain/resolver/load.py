@@ -39,21 +39,22 @@ def hub_cache() -> Path:
     return Path(home).expanduser() / "hub"
 
 
-def hub_snapshot(repo_id: str) -> Path:
-    """The folder of `repo_id`'s cached snapshot (the revision refs/main names), never downloaded: govtrain runs
-    offline, so a model that is not in the cache is refused with how to put it there."""
+def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
+    """The folder of `repo_id`'s cached snapshot at `revision` (a commit; by default the one refs/main names), never
+    downloaded: govtrain runs offline, so a model that is not in the cache is refused with how to put it there."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     cache = hub_cache()
     try:
-        path = Path(snapshot_download(repo_id, local_files_only=True, cache_dir=cache))
+        path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True, cache_dir=cache))
     except (LocalEntryNotFoundError, HFValidationError, OSError):
-        raise ConfigError(Code.MODEL_UNREADABLE, f"{repo_id}: no local directory of that name, and not in the "
+        at, flag = (f" at revision {revision}", f" --revision {revision}") if revision else ("", "")
+        raise ConfigError(Code.MODEL_UNREADABLE, f"{repo_id}{at}: no local directory of that name, and not in the "
                                                  f"Hugging Face cache {cache} (govtrain never downloads): run `hf "
-                                                 f"download {repo_id}` on a machine with network access and copy its "
-                                                 "cache here, or set HF_HOME (or HF_HUB_CACHE) to a cache that holds "
-                                                 "it") from None
+                                                 f"download {repo_id}{flag}` on a machine with network access and "
+                                                 "copy its cache here, or set HF_HOME (or HF_HUB_CACHE) to a cache "
+                                                 "that holds it") from None
     if not (path / "config.json").is_file():
         raise ConfigError(Code.MODEL_UNREADABLE, f"{repo_id}: its cached snapshot {path.name} has no config.json "
                                                  f"(a partial download?): run `hf download {repo_id}` again")
