@@ -49,6 +49,8 @@ class Code(str, Enum):
     BASE_MODEL_MISMATCH = "base_model_mismatch"  # the base model found is not the one the adapter was trained on
     CHARGED_BEFORE = "charged_before"  # a run would charge contributions other runs charged, unconfirmed
     OUTPUT_TAKEN = "output_taken"  # the output folder holds another run's adapter, run state or other files
+    INFERENCE_POLICY_UNREADABLE = "inference_policy_unreadable"  # inference.toml cannot be read or is no TOML
+    INFERENCE_POLICY_INVALID = "inference_policy_invalid"  # inference.toml's fields (one line names each)
 
     # -- encoding: the strict deterministic-CBOR decoder (docs/design.md §2) ----------------------
     TOO_LARGE = "too_large"
@@ -115,6 +117,18 @@ class Code(str, Enum):
     EPOCH_HELD = "epoch_held"  # another run wrote this ledger epoch's spend: plan the next epoch
     RUN_ID_TAKEN = "run_id_taken"  # another run holds this run id (its lease nonce, or its run state's lock)
     CLOCK_BEHIND = "clock_behind"  # the writer's clock reads earlier than the ledger's last entry
+
+    # -- the inference gate (`govtrain serve`; docs/serving.md; HTTP status: govtrain/serve/http.py) ----------
+    RIGHTS_MISSING = "rights_missing"  # a request without a Govtrain-Rights header
+    RIGHTS_UNREADABLE = "rights_unreadable"  # a header that is not one base64url token of a size an envelope has
+    WRONG_AUDIENCE = "wrong_audience"  # an envelope issued for another deployment
+    CLASS_NOT_PERMITTED = "class_not_permitted"  # the release draws on a class the envelope excludes
+    SESSION_NOT_COVERED = "session_not_covered"  # a split request on a session the envelope does not name
+    RELEASE_TAINTED = "release_tainted"  # contributions the release trained on were withdrawn since it was signed
+    TAINT_UNKNOWN = "taint_unknown"  # the ledger could not be read to say whether the release is tainted
+    REQUEST_TOO_LARGE = "request_too_large"  # a body over the policy's limit
+    BAD_REQUEST = "bad_request"  # a body that is not the route's JSON (syntax, fields, types, NaN, sizes)
+    NOT_SERVED = "not_served"  # a route for a task this release is not (generate on a classifier)
 
     # -- ledger integrity (exit 4) --------------------------------------------------------
     INTEGRITY = "integrity"
@@ -187,3 +201,8 @@ class IntegrityError(GovtrainError):
     """The ledger does not verify (exit 4)."""
 
     exit_code = 4
+
+
+class ServeError(RejectedError):
+    """The inference gate refused a request: its rights envelope, what the envelope permits, the release's taint,
+    or the request itself (exit 3; govtrain/serve/http.py gives each code's HTTP status)."""

@@ -73,11 +73,17 @@ def sign_attestation(
     descriptor: Descriptor, private_key: Ed25519PrivateKey, *, with_content_type: bool = True
 ) -> bytes:
     """The `.cose` bytes of `descriptor` signed by `private_key`."""
+    return sign_sign1(descriptor.signed_bytes(), private_key,
+                      content_type=CONTENT_TYPE if with_content_type else None)
+
+
+def sign_sign1(payload: bytes, private_key: Ed25519PrivateKey, *, content_type: str | None) -> bytes:
+    """A COSE_Sign1 over `payload` (attached), protected header ``{1: -8, ?3: content_type, 4: kid}``: the one
+    layout govtrain signs, for attestations and for rights envelopes (`govtrain/serve/rights.py`)."""
     header: dict = {H_ALG: ALG_EDDSA, H_KID: key_id(private_key.public_key())}
-    if with_content_type:
-        header[H_CONTENT_TYPE] = CONTENT_TYPE
+    if content_type is not None:
+        header[H_CONTENT_TYPE] = content_type
     protected = cbor.encode(header)
-    payload = descriptor.signed_bytes()
     signature = private_key.sign(sig_structure(protected, payload))
     return cbor.encode(Tag(COSE_SIGN1_TAG, [protected, {}, payload, signature]))
 
@@ -138,11 +144,17 @@ def _preview(raw: bytes) -> str:
 
 def _parse_full(raw: bytes) -> ParsedAttestation:
     """The general path: decode everything, then check each rule and name the first broken one."""
+    return parse_sign1(raw, content_type=CONTENT_TYPE, what="an attestation", signer="attester",
+                       hint="give the .cose file `govtrain attest` wrote, and its data as --data")
+
+
+def parse_sign1(raw: bytes, *, content_type: str, what: str, signer: str, hint: str) -> ParsedAttestation:
+    """Steps 0-4 for any COSE_Sign1 govtrain reads: `content_type` is the one content type (3) allowed; `what`,
+    `signer` and `hint` name the message, whose key the kid names, and where a right one comes from."""
     # 0. A COSE_Sign1 begins with a CBOR tag (major type 6) or, untagged, an array (4): anything else is some other
     #    file (a data file, a key) given as the attestation, and decoding it would only report nonsense lengths.
     if raw and raw[0] >> 5 not in (4, 6):
-        raise AttestationError(Code.NOT_COSE_SIGN1, f"not an attestation (COSE_Sign1): it begins {_preview(raw)}; give "
-                                                    "the .cose file `govtrain attest` wrote, and its data as --data")
+        raise AttestationError(Code.NOT_COSE_SIGN1, f"not {what} (COSE_Sign1): it begins {_preview(raw)}; {hint}")
 
     # 1. Deterministic CBOR, no tags but COSE's own (docs/design.md §2).
     top = cbor.decode(raw, tags=_OTHER_COSE_TAGS | {COSE_SIGN1_TAG})
@@ -196,13 +208,13 @@ def _parse_full(raw: bytes) -> ParsedAttestation:
         raise AttestationError(Code.BAD_ALGORITHM, "protected header has no alg (1)")
     if type(alg) is not int or alg not in ACCEPTED_ALGS:
         raise AttestationError(Code.BAD_ALGORITHM, f"alg {alg!r} is not EdDSA (-8) or Ed25519 (-19)")
-    if H_CONTENT_TYPE in header and header[H_CONTENT_TYPE] != CONTENT_TYPE:
-        raise AttestationError(Code.BAD_HEADER, f"content type must be {CONTENT_TYPE!r}")
+    if H_CONTENT_TYPE in header and header[H_CONTENT_TYPE] != content_type:
+        raise AttestationError(Code.BAD_HEADER, f"content type must be {content_type!r}")
     kid = header.get(H_KID)
     if kid is None:
-        raise AttestationError(Code.MISSING_KID, "protected header has no kid (4) naming the attester key")
+        raise AttestationError(Code.MISSING_KID, f"protected header has no kid (4) naming the {signer} key")
     if type(kid) is not bytes or len(kid) != KID_BYTES:
-        raise AttestationError(Code.BAD_HEADER, "kid must be the 32-byte SHA-256 of the attester's public key")
+        raise AttestationError(Code.BAD_HEADER, f"kid must be the 32-byte SHA-256 of the {signer}'s public key")
     if len(signature) != SIGNATURE_BYTES:
         raise AttestationError(Code.BAD_SIGNATURE, f"signature is {len(signature)} bytes, not 64")
     return ParsedAttestation(
@@ -219,4 +231,4 @@ def verify_signature(parsed: ParsedAttestation, public_key: Ed25519PublicKey, *,
     try:
         public_key.verify(parsed.signature, message)
     except InvalidSignature as e:
-        raise AttestationError(Code.BAD_SIGNATURE, "signature does not verify under the attester key") from e
+        raise AttestationError(Code.BAD_SIGNATURE, "signature does not verify under the key its kid names") from e

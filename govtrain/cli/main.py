@@ -27,6 +27,8 @@ from govtrain.cli.eval import eval_command
 from govtrain.cli.ledger import ledger as ledger_group
 from govtrain.cli.privacy import plan_command
 from govtrain.cli.privacy import privacy as privacy_group
+from govtrain.cli.serve import rights as rights_group
+from govtrain.cli.serve import serve_command
 from govtrain.cli.train import train_command
 from govtrain.cli.tune import tune_command
 from govtrain.errors import AttestationError, Code, ConfigError
@@ -257,6 +259,8 @@ cli.add_command(plan_command)
 cli.add_command(train_command)
 cli.add_command(tune_command)
 cli.add_command(eval_command)
+cli.add_command(serve_command)
+cli.add_command(rights_group)
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Regenerate govtrain's own test vectors from fixed keys, a fixed clock and a fixed salt.
 
-    python -m tests.vectors.generate        # rewrites tests/vectors/attestation-v1.*
+    python -m tests.vectors.generate        # rewrites tests/vectors/attestation-v1.* and rights-v1.*
 
 Ed25519 is deterministic, so the output is byte-identical every time; tests/test_vectors.py
 checks that it is.
@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from govtrain.attest.cose import sign_attestation
 from govtrain.attest.descriptor import Descriptor
+from govtrain.serve.rights import issue_rights, to_header
 
 HERE = Path(__file__).resolve().parent
 # RFC 8032 §7.1 TEST 1 secret key: public, so these vectors prove nothing about real keys.
@@ -40,7 +41,14 @@ def build() -> dict[str, bytes]:
         "descriptor_sha256": hashlib.sha256(descriptor.signed_bytes()).hexdigest(),
         "attestation_sha256": hashlib.sha256(cose).hexdigest(),
     }
+    rights, claims = issue_rights(key, subject="caller@govtrain.invalid", audience="vectors.govtrain.invalid/gate",
+                                  classes=["public", "sensitive"], sessions=["session-1"], valid_seconds=3600,
+                                  now=CLOCK, rights_id=bytes(range(16, 32)))
+    rights_summary = {"secret_key": SECRET.hex(), "clock": CLOCK, "claims_hex": claims.signed_bytes().hex(),
+                      "envelope_sha256": hashlib.sha256(rights).hexdigest()}
     return {
+        "rights-v1.token": (to_header(rights) + "\n").encode(),
+        "rights-v1.json": (json.dumps(rights_summary, indent=2, sort_keys=True) + "\n").encode(),
         "attestation-v1.jsonl": DATA,
         "attestation-v1.cose": cose,
         "attestation-v1.json": (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode(),
