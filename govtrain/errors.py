@@ -118,7 +118,18 @@ class Code(str, Enum):
     RUN_ID_TAKEN = "run_id_taken"  # another run holds this run id (its lease nonce, or its run state's lock)
     CLOCK_BEHIND = "clock_behind"  # the writer's clock reads earlier than the ledger's last entry
 
-    # -- the inference gate (`govtrain serve`; docs/serving.md; HTTP status: govtrain/serve/http.py) ----------
+    # -- split inference (docs/split-inference.md; exit 3, an HTTP status each) -------------------
+    SESSION_BUDGET_EXHAUSTED = "session_budget_exhausted"  # the session's epsilon after the request would pass its budget
+    SESSION_OWNER_MISMATCH = "session_owner_mismatch"  # the session id belongs to another subject
+    BAD_PRIVACY_REQUEST = "bad_privacy_request"  # epsilon, delta, clip norm or a session budget out of range
+    SIGMA_MISMATCH = "sigma_mismatch"  # a declared sigma that is not the one (epsilon, delta, clip norm) calibrate to
+    BAD_VECTOR = "bad_vector"  # a noised vector of the wrong size, or holding NaN or infinity
+    NOISE_IMPLAUSIBLE = "noise_implausible"  # a vector whose norm the declared clip and noise do not explain
+    BAD_SPLIT_REQUEST = "bad_split_request"  # a body that is not a split request (JSON, fields, types)
+    SPLIT_TRANSPORT = "split_transport"  # the split server could not be reached, or answered no split response
+    SPLIT_UNSUPPORTED = "split_unsupported"  # (exit 2) a model whose head does not read one pooled vector
+
+    # -- the inference gate (`govtrain serve`; docs/serving.md; HTTP status: govtrain/serve/app.py) ----------
     RIGHTS_MISSING = "rights_missing"  # a request without a Govtrain-Rights header
     RIGHTS_UNREADABLE = "rights_unreadable"  # a header that is not one base64url token of a size an envelope has
     WRONG_AUDIENCE = "wrong_audience"  # an envelope issued for another deployment
@@ -203,6 +214,11 @@ class IntegrityError(GovtrainError):
     exit_code = 4
 
 
+class InferenceError(RejectedError):
+    """A split-inference request refused: its privacy parameters, its vector or its session's budget (exit 3;
+    `govtrain.inference.server.HTTP_STATUS` gives each code's HTTP status)."""
+
+
 class ServeError(RejectedError):
     """The inference gate refused a request: its rights envelope, what the envelope permits, the release's taint,
-    or the request itself (exit 3; govtrain/serve/http.py gives each code's HTTP status)."""
+    or the request itself (exit 3; govtrain/serve/app.py gives each code's HTTP status)."""

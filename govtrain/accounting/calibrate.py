@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 from govtrain import units
+from govtrain.accounting import gaussian
 from govtrain.accounting.accountants import Bucket, get_accountant
 
 MAX_SIGMA = 10_000.0
@@ -110,36 +111,17 @@ def _solve(charge, target_u: int, low: int, high: int, tolerance_u: int) -> int:
     return high
 
 
-def _log_ndtr(x: float) -> float:
-    from scipy.special import log_ndtr
-
-    return float(log_ndtr(x))
-
-
 def gaussian_delta(sigma: float, epsilon: float, sensitivity: float = 1.0) -> float:
-    """Exact delta(eps) of one Gaussian release with std `sigma` (Balle & Wang 2018, Theorem 8)."""
-    a = sensitivity / (2 * sigma)
-    b = epsilon * sigma / sensitivity
-    first = math.exp(_log_ndtr(a - b))
-    second = math.exp(epsilon + _log_ndtr(-a - b))
-    return max(0.0, first - second)
+    """Exact delta(eps) of one Gaussian release with std `sigma` (Balle & Wang 2018, Theorem 8; `gaussian.py`)."""
+    return gaussian.gaussian_delta(epsilon, sensitivity / sigma)
 
 
 def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1.0) -> float:
     """Smallest sigma with `gaussian_delta(sigma, epsilon) <= delta`, by bisection to 1e-12 relative,
-    returning the upper end of the final bracket (so the guarantee holds)."""
+    returning the upper end of the final bracket (so the guarantee holds): `gaussian.analytic_sigma`."""
     if not epsilon > 0 or not 0 < delta < 1 or not sensitivity > 0:
         raise ValueError("need epsilon > 0, 0 < delta < 1 and sensitivity > 0")
-    low, high = 0.0, sensitivity
-    while gaussian_delta(high, epsilon, sensitivity) > delta:
-        low, high = high, high * 2
-    while high - low > 1e-12 * high:
-        middle = (low + high) / 2
-        if gaussian_delta(middle, epsilon, sensitivity) > delta:
-            low = middle
-        else:
-            high = middle
-    return high
+    return gaussian.analytic_sigma(epsilon, delta, sensitivity)
 
 
 def classical_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1.0) -> float:

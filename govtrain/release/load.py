@@ -68,11 +68,29 @@ def load(folder: str | os.PathLike[str], *, base: str | os.PathLike[str] | None 
     the one the folder's record names where it can be found again (a bundled model, a Hugging Face id at the
     revision it was trained on, whatever refs/main names now). Its tree
     hash must be the one the record holds (`base_model_mismatch`). Nothing is downloaded."""
-    from govtrain.resolver.load import SHORT_NAMES, hub_snapshot, model_path
-
     os.environ["HF_HUB_OFFLINE"] = "1"
     folder = Path(folder)
     record = read_record(folder)
+    path = base_path(folder, record, base)
+    try:
+        tokenizer = read_tokenizer(folder)
+        model = build(folder, record, path, tokenizer)
+    except ConfigError:
+        raise
+    except Exception as e:  # a damaged folder: not JSON, a truncated tensor file, a head of another size
+        raise ConfigError(Code.ARTIFACT_UNREADABLE, f"{folder}: cannot be loaded as the model its govtrain.json "
+                                                    f"describes ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                          ) from None
+    return LoadedModel(model=model.to(device).eval(), tokenizer=tokenizer, record=record)
+
+
+def base_path(folder: Path, record: ArtifactRecord, base: str | os.PathLike[str] | None = None) -> Path:
+    """The folder of the base model the adapter in `folder` was trained on: `base` (`minilm`, a Hugging Face id in
+    the local cache, or a local directory), by default the one `record` names where it can be found again. Its
+    tree hash must be the one the record holds (`base_model_mismatch`). Nothing is downloaded."""
+    from govtrain.resolver.load import SHORT_NAMES, hub_snapshot, model_path
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
     named = record.base_model
     if base is None and named.spec is None:
         raise ConfigError(Code.MODEL_UNREADABLE, f"{folder}: its base model is a local folder, {named.name!r} (tree "
@@ -87,16 +105,7 @@ def load(folder: str | os.PathLike[str], *, base: str | os.PathLike[str] | None 
         raise ConfigError(Code.BASE_MODEL_MISMATCH, f"{path} has tree hash {found}, but {folder} was trained on "
                                                     f"{named.name} with tree hash {named.sha256} (govtrain.json): "
                                                     "another model or revision; give the base it was trained on")
-    try:
-        tokenizer = _tokenizer(folder)
-        model = build(folder, record, path, tokenizer)
-    except ConfigError:
-        raise
-    except Exception as e:  # a damaged folder: not JSON, a truncated tensor file, a head of another size
-        raise ConfigError(Code.ARTIFACT_UNREADABLE, f"{folder}: cannot be loaded as the model its govtrain.json "
-                                                    f"describes ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-                          ) from None
-    return LoadedModel(model=model.to(device).eval(), tokenizer=tokenizer, record=record)
+    return Path(path)
 
 
 _HASHED: dict[tuple, str] = {}  # tree hashes of base models this process read, by their files' stat
@@ -115,7 +124,8 @@ def _tree_hash(path: Path) -> str:
     return _HASHED[key]
 
 
-def _tokenizer(folder: Path):  # type: ignore[no-untyped-def]
+def read_tokenizer(folder: Path):  # type: ignore[no-untyped-def]
+    """The tokenizer the run encoded with, saved in the adapter folder (pad token set; no code run)."""
     from transformers import AutoTokenizer
 
     from govtrain.train.model import quiet_loading, use_eos_for_padding
