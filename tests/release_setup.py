@@ -71,18 +71,36 @@ class Released:
         shutil.copytree(self.root, target)
         return Released(target, self.base)
 
+    def build(self, **options) -> bytes:  # type: ignore[no-untyped-def]
+        """The release manifest of RUN_ID's adapter, signed by the release key (`build_release`'s options)."""
+        from govtrain.release.manifest import build_release
+
+        options.setdefault("key", self.release_key)
+        with self.open() as ledger:
+            return build_release(ledger, RUN_ID, options.pop("folder", self.adapter), base=self.base,
+                                 **options).to_json()
+
+    def verify(self, envelope: bytes, **options):  # type: ignore[no-untyped-def]
+        """`verify_release` under this ledger's pinned release and ledger keys."""
+        from govtrain.release.verification import verify_release
+
+        options.setdefault("release_key", self.release_pub)
+        options.setdefault("ledger_keys", [self.ledger_pub])
+        return verify_release(envelope, **options)
+
 
 _TRAINED: dict[str, Released] = {}
 
 
-def trained_release(tmp_path_factory, base: Path) -> Released:
+def trained_release(tmp_path_factory) -> Released:
     """The session's trained run (trained on first use), as a `Released` to copy, never to change."""
     if "run" not in _TRAINED:
         import govtrain
         from tests.test_api import BATCH_POLICY, QUIET
         from tests.test_release import _run_toml
-        from tests.test_train import _admit
+        from tests.test_train import _admit, save_tiny_bert
 
+        base = save_tiny_bert(tmp_path_factory.mktemp("release-base"))
         root = tmp_path_factory.mktemp("released")
         keys = root / "keys"
         keys.mkdir()

@@ -24,6 +24,7 @@ from govtrain.ledger.proof import InclusionProof
 from govtrain.ledger.retention import Redacted
 from govtrain.ledger.tuning import TRIAL_RUN_ID, TuneBook
 from govtrain.policy.model import Policy
+from govtrain.release import predicate
 
 if TYPE_CHECKING:
     from govtrain.ledger.ledger import Ledger
@@ -172,3 +173,17 @@ def _prove(ledger: "Ledger", stored: ledger_store.StoredEntry, checkpoint: Check
         raise IntegrityError(Code.FORK, f"the stored entries do not prove entry {stored.seq} under the signed "
                                         f"checkpoint ({e.detail}); run govtrain-verify") from e
     return InclusionProof(stored.body, stored.seq, hashes, checkpoint.note)
+
+
+def privacy_of(facts: LedgerFacts) -> predicate.Privacy:
+    """The predicate's privacy terms, from the ledger's facts of the run."""
+    policy = facts.policy
+    return predicate.Privacy(unit=policy.privacy_unit, examples_per_contribution=policy.examples_per_contribution,
+                             accountant=policy.accountant, delta_p=policy.delta_p, mechanism=facts.run["mechanism"],
+                             sampling_rates_u=list(facts.sampling_rates_u), steps=facts.steps)
+
+
+def withdrawn_of(found: tuple[Withdrawal, ...]) -> list[predicate.Withdrawal]:
+    """The predicate's list of withdrawals."""
+    return [predicate.Withdrawal(contribution_id=w.contribution_id, data_class=w.data_class, seq=w.seq,
+                                 leaf_hash=w.leaf_hash.hex()) for w in found]

@@ -60,6 +60,7 @@ def adapter_layout(folder: Path, record: ArtifactRecord, base: Path) -> ModelLay
         place = folder if name == "default" else folder / name
         config = PeftConfig.from_peft_type(**peft_config((place / ADAPTER_CONFIG).read_bytes()))
         config.inference_mode = False
+        config.base_model_name_or_path = str(base)  # where it is here (the folder names it portably)
         configs[name] = config
     classifier = record.task == "sequence-classification"
     with quiet_loading(), no_remote_code(base), torch.device("meta"):

@@ -29,11 +29,11 @@ from govtrain.errors import Code, ConfigError, IntegrityError, RejectedError
 from govtrain.ledger.merkle import leaf_hash
 from govtrain.release import dsse
 from govtrain.release.artifact import ArtifactRecord, adapter_digest, folder_files, read_record
-from govtrain.release.facts import LedgerFacts, current_checkpoint, ledger_facts
+from govtrain.release.facts import LedgerFacts, current_checkpoint, ledger_facts, privacy_of, withdrawn_of
 from govtrain.release.groups import TrainedGroup, adapter_layout, trained_groups
 from govtrain.release.predicate import (PREDICATE_TYPE, STATEMENT_TYPE, AdapterRef, BaseModelRef, ClassEps, ClassReach,
-                                        Digest, Group, LayerIndices, LedgerRef, Predicate, Privacy, RunEntry,
-                                        Statement, Subject, Tune, Withdrawal, own_adapter,
+                                        Digest, Group, LayerIndices, LedgerRef, Predicate, RunEntry,
+                                        Statement, Subject, Tune, own_adapter,
                                         statement_bytes)
 from govtrain.resolver.profile import describe_profile
 
@@ -61,8 +61,8 @@ def release_statement(ledger: "Ledger", run_id: str, folder: str | os.PathLike[s
     if public not in {k.public_key for k in policy.release_keys}:
         names = ", ".join(k.name for k in policy.release_keys)
         hint = f"its release keys are {names}" if names else "it names no release key: add [[release_keys]] to it"
-        raise RejectedError(Code.KEY_NOT_AUTHORIZED, f"the signing key {dsse.keyid(public)[:16]}… is not a release key "
-                                                     f"of the ledger's current policy ({hint})")
+        raise RejectedError(Code.KEY_NOT_AUTHORIZED, f"the signing key {dsse.keyid(public)[:16]}… is not a release "
+                                                     f"key of the ledger's current policy ({hint})")
     # 2.
     record = read_record(folder)
     if record.run.run_id != run_id or record.run.ledger_origin != policy.origin:
@@ -73,11 +73,11 @@ def release_statement(ledger: "Ledger", run_id: str, folder: str | os.PathLike[s
     checkpoint = current_checkpoint(ledger)
     facts = ledger_facts(ledger, run_id, checkpoint)
     entry = facts.run
-    if entry["adapter_sha256"] is None or adapter_digest(files) != entry["adapter_sha256"]:
+    recorded = entry["adapter_sha256"]
+    if recorded is None or adapter_digest(files) != recorded:
         raise IntegrityError(Code.ADAPTER_MISMATCH, f"{folder}'s files (but README.md) hash to "
                                                     f"{adapter_digest(files).hex()}; run {run_id!r}'s entry "
-                                                    f"{facts.proof.index} records "
-                                                    f"{entry['adapter_sha256'].hex() if entry['adapter_sha256'] else 'none'}")
+                                                    f"{facts.proof.index} records {recorded.hex() if recorded else 'none'}")
     if record.base_model.sha256 != entry["base_model_sha256"].hex():
         raise IntegrityError(Code.ADAPTER_MISMATCH, f"{folder}'s govtrain.json names another base model than run "
                                                     f"{run_id!r}'s entry records")
@@ -140,16 +140,3 @@ def _predicate(facts: LedgerFacts, record: ArtifactRecord, trained: tuple[Traine
         tune=None if tune is None else Tune(tune_id=tune.tune_id, seq=tune.seq, leaf_hash=tune.leaf_hash.hex(),
                                             trials=list(tune.trials), selected_run_id=tune.selected_run_id),
         classes=classes, groups=groups, withdrawn=withdrawn_of(facts.withdrawn))
-
-
-def privacy_of(facts: LedgerFacts) -> Privacy:
-    """The predicate's privacy terms, from the ledger's facts of the run."""
-    policy = facts.policy
-    return Privacy(unit=policy.privacy_unit, examples_per_contribution=policy.examples_per_contribution,
-                   accountant=policy.accountant, delta_p=policy.delta_p, mechanism=facts.run["mechanism"],
-                   sampling_rates_u=list(facts.sampling_rates_u), steps=facts.steps)
-
-
-def withdrawn_of(withdrawals) -> list[Withdrawal]:  # type: ignore[no-untyped-def]
-    return [Withdrawal(contribution_id=w.contribution_id, data_class=w.data_class, seq=w.seq,
-                       leaf_hash=w.leaf_hash.hex()) for w in withdrawals]

@@ -212,7 +212,8 @@ def _relations(statement: Statement) -> None:
             reached[item.data_class].add(index)
     for name, cls in classes.items():
         if sorted(reached[name]) != cls.groups:
-            raise bad(f"predicate.classes: {name!r} lists groups {cls.groups}, the groups name it in {sorted(reached[name])}")
+            raise bad(f"predicate.classes: {name!r} lists groups {cls.groups}, the groups name it in "
+                      f"{sorted(reached[name])}")
         adapter = own_adapter(name, [p.groups[i] for i in cls.groups])
         if cls.adapter != adapter:
             raise bad(f"predicate.classes: {name!r} states adapter {cls.adapter!r}, its groups say {adapter!r}")

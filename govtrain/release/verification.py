@@ -43,7 +43,7 @@ from govtrain.ledger.merkle import ProofError, leaf_hash, verify_consistency, ve
 from govtrain.ledger.proof import parse_proof
 from govtrain.release import dsse
 from govtrain.release.artifact import adapter_digest, folder_files
-from govtrain.release.facts import Withdrawal, current_checkpoint, ledger_facts, withdrawals
+from govtrain.release.facts import Withdrawal, current_checkpoint, ledger_facts, privacy_of, withdrawals, withdrawn_of
 from govtrain.release.predicate import Statement, read_statement
 
 if TYPE_CHECKING:
@@ -303,10 +303,10 @@ def _against_ledger(ledger: "Ledger", statement: Statement, checkpoint: Checkpoi
     if release_key not in {k.public_key for k in facts.release_policy.release_keys}:
         raise IntegrityError(Code.KEY_NOT_AUTHORIZED, "the pinned release key is not a release key of the ledger's "
                                                       "policy at the release")
-    from govtrain.release.manifest import privacy_of, withdrawn_of
     from govtrain.resolver.profile import describe_profile
 
-    stated = {"run entry": p.run.seq, "classes": {c.data_class: (c.eps_u, c.contributions, c.profile) for c in p.classes},
+    stated = {"run entry": p.run.seq,
+              "classes": {c.data_class: (c.eps_u, c.contributions, c.profile) for c in p.classes},
               "privacy": p.privacy, "tune": None if p.tune is None else (p.tune.tune_id, p.tune.seq),
               "withdrawn": p.withdrawn}
     found = {"run entry": facts.proof.index,
