@@ -117,6 +117,8 @@ class Code(str, Enum):
     EPOCH_HELD = "epoch_held"  # another run wrote this ledger epoch's spend: plan the next epoch
     RUN_ID_TAKEN = "run_id_taken"  # another run holds this run id (its lease nonce, or its run state's lock)
     CLOCK_BEHIND = "clock_behind"  # the writer's clock reads earlier than the ledger's last entry
+    UNKNOWN_RUN = "unknown_run"  # `govtrain release` names a run the ledger has no run entry for
+    TUNE_UNRECORDED = "tune_unrecorded"  # a release of a tune's trial before the ledger records the tune
 
     # -- split inference (docs/split-inference.md; exit 3, an HTTP status each) -------------------
     SESSION_BUDGET_EXHAUSTED = "session_budget_exhausted"  # the session's epsilon after the request would pass its budget
@@ -164,6 +166,12 @@ class Code(str, Enum):
     ADAPTER_MISMATCH = "adapter_mismatch"  # an adapter folder that is not what its run entry records
     TIME_REVERSED = "time_reversed"  # an entry's time is earlier than the entry before it
     POLICY_UNAUTHORISED = "policy_unauthorised"  # a policy change no key of the policy before it signed
+
+    # -- release manifests (exit 4; docs/release-manifest.md) ------------------------------------
+    BAD_ENVELOPE = "bad_envelope"  # not a DSSE envelope of an in-toto payload, read strictly
+    BAD_STATEMENT = "bad_statement"  # not an in-toto Statement v1 with govtrain's release predicate (its schema)
+    SUBJECT_MISMATCH = "subject_mismatch"  # an adapter folder whose files are not the manifest's subjects
+    PREDICATE_MISMATCH = "predicate_mismatch"  # a predicate field its proven run entry or the ledger contradicts
 
 
 class GovtrainError(Exception):

@@ -27,6 +27,7 @@ from govtrain.cli.eval import eval_command
 from govtrain.cli.ledger import ledger as ledger_group
 from govtrain.cli.privacy import plan_command
 from govtrain.cli.privacy import privacy as privacy_group
+from govtrain.cli.release import release_group
 from govtrain.cli.serve import rights as rights_group
 from govtrain.cli.serve import serve_command
 from govtrain.cli.train import train_command
@@ -46,7 +47,8 @@ def cli() -> None:
     """Governed differentially private training: signed contributions, depth routing, a verifiable ledger.
 
     Exit codes: 0 ok, 1 unexpected error, 2 usage or configuration, 3 rejected, 4 integrity failure,
-    5 budget exhausted. Errors print one line: error[CODE]: what is wrong and what to do.
+    5 budget exhausted, 6 a release tainted by a withdrawal. Errors print one line: error[CODE]: what is wrong
+    and what to do.
     """
 
 
@@ -259,6 +261,7 @@ cli.add_command(plan_command)
 cli.add_command(train_command)
 cli.add_command(tune_command)
 cli.add_command(eval_command)
+cli.add_command(release_group)
 cli.add_command(serve_command)
 cli.add_command(rights_group)
 

@@ -16,6 +16,8 @@ from govtrain.errors import GovtrainError
 CONTEXT_SETTINGS = {"max_content_width": 100, "terminal_width": 100, "help_option_names": ["-h", "--help"]}
 
 EXIT_OK, EXIT_UNEXPECTED, EXIT_USAGE, EXIT_REJECTED, EXIT_INTEGRITY, EXIT_BUDGET = 0, 1, 2, 3, 4, 5
+# Not an error: a release that verifies, one of whose contributions was withdrawn since (`govtrain release verify`).
+EXIT_TAINTED = 6
 
 
 def ledger_option(f):  # type: ignore[no-untyped-def]

@@ -134,6 +134,9 @@ class PolicyFile(_Strict):
                        Field(min_length=1)]
     attesters: Annotated[list[AttesterFile], Field(min_length=1)]
     ledger_keys: Annotated[list[KeyFile], Field(min_length=1)]
+    release_keys: Annotated[list[KeyFile], Field(min_length=1)] | None = Field(
+        None, description="the Ed25519 keys that may sign a release manifest (`govtrain release`) of a run on "
+                          "this ledger")
 
     @model_validator(mode="after")
     def _relations(self) -> "PolicyFile":
@@ -227,6 +230,10 @@ def policy_from_file(model: PolicyFile, base: Path) -> Policy:
         ledger_keys=tuple(
             LedgerKey(name=k.name, public_key=_key_bytes(k, base, f"ledger_keys[{i}]"))
             for i, k in enumerate(model.ledger_keys)
+        ),
+        release_keys=tuple(
+            LedgerKey(name=k.name, public_key=_key_bytes(k, base, f"release_keys[{i}]"))
+            for i, k in enumerate(model.release_keys or ())
         ),
     )
     return policy.validate(ConfigError)

@@ -178,6 +178,9 @@ class Policy:
     classes: Mapping[str, DataClass]
     attesters: tuple[Attester, ...]
     ledger_keys: tuple[LedgerKey, ...]
+    # The keys that may sign a release manifest of this ledger's runs (govtrain/release/manifest.py). Recorded only
+    # when the policy names some, so that every policy without them keeps its canonical bytes (and header hash).
+    release_keys: tuple[LedgerKey, ...] = ()
     _digest: bytes = field(default=b"", repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -242,6 +245,15 @@ class Policy:
             raise bad("the policy needs at least one ledger key")
         for i, ledger_key in enumerate(self.ledger_keys):
             _screen(ledger_key.public_key, f"ledger_keys[{i}] ({ledger_key.name})", error)
+        names = set()
+        for i, release_key in enumerate(self.release_keys):
+            where = f"release_keys[{i}] ({release_key.name})"
+            if not 1 <= len(release_key.name) <= 128 or release_key.name in names:
+                raise bad(f"{where}: a release key has a name of 1-128 characters, not another release key's")
+            names.add(release_key.name)
+            _screen(release_key.public_key, where, error)
+            if release_key.public_key in {k.public_key for k in self.release_keys[:i]}:
+                raise bad(f"{where} repeats another release key")
         return self
 
     def to_record(self) -> dict:
@@ -264,6 +276,7 @@ class Policy:
             "classes": {name: cls.to_record() for name, cls in self.classes.items()},
             "attesters": [a.to_record() for a in self.attesters],
             "ledger_keys": [k.to_record() for k in self.ledger_keys],
+            **({"release_keys": [k.to_record() for k in self.release_keys]} if self.release_keys else {}),
         }
 
     @property
@@ -286,7 +299,7 @@ class Policy:
     @classmethod
     def from_record(cls, record: Any, *, error: type[GovtrainError] = IntegrityError) -> "Policy":
         shape = _RecordShape(error)
-        top = shape.map(record, _POLICY_SPEC, "policy")
+        top = shape.map(record, _POLICY_SPEC, "policy", optional=_POLICY_OPTIONAL)
         floor = shape.map(top["floor"], _FLOOR_SPEC, "policy.floor")
         classes = {}
         for name, raw in shape.typed(top["classes"], dict, "policy.classes").items():
@@ -322,6 +335,10 @@ class Policy:
         for i, raw in enumerate(shape.typed(top["ledger_keys"], list, "policy.ledger_keys")):
             k = shape.map(raw, _LEDGER_KEY_SPEC, f"policy.ledger_keys[{i}]")
             ledger_keys.append(LedgerKey(name=k["name"], public_key=k["public_key"]))
+        release_keys = []
+        for i, raw in enumerate(shape.typed(top.get("release_keys", []), list, "policy.release_keys")):
+            k = shape.map(raw, _LEDGER_KEY_SPEC, f"policy.release_keys[{i}]")
+            release_keys.append(LedgerKey(name=k["name"], public_key=k["public_key"]))
         policy = cls(
             origin=top["origin"],
             delta_p=top["delta_p"],
@@ -339,6 +356,7 @@ class Policy:
             classes=classes,
             attesters=tuple(attesters),
             ledger_keys=tuple(ledger_keys),
+            release_keys=tuple(release_keys),
         )
         policy.validate(error)
         if policy.to_record() != record:
@@ -359,8 +377,9 @@ _POLICY_SPEC = {
     "examples_per_contribution": _NULLABLE_INT, "sampling_rate_u": _NULLABLE_INT,
     "expected_batch_size": _NULLABLE_INT, "steps_per_epoch": int, "retention_epochs": int,
     "max_validity_s": int, "clock_skew_s": int, "floor": dict, "classes": dict, "attesters": list,
-    "ledger_keys": list,
+    "ledger_keys": list, "release_keys": list,
 }
+_POLICY_OPTIONAL = frozenset({"release_keys"})  # absent unless the policy names release keys (`Policy.to_record`)
 _FLOOR_SPEC = {"min_noise_multiplier_u": int, "max_clip_norm_u": int}
 _CLASS_SPEC = {"clip_norm_u": int, "min_noise_multiplier_u": int, "eps_budget_u": int,
                "max_eps_budget_u": int, "profile": dict}

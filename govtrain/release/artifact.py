@@ -24,8 +24,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from pathlib import Path
-from typing import Literal
+from pathlib import Path, PurePosixPath
+from typing import Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -174,8 +174,35 @@ def adapter_sha256(folder: Path) -> bytes:
     """The adapter hash a run entry records: SHA-256 over (relative path, SHA-256 of bytes) of every file under
     `folder`, sorted, but the model card (README.md at the top) and a run's resumable state."""
     folder = Path(folder)
+    return adapter_digest({path.relative_to(folder).as_posix(): hashlib.sha256(path.read_bytes()).digest()
+                           for path in folder.rglob("*") if path.is_file()})
+
+
+def adapter_digest(files: Mapping[str, bytes]) -> bytes:
+    """The adapter hash over a folder's files given as {relative "/"-separated path: SHA-256 of its bytes}: the
+    files in path order (component by component, as paths sort), but README.md at the top and a run's state. A
+    release manifest's subjects give the same hash as the folder they list (`release/verification.py`)."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in STATE
-                       and p.relative_to(folder) != Path(CARD)):
-        digest.update(str(path.relative_to(folder)).encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    for name in sorted(files, key=lambda n: PurePosixPath(n).parts):
+        path = PurePosixPath(name)
+        if path.name in STATE or path == PurePosixPath(CARD):
+            continue
+        digest.update(name.encode() + b"\0" + files[name])
     return digest.digest()
+
+
+def folder_files(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder`, card included, as {relative "/"-separated path: SHA-256 of its bytes}: what a
+    release manifest's subjects list. A link, or anything but a folder or a plain file, is refused: its bytes would
+    be another file's."""
+    folder = Path(folder)
+    if not folder.is_dir() or folder.is_symlink():
+        raise ConfigError(Code.ARTIFACT_UNREADABLE, f"{folder} is not a folder")
+    files = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_symlink() or not (path.is_file() or path.is_dir()):
+            raise ConfigError(Code.ARTIFACT_UNREADABLE, f"{path} is a link or a special file; an adapter folder holds "
+                                                        "plain files only")
+        if path.is_file():
+            files[path.relative_to(folder).as_posix()] = hashlib.sha256(path.read_bytes()).digest()
+    return files
