@@ -42,6 +42,7 @@ bench: $(STAMP)
 schemas: $(STAMP)
 	$(PY) -m govtrain.policy.config --schema > schemas/policy.schema.json
 	$(PY) -m govtrain.train.config --schema > schemas/run.schema.json
+	$(PY) -m govtrain.serve.policy --schema > schemas/inference.schema.json
 	$(PY) -m govtrain.release.predicate --schema > schemas/release.schema.json
 
 readme: $(STAMP)

@@ -47,7 +47,10 @@ def serve_command(release_path: str, adapter_dir: str, policy_path: str, base: s
         click.echo(f"serving release {info['release'][:16]}… (run {info['run_id']}, {info['task']}) for "
                    f"{policy.audience} on http://{host}:{port}: classes drawn on: {drawn or 'none'}; "
                    f"{'TAINTED' if taint.get('tainted') else 'not tainted'}; routes {', '.join(info['routes'])}")
-        uvicorn_server(create_app(gate), host=host, port=port).run()
+        try:
+            uvicorn_server(create_app(gate), host=host, port=port).run()
+        except KeyboardInterrupt:  # uvicorn shut down cleanly, then passed the interrupt on: the normal way out
+            click.echo("stopped")
     finally:
         gate.close()
 

@@ -17,7 +17,11 @@ import socket
 import threading
 from typing import Any, Iterator
 
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
 
 from govtrain.errors import Code, GovtrainError, ServeError
 from govtrain.inference.server import HTTP_STATUS as SPLIT_STATUS
@@ -99,11 +103,6 @@ async def read_body(request: Any, limit: int) -> bytes:
 
 def create_app(gate: Gate) -> Any:
     """The FastAPI app serving `gate`."""
-    from fastapi import FastAPI, Request
-    from fastapi.concurrency import run_in_threadpool
-    from fastapi.responses import JSONResponse
-    from starlette.exceptions import HTTPException
-
     app = FastAPI(title="govtrain inference gate", docs_url=None, redoc_url=None, openapi_url=None)
     limit = gate.policy.max_body_bytes
 

@@ -49,7 +49,8 @@ def decide(predicate: Any, permitted: Iterable[str]) -> Decision:
         raise ServeError(Code.CLASS_NOT_PERMITTED, (
             f"this release's training drew on class(es) {names} in shared parameters "
             f"({'; '.join(describe_group(predicate.groups[i]) for i in where)}), and your rights envelope does not "
-            f"permit them (it permits: {', '.join(sorted(allowed)) or 'no class'}): they cannot be served without"))
+            f"permit them (it permits: {', '.join(sorted(allowed)) or 'no class'}); no adapter can be disabled to "
+            "serve without them: ask the issuer for rights to them, or serve a release trained without them"))
     disabled = tuple(sorted({c.adapter for c in excluded}))
     return Decision(active_adapters=tuple(a for a in predicate.adapter.adapters if a not in disabled),
                     disabled_adapters=disabled, excluded_classes=tuple(sorted(c.data_class for c in excluded)))
