@@ -39,7 +39,10 @@ DOCS = REPO / "docs"
 PAGES = [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]
 NOT_RUN = "<!-- snippet: not run -->"
 # page (relative to the repository) -> python blocks marked NOT_RUN
-SKIPPED: dict[str, int] = {"docs/loading.md": 1}  # the plain peft load that the scratch policy's adapter class refuses
+SKIPPED: dict[str, int] = {
+    "docs/loading.md": 1,  # the plain peft load that the scratch policy's adapter class refuses
+    "docs/release-manifest.md": 3,  # the scratch policy names no release key, and releases need one
+}
 # Pages the nav names for features that land in other branches (issue 21): mkdocs.yml reports a missing nav
 # page only as info so that the site builds without them. Remove each name once its page exists.
 PENDING_PAGES: set[str] = set()
@@ -176,7 +179,7 @@ def check_govtrain(words: list[str]) -> None:
         assert sub is not None, f"`{' '.join(path)}` has no command {args[0]!r}"
         command, args, path = sub, args[1:], [*path, args[0]]
     options = {name: p for p in command.params if isinstance(p, click.Option) for name in p.opts + p.secondary_opts}
-    if isinstance(command, click.Group):
+    if isinstance(command, click.Group) and not (command.invoke_without_command and args):  # `govtrain release`
         assert not args or set(args) <= HELP | {"--version"}, f"`{' '.join(path)}` needs a command"
         return
     arity = sum(p.nargs for p in command.params if isinstance(p, click.Argument))
