@@ -119,8 +119,8 @@ class SessionStore:
         if not self.path.exists():
             fd = os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600)  # no one else reads which sessions exist
             os.close(fd)
-        connection = self._connection()
         try:
+            connection = self._connection()
             version = connection.execute("PRAGMA user_version").fetchone()[0]
             if version not in (0, VERSION):
                 raise ConfigError(Code.BAD_ARGUMENT, f"{self.path}: a session store of version {version}; this "

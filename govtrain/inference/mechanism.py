@@ -173,7 +173,8 @@ def check_noise(vector: np.ndarray, release: GaussianRelease) -> None:
     without noise, with less, or unclipped. A vector inside the bounds may still have been made dishonestly; the
     check catches the gross mistakes (where the noise dominates the signal, a missing noise), not every lie."""
     low, high = norm_bounds(release, vector.shape[0])
-    norm = float(np.linalg.norm(vector))
+    with np.errstate(over="ignore"):  # a norm past the float range is inf, and refused as such
+        norm = float(np.linalg.norm(vector))
     if not low <= norm <= high:
         raise _refuse(Code.NOISE_IMPLAUSIBLE, f"the vector's norm {norm:.4g} lies outside [{low:.4g}, {high:.4g}], "
                                               f"where a state clipped to {release.clip_norm:g} plus noise of sigma "
