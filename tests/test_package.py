@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("build")
 
 REPO = Path(__file__).resolve().parents[1]
-EXTRAS = {"hf", "demo", "dev", "docs", "bench"}
+EXTRAS = {"hf", "demo", "dev", "docs", "bench", "serve"}
 
 
 def _source_tree(target: Path) -> Path:

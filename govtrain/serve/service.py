@@ -196,8 +196,11 @@ class Gate:
         import torch
 
         tokenizer, model = self.loaded.tokenizer, self.loaded.model
-        inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=True, truncation=True,
-                           max_length=self.loaded.record.max_length).to(next(model.parameters()).device)
+        inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=True).to(next(model.parameters()).device)
+        room = getattr(model.config, "max_position_embeddings", None)
+        if room is not None and inputs["input_ids"].shape[1] + max_new_tokens > room:
+            raise ServeError(Code.BAD_REQUEST, f"the prompt's {inputs['input_ids'].shape[1]} tokens and "
+                                               f"{max_new_tokens} new ones exceed the model's {room} positions")
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id)
