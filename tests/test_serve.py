@@ -169,6 +169,20 @@ def test_a_grace_period_serves_a_tainted_release_until_it_ends(deployment: Deplo
                  409, "release_tainted")
 
 
+def test_a_ledger_that_cannot_be_read_refuses_503_until_it_can(deployment: Deployment):
+    deployment.policy_path.write_text(deployment.policy_path.read_text().replace(
+        'ledger = "', 'taint_check_seconds = 0\nledger = "'))
+    database = deployment.released.root / "ledger.db"
+    with deployment.serving() as (client, _):
+        database.rename(database.with_suffix(".moved"))
+        detail = _refusal(client.post("/v1/classify", json={"texts": TEXTS}, headers=deployment.rights()), 503,
+                          "taint_unknown")
+        assert "ledger" in detail
+        assert client.get("/v1/info").json()["taint"]["tainted"] is None
+        database.with_suffix(".moved").rename(database)
+        assert client.post("/v1/classify", json={"texts": TEXTS}, headers=deployment.rights()).status_code == 200
+
+
 def test_a_session_past_its_budget_is_refused_429_and_charged_nothing(shared):
     deployment, client, gate = shared
     headers = deployment.rights(sessions=["budget"])
@@ -342,3 +356,22 @@ def test_govtrain_serve_refuses_a_bad_policy_with_one_line_and_exit_2(deployment
         "split.bogus" in result.stderr and result.stderr.count("\n") == 1
     assert json.loads((REPO / "schemas" / "inference.schema.json").read_text()) == \
         __import__("govtrain.serve.policy", fromlist=["json_schema"]).json_schema()
+
+
+def test_the_refusal_table_of_docs_serving_is_the_gates():
+    import re
+
+    from govtrain.serve.app import STATUS
+
+    section = (REPO / "docs" / "serving.md").read_text().split("## Refusals")[1].split("\n## ")[0]
+    documented: dict[str, int] = {}
+    for status, codes in re.findall(r"^\| (\d{3}) \| ([^|]+) \|", section, re.M):
+        for code in re.findall(r"`([a-z_]+)`", codes):
+            documented[code] = int(status)
+    mapped = {code.value: status for code, status in STATUS.items()}
+    assert {code: documented[code] for code in mapped if code in documented} == \
+        {code: status for code, status in mapped.items() if code in documented}
+    # what the table leaves to "the encoding and COSE codes" row is exactly the envelope's 401s
+    assert {code for code, status in mapped.items() if code not in documented} <= \
+        {code for code, status in mapped.items() if status == 401}
+    assert set(documented) - set(mapped) == {"internal"}
