@@ -345,6 +345,12 @@ def test_model_signing_needs_its_key_and_a_path_outside_the_folder(released: Rel
     inside = runner.invoke(cli, _release_args(released, released.adapter / "release.dsse"))
     assert inside.exit_code == 2 and "inside the adapter folder" in inside.output
     assert not (released.adapter / "release.dsse").exists()
+    (tmp_path / "taken.sig").write_text("someone else's")  # checked before the manifest is written
+    (tmp_path / "ms.key").write_text("not read")
+    taken = runner.invoke(cli, [*_release_args(released, tmp_path / "b.dsse"), "--model-signing",
+                                str(tmp_path / "taken.sig"), "--ms-key", str(tmp_path / "ms.key")])
+    assert taken.exit_code == 2 and "already exists" in taken.output and not (tmp_path / "b.dsse").exists()
+    assert (tmp_path / "taken.sig").read_text() == "someone else's"
 
 
 def test_verification_never_imports_torch(released: Released, tmp_path: Path):
