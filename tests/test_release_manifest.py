@@ -74,6 +74,29 @@ def test_release_keys_are_recorded_only_where_a_policy_names_them(tmp_path: Path
     assert cbor.encode(entry) == stored.body
 
 
+def test_the_subjects_hash_to_the_adapter_hash_as_the_folder_does(tmp_path: Path):
+    """`adapter_digest` over a manifest's subjects is the run entry's adapter hash of the folder they list: the
+    hash as runs have always recorded it (sorted paths, the top card and run state left out), names sorting
+    component by component ("a/b" before "a-b", unlike their strings)."""
+    import hashlib
+
+    folder = tmp_path / "adapter"
+    for name in ("a-b", "a/b", "a.b", "A", "README.md", "sub/README.md", "run-state.pt", "x/run-state.lock", "z"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(name)
+    oracle = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in ("run-state.pt",
+                       "run-state.pt.tmp", "run-state.lock") and p.relative_to(folder) != Path("README.md")):
+        oracle.update(str(path.relative_to(folder)).encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    files = folder_files(folder)
+    assert "README.md" in files and "run-state.pt" in files  # a subject is every file
+    assert adapter_digest(files) == adapter_sha256(folder) == oracle.digest()
+    (folder / "link").symlink_to(folder / "z")
+    with pytest.raises(GovtrainError) as caught:
+        folder_files(folder)
+    assert caught.value.code == Code.ARTIFACT_UNREADABLE
+
+
 # -- round trip --------------------------------------------------------------------------------------------
 
 
@@ -322,6 +345,12 @@ def test_model_signing_needs_its_key_and_a_path_outside_the_folder(released: Rel
     inside = runner.invoke(cli, _release_args(released, released.adapter / "release.dsse"))
     assert inside.exit_code == 2 and "inside the adapter folder" in inside.output
     assert not (released.adapter / "release.dsse").exists()
+    (tmp_path / "taken.sig").write_text("someone else's")  # checked before the manifest is written
+    (tmp_path / "ms.key").write_text("not read")
+    taken = runner.invoke(cli, [*_release_args(released, tmp_path / "b.dsse"), "--model-signing",
+                                str(tmp_path / "taken.sig"), "--ms-key", str(tmp_path / "ms.key")])
+    assert taken.exit_code == 2 and "already exists" in taken.output and not (tmp_path / "b.dsse").exists()
+    assert (tmp_path / "taken.sig").read_text() == "someone else's"
 
 
 def test_verification_never_imports_torch(released: Released, tmp_path: Path):
@@ -340,3 +369,49 @@ def test_verify_release_raises_a_govtrain_error_for_bytes_that_are_no_envelope(r
         with pytest.raises(GovtrainError) as caught:
             released.verify(raw)
         assert caught.value.code == Code.BAD_ENVELOPE
+
+
+# -- groups in the policy's terms: heads, grouped-query heads, experts (no training) ----------------------------
+
+
+def _groups(classes: dict, net) -> dict:
+    from govtrain.release.groups import trained_groups
+    from govtrain.resolver.model import describe
+
+    return {g.classes: g for g in trained_groups(classes, describe(net))}
+
+
+def test_a_heads_profile_names_its_heads_and_the_rest_of_the_layer_stays_with_the_others():
+    from tests.test_resolver import cls, peft_bert
+
+    classes = {"public": cls("public", fraction_u=(500_000, 1_000_000), head=True),
+               "sensitive": cls("sensitive", band=(4, 5), heads=((5, (0, 1)),))}
+    groups = _groups(classes, peft_bert())
+    shared, public = groups[("public", "sensitive")], groups[("public",)]
+    assert shared.layers == (4, 5) and shared.heads == ((5, (0, 1)),) and shared.outside == ()
+    # Layer 5's other heads (rows of q/v lora_B, columns of the output projection's lora_A) and the factors that
+    # mix every head stay public's; so do layer 3 and the head.
+    assert public.layers == (3, 5) and public.heads == ((5, (2, 3)),) and public.outside == ("classifier",)
+    assert set(groups) == {("public",), ("public", "sensitive")}
+
+
+def test_a_key_value_head_shared_by_grouped_query_heads_is_named_by_the_query_heads_it_serves():
+    import transformers
+
+    from tests.test_resolver import cls
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
+    groups = _groups({"c": cls("c", band=(3, 3), heads=((3, (0, 1)),))}, transformers.LlamaForCausalLM(config))
+    assert groups[("c",)].heads == ((3, (0, 1)),) and groups[("c",)].layers == (3,)
+
+
+def test_an_experts_profile_names_its_experts_on_fused_parameters_and_their_lora_factors():
+    from tests.test_moe import CLASSES, fused_lora, mixtral
+    from tests.test_resolver import cls
+
+    groups = _groups(CLASSES, mixtral())
+    assert groups[("depth", "experts")].experts == ((0, (1,)),)
+    assert groups[("experts", "routed")].experts == ((1, (1, 2)),) and groups[("experts", "routed")].layers == (1,)
+    lora = _groups({"one": cls("one", band=(0, 1), experts=((0, (1,)), (1, (2, 3))))}, fused_lora())
+    assert lora[("one",)].experts == ((0, (1,)), (1, (2, 3))) and lora[("one",)].tensors == 8

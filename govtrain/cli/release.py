@@ -13,11 +13,16 @@ from govtrain.cli.output import (CONTEXT_SETTINGS, EXIT_TAINTED, Command, Group,
 from govtrain.errors import Code, ConfigError
 
 
-def _write_new(path: Path, data: bytes, folder: Path) -> None:
-    """Write `data` to `path`, a new file outside the adapter `folder` (a file inside would be one more file than
-    the release lists)."""
+def _check_new(path: Path, folder: Path) -> None:
+    """`path` names a new file outside the adapter `folder` (a file inside would be one more file than the release
+    lists): checked before anything is written."""
     if path.resolve().is_relative_to(folder.resolve()):
         raise ConfigError(Code.BAD_ARGUMENT, f"{path} is inside the adapter folder {folder}: write it elsewhere")
+    if path.exists() or path.is_symlink():
+        raise ConfigError(Code.BAD_ARGUMENT, f"{path} already exists; choose another name")
+
+
+def _write_new(path: Path, data: bytes) -> None:
     try:
         descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
@@ -74,15 +79,20 @@ def release_group(ctx: click.Context, run_id: str | None, adapter: str | None, o
     from govtrain.release.predicate import statement_bytes
 
     folder = Path(adapter)
+    outputs = [Path(out_path)] + ([Path(ms_out)] if ms_out is not None else [])
+    if len({p.resolve() for p in outputs}) != len(outputs):
+        raise ConfigError(Code.USAGE, "--out and --model-signing name the same file")
+    for path in outputs:
+        _check_new(path, folder)
     key = load_private_key(key_path)
     p256 = load_p256_key(ms_key) if ms_key is not None else None
     with Ledger.open(ledger_url) as ledger:
         statement = release_statement(ledger, run_id, folder, key=key, base=base)
     envelope = dsse.sign(statement_bytes(statement), key)
     bundle = model_signing_bundle(statement, folder.resolve().name, p256) if p256 is not None else None
-    _write_new(Path(out_path), envelope.to_json(), folder)
+    _write_new(Path(out_path), envelope.to_json())
     if bundle is not None:
-        _write_new(Path(ms_out), bundle, folder)
+        _write_new(Path(ms_out), bundle)
     p = statement.predicate
     if as_json:
         emit_json({"ok": True, "out": out_path, "model_signing": ms_out, "run_id": run_id,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from govtrain.attest.keys import key_id, raw_public_key
+from govtrain.attest.keys import check_public_key, key_id, raw_public_key
 from govtrain.errors import Code, IntegrityError
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
@@ -133,6 +133,7 @@ def verify(envelope: Envelope, public_key: bytes, payload_type: str = PAYLOAD_TY
     where one names it and none verifies."""
     if envelope.payload_type != payload_type:
         raise _bad(f"payloadType is {envelope.payload_type!r}, not {payload_type!r}")
+    check_public_key(public_key)  # a small-order key verifies forgeries (docs/design.md §3)
     verifier = Ed25519PublicKey.from_public_bytes(public_key)
     message = pae(envelope.payload_type, envelope.payload)
     for signature in envelope.signatures:

@@ -88,7 +88,7 @@ def release_statement(ledger: "Ledger", run_id: str, folder: str | os.PathLike[s
     # 6.
     subjects = [Subject(name=name, digest=Digest(sha256=digest.hex())) for name, digest in sorted(
         files.items(), key=lambda item: item[0].split("/"))]
-    return Statement(type=STATEMENT_TYPE, subject=subjects, predicateType=PREDICATE_TYPE,
+    return Statement(**{"_type": STATEMENT_TYPE}, subject=subjects, predicateType=PREDICATE_TYPE,
                      predicate=_predicate(facts, record, groups, now))
 
 

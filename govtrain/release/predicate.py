@@ -161,7 +161,7 @@ class Predicate(_Strict):
 class Statement(_Strict):
     """An in-toto Statement v1 (github.com/in-toto/attestation, spec/v1/statement.md) of govtrain's predicate."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, validate_by_alias=True, validate_by_name=False)
 
     type: Literal["https://in-toto.io/Statement/v1"] = Field(alias="_type")
     subject: Annotated[list[Subject], Field(min_length=1)]

@@ -34,6 +34,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from govtrain.errors import Code, GovtrainError, IntegrityError
@@ -218,11 +219,11 @@ def verify_release(envelope: bytes, *, release_key: bytes, ledger_keys: Sequence
         checked = str(adapter)
     report = dict(
         release_sha256=hashlib.sha256(body).digest(), statement=statement, run_id=p.run.run_id,
-        origin=p.ledger.origin, run_seq=proof.index, checkpoint=checkpoint, subjects=subjects,
-        classes={c.data_class: ClassRelease(data_class=c.data_class, eps_u=c.eps_u, contributions=c.contributions,
+        origin=p.ledger.origin, run_seq=proof.index, checkpoint=checkpoint, subjects=MappingProxyType(subjects),
+        classes=MappingProxyType({c.data_class: ClassRelease(data_class=c.data_class, eps_u=c.eps_u, contributions=c.contributions,
                                             profile=c.profile, groups=tuple(c.groups), adapter=c.adapter)
-                 for c in p.classes},
-        groups=tuple(GroupRelease(eps_u={c.data_class: c.eps_u for c in g.classes}, adapters=tuple(g.adapters),
+                 for c in p.classes}),
+        groups=tuple(GroupRelease(eps_u=MappingProxyType({c.data_class: c.eps_u for c in g.classes}), adapters=tuple(g.adapters),
                                   layers=tuple(g.layers), heads=tuple((h.layer, tuple(h.indices)) for h in g.heads),
                                   experts=tuple((x.layer, tuple(x.indices)) for x in g.experts),
                                   outside=tuple(g.outside), tensors=g.tensors, scalars=g.scalars) for g in p.groups),
