@@ -15,7 +15,7 @@
 
 then applies the head. The head reads the **base** model's pooled state (what the client can compute), while the
 adapter trained it on the LoRA-adapted one: how well it predicts from noised base states is measured
-(bench/inference.py), not assumed. Note that a refusal at step 5 comes after the vector arrived: the server holds
+(by the inference bench), not assumed. Note that a refusal at step 5 comes after the vector arrived: the server holds
 what it was sent. The client's own budget, debited before sending, is what keeps the vector from leaving.
 """
 
