@@ -113,6 +113,7 @@ def serve_split(head: SplitHead, request: SplitRequest, store: SessionStore, *, 
     state = store.debit(request.session_id, release, owner=owner, budget=budget)  # 5
     logits = head.logits(vector[None, :])[0]
     label = int(np.argmax(logits))
-    return SplitResponse(session_id=request.session_id, label=label, label_name=head.id2label.get(str(label), str(label)),
+    return SplitResponse(session_id=request.session_id, label=label,
+                         label_name=head.id2label.get(str(label), str(label)),
                          logits=[float(x) for x in logits], sigma=release.sigma, epsilon_spent=state.spent_epsilon,
                          epsilon_budget=state.budget.epsilon, delta=state.budget.delta, requests=state.requests)
