@@ -1,5 +1,5 @@
 """A released adapter for the split-inference tests: the tiny BERT trained for two governed steps, and the
-in-process server that answers `POST /v1/split` with `serve_split` (what govtrain/serve's route will call)."""
+in-process server that answers `POST /v1/split` with `serve_split` (what the gate server's route calls)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def train_release(root: Path, pooling: str) -> tuple[Path, Path]:
 
 def split_server(head, store: SessionStore, budget: SessionBudget, *, owner: str = "alice",
                  seen: list | None = None) -> Callable:
-    """An httpx.MockTransport handler: the route as govtrain/serve will build it (parse, serve, map refusals)."""
+    """An httpx.MockTransport handler: the route as the gate server builds it (parse, serve, map refusals)."""
     import httpx
 
     from govtrain.inference.server import http_status, serve_split

@@ -48,7 +48,8 @@ def test_requests_are_admitted_while_their_exact_composition_fits_the_budget(tmp
         assert fill(store) == ADMITTED
         state = store.session("s1", owner="alice")
         assert state.requests == ADMITTED and state.mu_sq == ADMITTED * REQUEST.mu_sq
-        assert state.spent_epsilon_u == gaussian.gdp_epsilon_u(ADMITTED * REQUEST.mu_sq, BUDGET.delta_p) <= BUDGET.epsilon_u
+        composed = gaussian.gdp_epsilon_u(ADMITTED * REQUEST.mu_sq, BUDGET.delta_p)
+        assert state.spent_epsilon_u == composed <= BUDGET.epsilon_u
         # A second library agrees: PLD composition of the admitted requests fits, one more does not.
         assert pld_epsilon([REQUEST] * ADMITTED, 1e-6) <= 3.0 < pld_epsilon([REQUEST] * (ADMITTED + 1), 1e-6)
         assert state.spent_epsilon == pytest.approx(pld_epsilon([REQUEST] * ADMITTED, 1e-6), rel=2e-3)

@@ -25,6 +25,7 @@ requests spends (`govtrain.inference.budget`).
 
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 
@@ -83,6 +84,7 @@ def analytic_sigma(epsilon: float, delta: float, sensitivity: float = 1.0) -> fl
     return high
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of integers, asked again for every request of a session
 def calibrate_sigma_u(epsilon_u: int, delta_p: int, sensitivity_u: int) -> int:
     """`analytic_sigma` for integer inputs (epsilon and Delta in micro-units, delta in pico-units), rounded up to
     micro-units. Client and server compute it alike from the same integers."""

@@ -125,7 +125,8 @@ class SessionStore:
             if version not in (0, VERSION):
                 raise ConfigError(Code.BAD_ARGUMENT, f"{self.path}: a session store of version {version}; this "
                                                      f"govtrain reads version {VERSION}")
-            connection.execute("PRAGMA journal_mode = WAL")
+            if connection.execute("PRAGMA journal_mode").fetchone()[0] != "wal":  # persistent: set once, at creation
+                connection.execute("PRAGMA journal_mode = WAL")
             connection.executescript(f"BEGIN IMMEDIATE;\n{SCHEMA}\nPRAGMA user_version = {VERSION};\nCOMMIT;")
         except sqlite3.DatabaseError as e:
             raise ConfigError(Code.BAD_ARGUMENT, f"{self.path}: not a session store ({e})") from None

@@ -38,12 +38,14 @@ def _refuse(code: Code, detail: str) -> InferenceError:
     return InferenceError(code, detail)
 
 
-def _finite_in(name: str, value: Any, low: float, high: float, *, low_open: bool = True) -> float:
+def _finite_in(name: str, value: Any, low: float, high: float, *, low_open: bool = True,
+               high_open: bool = False) -> float:
+    """`value` if it is a finite number in the interval, else `bad_privacy_request` naming the interval."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise _refuse(Code.BAD_PRIVACY_REQUEST, f"{name} = {value!r}: a finite number is needed")
-    if (value <= low if low_open else value < low) or value > high:
+    if (value <= low if low_open else value < low) or (value >= high if high_open else value > high):
         raise _refuse(Code.BAD_PRIVACY_REQUEST, f"{name} = {value!r}: it must lie in {'(' if low_open else '['}"
-                                                f"{low:g}, {high:g}]")
+                                                f"{low:g}, {high:g}{')' if high_open else ']'}")
     return float(value)
 
 
@@ -88,10 +90,8 @@ def release_for(epsilon: float, delta: float, clip_norm: float) -> GaussianRelea
     """The mechanism of a request at (`epsilon`, `delta`) whose pooled state is clipped to `clip_norm`; a value out
     of range (epsilon <= 0 or above `MAX_EPSILON`, delta outside [1e-12, 1), C <= 0) is `bad_privacy_request`."""
     _finite_in("epsilon", epsilon, 0.0, MAX_EPSILON)
-    _finite_in("delta", delta, MIN_DELTA, 1.0, low_open=False)
+    _finite_in("delta", delta, MIN_DELTA, 1.0, low_open=False, high_open=True)
     _finite_in("clip_norm", clip_norm, 0.0, MAX_CLIP_NORM)
-    if delta >= 1:
-        raise _refuse(Code.BAD_PRIVACY_REQUEST, f"delta = {delta!r}: it must be below 1")
     epsilon_u, delta_p, clip_u = units.to_micro(epsilon, "down"), units.delta_p(delta), units.clip_norm_u(clip_norm)
     if epsilon_u < 1 or delta_p < 1 or clip_u < 1:
         raise _refuse(Code.BAD_PRIVACY_REQUEST, f"epsilon {epsilon!r}, delta {delta!r} and clip norm {clip_norm!r} "
@@ -202,9 +202,7 @@ class SessionBudget:
 def session_budget(epsilon: float, delta: float) -> SessionBudget:
     """A session budget of `epsilon` at `delta`, both rounded down."""
     _finite_in("session budget epsilon", epsilon, 0.0, MAX_BUDGET_EPSILON)
-    _finite_in("session delta", delta, MIN_DELTA, 1.0, low_open=False)
-    if delta >= 1:
-        raise _refuse(Code.BAD_PRIVACY_REQUEST, f"session delta = {delta!r}: it must be below 1")
+    _finite_in("session delta", delta, MIN_DELTA, 1.0, low_open=False, high_open=True)
     budget = SessionBudget(epsilon_u=units.eps_budget_u(epsilon), delta_p=units.delta_p(delta))
     if budget.epsilon_u < 1 or budget.delta_p < 1:
         raise _refuse(Code.BAD_PRIVACY_REQUEST, "a session budget's epsilon and delta are kept to 1e-6 and 1e-12: "

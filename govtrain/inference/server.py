@@ -15,7 +15,7 @@
 
 then applies the head. The head reads the **base** model's pooled state (what the client can compute), while the
 adapter trained it on the LoRA-adapted one: how well it predicts from noised base states is measured
-(bench/inference.py), not assumed. Note that a refusal at step 5 comes after the vector arrived: the server holds
+(by the inference bench), not assumed. Note that a refusal at step 5 comes after the vector arrived: the server holds
 what it was sent. The client's own budget, debited before sending, is what keeps the vector from leaving.
 """
 
@@ -113,6 +113,7 @@ def serve_split(head: SplitHead, request: SplitRequest, store: SessionStore, *, 
     state = store.debit(request.session_id, release, owner=owner, budget=budget)  # 5
     logits = head.logits(vector[None, :])[0]
     label = int(np.argmax(logits))
-    return SplitResponse(session_id=request.session_id, label=label, label_name=head.id2label.get(str(label), str(label)),
+    return SplitResponse(session_id=request.session_id, label=label,
+                         label_name=head.id2label.get(str(label), str(label)),
                          logits=[float(x) for x in logits], sigma=release.sigma, epsilon_spent=state.spent_epsilon,
                          epsilon_budget=state.budget.epsilon, delta=state.budget.delta, requests=state.requests)

@@ -1,4 +1,4 @@
-"""Seed 002's signal-to-noise claim, computed and measured (bench/inference.py reports it; no torch here).
+"""Seed 002's signal-to-noise claim, computed and measured (the inference bench reports it; no torch here).
 
 Seed 002 argued that post-transformer states (norm ~165-190) survive noise of norm sigma sqrt(d) ~ 190, "SNR ~1,
 zero quality degradation". But its own mechanism clips the state to Delta_f = 1 before adding the noise, so the
@@ -49,9 +49,9 @@ class SeedClaim:
     def rows(self) -> list[tuple[str, float, float, float]]:
         """(calibration, sigma, noise norm, signal-to-noise ratio) for each of the three sigmas."""
         return [(name, sigma, self.noise_norm(sigma), self.snr(sigma)) for name, sigma in (
-            ("classical, Delta = C (seed 002)", self.sigma_classical),
-            ("analytic, Delta = C", self.sigma_analytic_seed),
-            ("analytic, Delta = 2C (govtrain)", self.sigma_govtrain))]
+            ("classical, Δ = C (seed 002)", self.sigma_classical),
+            ("analytic, Δ = C", self.sigma_analytic_seed),
+            ("analytic, Δ = 2C (govtrain)", self.sigma_govtrain))]
 
 
 def seed_002_claim(dimension: int = 384, epsilon: float = 1.0, delta: float = 1e-5,
