@@ -154,7 +154,8 @@ def policy_from_file(model: InferencePolicyFile, base: Path) -> InferencePolicy:
     """Convert a validated file: integers rounded toward privacy, keys read and screened, paths made absolute."""
     release_key = _key_bytes(KeyFile(name="release", public_key=model.release.public_key,
                                      public_key_file=model.release.public_key_file), base, "release")
-    ledger_keys = tuple(_key_bytes(k, base, f"release.ledger_keys[{n}]") for n, k in enumerate(model.release.ledger_keys))
+    ledger_keys = tuple(_key_bytes(k, base, f"release.ledger_keys[{n}]")
+                        for n, k in enumerate(model.release.ledger_keys))
     issuers = tuple(Issuer(name=i.name, public_key=_key_bytes(i, base, f"issuers[{n}]"),
                            classes=frozenset(i.classes) if i.classes is not None else None)
                     for n, i in enumerate(model.issuers))
