@@ -92,12 +92,12 @@ def test_budgets_survive_a_restart(tmp_path: Path):
         before = (store.session("s1", owner="alice"), store.debits("s1", owner="alice"))
     with SessionStore(path) as reopened:  # the same file, a new store
         assert (reopened.session("s1", owner="alice"), reopened.debits("s1", owner="alice")) == before
-    child = ("import sys; from govtrain.inference.budget import SessionStore\n"
+    child = ("import sys; import govtrain.inference; from govtrain.inference.budget import SessionStore\n"
              "from govtrain.inference.mechanism import release_for, session_budget\n"
              f"store = SessionStore({str(path)!r})\n"
              "print(store.session('s1', owner='alice').requests)\n"
              "store.debit('s1', release_for(1.0, 1e-6, 1.0), owner='alice', budget=session_budget(3.0, 1e-6))\n"
-             "assert 'torch' not in sys.modules\n")
+             "assert 'torch' not in sys.modules, 'the budgets imported torch'\n")
     result = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "4"  # another process read the spend, then added to it
