@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, MutableMapping, NamedTuple
 
-from sqlalchemy import create_engine, event, func, insert, inspect, select, tuple_, update
+from sqlalchemy import (LargeBinary, bindparam, create_engine, event, func, insert, inspect, or_, select, text,
+                        tuple_, update)
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError
 from sqlalchemy.exc import IntegrityError as SQLIntegrityError
@@ -491,6 +492,22 @@ class LedgerStore:
             if len(rows) < batch:
                 return
             position = rows[-1][0] + 1
+
+    def entries_holding(self, pattern: bytes, kinds: tuple[str, ...] = ()) -> list[StoredEntry]:
+        """The entries whose body holds the bytes `pattern`, or whose kind column is one of `kinds`, in sequence
+        order: a reader that must find entries by their bodies, whatever their kind column says, asks the
+        database to search every body (byte for byte: SQLite's instr, PostgreSQL's position on bytea)."""
+        if not pattern:
+            raise ValueError("an empty pattern matches every body")
+        if self.backend == "sqlite":
+            found = func.instr(Entry.body, pattern) > 0
+        else:
+            found = text("position(:pattern in entries.body) > 0").bindparams(
+                bindparam("pattern", pattern, type_=LargeBinary))
+        condition = or_(found, Entry.kind.in_(kinds)) if kinds else found
+        with self.engine.connect() as connection:
+            rows = connection.execute(select(Entry.__table__).where(condition).order_by(Entry.seq)).all()
+        return [StoredEntry(*row) for row in rows]
 
     def entries_at(self, seqs: list[int], batch: int = 500) -> list[StoredEntry]:
         """The entries with these sequence numbers (those that exist), in sequence order."""

@@ -229,12 +229,14 @@ def test_a_class_adapter_that_the_release_does_not_hold_is_refused_offline(relea
 def _tuned_release(tmp_path: Path):  # type: ignore[no-untyped-def]
     """A ledger (release key in its policy) where three trial runs of tune "t" were charged and recorded, each run
     entry's adapter hash that of a one-file folder; and the release manifest of the selected trial, built from the
-    ledger's own facts as `build_release` does (no groups: the adapter is a placeholder file)."""
+    ledger's own facts as `build_release` does (the adapter is a placeholder file, so its groups are the noise groups
+    the spend entries recorded, placed in the default adapter: what a verifier can check them against)."""
     from govtrain.accounting.accountants import spend_epsilon_u
     from govtrain.attest.keys import generate_key_pair, load_private_key, load_public_key
     from govtrain.gate.admission import admit
     from govtrain.release.artifact import adapter_digest
     from govtrain.release.facts import current_checkpoint, ledger_facts
+    from govtrain.release.groups import TrainedGroup
     from govtrain.release.manifest import _predicate
     from govtrain.release.predicate import PREDICATE_TYPE, STATEMENT_TYPE, Digest, Statement, Subject, statement_bytes
     from tests.conftest import TEST_POLICY, lease, make_corpus, record_spend
@@ -274,8 +276,10 @@ def _tuned_release(tmp_path: Path):  # type: ignore[no-untyped-def]
     record = SimpleNamespace(base_model=SimpleNamespace(name="base", revision=None), task="sequence-classification",
                              adapters=["default"])
     subjects = [Subject(name=n, digest=Digest(sha256=d.hex())) for n, d in files("t-trial-2").items()]
+    groups = tuple(TrainedGroup(classes=tuple(sorted(s)), adapters=("default",), layers=(0,), heads=(), experts=(),
+                                outside=(), tensors=1, scalars=1) for s in sorted(facts.noise_signatures, key=sorted))
     statement = Statement(**{"_type": STATEMENT_TYPE}, subject=subjects,
-                          predicateType=PREDICATE_TYPE, predicate=_predicate(facts, record, (), corpus.now))
+                          predicateType=PREDICATE_TYPE, predicate=_predicate(facts, record, groups, corpus.now))
     key = load_private_key(keys / "release.key")
     pinned = dict(release_key=load_public_key(keys / "release.pub"), ledger_keys=[load_public_key(keys / "ledger.pub")])
     return dsse.sign(statement_bytes(statement), key).to_json(), key, pinned, url

@@ -198,14 +198,17 @@ def policy_entry(seq: int, time: int, policy: "Policy", policy_source_sha256: by
                   reason=reason)
 
 
-def decode_entry(body: bytes, *, seq: int, kind: str) -> dict:
-    """Strictly decode a stored entry and check its envelope against the row it came from."""
+def decode_entry(body: bytes, *, seq: int, kind: str | None) -> dict:
+    """Strictly decode a stored entry and check its envelope against the row it came from. `kind` None: the kind
+    the body states (`ledger/signed.py`: a reader that must not trust the row's kind column), checked the same."""
     try:
         entry = cbor.decode(body, max_size=max(cbor.MAX_INPUT_BYTES, len(body)))
     except GovtrainError as e:
         raise IntegrityError(Code.BAD_ENTRY, f"entry {seq} is not deterministic CBOR: {e.detail}") from e
     if type(entry) is not dict:
         raise IntegrityError(Code.BAD_ENTRY, f"entry {seq} is not a map")
+    if kind is None and type(entry.get("kind")) is str:
+        kind = entry["kind"]
     if entry.get("kind") != kind or entry.get("seq") != seq:
         raise IntegrityError(Code.BAD_ENTRY, f"entry {seq} claims seq {entry.get('seq')!r}, kind {entry.get('kind')!r}")
     if entry.get("v") != ENTRY_VERSION:

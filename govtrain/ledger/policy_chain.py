@@ -9,7 +9,10 @@ is either recorded in the spend it affects or only governs what is admitted next
 
 from __future__ import annotations
 
+from typing import Callable, Iterable, Iterator
+
 import ledger_store
+from govtrain.encoding import cbor
 from govtrain.errors import Code, IntegrityError
 from govtrain.ledger.checkpoint import NoteError, NoteKey, verify_checkpoint
 from govtrain.ledger.entries import decode_entry
@@ -67,21 +70,55 @@ def fixed_terms_changed(before: Policy, after: Policy) -> str | None:
     return None
 
 
-def policy_chain(store: ledger_store.LedgerStore, header: dict) -> list[tuple[int, Policy]]:
-    """(seq, policy) for the header and every `policy` entry, each change authorised by the policy before it."""
+def policy_chain(store: ledger_store.LedgerStore, header: dict, *,
+                 signed: Iterable[tuple[int, dict]] | None = None,
+                 covering: Callable[[int], str | None] | None = None) -> list[tuple[int, Policy]]:
+    """(seq, policy) for the header and every `policy` entry, each change authorised by the policy before it.
+
+    A policy entry is found by its body, never by the kind column alone: a database writer without keys can
+    relabel a row, and a change it hid would leave the policy before it in force. `signed` gives the (seq, body)
+    of the policy entries of a signed read (`ledger/signed.py`); by default they are the rows whose kind column
+    or body names a policy entry (`_policy_entries`). `covering(seq)` is the note of the checkpoint that first
+    covers entry `seq` (default: the store's first checkpoint row past it)."""
+    if covering is None:
+        def covering(seq: int) -> str | None:
+            found = store.checkpoint_covering(seq)
+            return found.note if found is not None else None
+
     chain = [(0, Policy.from_record(header["policy"]))]
-    for stored in store.entries(kinds=("policy",)):
+    for seq, entry in (_policy_entries(store) if signed is None else signed):
+        try:
+            policy = Policy.from_record(entry["policy"])
+        except IntegrityError as e:
+            raise UnauthorisedPolicy(seq, e.detail, e.code) from e
+        authorise_policy_change(seq, chain[-1][1], policy, covering(seq))
+        chain.append((seq, policy))
+    return chain
+
+
+# A policy entry's body holds its kind as deterministic CBOR: the text "kind", then the text "policy".
+_POLICY_KIND = cbor.encode("kind") + cbor.encode("policy")
+
+
+def _policy_entries(store: ledger_store.LedgerStore) -> Iterator[tuple[int, dict]]:
+    """(seq, body) of every policy entry, found by its body (the database searches every body for a policy
+    entry's kind field) as well as by the kind column; each body checked against its signed leaf, and a kind
+    column that disagrees with its body refused: the database was edited."""
+    for stored in store.entries_holding(_POLICY_KIND, kinds=("policy",)):
         if stored.body is None:
             raise UnauthorisedPolicy(stored.seq, "a policy entry has no body; only admit, spend and withdraw "
                                                  "entries may be redacted", Code.BAD_ENTRY)
         if ledger_store.leaf_hash(stored.body) != stored.leaf_hash:  # what the checkpoints signed, not an edit
-            raise UnauthorisedPolicy(stored.seq, "the policy entry's body does not hash to its signed leaf: the "
-                                                 "database was edited; run govtrain-verify", Code.LEAF_HASH_MISMATCH)
+            raise UnauthorisedPolicy(stored.seq, f"the {stored.kind} entry's body does not hash to its signed leaf: "
+                                                 "the database was edited; run govtrain-verify",
+                                     Code.LEAF_HASH_MISMATCH)
         try:
-            policy = Policy.from_record(decode_entry(stored.body, seq=stored.seq, kind="policy")["policy"])
+            entry = decode_entry(stored.body, seq=stored.seq, kind=None)
         except IntegrityError as e:
-            raise UnauthorisedPolicy(stored.seq, e.detail, e.code) from e
-        covering = store.checkpoint_covering(stored.seq)
-        authorise_policy_change(stored.seq, chain[-1][1], policy, covering.note if covering else None)
-        chain.append((stored.seq, policy))
-    return chain
+            raise UnauthorisedPolicy(stored.seq, f"{e.detail}; run govtrain-verify", e.code) from e
+        if (entry["kind"] == "policy") != (stored.kind == "policy"):
+            raise UnauthorisedPolicy(stored.seq, f"its kind column says {stored.kind!r}, its body is a "
+                                                 f"{entry['kind']!r} entry: the database was edited; run "
+                                                 "govtrain-verify", Code.BAD_ENTRY)
+        if entry["kind"] == "policy":
+            yield stored.seq, entry

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from govtrain.errors import Code, IntegrityError
 from govtrain.ledger import retention
@@ -76,22 +76,40 @@ class TuneBook:
         for stored in store.entries(start=1, kinds=("spend", "run", "tune")):
             if until is not None and stored.seq > until:
                 break
-            if stored.body is None:
-                if stored.seq not in redacted.spends:
-                    raise IntegrityError(Code.BAD_SUMMARY, f"spend entry {stored.seq} was redacted, but no summary "
-                                                           "records its run and ε: no tune total can be stated "
-                                                           "over it; run govtrain-verify")
-                r, spent = redacted.spends[stored.seq]
-                book.spend({**spent, "contribution_id": r["contribution_id"]}, r["data_class"])
-                continue
-            entry = decode_stored(stored)
-            if stored.kind == "spend":
-                book.spend(entry, classes[entry["contribution_id"]])
-            elif stored.kind == "run":
-                book.run(entry)
-            else:
-                book.add(stored.seq, entry)
+            book._feed(stored.seq, stored.kind, None if stored.body is None else decode_stored(stored), classes,
+                       redacted)
         return book
+
+    @classmethod
+    def of(cls, entries: "Iterable[tuple[int, str, dict | None]]", redacted: retention.Redacted) -> "TuneBook":
+        """The same state from entries already read and checked, in ledger order (`ledger/signed.py`): (seq, kind,
+        body or None where retention dropped it), each kind its body's (or its summary's), never a kind column;
+        the admissions from the admit entries themselves (a redacted one as its summary recorded it)."""
+        book, classes = cls(), {}
+        for seq, kind, entry in entries:
+            if kind == "admit":
+                admit = entry if entry is not None else redacted.admits[seq]
+                book.admit(admit["data_sha256"])
+                classes[admit["contribution_id"]] = admit["data_class"]
+            elif kind in ("spend", "run", "tune"):
+                book._feed(seq, kind, entry, classes, redacted)
+        return book
+
+    def _feed(self, seq: int, kind: str, entry: dict | None, classes: dict[str, str],
+              redacted: retention.Redacted) -> None:
+        if entry is None:
+            if seq not in redacted.spends:
+                raise IntegrityError(Code.BAD_SUMMARY, f"spend entry {seq} was redacted, but no summary records its "
+                                                       "run and ε: no tune total can be stated over it; run "
+                                                       "govtrain-verify")
+            r, spent = redacted.spends[seq]
+            self.spend({**spent, "contribution_id": r["contribution_id"]}, r["data_class"])
+        elif kind == "spend":
+            self.spend(entry, classes[entry["contribution_id"]])
+        elif kind == "run":
+            self.run(entry)
+        else:
+            self.add(seq, entry)
 
     def admit(self, data_sha256: bytes) -> None:
         self.data.add(data_sha256)

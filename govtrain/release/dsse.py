@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidSignature
@@ -27,6 +28,7 @@ from govtrain.errors import Code, IntegrityError
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 MAX_ENVELOPE_BYTES = 16 * 1024 * 1024
 MAX_SIGNATURES = 16
+_HEX = re.compile(r"[0-9a-f]+")
 
 
 def pae(payload_type: str, body: bytes) -> bytes:
@@ -80,7 +82,7 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
 
 def strict_json(raw: bytes, what: str) -> object:
     """`raw` as JSON, refusing what two readers could read differently: invalid UTF-8, a repeated key, NaN or
-    Infinity."""
+    Infinity, an integer too long to convert."""
     def constant(name: str) -> None:
         raise _bad(f"{what} holds {name}, which JSON does not have")
 
@@ -90,6 +92,8 @@ def strict_json(raw: bytes, what: str) -> object:
         raise _bad(f"{what} is not UTF-8") from e
     except json.JSONDecodeError as e:
         raise _bad(f"{what} is not JSON ({e.msg} at {e.pos})") from e
+    except ValueError as e:  # an integer past Python's digit limit (sys.get_int_max_str_digits)
+        raise _bad(f"{what} holds a number too long to read") from e
     except RecursionError as e:
         raise _bad(f"{what} nests too deep") from e
 
@@ -127,6 +131,14 @@ def parse(raw: bytes) -> Envelope:
                     signatures=tuple(signatures))
 
 
+def _printable(name: str) -> str:
+    """A keyid as the error line may show it: hex as it is, anything else escaped (`ascii`), never a terminal
+    control character from the file."""
+    if not name:
+        return "(none)"
+    return name if _HEX.fullmatch(name) else ascii(name)
+
+
 def verify(envelope: Envelope, public_key: bytes, payload_type: str = PAYLOAD_TYPE) -> bytes:
     """The envelope's body, once a signature over its PAE verifies under `public_key` (raw Ed25519, pinned by the
     caller). Raises `unknown_key` where no signature names that key and none verifies under it, `bad_signature`
@@ -146,6 +158,6 @@ def verify(envelope: Envelope, public_key: bytes, payload_type: str = PAYLOAD_TY
     if any(s.keyid == pinned for s in envelope.signatures):
         raise IntegrityError(Code.BAD_SIGNATURE, "the signature by the pinned release key does not verify: the "
                                                  "manifest was altered after it was signed")
-    named = ", ".join(s.keyid[:16] or "(none)" for s in envelope.signatures)
+    named = ", ".join(_printable(s.keyid[:16]) for s in envelope.signatures)
     raise IntegrityError(Code.UNKNOWN_KEY, f"no signature verifies under the pinned release key {pinned[:16]}…; the "
                                            f"envelope's signatures name key(s) {named}: another key signed it")

@@ -12,16 +12,13 @@ named as a trial of a tune the ledger has not recorded yet is refused: its total
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Sequence
 
-import ledger_store
 from govtrain.errors import Code, IntegrityError, RejectedError
-from govtrain.ledger.checkpoint import Checkpoint, NoteError, verify_checkpoint
-from govtrain.ledger.entries import decode_stored
-from govtrain.ledger.merkle import ProofError, verify_inclusion
-from govtrain.ledger.policy_chain import note_keys, policy_chain
+from govtrain.ledger.checkpoint import Checkpoint, NoteKey
+from govtrain.ledger.merkle import ProofError, leaf_hash, verify_inclusion
 from govtrain.ledger.proof import InclusionProof
-from govtrain.ledger.retention import Redacted
+from govtrain.ledger.signed import LogEntry, SignedLog, read_log
 from govtrain.ledger.tuning import TRIAL_RUN_ID, TuneBook
 from govtrain.policy.model import Policy
 from govtrain.release import predicate
@@ -36,6 +33,7 @@ class Withdrawal:
     data_class: str
     seq: int  # its withdraw entry
     leaf_hash: bytes
+    time: int | None = None  # its entry's time, from the body (None: retention dropped it, or stated by a release)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,87 +66,80 @@ class LedgerFacts:
     withdrawn: tuple[Withdrawal, ...]  # of `charged`, before the checkpoint
 
 
-def current_checkpoint(ledger: "Ledger") -> Checkpoint:
-    """The ledger's latest checkpoint, verified under the ledger keys of its current policy."""
-    latest = ledger.store.latest_checkpoint()
-    if latest is None:
-        raise RejectedError(Code.NO_CHECKPOINT, "the ledger has no checkpoint yet")
-    try:
-        return verify_checkpoint(latest.note, origin=ledger.policy.origin, keys=note_keys(ledger.policy))
-    except NoteError as e:
-        raise IntegrityError(Code.BAD_CHECKPOINT, f"the ledger's latest checkpoint does not verify ({e.detail}); "
-                                                  "run govtrain-verify") from e
+def signed_log(ledger: "Ledger", *, keys: Callable[[str], list[NoteKey]] | None = None,
+               trusted: Sequence[Checkpoint] = ()) -> SignedLog:
+    """The ledger's entries as its checkpoints signed them (`ledger/signed.py`): the reading every fact here comes
+    from. `keys`, `trusted`: ledger keys and checkpoints the caller pins."""
+    return read_log(ledger.store, origin=ledger.policy.origin, keys=keys, trusted=trusted)
 
 
-def ledger_facts(ledger: "Ledger", run_id: str, checkpoint: Checkpoint) -> LedgerFacts:
-    """What the first `checkpoint.size` entries record of run `run_id` (`checkpoint` verified by the caller)."""
-    store, size = ledger.store, checkpoint.size
-    stored = next((s for s in store.entries(start=1, kinds=("run",)) if s.seq < size and s.body is not None
-                   and decode_stored(s)["run_id"] == run_id), None)
-    if stored is None:
+def current_checkpoint(ledger: "Ledger", *, log: SignedLog | None = None) -> Checkpoint:
+    """The ledger's latest signed state: the largest checkpoint that verifies under its ledger keys and is the
+    stored tree at its size (`ledger/signed.py`), never merely the last checkpoint row."""
+    return (log or signed_log(ledger)).checkpoint
+
+
+def ledger_facts(ledger: "Ledger", run_id: str, checkpoint: Checkpoint, *, log: SignedLog | None = None
+                 ) -> LedgerFacts:
+    """What the first `checkpoint.size` entries record of run `run_id` (`checkpoint` verified by the caller), read
+    from `log` (default: `signed_log(ledger)`), which must extend it: by their bodies, never the kind column."""
+    log = log or signed_log(ledger, trusted=[checkpoint])  # which checks that the stored entries extend it
+    size = checkpoint.size
+    signed = [(e.seq, e.kind, e.entry) for e in log.entries[:size]]
+    run = next((e for e in log.of_kind("run", start=1, stop=size) if e.entry["run_id"] == run_id), None)
+    if run is None:
         raise RejectedError(Code.UNKNOWN_RUN, f"the ledger of {ledger.policy.origin} records no run entry for run "
                                               f"{run_id!r} (in its first {size} entries)")
-    run = decode_stored(stored)
-    book = TuneBook.read(store, until=size - 1)
-    tune = _tune(store, book, run_id)
+    book = TuneBook.of(signed, log.redacted)
+    tune = _tune(log, book, run_id)
     if tune is None:
-        trials, eps_book = [run_id], TuneBook.read(store, until=stored.seq)
+        trials, eps_book = [run_id], TuneBook.of(signed[:run.seq + 1], log.redacted)
     else:
-        trials, eps_book = list(tune.trials), TuneBook.read(store, until=tune.seq)
+        trials, eps_book = list(tune.trials), TuneBook.of(signed[:tune.seq + 1], log.redacted)
     _, totals = eps_book.totals(trials)
     charged = frozenset().union(*(eps_book.charged.get(t, set()) for t in trials))
     classes = {cid: eps_book.spent[cid][0] for cid in charged}
     counts: dict[str, int] = {}
     for data_class in classes.values():
         counts[data_class] = counts.get(data_class, 0) + 1
-    redacted = Redacted.read(store)
     rates, epochs, signatures, first_spend = [], {}, set(), None
-    for spend in store.entries(start=1, kinds=("spend",)):
-        if spend.seq > stored.seq:
-            break
-        body = decode_stored(spend) if spend.body is not None else redacted.spends.get(spend.seq, (None, None))[1]
-        if body is None or body["run_id"] != run_id:
+    for spend in log.of_kind("spend", start=1, stop=run.seq):
+        body = spend.entry if spend.entry is not None else log.redacted.spends[spend.seq][1]
+        if body["run_id"] != run_id:
             continue
         first_spend = spend.seq if first_spend is None else first_spend
         if body["epoch"] not in epochs:
             rates.append(body["sampling_rate_u"])
             epochs[body["epoch"]] = body["epoch_steps"]
         signatures.update(frozenset(group["classes"]) for group in body["noise_groups"])
-    chain = policy_chain(store, ledger.header)
-    trained_under = first_spend if first_spend is not None else stored.seq
+    trained_under = first_spend if first_spend is not None else run.seq
     return LedgerFacts(
-        origin=ledger.policy.origin, run=run, proof=_prove(ledger, stored, checkpoint), checkpoint=checkpoint,
-        policy=[p for seq, p in chain if seq < trained_under][-1],
-        release_policy=[p for seq, p in chain if seq < size][-1], tune=tune,
+        origin=ledger.policy.origin, run=run.entry, proof=_prove(log, run, checkpoint), checkpoint=checkpoint,
+        policy=log.policy_at(trained_under), release_policy=log.policy_at(size), tune=tune,
         eps_by_class={t["data_class"]: t["eps_u"] for t in totals}, contributions_by_class=counts,
         charged=charged, classes=classes, sampling_rates_u=tuple(rates), steps=sum(epochs.values()),
-        noise_signatures=frozenset(signatures), withdrawn=withdrawals(store, charged, classes, stop=size))
+        noise_signatures=frozenset(signatures), withdrawn=withdrawals(log, charged, classes, stop=size))
 
 
-def withdrawals(store: ledger_store.LedgerStore, charged: frozenset[str], classes: dict[str, str], *,
-                start: int = 0, stop: int) -> tuple[Withdrawal, ...]:
-    """The withdraw entries in [start, stop) of the contributions `charged`, read from the entries themselves (a
-    body retention dropped, from the summary that retired it), never from the withdrawals index."""
-    redacted = None
+def withdrawals(log: SignedLog, charged: frozenset[str], classes: dict[str, str], *, start: int = 0,
+                stop: int | None = None) -> tuple[Withdrawal, ...]:
+    """The withdraw entries in [start, stop) (default: every entry stored, past the checkpoint too) of the
+    contributions `charged`, read from the entries themselves (a body retention dropped, from the summary that
+    retired it), never from the withdrawals index or the kind column."""
     found = []
-    for stored in store.entries(start=max(start, 1), kinds=("withdraw",)):
-        if stored.seq >= stop:
-            break
-        if stored.body is not None:
-            cid = decode_stored(stored)["contribution_id"]
+    for stored in log.of_kind("withdraw", start=max(start, 1), stop=stop):
+        if stored.entry is not None:
+            cid = stored.entry["contribution_id"]
         else:
-            redacted = redacted or Redacted.read(store)
-            if stored.seq not in redacted.withdrawals:
-                raise IntegrityError(Code.BAD_SUMMARY, f"withdraw entry {stored.seq} has no body and no summary "
-                                                       "records it; run govtrain-verify")
-            cid = redacted.withdrawals[stored.seq]["contribution_id"]
+            cid = log.redacted.withdrawals[stored.seq]["contribution_id"]
         if cid in charged:
             found.append(Withdrawal(contribution_id=cid, data_class=classes[cid], seq=stored.seq,
-                                    leaf_hash=stored.leaf_hash))
+                                    leaf_hash=stored.leaf_hash,
+                                    time=None if stored.entry is None else stored.entry["time"]))
     return tuple(found)
 
 
-def _tune(store: ledger_store.LedgerStore, book: TuneBook, run_id: str) -> TuneFacts | None:
+def _tune(log: SignedLog, book: TuneBook, run_id: str) -> TuneFacts | None:
     tune_id = book.tuned.get(run_id)
     if tune_id is None:
         named = TRIAL_RUN_ID.fullmatch(run_id)
@@ -157,22 +148,25 @@ def _tune(store: ledger_store.LedgerStore, book: TuneBook, run_id: str) -> TuneF
                                                       f"{named.group(1)!r}, which the ledger has not recorded: its "
                                                       "ε covers every trial; release it once govtrain tune ends")
         return None
-    stored = store.entry(book.tunes[tune_id])
-    assert stored is not None and stored.body is not None  # tune entries are never redacted
-    entry = decode_stored(stored)
+    stored = log.entries[book.tunes[tune_id]]
+    entry = stored.entry
+    assert entry is not None  # tune entries are never redacted
     return TuneFacts(tune_id=tune_id, seq=stored.seq, leaf_hash=stored.leaf_hash,
                      trials=tuple(t["run_id"] for t in entry["trials"]), selected_run_id=entry["selected_run_id"])
 
 
-def _prove(ledger: "Ledger", stored: ledger_store.StoredEntry, checkpoint: Checkpoint) -> InclusionProof:
-    """The run entry's inclusion proof under `checkpoint`, checked against its signed root before it is given."""
-    hashes = ledger.tree(checkpoint.size).inclusion_proof(stored.seq, checkpoint.size)
+def _prove(log: SignedLog, run: LogEntry, checkpoint: Checkpoint) -> InclusionProof:
+    """The run entry's inclusion proof under `checkpoint`, from the leaves in memory, checked against its signed
+    root before it is given."""
+    body = run.body
+    assert body is not None  # run entries are never redacted
+    hashes = log.tree(checkpoint.size).inclusion_proof(run.seq, checkpoint.size)
     try:
-        verify_inclusion(stored.seq, checkpoint.size, ledger_store.leaf_hash(stored.body), hashes, checkpoint.root)
+        verify_inclusion(run.seq, checkpoint.size, leaf_hash(body), hashes, checkpoint.root)
     except ProofError as e:
-        raise IntegrityError(Code.FORK, f"the stored entries do not prove entry {stored.seq} under the signed "
+        raise IntegrityError(Code.FORK, f"the stored entries do not prove entry {run.seq} under the signed "
                                         f"checkpoint ({e.detail}); run govtrain-verify") from e
-    return InclusionProof(stored.body, stored.seq, hashes, checkpoint.note)
+    return InclusionProof(body, run.seq, hashes, checkpoint.note)
 
 
 def privacy_of(facts: LedgerFacts) -> predicate.Privacy:
@@ -181,6 +175,13 @@ def privacy_of(facts: LedgerFacts) -> predicate.Privacy:
     return predicate.Privacy(unit=policy.privacy_unit, examples_per_contribution=policy.examples_per_contribution,
                              accountant=policy.accountant, delta_p=policy.delta_p, mechanism=facts.run["mechanism"],
                              sampling_rates_u=list(facts.sampling_rates_u), steps=facts.steps)
+
+
+def tune_of(facts: LedgerFacts) -> predicate.Tune | None:
+    """The predicate's tune: the `tune` entry that lists the run as a trial, or None."""
+    tune = facts.tune
+    return None if tune is None else predicate.Tune(tune_id=tune.tune_id, seq=tune.seq, leaf_hash=tune.leaf_hash.hex(),
+                                                    trials=list(tune.trials), selected_run_id=tune.selected_run_id)
 
 
 def withdrawn_of(found: tuple[Withdrawal, ...]) -> list[predicate.Withdrawal]:

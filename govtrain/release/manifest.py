@@ -29,11 +29,11 @@ from govtrain.errors import Code, ConfigError, IntegrityError, RejectedError
 from govtrain.ledger.merkle import leaf_hash
 from govtrain.release import dsse
 from govtrain.release.artifact import ArtifactRecord, adapter_digest, folder_files, read_record
-from govtrain.release.facts import LedgerFacts, current_checkpoint, ledger_facts, privacy_of, withdrawn_of
+from govtrain.release.facts import LedgerFacts, ledger_facts, privacy_of, signed_log, tune_of, withdrawn_of
 from govtrain.release.groups import TrainedGroup, adapter_layout, trained_groups
 from govtrain.release.predicate import (PREDICATE_TYPE, STATEMENT_TYPE, AdapterRef, BaseModelRef, ClassEps, ClassReach,
                                         Digest, Group, LayerIndices, LedgerRef, Predicate, RunEntry,
-                                        Statement, Subject, Tune, own_adapter,
+                                        Statement, Subject, own_adapter,
                                         statement_bytes)
 from govtrain.resolver.profile import describe_profile
 
@@ -70,8 +70,8 @@ def release_statement(ledger: "Ledger", run_id: str, folder: str | os.PathLike[s
                                                     f"{record.run.ledger_origin!r}, not run {run_id!r} on "
                                                     f"{policy.origin!r}")
     files = folder_files(folder)
-    checkpoint = current_checkpoint(ledger)
-    facts = ledger_facts(ledger, run_id, checkpoint)
+    log = signed_log(ledger)  # the entries by their bodies, under the largest checkpoint that signs them
+    facts = ledger_facts(ledger, run_id, log.checkpoint, log=log)
     entry = facts.run
     recorded = entry["adapter_sha256"]
     if recorded is None or adapter_digest(files) != recorded:
@@ -125,7 +125,6 @@ def _predicate(facts: LedgerFacts, record: ArtifactRecord, trained: tuple[Traine
                                   contributions=facts.contributions_by_class.get(name, 0),
                                   profile=describe_profile(policy.classes[name].profile), groups=reached,
                                   adapter=own_adapter(name, [groups[i] for i in reached])))
-    tune = facts.tune
     return Predicate(
         version=1, released_at=now,
         run=RunEntry(run_id=entry["run_id"], seq=facts.proof.index, leaf_hash=leaf_hash(facts.proof.entry).hex(),
@@ -137,6 +136,5 @@ def _predicate(facts: LedgerFacts, record: ArtifactRecord, trained: tuple[Traine
                                 sha256=entry["base_model_sha256"].hex()),
         adapter=AdapterRef(sha256=entry["adapter_sha256"].hex(), task=record.task, adapters=list(record.adapters)),
         privacy=privacy_of(facts),
-        tune=None if tune is None else Tune(tune_id=tune.tune_id, seq=tune.seq, leaf_hash=tune.leaf_hash.hex(),
-                                            trials=list(tune.trials), selected_run_id=tune.selected_run_id),
+        tune=tune_of(facts),
         classes=classes, groups=groups, withdrawn=withdrawn_of(facts.withdrawn))

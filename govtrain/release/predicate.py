@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from govtrain.errors import Code, IntegrityError
+from govtrain.release.artifact import ADAPTER_CONFIG, WEIGHTS
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://govtrain.invalid/release/v1"  # the project's reserved name, as the schemas' $id use it
@@ -203,8 +204,20 @@ def _relations(statement: Statement) -> None:
         raise bad("predicate.classes lists each class once, sorted by name")
     if not p.adapter.adapters or p.adapter.adapters[0] != "default":
         raise bad("predicate.adapter.adapters lists 'default' first")
+    files = set(names)
+    for name in p.adapter.adapters[1:]:  # a class's own adapter is a sub-folder of the release, as peft saves it
+        if name == "default" or not {f"{name}/{ADAPTER_CONFIG}", f"{name}/{WEIGHTS}"} <= files:
+            raise bad(f"predicate.adapter.adapters names {name!r}, whose {ADAPTER_CONFIG} and {WEIGHTS} are not "
+                      "among the subjects")
+    signatures = [tuple(c.data_class for c in g.classes) for g in p.groups]
+    if len(set(signatures)) != len(signatures) or any(list(s) != sorted(set(s)) for s in signatures):
+        raise bad("predicate.groups: each group names its classes once, sorted, and no two groups the same classes")
     reached: dict[str, set[int]] = {name: set() for name in classes}
     for index, group in enumerate(p.groups):
+        unknown = sorted(set(group.adapters) - set(p.adapter.adapters))
+        if unknown:
+            raise bad(f"predicate.groups[{index}] lies in adapter {unknown[0]!r}, which predicate.adapter.adapters "
+                      "does not list")
         for item in group.classes:
             if item.data_class not in classes or classes[item.data_class].eps_u != item.eps_u:
                 raise bad(f"predicate.groups[{index}] names class {item.data_class!r} with another ε than "
@@ -214,9 +227,20 @@ def _relations(statement: Statement) -> None:
         if sorted(reached[name]) != cls.groups:
             raise bad(f"predicate.classes: {name!r} lists groups {cls.groups}, the groups name it in "
                       f"{sorted(reached[name])}")
+        if cls.contributions and not cls.groups:
+            raise bad(f"predicate.classes: {name!r} had {cls.contributions} contribution(s) trained on, and reaches "
+                      "no group")
         adapter = own_adapter(name, [p.groups[i] for i in cls.groups])
         if cls.adapter != adapter:
             raise bad(f"predicate.classes: {name!r} states adapter {cls.adapter!r}, its groups say {adapter!r}")
+        if adapter is not None and cls.profile != adapter_profile(adapter):
+            raise bad(f"predicate.classes: {name!r} reaches only its own adapter {adapter!r}, and states the profile "
+                      f"{cls.profile!r}, not {adapter_profile(adapter)!r}")
+
+
+def adapter_profile(adapter: str) -> str:
+    """The profile text (`resolver.profile.describe_profile`) of a class whose profile is `adapter = NAME`."""
+    return f"adapter {adapter!r}"
 
 
 def own_adapter(data_class: str, groups: list[Group]) -> str | None:

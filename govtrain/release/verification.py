@@ -40,12 +40,14 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 from govtrain.errors import Code, GovtrainError, IntegrityError
 from govtrain.ledger.checkpoint import Checkpoint, NoteError, NoteKey, parse_note, verify_checkpoint
 from govtrain.ledger.entries import decode_entry
-from govtrain.ledger.merkle import ProofError, leaf_hash, verify_consistency, verify_inclusion
+from govtrain.ledger.merkle import ProofError, leaf_hash, verify_inclusion
 from govtrain.ledger.proof import parse_proof
 from govtrain.release import dsse
 from govtrain.release.artifact import adapter_digest, folder_files
-from govtrain.release.facts import Withdrawal, current_checkpoint, ledger_facts, privacy_of, withdrawals, withdrawn_of
-from govtrain.release.predicate import Statement, read_statement
+from govtrain.release.facts import (LedgerFacts, Withdrawal, ledger_facts, privacy_of, signed_log, tune_of, withdrawals,
+                                    withdrawn_of)
+from govtrain.release.predicate import Predicate, Statement, read_statement
+from govtrain.resolver.profile import describe_profile
 
 if TYPE_CHECKING:
     from govtrain.ledger.ledger import Ledger
@@ -103,7 +105,8 @@ class ReleaseReport:
     groups: tuple[GroupRelease, ...]
     withdrawn_at_release: tuple[Withdrawal, ...]
     adapter_checked: str | None  # the folder checked against the subjects
-    current_checkpoint: Checkpoint | None  # the live ledger's, which extends the release's
+    current_checkpoint: Checkpoint | None  # the live ledger's largest verified one, which extends the release's
+    unsigned_entries: int | None  # entries the live ledger holds past it, read all the same (0: none)
     withdrawn_since: tuple[Withdrawal, ...] | None
 
     @property
@@ -122,6 +125,7 @@ class ReleaseReport:
             "release_sha256": self.release_sha256.hex(), "run_id": self.run_id, "origin": self.origin,
             "run_seq": self.run_seq, "checkpoint_size": self.checkpoint.size,
             "current_size": None if self.current_checkpoint is None else self.current_checkpoint.size,
+            "unsigned_entries": self.unsigned_entries,
             "adapter_checked": self.adapter_checked, "ledger_checked": self.withdrawn_since is not None,
             "subjects": dict(self.subjects), "privacy": p.privacy.model_dump(mode="json"),
             "classes": {n: {"eps_u": c.eps_u, "contributions": c.contributions, "groups": list(c.groups),
@@ -151,6 +155,11 @@ class ReleaseReport:
         else:
             lines.append(f"ledger: extends the release's checkpoint to size {self.current_checkpoint.size}; nothing "
                          "it trained on was withdrawn since")
+        if self.unsigned_entries:
+            size = self.current_checkpoint.size
+            lines.append(f"WARNING: the ledger holds {self.unsigned_entries} entries past its last checkpoint a "
+                         f"trusted key signs (entries {size}..{size + self.unsigned_entries - 1}); they were read for "
+                         "withdrawals all the same; run govtrain-verify")
         return "\n".join(lines)
 
 
@@ -229,7 +238,7 @@ def verify_release(envelope: bytes, *, release_key: bytes, ledger_keys: Sequence
                                   outside=tuple(g.outside), tensors=g.tensors, scalars=g.scalars) for g in p.groups),
         withdrawn_at_release=tuple(Withdrawal(contribution_id=w.contribution_id, data_class=w.data_class, seq=w.seq,
                                               leaf_hash=bytes.fromhex(w.leaf_hash)) for w in p.withdrawn),
-        adapter_checked=checked, current_checkpoint=None, withdrawn_since=None)
+        adapter_checked=checked, current_checkpoint=None, unsigned_entries=None, withdrawn_since=None)
     if ledger is None:
         return ReleaseReport(**report)
     # 7.
@@ -237,10 +246,11 @@ def verify_release(envelope: bytes, *, release_key: bytes, ledger_keys: Sequence
         from govtrain.ledger.ledger import Ledger
 
         with Ledger.open(ledger) as opened:
-            current, since = _against_ledger(opened, statement, checkpoint, release_key)
+            current, unsigned, since = _against_ledger(opened, statement, checkpoint, release_key, ledger_keys)
     else:
-        current, since = _against_ledger(ledger, statement, checkpoint, release_key)
-    return ReleaseReport(**{**report, "current_checkpoint": current, "withdrawn_since": since})
+        current, unsigned, since = _against_ledger(ledger, statement, checkpoint, release_key, ledger_keys)
+    return ReleaseReport(**{**report, "current_checkpoint": current, "unsigned_entries": unsigned,
+                            "withdrawn_since": since})
 
 
 def _note_keys(note: str, ledger_keys: Sequence[NoteKey | bytes]) -> list[NoteKey]:
@@ -285,36 +295,45 @@ def _check_folder(folder: Path, subjects: Mapping[str, str]) -> None:
         raise IntegrityError(Code.SUBJECT_MISMATCH, f"{folder} is not the released adapter ({'; '.join(parts)})")
 
 
-def _against_ledger(ledger: "Ledger", statement: Statement, checkpoint: Checkpoint,
-                    release_key: bytes) -> tuple[Checkpoint, tuple[Withdrawal, ...]]:
+def _against_ledger(ledger: "Ledger", statement: Statement, checkpoint: Checkpoint, release_key: bytes,
+                    ledger_keys: Sequence[NoteKey | bytes]) -> tuple[Checkpoint, int, tuple[Withdrawal, ...]]:
     p = statement.predicate
     if ledger.policy.origin != p.ledger.origin:
         raise _mismatch(f"the release is of the ledger {p.ledger.origin!r}, this ledger is {ledger.policy.origin!r}")
-    current = current_checkpoint(ledger)
-    if current.size < checkpoint.size:
-        raise IntegrityError(Code.ROLLBACK, f"the ledger's latest checkpoint signs {current.size} entries, the "
-                                            f"release's {checkpoint.size}: it was rolled back")
-    try:
-        hashes = ledger.tree(current.size).consistency_proof(checkpoint.size, current.size)
-        verify_consistency(checkpoint.size, current.size, checkpoint.root, current.root, hashes)
-    except ProofError as e:
-        raise IntegrityError(Code.FORK, f"the ledger does not extend the release's checkpoint ({e.detail}): it "
-                                        "forked; run govtrain-verify") from e
-    facts = ledger_facts(ledger, p.run.run_id, checkpoint)
+    # Every entry by its body, its leaf in the tree of the release's checkpoint (`rollback`, `fork`) and of the
+    # largest checkpoint the pinned keys, or the keys the policy chain authorised, sign (`ledger/signed.py`).
+    log = signed_log(ledger, keys=lambda note: _note_keys(note, ledger_keys), trusted=[checkpoint])
+    facts = ledger_facts(ledger, p.run.run_id, checkpoint, log=log)
     if release_key not in {k.public_key for k in facts.release_policy.release_keys}:
         raise IntegrityError(Code.KEY_NOT_AUTHORIZED, "the pinned release key is not a release key of the ledger's "
                                                       "policy at the release")
-    from govtrain.resolver.profile import describe_profile
-
     stated = {"run entry": p.run.seq,
               "classes": {c.data_class: (c.eps_u, c.contributions, c.profile) for c in p.classes},
-              "privacy": p.privacy, "tune": None if p.tune is None else (p.tune.tune_id, p.tune.seq),
-              "withdrawn": p.withdrawn}
+              "privacy": p.privacy, "tune": p.tune, "withdrawn": p.withdrawn}
     found = {"run entry": facts.proof.index,
              "classes": {name: (facts.eps_by_class.get(name, 0), facts.contributions_by_class.get(name, 0),
                                 describe_profile(cls.profile)) for name, cls in facts.policy.classes.items()},
-             "privacy": privacy_of(facts), "tune": None if facts.tune is None else (facts.tune.tune_id, facts.tune.seq),
-             "withdrawn": withdrawn_of(facts.withdrawn)}
+             "privacy": privacy_of(facts), "tune": tune_of(facts), "withdrawn": withdrawn_of(facts.withdrawn)}
     _compare("the ledger", stated, found)
-    since = withdrawals(ledger.store, facts.charged, facts.classes, start=checkpoint.size, stop=current.size)
-    return current, since
+    _check_reach(p, facts)
+    since = withdrawals(log, facts.charged, facts.classes, start=checkpoint.size)  # to the last entry stored
+    return log.checkpoint, log.tail, since
+
+
+def _check_reach(p: Predicate, facts: LedgerFacts) -> None:
+    """The groups, as the run's spend entries recorded them: the class sets of the groups that a class its noise
+    reached reaches are exactly the noise groups it charged (`noise_groups`), and a class said to reach only its own
+    adapter has the profile `adapter = NAME` of that adapter in the policy it trained under."""
+    noised = frozenset().union(*facts.noise_signatures)
+    reached = {frozenset(c.data_class for c in g.classes) for g in p.groups}
+    stated = {s for s in reached if s & noised}
+    if stated != facts.noise_signatures:
+        names = lambda found: "; ".join(sorted(", ".join(sorted(s)) for s in found)) or "none"  # noqa: E731
+        raise _mismatch(f"the predicate's groups are reached by the classes {names(stated)}; the run's spend entries "
+                        f"charged noise on groups reached by {names(facts.noise_signatures)}")
+    for c in p.classes:
+        profile = facts.policy.classes[c.data_class].profile
+        if c.adapter is not None and (profile.kind != "adapter" or profile.adapter != c.adapter):
+            raise _mismatch(f"the predicate states that class {c.data_class!r} reached only its own adapter "
+                            f"{c.adapter!r}; its profile in the policy it trained under is "
+                            f"{describe_profile(profile)}")
