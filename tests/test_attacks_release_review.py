@@ -372,3 +372,101 @@ def test_hostile_keyids_cannot_write_control_characters_into_the_error_line(rele
     assert caught.value.code == Code.UNKNOWN_KEY
     controls = [c for c in caught.value.line() if unicodedata.category(c) == "Cc"]
     assert not controls, repr(caught.value.line())
+
+
+# -- 6. the same root cause elsewhere: the kind column and the last checkpoint row ------------------------------
+
+
+@pytest.mark.parametrize("integrity_only", [False, True], ids=["full", "integrity-only"])
+@pytest.mark.parametrize("edit", ["relabel the withdraw row", "insert an old checkpoint row",
+                                  "delete the newer checkpoints"])
+def test_govtrain_verify_is_not_fooled_by_a_relabelled_row_or_a_rolled_back_checkpoint(released: Released, edit: str,
+                                                                                       integrity_only: bool):
+    """Attack: the edits above that made a tainted release read clean (a withdraw row relabelled; the release's
+    checkpoint made the last row), against `govtrain-verify`. Adversary: a database writer without keys. Impact, had
+    the verifier shared the release path's root cause: it passes the edited ledger. It does not: it reads every row
+    and checks each body's kind against its row (`bad_entry`), every checkpoint row in order (a smaller one after a
+    larger: `bad_checkpoint`), and that the last covers every entry (`unsigned_tail`); this test keeps it so."""
+    from govtrain.verify.verifier import inspect_ledger
+
+    envelope = released.build()
+    size = _statement(envelope)["predicate"]["ledger"]["checkpoint_size"]
+    with released.open() as ledger:
+        ledger.withdraw("restr", "the contributor asked")
+    assert inspect_ledger(released.url, integrity_only=integrity_only).error is None  # before the edit
+    if edit.startswith("relabel"):
+        _sql(released, "UPDATE entries SET kind = 'epoch' WHERE kind = 'withdraw'", drop_triggers=True)
+        expected = Code.BAD_ENTRY
+    elif edit.startswith("insert"):
+        _sql(released, f"INSERT INTO checkpoints (size, root, note, time) SELECT size, root, note, time FROM "
+                        f"checkpoints WHERE size = {size} ORDER BY id LIMIT 1")
+        expected = Code.BAD_CHECKPOINT
+    else:
+        _sql(released, f"DELETE FROM checkpoints WHERE size > {size}", drop_triggers=True)
+        expected = Code.UNSIGNED_TAIL
+    report = inspect_ledger(released.url, integrity_only=integrity_only)
+    assert report.error is not None and report.error.code == expected, report.error
+
+
+def _pg_sql(url: str, *statements: str) -> None:
+    """Edit a PostgreSQL ledger directly, its guard trigger dropped first: a database writer who holds no key."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(url)
+    with engine.begin() as connection:
+        connection.execute(text("DROP TRIGGER IF EXISTS entries_guard ON entries"))
+        for statement in statements:
+            connection.execute(text(statement))
+    engine.dispose()
+
+
+@pytest.mark.parametrize("store", ["sqlite", "postgresql"])
+def test_a_database_writer_hides_a_policy_change_by_relabelling_its_kind_column(store: str, request):
+    """Attack: a database writer relabels a `policy` entry's kind column to 'epoch'. `policy_chain` selected policy
+    entries by that column, so `Ledger.open` (and a release's facts) went on with the policy before the change, e.g.
+    a release key or a ledger key the change revoked, a class it removed. Adversary: a database writer without keys.
+    Impact: the operator's tools act under a policy the ledger replaced, and `govtrain release` would accept a
+    revoked release key. Fix: policy entries are found by their bodies (the database searches every body for a
+    policy entry's kind field), each body checked against its leaf, and a kind column that disagrees is refused
+    (`bad_entry`, run govtrain-verify); a signed read (`ledger/signed.py`) reads every body."""
+    import dataclasses
+
+    from govtrain.ledger.ledger import Ledger
+
+    corpus = request.getfixturevalue("corpus" if store == "sqlite" else "pg_corpus")
+    with corpus.open() as ledger:
+        longer = ledger.policy.retention_epochs + 5
+        changed = ledger.change_policy(dataclasses.replace(ledger.policy, retention_epochs=longer), bytes(32),
+                                       "keep longer", now=corpus.now)
+    with Ledger.open(corpus.url) as ledger:
+        assert ledger.policy.retention_epochs == longer  # before the edit
+    relabel = f"UPDATE entries SET kind = 'epoch' WHERE seq = {changed.seq}"
+    if store == "sqlite":
+        db = sqlite3.connect(corpus.url.removeprefix("sqlite:///"))
+        for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'").fetchall():
+            db.execute(f"DROP TRIGGER {name}")
+        db.execute(relabel)
+        db.commit()
+        db.close()
+    else:
+        _pg_sql(corpus.url, relabel)
+    with pytest.raises(IntegrityError) as caught:
+        Ledger.open(corpus.url)
+    assert caught.value.code == Code.BAD_ENTRY and "govtrain-verify" in caught.value.detail, caught.value.line()
+
+
+def test_a_withdrawal_past_every_checkpoint_the_auditor_trusts_still_taints(released: Released):
+    """Attack: after a withdrawal taints the release, a database writer deletes every checkpoint row: none is left
+    to say how far the signed ledger reaches. Adversary: a database writer without keys. Impact, where the verifier
+    read withdrawals only up to a checkpoint row: a tainted release reads clean (or the ledger reads as having no
+    state). Fix: the release's own checkpoint, verified under the pinned keys, counts as signed, and the entries
+    past the largest signed checkpoint are read all the same (each body against its own leaf): the withdrawal
+    taints, and the report says how many entries no trusted checkpoint signs."""
+    envelope = released.build()
+    with released.open() as ledger:
+        ledger.withdraw("restr", "the contributor asked")
+    _sql(released, "DELETE FROM checkpoints", drop_triggers=True)
+    report = released.verify(envelope, ledger=released.url)
+    assert report.tainted and [w.contribution_id for w in report.withdrawn_since] == ["restr"], str(report)
+    assert report.current_checkpoint.size == report.checkpoint.size and report.unsigned_entries == 1
+    assert "run govtrain-verify" in str(report) and report.as_json()["unsigned_entries"] == 1

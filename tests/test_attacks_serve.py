@@ -167,6 +167,34 @@ def test_a_manifest_not_signed_by_the_pinned_release_key_is_refused_at_start(dep
     assert refused.exit_code == 2
 
 
+def test_a_database_writer_cannot_stretch_the_grace_period_by_moving_a_withdrawals_time(deployment: Deployment):
+    """Attack: the inference policy grants a grace period after a release's first withdrawal since it; a database
+    writer moves that withdraw row's `time` column a day ahead (body, leaf and checkpoints untouched). The gate read
+    the withdrawal's time from that column, so the grace period ran a day longer. Adversary: a database writer
+    without keys. Impact: a tainted release served past its grace period. Fix: the time is the withdraw entry's
+    body's, and a signed read refuses a row whose time or kind column contradicts its body (`bad_entry`): the gate
+    refuses (`taint_unknown`) until the ledger reads clean."""
+    import sqlite3
+
+    deployment.policy_path.write_text(deployment.policy_path.read_text().replace(
+        'ledger = "', 'grace_period_seconds = 600\ntaint_check_seconds = 0\nledger = "'))
+    with deployment.serving() as (client, gate):
+        with deployment.released.open() as ledger:
+            withdrawn = ledger.withdraw("pub", "the contributor asked", now=ledger.store.head().time)
+        served = client.post("/v1/classify", json={"texts": TEXTS}, headers=deployment.rights())
+        assert served.status_code == 200 and served.json()["grace_until"] == withdrawn.time + 600
+        db = sqlite3.connect(deployment.released.root / "ledger.db")
+        for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'").fetchall():
+            db.execute(f"DROP TRIGGER {name}")
+        db.execute(f"UPDATE entries SET time = time + 86400 WHERE seq = {withdrawn.seq}")
+        db.commit()
+        db.close()
+        deployment.clock[0] = withdrawn.time + 600  # the grace period is over
+        detail = _refusal(client.post("/v1/classify", json={"texts": TEXTS},
+                                      headers=deployment.rights(now=withdrawn.time + 599)), 503, "taint_unknown")
+        assert "error[bad_entry]" in detail and "govtrain-verify" in detail, detail
+
+
 # -- hostile clients --------------------------------------------------------------------------------------------
 
 

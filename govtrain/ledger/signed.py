@@ -9,8 +9,8 @@ drop the triggers, and insert or delete checkpoint rows; without a ledger key th
 Read in order; each step raises `IntegrityError` with its code, and tells the reader to run govtrain-verify:
   1. every row, from 0 and dense (`sequence_gap`), entry 0 the header (`bad_ledger_header`);
   2. each body hashes to its row's leaf hash (`leaf_hash_mismatch`) and is decoded with the kind it states
-     (`bad_entry`); a kind column that says otherwise is refused (`bad_entry`): a relabelled row is an edit,
-     never a reason to pass over an entry;
+     (`bad_entry`); a kind or time column that says otherwise is refused (`bad_entry`): a relabelled row is an
+     edit, never a reason to pass over an entry;
   3. the leaves fold into the tree at every checkpoint row's size, in memory (no stored subtree hash is read);
      the policy chain is read from the policy entries' bodies (`policy_chain`), each change authorised by the first
      checkpoint that covers it, which must be the stored tree at its size (`fork`);
@@ -186,9 +186,10 @@ def _read(stored: ledger_store.StoredEntry, expected: int) -> LogEntry:
         entry = decode_entry(stored.body, seq=stored.seq, kind=None)
     except IntegrityError as e:
         raise IntegrityError(e.code, f"{e.detail}; {VERIFY}") from e
-    if entry["kind"] != stored.kind:
-        raise IntegrityError(Code.BAD_ENTRY, f"entry {stored.seq} is a {entry['kind']} entry, its kind column says "
-                                             f"{stored.kind!r}: the database was edited; {VERIFY}")
+    if entry["kind"] != stored.kind or entry["time"] != stored.time:
+        raise IntegrityError(Code.BAD_ENTRY, f"entry {stored.seq} is a {entry['kind']} entry of time {entry['time']}, "
+                                             f"its row says {stored.kind!r} at {stored.time}: the database was "
+                                             f"edited; {VERIFY}")
     return LogEntry(stored.seq, entry["kind"], stored.leaf_hash, entry, stored.body)
 
 

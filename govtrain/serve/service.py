@@ -17,6 +17,7 @@ what the envelope permits of the release (`gate.decide`: 403, or adapters disabl
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -292,7 +293,7 @@ def _read_release(path: Path) -> bytes:
 
 def _taint_reader(envelope: bytes, policy: InferencePolicy) -> Callable[[int], TaintReading]:
     """Reads the withdrawals since the release from the policy's ledger (the release verified against it again:
-    its checkpoint must be one the live ledger extends), and the ledger time of the first."""
+    its checkpoint must be one the live ledger extends), and the ledger time of the first, from its entry's body."""
 
     def read(now: int) -> TaintReading:
         from govtrain.ledger.ledger import Ledger
@@ -302,7 +303,9 @@ def _taint_reader(envelope: bytes, policy: InferencePolicy) -> Callable[[int], T
             report = verify_release(envelope, release_key=policy.release_key, ledger_keys=list(policy.ledger_keys),
                                     ledger=ledger)
             since = tuple(report.withdrawn_since or ())
-            first = ledger.store.entry(min(w.seq for w in since)) if since else None
+            first = min(since, key=lambda w: w.seq) if since else None
+            if first is not None and first.time is None:  # its body was retired: its row's time (unchecked)
+                first = dataclasses.replace(first, time=ledger.store.entry(first.seq).time)
         return TaintReading(withdrawn=tuple(w.contribution_id for w in since),
                             since=None if first is None else first.time, checked_at=now)
 
