@@ -1,9 +1,11 @@
 """Adversarial review of release manifests (issue 22 item 1, docs/release-manifest.md): attacks that succeed today.
 
-Each test states the attack, the adversary and the impact, and asserts the secure behaviour; each fails on the
-branch under review. The claim under attack: an auditor pinning the release key and the ledger keys is never told
-"ok" about a release whose files or privacy claims differ from the truth, and a tainted release is reported
-tainted. Attacks already covered by tests/test_attacks_release.py are not repeated here.
+Each test states the attack, the adversary and the impact, and asserts the secure behaviour; each failed on the
+branch under review and passes since its fix (section 6 adds the same root cause's other readers: the policy
+chain, and `govtrain-verify`, which never shared it and is kept so). The claim under attack: an auditor pinning the
+release key and the ledger keys is never told "ok" about a release whose files or privacy claims differ from the
+truth, and a tainted release is reported tainted. Attacks already covered by tests/test_attacks_release.py are not
+repeated here.
 """
 
 from __future__ import annotations

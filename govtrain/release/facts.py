@@ -7,6 +7,10 @@ ledger reads them again, as of the release's checkpoint, and compares.
 that class the run charged. For a trial of a `tune` it is the tune entry's: the largest cumulative ε after the last
 trial of a contribution any trial charged, since the selection depended on every trial (`ledger/tuning.py`). A run
 named as a trial of a tune the ledger has not recorded yet is refused: its total is not known.
+
+Every fact is read from the ledger as its checkpoints signed it (`ledger/signed.py`: each entry by its body, never
+its kind column; the leaves folded into the signed root; the largest checkpoint that verifies, never the last row),
+so that a database writer without keys can neither hide an entry nor have its edit blamed on a release.
 """
 
 from __future__ import annotations

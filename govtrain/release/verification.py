@@ -10,7 +10,8 @@ Checked in order; each step raises `IntegrityError` with its code (exit 4):
   1. the envelope is DSSE JSON, read strictly (`bad_envelope`), and a signature over its PAE verifies under the
      pinned release key (`unknown_key`, `bad_signature`) (DSSE protocol v1.0.0);
   2. its payload, as received, is an in-toto Statement v1 of govtrain's predicate: the schema and the relations
-     between its fields (`bad_statement`) (in-toto attestation spec v1, statement.md);
+     between its fields, its adapters among its subjects (`bad_statement`) (in-toto attestation spec v1,
+     statement.md);
   3. the checkpoint the proof carries is a signed note by a ledger key the auditor pinned, for the predicate's
      origin, of the size it states (`bad_checkpoint`, `predicate_mismatch`) (c2sp.org/signed-note, tlog-checkpoint);
   4. the run entry is in that tree (`bad_proof`) (RFC 9162 §2.1.3.2), and it is a run entry stating exactly the run,
@@ -18,14 +19,17 @@ Checked in order; each step raises `IntegrityError` with its code (exit 4):
   5. the subjects, but the card, hash to the run entry's adapter hash (`adapter_mismatch`): a key holder cannot
      sign the run's privacy over other files;
   6. with `adapter`: the folder holds exactly the subjects' files and bytes (`subject_mismatch`);
-  7. with `ledger`: it names the predicate's origin, its latest checkpoint extends the release's (`rollback`,
-     `fork`) (RFC 9162 §2.1.4.2), the pinned release key is a release key of the policy in force at the release
-     (`key_not_authorized`), the ledger's own facts of the run as of the release (ε per class, contributions, tune,
-     privacy terms, classes, withdrawals) are the predicate's (`predicate_mismatch`), and the withdrawals since
-     the release of contributions the run trained on are listed: the release is then tainted, a result, not an
-     error.
-Offline, ε per class, the tune and the withdrawals are the release key holder's statement; step 7 checks them. The
-groups come from the model the run trained (`groups.py`), which the audit path never loads.
+  7. with `ledger`: it names the predicate's origin; its entries, read as its checkpoints signed them
+     (`ledger/signed.py`: by their bodies, under the largest checkpoint that verifies, and past it), are the tree
+     of the release's checkpoint (`rollback`, `fork`, or the ledger's own codes: run govtrain-verify); the pinned
+     release key is a release key of the policy in force at the release (`key_not_authorized`); the ledger's own
+     facts of the run as of the release (ε per class, contributions, the whole tune entry, privacy terms, classes,
+     withdrawals, the groups' class sets against the recorded noise groups, an own-adapter class against its
+     profile) are the predicate's (`predicate_mismatch`); and the withdrawals since the release of contributions
+     the run trained on are listed: the release is then tainted, a result, not an error.
+Offline, ε per class, the tune, the withdrawals and the groups' classes are the release key holder's statement;
+step 7 checks them. Where the groups lie comes from the model the run trained (`groups.py`), which the audit path
+never loads.
 """
 
 from __future__ import annotations
@@ -157,9 +161,9 @@ class ReleaseReport:
                          "it trained on was withdrawn since")
         if self.unsigned_entries:
             size = self.current_checkpoint.size
-            lines.append(f"WARNING: the ledger holds {self.unsigned_entries} entries past its last checkpoint a "
-                         f"trusted key signs (entries {size}..{size + self.unsigned_entries - 1}); they were read for "
-                         "withdrawals all the same; run govtrain-verify")
+            count = f"{self.unsigned_entries} {'entry' if self.unsigned_entries == 1 else 'entries'}"
+            lines.append(f"WARNING: the ledger holds {count} past the last checkpoint a trusted key signs (from entry "
+                         f"{size}); read for withdrawals all the same; run govtrain-verify")
         return "\n".join(lines)
 
 
