@@ -34,7 +34,7 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 
 import ledger_store
 from govtrain.errors import Code, IntegrityError, RejectedError
-from govtrain.ledger.checkpoint import Checkpoint, NoteError, NoteKey, verify_checkpoint
+from govtrain.ledger.checkpoint import Checkpoint, NoteKey, verify_checkpoint
 from govtrain.ledger.entries import decode_entry
 from govtrain.ledger.merkle import CompactRange, MerkleTree
 from govtrain.ledger.policy_chain import UnauthorisedPolicy, note_keys, policy_chain
@@ -133,7 +133,7 @@ def read_log(store: ledger_store.LedgerStore, *, origin: str, keys: Callable[[st
         try:
             pinned = keys(stored.note) if keys is not None else []
             checkpoint = verify_checkpoint(stored.note, origin=origin, keys=[*pinned, *note_keys(policy)])
-        except NoteError:
+        except IntegrityError:  # a note that does not parse, or verify: not a checkpoint of this ledger's keys
             continue
         if checkpoint.size > len(entries):
             raise IntegrityError(Code.ROLLBACK, f"a signed checkpoint signs {checkpoint.size} entries, the ledger "
