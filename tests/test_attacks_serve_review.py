@@ -19,14 +19,10 @@ pytest.importorskip("peft")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-import govtrain  # noqa: E402
 from govtrain.attest.keys import generate_key_pair, load_private_key, public_key_pem  # noqa: E402
 from govtrain.errors import Code, InferenceError  # noqa: E402
-from govtrain.serve.rights import HEADER  # noqa: E402
-from tests.release_setup import Released, release_policy, trained_release  # noqa: E402
+from tests.release_setup import Released, trained_release  # noqa: E402
 from tests.serve_setup import TEXTS, Deployment, deploy, split_body  # noqa: E402
-
-EXCLUDING_RESTRICTED = ["public", "sensitive"]  # restricted reached only its own adapter: served with it disabled
 
 
 @pytest.fixture
@@ -42,68 +38,6 @@ def _logits(answer) -> list[list[float]]:  # type: ignore[no-untyped-def]
 def _no_taint_cache(deployment: Deployment) -> None:
     deployment.policy_path.write_text(deployment.policy_path.read_text().replace(
         'ledger = "', 'taint_check_seconds = 0\nledger = "'))
-
-
-# -- 1. class exclusion: the excluded class shaped the parameters that stay active ------------------------------
-
-
-def _train_with_restricted_labels(root: Path, base: Path, flip: int) -> Released:
-    """tests/release_setup.trained_release's run, on the same base and seed, with restricted's labels XOR `flip`."""
-    from govtrain.gate.admission import admit
-    from tests.conftest import make_corpus
-    from tests.test_api import BATCH_POLICY, QUIET
-    from tests.test_release import _run_toml
-    from tests.test_train import WORDS, _admit
-
-    keys = root / "keys"
-    keys.mkdir(parents=True)
-    generate_key_pair(keys, "release")
-    corpus = make_corpus(root, f"sqlite:///{root / 'ledger.db'}", release_policy(BATCH_POLICY))
-    _admit(corpus, "pub")
-    _admit(corpus, "sens", data_class="sensitive", clip_norm_u=500_000, eps_budget_u=3_000_000)
-    data = corpus.dir / "data" / "restr.jsonl"  # exactly tests.test_train._data's rows for "restr", labels aside
-    data.write_text("".join(json.dumps({"text": f"{WORDS[i % 9]} movie {WORDS[9 + i % 8]} restr",
-                                        "label": (i % 2) ^ flip}) + "\n" for i in range(40)))
-    with corpus.open() as ledger:
-        admit(ledger, corpus.attestation(data, contribution_id="restr", data_class="restricted", clip_norm_u=500_000,
-                                         noise_multiplier_u=1_500_000, eps_budget_u=2_000_000), data, now=corpus.now)
-    with govtrain.GovernedRun.open(_run_toml(corpus, str(base)), corpus.url, insecure_seed=3, **QUIET) as run:
-        for batch in run.batches():
-            run.step(run.per_example_loss(run.model(**batch.inputs), batch))
-        run.save()
-    return Released(root, base)
-
-
-def _served_without_restricted(released: Released) -> list[list[float]]:
-    deployment = deploy(released)
-    gate = deployment.start()
-    try:
-        answer = gate.classify(deployment.rights(classes=EXCLUDING_RESTRICTED)[HEADER], TEXTS)
-    finally:
-        gate.close()
-    assert answer["disabled_adapters"] == ["restricted"] and answer["excluded_classes"] == ["restricted"]
-    return [row["logits"] for row in answer["results"]]
-
-
-@pytest.mark.slow
-def test_a_class_served_with_its_own_adapter_disabled_still_shaped_the_answer(tmp_path_factory, tmp_path: Path):
-    """Adversary: a caller whose envelope excludes `restricted` (or the contributor of `restricted`, who was
-    promised that such callers never draw on its data). Attack: none needed: ask /v1/classify. The gate disables
-    the `restricted` adapter and states `excluded_classes: ["restricted"]`, but training ran every adapter in every
-    forward pass (`govtrain/train/model.py` `wrap_lora`: "every adapter in the forward pass"), so the default
-    adapter and the head that public and sensitive trained were fitted to features that `restricted`'s adapter,
-    itself trained on restricted's rows, shaped. Two runs that differ only in restricted's labels (same base, same
-    seed; a control run shows training is deterministic) serve different logits to the excluding caller.
-    Impact: docs/serving.md and the threat model ("It cannot draw on a class its envelope excludes") are false for
-    every own-adapter class: its data reaches excluded callers through the shared parameters, which the manifest
-    states it never reached (`classes[].adapter`, group `adapters=['restricted']`)."""
-    reference = trained_release(tmp_path_factory)
-    control = _train_with_restricted_labels(tmp_path / "control", reference.base, flip=0)
-    flipped = _train_with_restricted_labels(tmp_path / "flipped", reference.base, flip=1)
-    honest = _served_without_restricted(reference.copy(tmp_path / "reference"))
-    assert _served_without_restricted(control) == honest  # the same rows train the same model, bit for bit
-    # only restricted's rows differ: a caller excluded from restricted must be served the same answer
-    assert _served_without_restricted(flipped) == honest
 
 
 # -- 2. the operator: the base model is read in place (mmap) after the start-up hash -----------------------------
