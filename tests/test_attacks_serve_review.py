@@ -101,11 +101,12 @@ def test_a_second_issuer_cannot_spend_or_read_a_session_of_another_issuers_subje
     with deployment.serving() as (client, gate):
         mine = deployment.rights("alice", sessions=["alice-1"])
         assert client.post("/v1/split", content=split_body("alice-1", 16), headers=mine).status_code == 200
-        before = gate.store.session("alice-1", owner="alice")
+        alice = deployment.owner("alice")  # (the issuer's kid, "alice"): the session's owner as the gate binds it
+        before = gate.store.session("alice-1", owner=alice)
         theirs = deployment.rights("alice", classes=["public", "sensitive"], sessions=["alice-1"], key=partner)
         answer = client.post("/v1/split", content=split_body("alice-1", 16, seed=1), headers=theirs)
         assert answer.status_code == 403 and answer.json()["code"] == "session_owner_mismatch", answer.text
-        assert gate.store.session("alice-1", owner="alice") == before
+        assert gate.store.session("alice-1", owner=alice) == before
 
 
 # -- 4. taint: a reading the gate has seen can be unseen ----------------------------------------------------------

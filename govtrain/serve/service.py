@@ -223,8 +223,9 @@ class Gate:
         self._check_privacy(request)
         budget = SessionBudget(epsilon_u=self.policy.session_epsilon_u, delta_p=self.policy.session_delta_p)
         # The head is the default adapter's, whichever class adapters are active: no model lock, so that concurrent
-        # requests meet in the store's one-transaction debit.
-        response = serve_split(self.head, request, self.store, owner=admission.rights.subject, budget=budget)
+        # requests meet in the store's one-transaction debit. The owner is (issuer key, subject): an issuer's
+        # subject names are its own, so a second issuer's "alice" can neither spend nor read the first's.
+        response = serve_split(self.head, request, self.store, owner=admission.rights.owner, budget=budget)
         return response.model_dump(mode="json"), admission
 
     def _check_privacy(self, request: Any) -> None:
