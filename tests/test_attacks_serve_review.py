@@ -5,10 +5,8 @@ the adversary, the attack and its impact. Real uvicorn on 127.0.0.1 where the ro
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import sqlite3
-import struct
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ pytest.importorskip("uvicorn")
 
 from govtrain.attest.keys import generate_key_pair, load_private_key, public_key_pem  # noqa: E402
 from govtrain.errors import Code, InferenceError  # noqa: E402
-from tests.release_setup import Released, trained_release  # noqa: E402
+from tests.release_setup import Released, negate_tensor, trained_release  # noqa: E402
 from tests.serve_setup import TEXTS, Deployment, deploy, split_body  # noqa: E402
 
 
@@ -43,21 +41,6 @@ def _no_taint_cache(deployment: Deployment) -> None:
 # -- 2. the operator: the base model is read in place (mmap) after the start-up hash -----------------------------
 
 
-def _negate_tensor(path: Path, name: str) -> None:
-    """Flip the sign bit of every float32 of tensor `name` in the safetensors file, in place (same inode, size)."""
-    raw = path.read_bytes()
-    size = struct.unpack("<Q", raw[:8])[0]
-    entry = json.loads(raw[8:8 + size])[name]
-    assert entry["dtype"] == "F32"
-    start, end = (8 + size + offset for offset in entry["data_offsets"])
-    data = bytearray(raw[start:end])
-    for at in range(3, len(data), 4):
-        data[at] ^= 0x80
-    with path.open("r+b") as handle:
-        handle.seek(start)
-        handle.write(data)
-
-
 def test_a_base_model_changed_on_disk_after_start_is_not_what_the_gate_serves(tmp_path_factory, tmp_path: Path):
     """Adversary: the operator (or anyone who can write the base model's folder, e.g. a shared Hugging Face cache).
     Attack: start `govtrain serve` on the released adapter and the base the release binds by tree hash (both
@@ -74,7 +57,7 @@ def test_a_base_model_changed_on_disk_after_start_is_not_what_the_gate_serves(tm
     with deployment.serving() as (client, _):
         headers = deployment.rights()
         before = _logits(client.post("/v1/classify", json={"texts": TEXTS}, headers=headers))
-        _negate_tensor(base / "model.safetensors", "bert.embeddings.word_embeddings.weight")
+        negate_tensor(base / "model.safetensors", "bert.embeddings.word_embeddings.weight")
         after = client.post("/v1/classify", json={"texts": TEXTS}, headers=headers)
         assert after.status_code == 200, after.text
         assert _logits(after) == before

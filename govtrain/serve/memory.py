@@ -105,8 +105,9 @@ class LedgerMemory:
                     if size > seen_size:
                         verify_consistency(seen_size, size, seen_root, root, consistency(seen_size))
                 except ProofError as e:
-                    raise IntegrityError(Code.FORK, f"the ledger's tree of {size} entries does not extend the tree of "
-                                                    f"{seen_size} this gate has verified ({e.detail}): it forked") from e
+                    raise IntegrityError(Code.FORK, f"the ledger's tree of {size} entries does not extend the tree "
+                                                    f"of {seen_size} this gate has verified ({e.detail}): it "
+                                                    "forked") from e
             if held is None:
                 db.execute("INSERT INTO gate_ledger_trees (origin, size, root, seen_at) VALUES (?, ?, ?, ?)",
                            (origin, size, root, now))
