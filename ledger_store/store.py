@@ -107,12 +107,15 @@ def normalize_url(url: str) -> str:
 
 def redacted_url(url: str) -> str:
     """`url` with its password replaced by `***`: the only form of a URL a message, a log line or an answer holds
-    (the password can write the ledger). A string SQLAlchemy cannot parse loses whatever sits between `:` and `@`
-    after the scheme."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except (ArgumentError, ValueError):
-        return re.sub(r"(://[^/@:]*):[^@]*@", r"\1:***@", url)
+    (the password can write the ledger). Everything between the user name and the last `@` goes, and any
+    `password=` query parameter: a password holding characters a URL should have escaped is hidden whole, at
+    worst with part of what follows it."""
+    scheme, sep, rest = url.partition("://")
+    if sep:
+        userinfo, at, host = rest.rpartition("@")
+        if at and ":" in userinfo:
+            rest = f"{userinfo.split(':', 1)[0]}:***@{host}"
+    return re.sub(r"(?i)([?&]password=)[^&]*", r"\1***", f"{scheme}{sep}{rest}")
 
 
 def _check_sqlite_path(url: str, database: str) -> None:
@@ -132,8 +135,8 @@ def _backend(url: str) -> str:
     """'sqlite' or 'postgresql'; anything else is refused with what to use instead."""
     try:
         parsed = make_url(url)
-    except ArgumentError as e:
-        raise UnsupportedURL(f"{redacted_url(url)!r} is not a database URL (try sqlite:///ledger.db)") from e
+    except (ArgumentError, ValueError) as e:  # ValueError: a port that is not a number
+        raise UnsupportedURL(f"{redacted_url(url)!r} is not a database URL (try sqlite:///ledger.db)") from None
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         if not parsed.database or parsed.database == ":memory:":

@@ -346,6 +346,9 @@ def _taint_reader(envelope: bytes, policy: InferencePolicy,
 def _without_password(text: str, url: str) -> str:
     from sqlalchemy.engine import make_url
 
+    from ledger_store import redacted_url
+
+    text = text.replace(url, redacted_url(url))
     try:
         password = make_url(url).password
     except Exception:  # not a URL SQLAlchemy reads: Ledger.open refused it in words of its own
