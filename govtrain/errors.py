@@ -142,6 +142,7 @@ class Code(str, Enum):
     REQUEST_TOO_LARGE = "request_too_large"  # a body over the policy's limit
     BAD_REQUEST = "bad_request"  # a body that is not the route's JSON (syntax, fields, types, NaN, sizes)
     NOT_SERVED = "not_served"  # a route for a task this release is not (generate on a classifier)
+    METHOD_NOT_ALLOWED = "method_not_allowed"  # a route asked with a method it does not answer (GET /v1/classify)
 
     # -- ledger integrity (exit 4) --------------------------------------------------------
     INTEGRITY = "integrity"

@@ -16,9 +16,10 @@ from ledger_store.store import (
     UnsupportedURL,
     leaf_hash,
     normalize_url,
+    redacted_url,
 )
 
 __all__ = [
     "PERSISTED_NODE_HEIGHT", "NodeCache", "NotADatabase", "StoredCheckpoint", "AdmissionRow", "Appender", "Conflict", "LedgerExists", "LedgerMissing", "LedgerStore", "StoredEntry",
-    "StoreError", "UnsupportedURL", "leaf_hash", "normalize_url",
+    "StoreError", "UnsupportedURL", "leaf_hash", "normalize_url", "redacted_url",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,13 +106,26 @@ def normalize_url(url: str) -> str:
     return url
 
 
+def redacted_url(url: str) -> str:
+    """`url` with its password replaced by `***`: the only form of a URL a message, a log line or an answer holds
+    (the password can write the ledger). Everything between the user name and the last `@` goes, and any
+    `password=` query parameter: a password holding characters a URL should have escaped is hidden whole, at
+    worst with part of what follows it."""
+    scheme, sep, rest = url.partition("://")
+    if sep:
+        userinfo, at, host = rest.rpartition("@")
+        if at and ":" in userinfo:
+            rest = f"{userinfo.split(':', 1)[0]}:***@{host}"
+    return re.sub(r"(?i)([?&]password=)[^&]*", r"\1***", f"{scheme}{sep}{rest}")
+
+
 def _check_sqlite_path(url: str, database: str) -> None:
     """Refuse `sqlite:///tmp/x.db`: three slashes make `tmp/x.db` relative to the working directory, which is
     rarely what was meant. A relative path with a folder must say so (`./`, `../`); a bare file name need not."""
     if os.path.isabs(database) or "/" not in database or database.startswith(("./", "../")):
         return
-    raise UnsupportedURL(f"{url} names the relative path {database} (three slashes before a relative path, four "
-                         f"before an absolute one): write sqlite:////{database} for /{database}, or "
+    raise UnsupportedURL(f"{redacted_url(url)} names the relative path {database} (three slashes before a relative "
+                         f"path, four before an absolute one): write sqlite:////{database} for /{database}, or "
                          f"sqlite:///./{database} for ./{database}")
 
 
@@ -122,8 +136,8 @@ def _backend(url: str) -> str:
     """'sqlite' or 'postgresql'; anything else is refused with what to use instead."""
     try:
         parsed = make_url(url)
-    except ArgumentError as e:
-        raise UnsupportedURL(f"{url!r} is not a database URL (try sqlite:///ledger.db)") from e
+    except (ArgumentError, ValueError) as e:  # ValueError: a port that is not a number
+        raise UnsupportedURL(f"{redacted_url(url)!r} is not a database URL (try sqlite:///ledger.db)") from None
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         if not parsed.database or parsed.database == ":memory:":
@@ -144,7 +158,7 @@ def _sqlite_path(url: str) -> Path:
 def _not_a_database(url: str, error: DatabaseError) -> StoreError:
     where = make_url(url)
     if where.get_backend_name() != "sqlite":
-        return LedgerMissing(f"cannot read {where.render_as_string(hide_password=True)}: "
+        return LedgerMissing(f"cannot read {redacted_url(url)}: "
                              f"{str(error.orig).splitlines()[0]}")
     return NotADatabase(f"{where.database} is not a SQLite database ({str(error.orig).splitlines()[0]}): --ledger "
                         "names the ledger file `govtrain init` created")
@@ -382,14 +396,14 @@ class LedgerStore:
                     connection.exec_driver_sql(statement)
         except OperationalError as e:
             store.close()
-            raise LedgerMissing(f"cannot reach {make_url(url).render_as_string(hide_password=True)}: "
+            raise LedgerMissing(f"cannot reach {redacted_url(url)}: "
                                 f"{str(e.orig).splitlines()[0]}") from e
         except DatabaseError as e:
             store.close()
             raise _not_a_database(url, e) from e
         if store.size() > 0:
             store.close()
-            raise LedgerExists(f"{url} already holds a ledger")
+            raise LedgerExists(f"{redacted_url(url)} already holds a ledger")
         if backend == "sqlite":
             os.chmod(_sqlite_path(url), 0o600)
         return store
@@ -400,20 +414,20 @@ class LedgerStore:
         url = normalize_url(url)
         backend = _backend(url)
         if backend == "sqlite" and not _sqlite_path(url).is_file():
-            raise LedgerMissing(f"no ledger at {url}; create one with `govtrain init`")
+            raise LedgerMissing(f"no ledger at {redacted_url(url)}; create one with `govtrain init`")
         store = cls(url, _engine(url, backend), backend)
         try:
             present = inspect(store.engine).has_table("entries")
         except OperationalError as e:
             store.close()
-            raise LedgerMissing(f"cannot reach {make_url(url).render_as_string(hide_password=True)}: "
+            raise LedgerMissing(f"cannot reach {redacted_url(url)}: "
                                 f"{str(e.orig).splitlines()[0]}") from e
         except DatabaseError as e:
             store.close()
             raise _not_a_database(url, e) from e
         if not present:
             store.close()
-            raise LedgerMissing(f"{url} is not a govtrain ledger; create one with `govtrain init`")
+            raise LedgerMissing(f"{redacted_url(url)} is not a govtrain ledger; create one with `govtrain init`")
         return store
 
     def close(self) -> None:

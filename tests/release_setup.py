@@ -7,7 +7,9 @@ the ledger, its keys (whose signer records travel with them, `ledger/signer.py`)
 
 from __future__ import annotations
 
+import json
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,3 +119,18 @@ def trained_release(tmp_path_factory) -> Released:
             run.save()
         _TRAINED["run"] = Released(root, base)
     return _TRAINED["run"]
+
+
+def negate_tensor(path: Path, name: str) -> None:
+    """Flip the sign bit of every float32 of tensor `name` in the safetensors file, in place (same inode, size)."""
+    raw = path.read_bytes()
+    size = struct.unpack("<Q", raw[:8])[0]
+    entry = json.loads(raw[8:8 + size])[name]
+    assert entry["dtype"] == "F32"
+    start, end = (8 + size + offset for offset in entry["data_offsets"])
+    data = bytearray(raw[start:end])
+    for at in range(3, len(data), 4):
+        data[at] ^= 0x80
+    with path.open("r+b") as handle:
+        handle.seek(start)
+        handle.write(data)

@@ -48,6 +48,14 @@ class Deployment:
                                    now=int(self.now()) if now is None else now)
         return {HEADER: to_header(envelope)}
 
+    def owner(self, subject: str = "alice", *, key=None) -> str:  # type: ignore[no-untyped-def]
+        """The owner the gate binds `subject`'s split sessions to: (the issuer's key id, the subject)."""
+        from govtrain.attest.keys import key_id
+        from govtrain.serve.rights import session_owner
+
+        public = (key or self.issuer).public_key().public_bytes_raw()
+        return session_owner(key_id(public), subject)
+
     def policy(self) -> Any:
         from govtrain.serve.policy import load_inference_policy
 

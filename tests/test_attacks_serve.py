@@ -40,8 +40,12 @@ def deployment(tmp_path_factory, tmp_path: Path) -> Deployment:
     return deploy(trained_release(tmp_path_factory).copy(tmp_path / "copy"))
 
 
-def _state(gate, session: str, owner: str = "alice"):
+def _state(gate, session: str, subject: str = "alice"):
     """(requests, spend, mu^2, debits) of a session: what a refusal must leave as it was."""
+    from govtrain.serve.rights import session_owner
+
+    (kid,) = gate.policy.issuers_by_kid()  # the deployment's one issuer
+    owner = session_owner(kid, subject)
     held = gate.store.session(session, owner=owner)
     return None if held is None else (held.requests, held.spent_epsilon_u, held.mu_sq,
                                       len(gate.store.debits(session, owner=owner)))

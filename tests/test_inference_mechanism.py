@@ -61,6 +61,31 @@ def test_the_pld_accountant_charges_the_analytic_sigma_at_most_its_epsilon(epsil
     assert epsilon * (1 - 1e-3) <= charged <= epsilon * (1 + 1e-6)
 
 
+def test_the_float_delta_keeps_its_digits_near_epsilon_zero():
+    """Near eps = 0, delta is a small difference of two near-equal terms, and mu/2 - eps/mu and -mu/2 - eps/mu agree
+    in most of their digits: subtracting two rounded log Phi's lost up to 1e-7 of delta (at eps 1e-6, delta 1e-12)."""
+    for epsilon in (1e-6, 3e-6, 1e-5, 1e-3, 0.1, 1.0, 8.0, 100.0, 1000.0):
+        for delta in (0.5, 1e-3, 1e-6, 1e-9, 1e-12):
+            for scale in (0.99, 1.0, 1.01):
+                mu = 2.0 / (gaussian.analytic_sigma(epsilon, delta, 2.0) * scale)
+                exact = exact_delta(epsilon, mu)
+                assert abs(gaussian.gaussian_delta(epsilon, mu) - exact) <= 1e-12 * exact, (epsilon, delta, scale)
+
+
+@pytest.mark.parametrize("epsilon_u, delta_p, sensitivity_u", [(1, 1, 2), (1, 10**6, 2 * 10**6), (10, 1, 2 * 10**6),
+                                                               (3, 10**11, 2 * 10**12), (10**9, 1, 2)])
+def test_the_calibrated_sigma_is_the_smallest_micro_unit_that_meets_delta_at_the_extremes(epsilon_u, delta_p,
+                                                                                        sensitivity_u):
+    sigma_u = gaussian.calibrate_sigma_u(epsilon_u, delta_p, sensitivity_u)
+    with mpmath.workdps(50):
+        def delta_at(sigma_u: int):  # type: ignore[no-untyped-def]
+            eps, mu = mpmath.mpf(epsilon_u) / 10**6, mpmath.mpf(sensitivity_u) / sigma_u
+            return mpmath.ncdf(mu / 2 - eps / mu) - mpmath.exp(eps) * mpmath.ncdf(-mu / 2 - eps / mu)
+
+        target = mpmath.mpf(delta_p) / 10**12
+        assert delta_at(sigma_u) <= target and (sigma_u == 1 or delta_at(sigma_u - 1) > target)
+
+
 def test_the_analytic_sigma_holds_for_every_epsilon_where_the_classical_one_does_not():
     for epsilon in (0.01, 0.1, 0.5, 0.9, 0.999):
         for delta in (1e-3, 1e-5, 1e-9):

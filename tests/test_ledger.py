@@ -81,6 +81,24 @@ def test_open_never_creates_a_file(tmp_path):
         assert info.value.code == Code.LEDGER_URL
 
 
+@pytest.mark.parametrize("url", [
+    "postgresql+psycopg://gt:s3cr3t-pw@db.internal/ledger",
+    "postgresql+psycopg://gt:s3cr3t-pw@db.internal:notaport/ledger",  # SQLAlchemy cannot parse it
+    "postgresql+psycopg://gt:s3cr3t@-pw@db.internal/ledger",  # an '@' the URL should have escaped
+    "postgresql+psycopg://gt:s3cr3t/-pw@db.internal/ledger",  # a '/' likewise
+    "postgresql+psycopg://gt@db.internal/ledger?sslmode=require&password=s3cr3t-pw",
+])
+def test_a_ledger_url_is_never_shown_with_its_password(url: str):
+    """A message that names the ledger names it redacted: the password can write the ledger."""
+    shown = ledger_store.redacted_url(url)
+    assert "s3cr3t" not in shown and "-pw" not in shown and "db.internal" in shown
+    assert ledger_store.redacted_url("sqlite:////srv/a@b/ledger.db") == "sqlite:////srv/a@b/ledger.db"
+    if "notaport" in url:
+        with pytest.raises(ConfigError) as refused:
+            Ledger.open(url)
+        assert refused.value.code == Code.LEDGER_URL and "s3cr3t" not in refused.value.line()
+
+
 def _append_many(url: str, worker: int, count: int) -> None:
     store = ledger_store.LedgerStore.open(url)
     for i in range(count):

@@ -200,6 +200,38 @@ def test_the_loader_refuses_another_base_model_and_what_govtrain_did_not_release
     assert version.value.code is Code.ARTIFACT_UNREADABLE and "version" in version.value.detail
 
 
+def test_the_loader_holds_the_base_bytes_it_hashed_whatever_the_file_becomes(tmp_path: Path, tiny_model: Path,
+                                                                            monkeypatch):
+    """transformers maps a float32 safetensors file into the tensors it loads: a base rewritten in place after the
+    tree hash was checked would change the loaded model. govtrain.load hashes while it copies, loads the copy, and
+    copies the tensors out of the mapping; the private copy is deleted."""
+    import tempfile
+
+    from tests.release_setup import negate_tensor
+
+    corpus = _corpus(tmp_path, "c")
+    _train(_run_toml(corpus, str(tiny_model), steps=2), corpus)
+    base, private = tmp_path / "base", tmp_path / "tmp"
+    shutil.copytree(tiny_model, base)
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    loaded = govtrain.load(corpus.dir / "adapter", base=base)
+    before = loaded.logits(TEXTS)
+    assert list(private.iterdir()) == []  # the copy it loaded from is gone, and nothing maps it any more
+    maps = Path("/proc/self/maps")
+    assert not maps.exists() or str(private) not in maps.read_text()
+    negate_tensor(base / "model.safetensors", "bert.embeddings.word_embeddings.weight")
+    assert torch.equal(loaded.logits(TEXTS), before)
+    with pytest.raises(ConfigError) as edited:  # the edit is real: loading the folder now is refused
+        govtrain.load(corpus.dir / "adapter", base=base)
+    assert edited.value.code is Code.BASE_MODEL_MISMATCH
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    assert tree_sha256(base, copy_into=copy) == tree_sha256(base)  # the copy's hash is the hash's definition
+    assert {p.relative_to(copy): p.read_bytes() for p in copy.rglob("*") if p.is_file()} == \
+        {p.relative_to(base): p.read_bytes() for p in base.rglob("*") if p.is_file()}
+
+
 def test_eval_refuses_a_config_that_does_not_describe_the_adapter(tmp_path: Path, tiny_model: Path):
     corpus = _corpus(tmp_path, "c")
     config_path = _run_toml(corpus, str(tiny_model), steps=2)

@@ -193,7 +193,7 @@ def test_a_session_past_its_budget_is_refused_429_and_charged_nothing(shared):
     assert admitted >= 1 and set(statuses[admitted:]) == {429}
     last = answers[admitted - 1].json()
     _refusal(answers[admitted], 429, "session_budget_exhausted")
-    state = gate.store.session("budget", owner="alice")
+    state = gate.store.session("budget", owner=deployment.owner())
     assert state.requests == admitted == last["requests"]
     assert state.spent_epsilon == last["epsilon_spent"] <= 4.0
 
@@ -213,14 +213,14 @@ def test_a_restart_keeps_session_budgets(deployment: Deployment):
 
     with deployment.serving() as (client, gate):
         first = client.post("/v1/split", content=split_body("kept", 16, epsilon=2.0), headers=headers).json()
-        before = gate.store.session("kept", owner="alice")
+        before = gate.store.session("kept", owner=deployment.owner())
         whole = until_refused(client, "fresh")  # what one session admits in one life of the server
     assert first["requests"] == 1 and whole >= 2
     with deployment.serving() as (client, gate):  # a new gate on the same SQLite file: a restart
-        assert gate.store.session("kept", owner="alice") == before
+        assert gate.store.session("kept", owner=deployment.owner()) == before
         assert 1 + until_refused(client, "kept") == whole
-        assert gate.store.session("kept", owner="alice").spent_epsilon_u == \
-            gate.store.session("fresh", owner="alice").spent_epsilon_u
+        assert gate.store.session("kept", owner=deployment.owner()).spent_epsilon_u == \
+            gate.store.session("fresh", owner=deployment.owner()).spent_epsilon_u
 
 
 def test_100_concurrent_requests_on_one_session_never_overspend(shared):
@@ -237,12 +237,12 @@ def test_100_concurrent_requests_on_one_session_never_overspend(shared):
         statuses = list(pool.map(lambda body: client.post("/v1/split", content=body, headers=headers).status_code,
                                  bodies))
     assert statuses.count(200) == sequential and statuses.count(429) == 100 - sequential
-    one_at_a_time = gate.store.session("sequential", owner="alice")
-    together = gate.store.session("concurrent", owner="alice")
+    one_at_a_time = gate.store.session("sequential", owner=deployment.owner())
+    together = gate.store.session("concurrent", owner=deployment.owner())
     assert (together.requests, together.spent_epsilon_u, together.mu_sq) == (
         one_at_a_time.requests, one_at_a_time.spent_epsilon_u, one_at_a_time.mu_sq)
     assert together.spent_epsilon_u <= together.budget.epsilon_u
-    assert [d.seq for d in gate.store.debits("concurrent", owner="alice")] == list(range(1, sequential + 1))
+    assert [d.seq for d in gate.store.debits("concurrent", owner=deployment.owner())] == list(range(1, sequential + 1))
 
 
 def test_the_split_client_is_served_through_the_gate(shared, tmp_path: Path):
@@ -258,7 +258,7 @@ def test_the_split_client_is_served_through_the_gate(shared, tmp_path: Path):
                             budget=session_budget(4.0, 1e-6))
         answers = split.classify_many(TEXTS[:2], epsilon=1.0, delta=1e-8, clip_norm=1.0)
         assert [a.requests for a in answers] == [1, 2]
-        mine, theirs = store.session("client", owner="alice"), gate.store.session("client", owner="alice")
+        mine, theirs = store.session("client", owner="alice"), gate.store.session("client", owner=deployment.owner())
         assert mine.spent_epsilon_u == theirs.spent_epsilon_u == round(answers[1].epsilon_spent * 1e6)
 
 

@@ -10,12 +10,17 @@ with mu_1..mu_k compose *exactly* into one Gaussian release with mu^2 = sum mu_i
 privacy loss of a Gaussian is itself Gaussian, and Gaussians add. That is what a session of split-inference
 requests spends (`govtrain.inference.budget`).
 
-- `gaussian_delta(eps, mu)`: the curve above, in log space (`log_ndtr`), so e^eps never overflows: delta =
-  A (1 - e^(log B - log A)) with log A = log Phi(mu/2 - eps/mu), log B = eps + log Phi(-mu/2 - eps/mu).
+- `gaussian_delta(eps, mu)`: the curve above, in log space, so e^eps never overflows: with a = mu/2 - eps/mu and
+  b = a - mu, delta = Phi(a) (1 - e^(eps - D)), D = log Phi(a) - log Phi(b). D is not the difference of two
+  rounded logs: where mu is small (small eps) a and b agree in most of their digits, and that difference (and
+  a - b itself) would lose them all; D is the integral of phi/Phi over [b, a] instead, by Gauss-Legendre around
+  the midpoint -eps/mu with phi/Phi = sqrt(2/pi) / erfcx(-t/sqrt 2) (no cancellation anywhere).
 - `analytic_sigma(eps, delta, Delta)`: the smallest sigma with delta(eps) <= delta, by bisection until the bracket
   is narrower than `SIGMA_TOLERANCE` (relative), returning its upper end: the guarantee holds at what is returned.
-- `calibrate_sigma_u`: that sigma for integer inputs (micro- and pico-units, docs/design.md §2), rounded **up** to
-  micro-units, and checked to meet delta at the rounded value.
+- `calibrate_sigma_u`: that sigma for integer inputs (micro- and pico-units, docs/design.md §2) as the **smallest
+  micro-unit sigma whose delta, in `EXACT_DIGITS`-digit arithmetic (mpmath), meets delta**: the float answer only
+  starts the search, so no float rounding (e.g. near eps = 0, where delta is a small difference of near-equal
+  terms) can hand out a sigma that misses delta.
 - `gdp_epsilon(mu, delta)`: the smallest eps with delta(eps) <= delta for a composed mu, bisection to
   `EPSILON_TOLERANCE` (relative), the upper end; `gdp_epsilon_u` rounds it up to micro-units.
 - `classical_sigma` (Dwork & Roth 2014, Theorem A.1: proved for eps < 1 only) and `advanced_composition_epsilon`
@@ -34,6 +39,9 @@ from govtrain import units
 SIGMA_TOLERANCE = 1e-12  # relative width of the final bracket on sigma, before rounding up to micro-units
 EPSILON_TOLERANCE = 1e-10  # relative width of the final bracket on a composed epsilon, before rounding up
 MU_SQ_SCALE = 10**12  # a session's sum of (Delta/sigma)^2 is kept as an integer in these units, rounded up
+EXACT_DIGITS = 60  # the decimal digits calibration checks delta in; it loses at most ~20 of them to cancellation
+_QUADRATURE_MU = 1.0  # below this mu, D = log Phi(a) - log Phi(b) is integrated, not subtracted
+_LOG_SMALLEST = math.log(math.ulp(0.0))  # log Phi(a) below this: Phi(a), and so delta, is below every float
 
 
 def _log_ndtr(x: float) -> float:
@@ -42,17 +50,42 @@ def _log_ndtr(x: float) -> float:
     return float(log_ndtr(x))
 
 
+@functools.lru_cache(maxsize=1)
+def _legendre() -> tuple:
+    import numpy as np
+
+    return np.polynomial.legendre.leggauss(24)  # exact for polynomials of degree 47: phi/Phi is smooth
+
+
+def _log_ratio(epsilon: float, mu: float) -> float:
+    """D = log Phi(a) - log Phi(b) for a = mu/2 - eps/mu, b = a - mu. For mu <= `_QUADRATURE_MU` it is the integral
+    of d/dt log Phi(t) = phi(t)/Phi(t) over [b, a], taken around the midpoint -eps/mu with the half-width mu/2 as
+    given (a - b in floats would keep only the digits a and b do not share); phi/Phi = sqrt(2/pi)/erfcx(-t/sqrt 2).
+    phi/Phi is analytic within ~2.8 of the real line (the zeros of erfc), so 24 nodes over a width <= 1 are exact
+    to the float's precision."""
+    if mu > _QUADRATURE_MU:
+        return _log_ndtr(mu / 2 - epsilon / mu) - _log_ndtr(-mu / 2 - epsilon / mu)
+    from scipy.special import erfcx
+
+    nodes, weights = _legendre()
+    t = -epsilon / mu + (mu / 2) * nodes
+    return float((mu / 2) * (weights @ (math.sqrt(2 / math.pi) / erfcx(-t / math.sqrt(2)))))
+
+
 def gaussian_delta(epsilon: float, mu: float) -> float:
-    """delta(eps) of a Gaussian release with Delta/sigma = `mu` (equivalently, of mu-GDP): Balle & Wang, Theorem 8."""
+    """delta(eps) of a Gaussian release with Delta/sigma = `mu` (equivalently, of mu-GDP): Balle & Wang, Theorem 8,
+    as Phi(a) (1 - e^(eps - D)) (the module's docstring)."""
     if not epsilon >= 0 or not mu >= 0 or math.isinf(mu):
         raise ValueError("need epsilon >= 0 and a finite mu >= 0")
     if mu == 0:
         return 0.0
     log_a = _log_ndtr(mu / 2 - epsilon / mu)
-    log_b = epsilon + _log_ndtr(-mu / 2 - epsilon / mu)
-    if log_b >= log_a:  # the difference is below A's float resolution: delta < 1e-16 A
+    if log_a < _LOG_SMALLEST:  # Phi(a) >= delta is itself below the smallest float
         return 0.0
-    return math.exp(log_a) * -math.expm1(log_b - log_a)
+    gap = epsilon - _log_ratio(epsilon, mu)  # log(e^eps Phi(b) / Phi(a)) < 0
+    if gap >= 0:  # the difference is below the float resolution of its terms
+        return 0.0
+    return math.exp(log_a) * -math.expm1(gap)
 
 
 def _check(epsilon: float, delta: float, sensitivity: float) -> None:
@@ -86,17 +119,44 @@ def analytic_sigma(epsilon: float, delta: float, sensitivity: float = 1.0) -> fl
 
 @functools.lru_cache(maxsize=4096)  # a pure function of integers, asked again for every request of a session
 def calibrate_sigma_u(epsilon_u: int, delta_p: int, sensitivity_u: int) -> int:
-    """`analytic_sigma` for integer inputs (epsilon and Delta in micro-units, delta in pico-units), rounded up to
-    micro-units. Client and server compute it alike from the same integers."""
+    """The smallest sigma in micro-units at which one release of sensitivity `sensitivity_u` (micro-units) is
+    (epsilon_u micro-units, delta_p pico-units)-DP, decided in `EXACT_DIGITS`-digit arithmetic; `analytic_sigma`'s
+    float answer is where the search starts. Client and server compute it alike from the same integers."""
     if epsilon_u < 1 or not 0 < delta_p < units.PICO or sensitivity_u < 1:
         raise ValueError("need epsilon_u >= 1, 0 < delta_p < 10^12 and sensitivity_u >= 1")
     epsilon, delta, sensitivity = epsilon_u / units.MICRO, delta_p / units.PICO, sensitivity_u / units.MICRO
-    sigma_u = units.noise_multiplier_u(analytic_sigma(epsilon, delta, sensitivity))
-    # Rounding up only adds noise; check it anyway against the inputs as given, so a float surprise cannot pass.
-    if gaussian_delta(epsilon, sensitivity / (sigma_u / units.MICRO)) > delta:
-        raise RuntimeError(f"calibration failed its own check at epsilon_u={epsilon_u}, delta_p={delta_p}, "
-                           f"sensitivity_u={sensitivity_u}")
-    return sigma_u
+    start = units.noise_multiplier_u(analytic_sigma(epsilon, delta, sensitivity))
+
+    def meets(sigma_u: int) -> bool:
+        return sigma_u >= 1 and _meets_exactly(epsilon_u, delta_p, sensitivity_u, sigma_u)
+
+    # A bracket (fails, meets) around the start, widened by doubling steps (delta falls as sigma grows), then halved.
+    step = 1
+    if meets(start):
+        low, high = start - 1, start
+        while meets(low):
+            low, high, step = max(low - 2 * step, 0), low, 2 * step
+    else:
+        low, high = start, start + 1
+        while not meets(high):
+            low, high, step = high, high + 2 * step, 2 * step
+    while high - low > 1:
+        middle = (low + high) // 2
+        if meets(middle):
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def _meets_exactly(epsilon_u: int, delta_p: int, sensitivity_u: int, sigma_u: int) -> bool:
+    """Whether delta(eps) at mu = Delta/sigma is at most delta, from the integers, in `EXACT_DIGITS` digits."""
+    import mpmath
+
+    with mpmath.workdps(EXACT_DIGITS):
+        eps, mu = mpmath.mpf(epsilon_u) / units.MICRO, mpmath.mpf(sensitivity_u) / sigma_u
+        exact = mpmath.ncdf(mu / 2 - eps / mu) - mpmath.exp(eps) * mpmath.ncdf(-mu / 2 - eps / mu)
+        return bool(exact <= mpmath.mpf(delta_p) / units.PICO)
 
 
 def calibrate_sigma(epsilon: float, delta: float, sensitivity: float) -> float:

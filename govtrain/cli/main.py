@@ -93,16 +93,17 @@ def init(policy_path: str, ledger_url: str, key_path: str, as_json: bool) -> Non
     """Create a ledger whose first entry records the policy."""
     from govtrain.ledger.ledger import Ledger
     from govtrain.policy.config import load_policy
+    from ledger_store import redacted_url
 
     policy, source_sha256 = load_policy(policy_path)
     with Ledger.init(ledger_url, policy, source_sha256, key_path=Path(key_path)) as ledger:
         head = ledger.store.head()
         assert head is not None
         if as_json:
-            emit_json({"ok": True, "ledger": ledger.store.url, "origin": policy.origin, "classes": sorted(policy.classes),
-                       "seq": head.seq, "leaf_hash": head.leaf_hash.hex()})
+            emit_json({"ok": True, "ledger": redacted_url(ledger.store.url), "origin": policy.origin,
+                       "classes": sorted(policy.classes), "seq": head.seq, "leaf_hash": head.leaf_hash.hex()})
         else:
-            click.echo(f"initialised {ledger.store.url} for {policy.origin}: classes "
+            click.echo(f"initialised {redacted_url(ledger.store.url)} for {policy.origin}: classes "
                        f"{', '.join(sorted(policy.classes))}; {len(policy.attesters)} attester key(s)")
             click.echo(f"header entry {head.seq}, leaf hash {head.leaf_hash.hex()}")
 

@@ -59,7 +59,7 @@ class PooledEncoder:
         """The base model that the release in `folder` names (or `base`), bound by the tree hash its
         govtrain.json records, loaded as training loaded it. Only the folder's govtrain.json and tokenizer are
         read: the adapter's weights stay with the server."""
-        from govtrain.release.load import base_path, read_tokenizer
+        from govtrain.release.load import hold_in_memory, private_base, read_tokenizer
         from govtrain.train.model import load_pretrained
         from govtrain.train.pooling import use_pooling
 
@@ -68,10 +68,11 @@ class PooledEncoder:
         if record.task != "sequence-classification":
             raise ConfigError(Code.SPLIT_UNSUPPORTED, f"{folder}: a {record.task} release; split inference serves "
                                                       "a sequence classifier's head")
-        path = base_path(folder, record, base)
         tokenizer = read_tokenizer(folder)
-        model = use_pooling(load_pretrained(path, record.task, record.num_labels, tokenizer, record.pooling),
-                            record.pooling)
+        with private_base(folder, record, base) as path:  # loaded from exactly the bytes hashed, as govtrain.load
+            model = use_pooling(load_pretrained(path, record.task, record.num_labels, tokenizer, record.pooling),
+                                record.pooling)
+            hold_in_memory(model)
         pooling_encoder(model)
         return cls(model=model.to(device).eval(), tokenizer=tokenizer, record=record)
 

@@ -114,7 +114,8 @@ class Ledger:
             ledger._key = key
             with ledger.append(now) as appender:
                 if appender.first_seq != 0:
-                    raise ConfigError(Code.LEDGER_EXISTS, f"{store.url} already holds a ledger")
+                    raise ConfigError(Code.LEDGER_EXISTS,
+                                      f"{ledger_store.redacted_url(store.url)} already holds a ledger")
                 appender.add("header", now, lambda seq: header_entry(seq, now, policy, policy_source_sha256))
         finally:
             store.close()

@@ -7,14 +7,22 @@
 The model is built the way training built it, from the folder's `govtrain.json`: the base loaded in fp32 for its
 task (`train.model.load_pretrained`), its pooling (`train.pooling`), then every adapter in the folder, all active.
 `govtrain eval` loads through here, so the two give the same logits.
+
+The base model is loaded from exactly the bytes its tree hash was checked over: each file is read once, hashed and
+written to a private temporary folder (`private_base`), the model is loaded from that copy, and every tensor is
+then copied out of the file mapping transformers reads safetensors through (`hold_in_memory`). A base folder
+rewritten after the check (in place, or swapped) changes nothing that was loaded. The cost is one copy of the base
+on the temporary disk while it loads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from govtrain.errors import Code, ConfigError
 from govtrain.release.artifact import ADAPTER_CONFIG, WEIGHTS, ArtifactRecord, peft_config, read_record
@@ -71,23 +79,24 @@ def load(folder: str | os.PathLike[str], *, base: str | os.PathLike[str] | None 
     os.environ["HF_HUB_OFFLINE"] = "1"
     folder = Path(folder)
     record = read_record(folder)
-    path = base_path(folder, record, base)
-    try:
-        tokenizer = read_tokenizer(folder)
-        model = build(folder, record, path, tokenizer)
-    except ConfigError:
-        raise
-    except Exception as e:  # a damaged folder: not JSON, a truncated tensor file, a head of another size
-        raise ConfigError(Code.ARTIFACT_UNREADABLE, f"{folder}: cannot be loaded as the model its govtrain.json "
-                                                    f"describes ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-                          ) from None
+    with private_base(folder, record, base) as path:
+        try:
+            tokenizer = read_tokenizer(folder)
+            model = build(folder, record, path, tokenizer)
+        except ConfigError:
+            raise
+        except Exception as e:  # a damaged folder: not JSON, a truncated tensor file, a head of another size
+            raise ConfigError(Code.ARTIFACT_UNREADABLE, f"{folder}: cannot be loaded as the model its govtrain.json "
+                                                        f"describes ({type(e).__name__}: "
+                                                        f"{str(e).splitlines()[0][:200]})") from None
+        hold_in_memory(model)
     return LoadedModel(model=model.to(device).eval(), tokenizer=tokenizer, record=record)
 
 
-def base_path(folder: Path, record: ArtifactRecord, base: str | os.PathLike[str] | None = None) -> Path:
+def locate_base(folder: Path, record: ArtifactRecord, base: str | os.PathLike[str] | None = None) -> Path:
     """The folder of the base model the adapter in `folder` was trained on: `base` (`minilm`, a Hugging Face id in
-    the local cache, or a local directory), by default the one `record` names where it can be found again. Its
-    tree hash must be the one the record holds (`base_model_mismatch`). Nothing is downloaded."""
+    the local cache, or a local directory), by default the one `record` names where it can be found again. Not
+    checked: `private_base` checks its tree hash. Nothing is downloaded."""
     from govtrain.resolver.load import SHORT_NAMES, hub_snapshot, model_path
 
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -97,15 +106,45 @@ def base_path(folder: Path, record: ArtifactRecord, base: str | os.PathLike[str]
                                                  f"hash {named.sha256}), which only its owner can point to: pass "
                                                  "base=\"PATH\" to govtrain.load")
     if base is not None:
-        path = model_path(str(base))
-    else:  # the record's spec: a bundled model, or a Hub id in the cache at the revision trained on (not refs/main)
-        path = model_path(named.spec) if named.spec in SHORT_NAMES else hub_snapshot(named.spec, named.revision)
-    found = _tree_hash(path)
+        return Path(model_path(str(base)))
+    # the record's spec: a bundled model, or a Hub id in the cache at the revision trained on (not refs/main)
+    return Path(model_path(named.spec) if named.spec in SHORT_NAMES else hub_snapshot(named.spec, named.revision))
+
+
+@contextlib.contextmanager
+def private_base(folder: Path, record: ArtifactRecord,
+                 base: str | os.PathLike[str] | None = None) -> Iterator[Path]:
+    """`locate_base`'s folder, copied into a private temporary folder (0700) as its tree hash is computed (each
+    file read once: the copy is exactly the bytes hashed) and checked against the record's (`base_model_mismatch`);
+    yields the copy, deleted when the block ends. Load from it, then `hold_in_memory`."""
+    from govtrain.train.run import tree_sha256
+
+    path = locate_base(folder, record, base)
+    with tempfile.TemporaryDirectory(prefix="govtrain-base-") as private:
+        _check_tree_hash(folder, record, path, tree_sha256(path, copy_into=Path(private)).hex())
+        yield Path(private)
+
+
+def hold_in_memory(model: Any) -> None:
+    """Copy every parameter and buffer of `model` out of the file mappings transformers loads safetensors through
+    (the tensors of a float32 checkpoint loaded as float32 are views of the mapped file): the model then holds
+    what was read, no later write to that file reaches it, and the file, once deleted, frees its disk. Tied
+    weights stay tied (a shared parameter is one object, given one copy)."""
+    import itertools
+
+    import torch
+
+    with torch.no_grad():
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
+            tensor.data = tensor.data.clone()
+
+
+def _check_tree_hash(folder: Path, record: ArtifactRecord, path: Path, found: str) -> None:
+    named = record.base_model
     if found != named.sha256:
         raise ConfigError(Code.BASE_MODEL_MISMATCH, f"{path} has tree hash {found}, but {folder} was trained on "
                                                     f"{named.name} with tree hash {named.sha256} (govtrain.json): "
                                                     "another model or revision; give the base it was trained on")
-    return Path(path)
 
 
 _HASHED: dict[tuple, str] = {}  # tree hashes of base models this process read, by their files' stat

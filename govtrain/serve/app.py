@@ -43,6 +43,7 @@ STATUS: dict[Code, int] = {
     **{code: 403 for code in (Code.WRONG_AUDIENCE, Code.KEY_NOT_AUTHORIZED, Code.CLASS_NOT_PERMITTED,
                               Code.SESSION_NOT_COVERED)},
     Code.NOT_SERVED: 404,
+    Code.METHOD_NOT_ALLOWED: 405,
     Code.RELEASE_TAINTED: 409,
     Code.REQUEST_TOO_LARGE: 413,
     **SPLIT_STATUS,  # split inference's own: 403 another's session, 422 its privacy terms or vector, 429 its budget
@@ -112,10 +113,12 @@ def create_app(gate: Gate) -> Any:
 
     @app.exception_handler(HTTPException)
     async def no_route(request: Request, error: HTTPException) -> JSONResponse:
-        code = Code.NOT_SERVED if error.status_code == 404 else Code.BAD_REQUEST
+        # the router's own refusals, each with the code whose status `STATUS` gives it (one code, one status)
+        code = {404: Code.NOT_SERVED, 405: Code.METHOD_NOT_ALLOWED}.get(error.status_code, Code.BAD_REQUEST)
         detail = f"{request.method} {request.url.path}: {error.detail}; the gate serves GET /v1/info and POST " \
                  "/v1/classify, /v1/generate, /v1/split"
-        return JSONResponse({"ok": False, "code": code.value, "detail": detail}, status_code=error.status_code)
+        return JSONResponse({"ok": False, "code": code.value, "detail": detail}, status_code=STATUS[code],
+                            headers=error.headers)  # a 405 names the methods the route answers (Allow)
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, error: Exception) -> JSONResponse:

@@ -8,11 +8,13 @@
   make it tainted (seed 004: withdrawals are authoritative for inference gates); a tainted release is refused with
   `release_tainted` until a new release is served, unless the policy grants a grace period, counted from the
   ledger time of the first such withdrawal. A ledger that cannot be read refuses with `taint_unknown`: the gate
-  never serves on a taint reading it does not have.
+  never serves on a taint reading it does not have. Its callers are told only that (the ledger's location, and
+  what failed there, are the operator's business: they go to the server's log).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -20,6 +22,9 @@ from typing import Any, Callable, Iterable, Sequence
 from govtrain.errors import Code, GovtrainError, ServeError
 
 DEFAULT_ADAPTER = "default"
+TAINT_UNREADABLE = ("cannot read the ledger to check whether this release is tainted; refusing until it can (the "
+                    "gate's log has the cause)")
+log = logging.getLogger("govtrain.serve")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,21 +112,28 @@ class TaintWatch:
         self._clock = clock
         self._lock = threading.Lock()
         self._reading: TaintReading | None = None
+        self._failed_at: int | None = None
+        self.failure: str | None = None  # why the last read failed (for the operator; never sent to a caller)
 
-    def reading(self) -> TaintReading:
-        """The current reading (read again once it is `ttl_s` old), or `taint_unknown`."""
+    def reading(self, *, max_age_s: int | None = None) -> TaintReading:
+        """The current reading, read again once it is `ttl_s` old, or `taint_unknown`. With `max_age_s` (a caller
+        who need not be authenticated), a reading or a failed read younger than that is reused, so such requests
+        never read the ledger more often than once per `max_age_s`."""
         now = int(self._clock())
+        age = self.ttl_s if max_age_s is None else max_age_s
         with self._lock:  # one reader at a time; the others wait for its answer
             held = self._reading
-            if held is None or now - held.checked_at >= self.ttl_s or now < held.checked_at:
+            if max_age_s is not None and held is None and self._failed_at is not None \
+                    and 0 <= now - self._failed_at < age:
+                raise ServeError(Code.TAINT_UNKNOWN, TAINT_UNREADABLE)
+            if held is None or now - held.checked_at >= age or now < held.checked_at:
                 try:
                     held = self._read(now)
-                except Exception as e:  # whatever the reason (the database, a fork), no reading: refuse
-                    self._reading = None
-                    why = e.line() if isinstance(e, GovtrainError) else f"{type(e).__name__}: {e}"
-                    raise ServeError(Code.TAINT_UNKNOWN, f"cannot read the ledger to check whether this release is "
-                                                         f"tainted ({why}); refusing until it can") from e
-                self._reading = held
+                except Exception as e:  # whatever the reason (the database, a rollback, a fork), no reading: refuse
+                    self._reading, self._failed_at, self.failure = None, now, describe_failure(e)
+                    log.warning("the release's taint could not be read: %s", self.failure)
+                    raise ServeError(Code.TAINT_UNKNOWN, TAINT_UNREADABLE) from e
+                self._reading, self._failed_at, self.failure = held, None, None
             return held
 
     def check(self) -> TaintReading:
@@ -144,3 +156,11 @@ class TaintWatch:
     def grace_until(self, reading: TaintReading) -> int | None:
         """Until when a tainted release is served (None when it is not tainted)."""
         return reading.since + self.grace_s if reading.tainted and reading.since is not None else None
+
+
+def describe_failure(error: BaseException) -> str:
+    """One line saying why a taint read failed, for the server's log and the operator's start-up error."""
+    if isinstance(error, GovtrainError):
+        return error.line()
+    first = str(error).splitlines()[0][:300] if str(error) else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__

@@ -120,10 +120,12 @@ class Issuer:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class VerifiedRights:
-    """An envelope that verified: its claims, the issuer that signed it, and the SHA-256 of its bytes as received."""
+    """An envelope that verified: its claims, the issuer that signed it (its policy name and key id), and the
+    SHA-256 of its bytes as received."""
 
     rights: Rights
     issuer: str
+    issuer_kid: bytes
     envelope_sha256: bytes
 
     @property
@@ -131,8 +133,20 @@ class VerifiedRights:
         return self.rights.subject
 
     @property
+    def owner(self) -> str:
+        """Who holds the split sessions this envelope opens: the subject *as named by this issuer's key*,
+        `KID_HEX/subject`. Each issuer names its own subjects, so another issuer's "alice" is someone else (a
+        subject holds no "/", so the two parts never run together)."""
+        return session_owner(self.issuer_kid, self.rights.subject)
+
+    @property
     def classes(self) -> frozenset[str]:
         return frozenset(self.rights.classes)
+
+
+def session_owner(issuer_kid: bytes, subject: str) -> str:
+    """The owner a split session is bound to: (the issuer's key id, the subject it named), as one string."""
+    return f"{issuer_kid.hex()}/{subject}"
 
 
 # -- issuing ----------------------------------------------------------------------------------------------------
@@ -221,4 +235,5 @@ def verify_rights(envelope: bytes, *, issuers: Mapping[bytes, Issuer], audience:
     if issuer.classes is not None and not set(rights.classes) <= issuer.classes:
         extra = sorted(set(rights.classes) - issuer.classes)
         raise ServeError(Code.KEY_NOT_AUTHORIZED, f"issuer {issuer.name!r} may not grant class(es) {', '.join(extra)}")
-    return VerifiedRights(rights=rights, issuer=issuer.name, envelope_sha256=hashlib.sha256(envelope).digest())
+    return VerifiedRights(rights=rights, issuer=issuer.name, issuer_kid=issuer.kid,
+                          envelope_sha256=hashlib.sha256(envelope).digest())

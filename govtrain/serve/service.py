@@ -7,9 +7,12 @@ Start-up, in order, refusing before anything is served (exit 2 from `govtrain se
   3. the adapter folder holds exactly the release's subjects: every file is read once, hashed, compared, and the
      bytes that matched are written to a private folder, which is what is loaded (`subject_mismatch` otherwise: an
      operator cannot serve another adapter, nor swap a file after the check);
-  4. the model: that folder on its base model, whose tree hash its govtrain.json binds (`govtrain.load`);
-  5. the release's taint, read from the policy's ledger once (a ledger that cannot be read stops the start);
-  6. the session store (SQLite), and the split head where the release is a classifier that pools one vector.
+  4. the model: that folder on its base model, whose tree hash its govtrain.json binds (`govtrain.load`: the base
+     is copied to a private folder as it is hashed, loaded from there, and held in memory, not mapped from a file);
+  5. the gate's SQLite store: session budgets, and what the gate has seen of its ledger (`memory.LedgerMemory`);
+  6. the release's taint, read from the policy's ledger once (a ledger that cannot be read, or that is behind or
+     beside what this store has seen, stops the start);
+  7. the split head where the release is a classifier that pools one vector.
 
 A request, in order: the rights envelope (`rights.py`: 401), the release's taint (`gate.TaintWatch`: 409 or 503),
 what the envelope permits of the release (`gate.decide`: 403, or adapters disabled), then the route's own checks.
@@ -17,7 +20,6 @@ what the envelope permits of the release (`gate.decide`: 403, or adapters disabl
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import shutil
@@ -29,11 +31,13 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from govtrain.errors import Code, ConfigError, GovtrainError, ServeError
-from govtrain.serve.gate import Decision, TaintReading, TaintWatch, decide
+from govtrain.serve.gate import Decision, TaintReading, TaintWatch, decide, describe_failure
+from govtrain.serve.memory import LedgerMemory, SeenWithdrawal
 from govtrain.serve.policy import InferencePolicy
 from govtrain.serve.rights import VerifiedRights, from_header, verify_rights
 
 MAX_RELEASE_BYTES = 16 << 20
+INFO_TAINT_AGE_S = 10  # GET /v1/info (no envelope) reads the ledger at most this often, whatever taint_check_seconds
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,9 +81,10 @@ class Gate:
     """A release being served. Build it with `Gate.start`; `close` it (the private adapter copy is deleted)."""
 
     def __init__(self, *, policy: InferencePolicy, envelope: bytes, report: Any, loaded: Any, head: Any,
-                 store: Any, taint: TaintWatch, clock: Callable[[], float], snapshot: Path) -> None:
+                 store: Any, memory: LedgerMemory, taint: TaintWatch, clock: Callable[[], float],
+                 snapshot: Path) -> None:
         self.policy, self.envelope, self.report = policy, envelope, report
-        self.loaded, self.head, self.store = loaded, head, store
+        self.loaded, self.head, self.store, self.memory = loaded, head, store, memory
         self.taint, self._clock, self._snapshot = taint, clock, snapshot
         self._issuers = policy.issuers_by_kid()
         self._model_lock = threading.Lock()  # one forward at a time: the active adapters are the model's state
@@ -120,24 +125,29 @@ class Gate:
                 raise ConfigError(Code.SUBJECT_MISMATCH, f"{adapter}: its govtrain.json does not state the adapters, "
                                                          "task and base model the release's predicate states")
             # 5.
-            taint = TaintWatch(_taint_reader(envelope, policy), ttl_s=policy.taint_check_s,
+            policy.session_store.parent.mkdir(parents=True, exist_ok=True)
+            store = SessionStore(policy.session_store, now=clock)
+            memory = LedgerMemory(policy.session_store)
+            # 6.
+            taint = TaintWatch(_taint_reader(envelope, policy, memory), ttl_s=policy.taint_check_s,
                                grace_s=policy.grace_s, clock=clock)
             try:
                 taint.reading()
             except ServeError as e:
-                raise ConfigError(e.code, f"the inference policy's ledger: {e.detail}") from e
-            # 6.
-            policy.session_store.parent.mkdir(parents=True, exist_ok=True)
-            store = SessionStore(policy.session_store, now=clock)
+                store.close()
+                memory.close()
+                raise ConfigError(e.code, f"the inference policy's ledger: {taint.failure or e.detail}") from e
+            # 7.
             head = _split_head(loaded)
         except BaseException:
             shutil.rmtree(snapshot, ignore_errors=True)
             raise
         return cls(policy=policy, envelope=envelope, report=report, loaded=loaded, head=head, store=store,
-                   taint=taint, clock=clock, snapshot=snapshot)
+                   memory=memory, taint=taint, clock=clock, snapshot=snapshot)
 
     def close(self) -> None:
         self.store.close()
+        self.memory.close()
         shutil.rmtree(self._snapshot, ignore_errors=True)
 
     # -- every request ------------------------------------------------------------------------------------------
@@ -224,8 +234,9 @@ class Gate:
         self._check_privacy(request)
         budget = SessionBudget(epsilon_u=self.policy.session_epsilon_u, delta_p=self.policy.session_delta_p)
         # The head is the default adapter's, whichever class adapters are active: no model lock, so that concurrent
-        # requests meet in the store's one-transaction debit.
-        response = serve_split(self.head, request, self.store, owner=admission.rights.subject, budget=budget)
+        # requests meet in the store's one-transaction debit. The owner is (issuer key, subject): an issuer's
+        # subject names are its own, so a second issuer's "alice" can neither spend nor read the first's.
+        response = serve_split(self.head, request, self.store, owner=admission.rights.owner, budget=budget)
         return response.model_dump(mode="json"), admission
 
     def _check_privacy(self, request: Any) -> None:
@@ -255,10 +266,13 @@ class Gate:
                                                      f"{self.policy.max_text_chars}")
 
     def info(self) -> dict:
-        """What is served: the release, its classes and groups, its taint (no envelope needed)."""
+        """What is served: the release, its classes and groups, its taint (no envelope needed: the taint it shows is
+        at most `INFO_TAINT_AGE_S` old, or `taint_check_seconds` where that is longer, so that this route never
+        reads the ledger more often than that)."""
         p = self.predicate
         try:
-            reading: TaintReading | None = self.taint.reading()
+            reading: TaintReading | None = self.taint.reading(
+                max_age_s=max(self.policy.taint_check_s, INFO_TAINT_AGE_S))
             taint: dict = {"tainted": reading.tainted, "withdrawn_since": list(reading.withdrawn),
                            "since": reading.since, "checked_at": reading.checked_at,
                            "grace_until": self.taint.grace_until(reading)}
@@ -291,25 +305,56 @@ def _read_release(path: Path) -> bytes:
     return raw
 
 
-def _taint_reader(envelope: bytes, policy: InferencePolicy) -> Callable[[int], TaintReading]:
+def _taint_reader(envelope: bytes, policy: InferencePolicy,
+                  memory: LedgerMemory | None = None) -> Callable[[int], TaintReading]:
     """Reads the withdrawals since the release from the policy's ledger (the release verified against it again:
-    its checkpoint must be one the live ledger extends), and the ledger time of the first, from its entry's body."""
+    its checkpoint must be one the live ledger extends), held against what `memory` has seen (None: a memory of
+    this reader's own life): the ledger's verified tree may not be smaller than, or other than an extension of,
+    the largest one seen, and the withdrawals are those read now and every one read before. The reading's time
+    is the ledger time of the first of them, from its entry's body (never the database's column)."""
+    memory = memory if memory is not None else LedgerMemory()
 
     def read(now: int) -> TaintReading:
         from govtrain.ledger.ledger import Ledger
         from govtrain.release.verification import verify_release
 
-        with Ledger.open(policy.ledger_url) as ledger:
-            report = verify_release(envelope, release_key=policy.release_key, ledger_keys=list(policy.ledger_keys),
-                                    ledger=ledger)
-            since = tuple(report.withdrawn_since or ())
-            first = min(since, key=lambda w: w.seq) if since else None
-            if first is not None and first.time is None:  # its body was retired: its row's time (unchecked)
-                first = dataclasses.replace(first, time=ledger.store.entry(first.seq).time)
-        return TaintReading(withdrawn=tuple(w.contribution_id for w in since),
-                            since=None if first is None else first.time, checked_at=now)
+        try:
+            with Ledger.open(policy.ledger_url) as ledger:
+                report = verify_release(envelope, release_key=policy.release_key,
+                                        ledger_keys=list(policy.ledger_keys), ledger=ledger)
+                current = report.current_checkpoint
+                found = []
+                for w in report.withdrawn_since or ():
+                    stored = ledger.store.entry(w.seq)
+                    assert stored is not None  # verify_release read it
+                    # the time its body states; a body retention retired: its row's (unchecked)
+                    found.append(SeenWithdrawal(contribution_id=w.contribution_id, seq=w.seq, leaf_hash=w.leaf_hash,
+                                                time=w.time if w.time is not None else stored.time))
+                seen = memory.advance(origin=report.origin, size=current.size, root=current.root,
+                                      consistency=lambda old: ledger.tree(current.size).consistency_proof(
+                                          old, current.size),
+                                      release_sha256=report.release_sha256, withdrawals=found, now=now)
+        except GovtrainError:
+            raise
+        except Exception as e:  # a driver's own words may quote its connection string: the password goes
+            raise ServeError(Code.TAINT_UNKNOWN, _without_password(describe_failure(e), policy.ledger_url)) from None
+        return TaintReading(withdrawn=tuple(w.contribution_id for w in seen),
+                            since=min(w.time for w in seen) if seen else None, checked_at=now)
 
     return read
+
+
+def _without_password(text: str, url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    from ledger_store import redacted_url
+
+    text = text.replace(url, redacted_url(url))
+    try:
+        password = make_url(url).password
+    except Exception:  # not a URL SQLAlchemy reads: Ledger.open refused it in words of its own
+        return text
+    return text.replace(str(password), "***") if password else text
 
 
 def _split_head(loaded: Any) -> Any:

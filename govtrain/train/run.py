@@ -73,12 +73,27 @@ class RunResult:
     plan: "Plan | None" = None  # a check's plan (`govtrain train --check`); None for a run that trained
 
 
-def tree_sha256(folder: Path) -> bytes:
+def tree_sha256(folder: Path, *, copy_into: Path | None = None) -> bytes:
     """SHA-256 over (relative path, SHA-256 of bytes) of every file under `folder`, sorted (a run's
-    resumable state, which is deleted when the run ends, is not part of the adapter)."""
+    resumable state, which is deleted when the run ends, is not part of the adapter). With `copy_into` (an empty
+    folder), each file is also written there from the very bytes hashed, read once: a copy that is exactly what
+    the hash covers, whatever happens to `folder` meanwhile."""
     digest = hashlib.sha256()
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in _NOT_ADAPTER):
-        digest.update(str(path.relative_to(folder)).encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+        name = path.relative_to(folder)
+        file_digest = hashlib.sha256()
+        with contextlib.ExitStack() as files:
+            source = files.enter_context(path.open("rb"))
+            target = None
+            if copy_into is not None:
+                (copy_into / name).parent.mkdir(parents=True, exist_ok=True)
+                target = files.enter_context(os.fdopen(os.open(copy_into / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                                               0o600), "wb"))
+            while chunk := source.read(1 << 24):
+                file_digest.update(chunk)
+                if target is not None:
+                    target.write(chunk)
+        digest.update(str(name).encode() + b"\0" + file_digest.digest())
     return digest.digest()
 
 
