@@ -2,9 +2,10 @@
 degradation", measured rather than assumed).
 
     make demo                                  # demo-out/: adapter/, release.dsse, data/heldout.jsonl, ledger.db
-    python bench/inference.py                  # every held-out snippet; ~3 min on the 2-core machine
+    python bench/inference.py                  # every held-out snippet; 4-5 min on the (shared) 2-core machine
     python bench/inference.py --rows 200 --draws 3 --reps 3          # quicker
     python bench/inference.py --requests 1000 --reps 9               # steadier throughput figures
+    python bench/inference.py --epsilons 8 16 64 inf --policy P      # other ε: P's split bounds must admit them
 
 It prints, after the machine and the date:
 
@@ -20,7 +21,8 @@ It prints, after the machine and the date:
    every request) against a bare FastAPI endpoint serving the same model with the same load and predict code
    (`govtrain.load`, `LoadedModel.logits`, one forward at a time as the gate) and nothing else. Each runs in its own
    uvicorn process on 127.0.0.1 with `--threads` torch threads; the same client (`--concurrency` threads, one
-   httpx.Client each, one snippet a request, the same headers) drives both; repetitions alternate; medians.
+   httpx.Client each, one snippet a request, the same headers) drives both; repetitions alternate; medians. Then
+   what the gate's own checks cost a request (`Gate.admit`), timed in process. The servers: inference_servers.py.
 
 δ per request is the inference policy's `split.max_delta`, C its `split.clip_norm`; the ε asked for must lie in its
 bounds. The gate's session store is a temporary file: the demo's own is never written.
@@ -29,7 +31,6 @@ bounds. The gate's session store is a temporary file: the demo's own is never wr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -37,7 +38,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,35 +45,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
-from fastapi import FastAPI, Request  # the serve extra: `pip install 'govtrain[serve]'`
-from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from inference_servers import Deployment, released_classes, rights, servers  # noqa: E402
+
 EPSILONS = (0.5, 1.0, 4.0, 8.0, math.inf)
-KINDS = ("gate", "bare")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Deployment:
-    """What is measured: a release, its adapter folder, the inference policy that serves it, a rights issuer's key."""
-
-    release: Path
-    adapter: Path
-    policy: Path
-    issuer_key: Path
-    base: str | None = None
-
-    def inference_policy(self) -> Any:
-        from govtrain.serve.policy import load_inference_policy
-
-        return load_inference_policy(self.policy)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +65,19 @@ class Accuracy:
     path: str  # how it was measured
     accuracy: float
     spread: float | None = None  # standard deviation over noise draws
+    sigma: float | None = None  # the noise's standard deviation per coordinate
     n: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    """The accuracy rows, the norms of the held-out pooled states (`NormReport`), and for a two-label head the median
+    distance of the clipped states from its decision boundary: the signal along the only direction the head reads,
+    where the noise has standard deviation sigma (None for more labels)."""
+
+    rows: list[Accuracy]
+    norms: Any
+    margin: float | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,109 +92,6 @@ def read_heldout(path: Path, rows: int = 0) -> tuple[list[str], list[int]]:
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     records = records[:rows] if rows else records
     return [r["text"] for r in records], [int(r["label"]) for r in records]
-
-
-def released_classes(deployment: Deployment, policy: Any) -> list[str]:
-    """The classes the release states, read from the manifest verified offline under the policy's pinned keys."""
-    from govtrain.release.verification import verify_release
-
-    report = verify_release(deployment.release.read_bytes(), release_key=policy.release_key,
-                            ledger_keys=list(policy.ledger_keys))
-    return sorted(report.classes)
-
-
-def rights(deployment: Deployment, policy: Any, classes: Sequence[str], sessions: Sequence[str] = ()) -> dict:
-    """Headers carrying a rights envelope from the deployment's issuer: every class, these sessions, one hour."""
-    from govtrain.attest.keys import load_private_key
-    from govtrain.serve.rights import HEADER, issue_rights, to_header
-
-    envelope, _ = issue_rights(load_private_key(deployment.issuer_key), subject="bench", audience=policy.audience,
-                               classes=sorted(classes), sessions=sorted(sessions), valid_seconds=3600,
-                               now=int(time.time()))
-    return {HEADER: to_header(envelope)}
-
-
-# -- the two servers ------------------------------------------------------------------------------------------------
-
-def bare_app(adapter: Path, base: str | None) -> Any:
-    """The released model behind FastAPI and nothing else: no envelope, taint or decision; `govtrain.load` and the
-    `logits` call the gate makes, one forward at a time (the gate's model lock), the gate's answer's shape."""
-    import govtrain
-
-    loaded = govtrain.load(adapter, base=base)
-    names, lock = loaded.record.id2label, threading.Lock()
-    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-
-    def classify(texts: list[str]) -> dict:
-        with lock:
-            logits = loaded.logits(texts)
-        rows = logits.double().cpu().tolist()
-        return {"ok": True, "results": [{"label": names[str(i)], "label_id": i, "logits": row}
-                                        for row in rows for i in (max(range(len(row)), key=row.__getitem__),)]}
-
-    @app.post("/v1/classify")
-    async def route(request: Request) -> JSONResponse:
-        return JSONResponse(await run_in_threadpool(classify, list(json.loads(await request.body())["texts"])))
-
-    return app
-
-
-def build_app(kind: str, deployment: Deployment, sessions: Path) -> tuple[Any, Callable[[], None]]:
-    """(the app, what closes it): the gate as `govtrain serve` builds it, its session store moved to `sessions`."""
-    if kind == "bare":
-        return bare_app(deployment.adapter, deployment.base), lambda: None
-    from govtrain.serve.app import create_app
-    from govtrain.serve.service import Gate
-
-    policy = dataclasses.replace(deployment.inference_policy(), session_store=sessions / "gate-sessions.db")
-    gate = Gate.start(deployment.release, deployment.adapter, policy, base=deployment.base)
-    return create_app(gate), gate.close
-
-
-def serve_forever(kind: str, deployment: Deployment, sessions: Path, threads: int) -> None:
-    """The child process: serve on a free port of 127.0.0.1, print the URL, stop when stdin closes."""
-    import torch
-
-    from govtrain.serve.app import running
-
-    torch.set_num_threads(threads)
-    app, close = build_app(kind, deployment, sessions)
-    try:
-        with running(app) as url:
-            print(url, flush=True)
-            sys.stdin.read()
-    finally:
-        close()
-
-
-@contextlib.contextmanager
-def servers(deployment: Deployment, workdir: Path, threads: int) -> Iterator[dict[str, str]]:
-    """The gate and the bare endpoint, each in a uvicorn process of its own (started together); their URLs."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    children: dict[str, subprocess.Popen] = {}
-    try:
-        for kind in KINDS:
-            argv = [sys.executable, str(Path(__file__).resolve()), "--serve", kind, "--release", str(deployment.release),
-                    "--adapter", str(deployment.adapter), "--policy", str(deployment.policy),
-                    "--issuer-key", str(deployment.issuer_key), "--workdir", str(workdir), "--threads", str(threads),
-                    *(["--base", deployment.base] if deployment.base else [])]
-            children[kind] = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        urls = {}
-        for kind, child in children.items():
-            assert child.stdout is not None
-            urls[kind] = child.stdout.readline().strip()
-            if not urls[kind].startswith("http://"):
-                raise RuntimeError(f"the {kind} server did not start (exit {child.wait()}); its error is above")
-        yield urls
-    finally:
-        for child in children.values():
-            with contextlib.suppress(OSError):
-                child.stdin.close()  # type: ignore[union-attr]
-            try:
-                child.wait(60)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
 
 
 # -- accuracy -------------------------------------------------------------------------------------------------------
@@ -226,8 +117,8 @@ def through_gate(url: str, headers_for: Callable[[list[str]], dict], encoder: An
 
 
 def measure_accuracy(deployment: Deployment, texts: list[str], labels: list[int], *, url: str, workdir: Path,
-                     epsilons: Sequence[float], draws: int) -> tuple[list[Accuracy], Any]:
-    """The accuracy rows (see the module's docstring) and the norms of the held-out pooled states."""
+                     epsilons: Sequence[float], draws: int) -> Measured:
+    """The accuracy rows (see the module's docstring), the norms and the head's margin."""
     import govtrain
     from govtrain import units
     from govtrain.inference import PooledEncoder, SessionStore, SplitHead, release_for
@@ -262,17 +153,29 @@ def measure_accuracy(deployment: Deployment, texts: list[str], labels: list[int]
         for epsilon in (e for e in epsilons if math.isfinite(e)):
             answered = through_gate(url, lambda s: rights(deployment, policy, classes, s), encoder, store, budget,
                                     pooled, epsilon=epsilon, delta=delta, clip_norm=c)
+            release = release_for(epsilon, delta, c)
             rows.append(Accuracy(setting=f"ε = {epsilon:g}", epsilon=epsilon, accuracy=accuracy(answered), n=n,
-                                 path="SplitClient → gate POST /v1/split, a session per snippet"))
+                                 sigma=release.sigma, path="SplitClient → gate POST /v1/split, a session per snippet"))
             if draws:
-                release = release_for(epsilon, delta, c)
                 scores = [accuracy(head.logits(np.stack([add_noise(row, release, rng) for row in clipped])).argmax(1))
                           for _ in range(draws)]
                 rows.append(Accuracy(setting=f"ε = {epsilon:g}", epsilon=epsilon, accuracy=statistics.mean(scores),
-                                     spread=statistics.pstdev(scores), n=n,
+                                     spread=statistics.pstdev(scores), n=n, sigma=release.sigma,
                                      path=f"SplitHead in process, mean of {draws} noise draws"))
     norms = measure_norms(SimpleNamespace(pooled=lambda _: pooled), texts, epsilon=1.0, delta=1e-5, clip_norm=1.0)
-    return rows, norms
+    return Measured(rows=rows, norms=norms, margin=boundary_margin(head, clipped))
+
+
+def boundary_margin(head: Any, vectors: np.ndarray) -> float | None:
+    """For a two-label linear head: the median of |logit difference| / ||w1 - w0|| over `vectors`, the distance from
+    its decision boundary (the head's weights read off its answers on the origin and the unit vectors)."""
+    origin = head.logits(np.zeros((1, head.dimension)))[0]
+    if origin.shape[0] != 2:
+        return None
+    weights = head.logits(np.eye(head.dimension)) - origin  # [d, 2]: row i is W[:, i]
+    normal = weights[:, 1] - weights[:, 0]
+    logits = head.logits(vectors)
+    return float(np.median(np.abs(logits[:, 1] - logits[:, 0]) / np.linalg.norm(normal)))
 
 
 # -- throughput -----------------------------------------------------------------------------------------------------
@@ -330,10 +233,30 @@ def measure_throughput(urls: dict[str, str], headers: dict, texts: Sequence[str]
     for url in urls.values():
         drive(url, headers, texts, requests=max(concurrency, requests // 10), concurrency=concurrency)
     runs: dict[str, list[Load]] = {kind: [] for kind in urls}
-    for _ in range(reps):
-        for kind, url in urls.items():
+    for rep in range(reps):
+        for kind, url in list(urls.items())[::-1 if rep % 2 else 1]:  # each goes first in every other repetition
             runs[kind].append(drive(url, headers, texts, requests=requests, concurrency=concurrency))
     return runs
+
+
+def admission_cost(deployment: Deployment, headers: dict, workdir: Path, *, calls: int = 2000) -> float:
+    """Seconds per `Gate.admit`, what the gate adds to a request before the model runs (the envelope verified, the
+    taint reading checked, the adapters decided), timed in process: the median of 5 batches of calls/5."""
+    from govtrain.serve.rights import HEADER
+    from govtrain.serve.service import Gate
+
+    policy = dataclasses.replace(deployment.inference_policy(), session_store=workdir / "admit-sessions.db")
+    gate = Gate.start(deployment.release, deployment.adapter, policy, base=deployment.base)
+    try:
+        header, batch, times = headers[HEADER], max(1, calls // 5), []
+        for _ in range(5):
+            began = time.perf_counter()
+            for _ in range(batch):
+                gate.admit(header)
+            times.append((time.perf_counter() - began) / batch)
+        return statistics.median(times)
+    finally:
+        gate.close()
 
 
 def median(runs: list[Load]) -> Load:
@@ -354,8 +277,9 @@ def report_seed_claim(dimension: int) -> None:
 
 
 def run(deployment: Deployment, heldout: Path, *, rows: int, epsilons: Sequence[float], draws: int, requests: int,
-        concurrency: int, reps: int, threads: int) -> tuple[list[Accuracy], dict[str, list[Load]]]:
-    """Everything the module's docstring lists, printed; returns the accuracy rows and the throughput runs."""
+        concurrency: int, reps: int, threads: int) -> tuple[Measured, dict[str, list[Load]], float]:
+    """Everything the module's docstring lists, printed; returns the accuracy figures, the throughput runs and the
+    seconds one `Gate.admit` takes."""
     import torch
 
     from harness import machine
@@ -373,20 +297,25 @@ def run(deployment: Deployment, heldout: Path, *, rows: int, epsilons: Sequence[
     with tempfile.TemporaryDirectory(prefix="govtrain-bench-") as tmp, \
             servers(deployment, Path(tmp), threads) as urls:
         started = time.perf_counter()
-        accuracy, norms = measure_accuracy(deployment, texts, labels, url=urls["gate"], workdir=Path(tmp),
+        measured = measure_accuracy(deployment, texts, labels, url=urls["gate"], workdir=Path(tmp),
                                            epsilons=epsilons, draws=draws)
+        norms = measured.norms
         report_seed_claim(norms.dimension)
         print(f"  measured on {norms.texts} held-out pooled states: norm {norms.raw_norm_mean:.2f} "
               f"({norms.raw_norm_min:.2f} to {norms.raw_norm_max:.2f}) before clipping, {norms.clipped_norm_mean:.2f} "
               f"after; noise norm {norms.noise_norm_mean:.1f}; signal/noise {norms.snr:.4f}; "
               f"cos(sent, clipped) {norms.cosine_mean:.3f}")
         print(f"\nheld-out accuracy ({time.perf_counter() - started:.0f} s)")
-        for row in accuracy:
+        for row in measured.rows:
             spread = f" ± {row.spread:.3f}" if row.spread is not None else ""
-            print(f"  {row.setting:<40} {row.accuracy:.3f}{spread:<8}  n {row.n}  [{row.path}]")
-        classes = released_classes(deployment, policy)
-        runs = measure_throughput(urls, rights(deployment, policy, classes), texts, requests=requests,
-                                  concurrency=concurrency, reps=reps)
+            sigma = f"σ {row.sigma:6.2f}" if row.sigma is not None else ""
+            print(f"  {row.setting:<40} {row.accuracy:.3f}{spread:<8} {sigma:<8}  n {row.n}  [{row.path}]")
+        if measured.margin is not None:
+            print(f"  the clipped states lie a median {measured.margin:.3f} from the head's decision boundary; the "
+                  f"noise along its normal has standard deviation σ")
+        headers = rights(deployment, policy, released_classes(deployment, policy))
+        runs = measure_throughput(urls, headers, texts, requests=requests, concurrency=concurrency, reps=reps)
+        admit = admission_cost(deployment, headers, Path(tmp))
     print(f"\nPOST /v1/classify, one snippet a request, {concurrency} concurrent clients, {requests} requests a "
           f"repetition, median of {reps}; {threads} torch threads per server")
     medians = {kind: median(loads) for kind, loads in runs.items()}
@@ -396,7 +325,9 @@ def run(deployment: Deployment, heldout: Path, *, rows: int, epsilons: Sequence[
     gate, bare = medians["gate"], medians["bare"]
     print(f"  gate / bare: throughput {gate.requests_per_s / bare.requests_per_s:.3f}, p50 "
           f"{gate.p50_ms / bare.p50_ms:.3f}, p99 {gate.p99_ms / bare.p99_ms:.3f}")
-    return accuracy, runs
+    print(f"  the gate's own checks (Gate.admit: envelope, taint reading, adapters), in process: {admit * 1e6:.0f} µs "
+          f"a request")
+    return measured, runs, admit
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -415,15 +346,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2, help="torch threads, here and in each server")
-    parser.add_argument("--serve", choices=KINDS, help=argparse.SUPPRESS)  # the server processes
-    parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     deployment = Deployment(release=args.release or args.demo / "release.dsse", adapter=args.adapter or
                             args.demo / "adapter", policy=args.policy, base=args.base,
                             issuer_key=args.issuer_key or args.demo / "keys" / "issuer.key")
-    if args.serve:
-        serve_forever(args.serve, deployment, args.workdir, args.threads)
-        return
     run(deployment, args.heldout or args.demo / "data" / "heldout.jsonl", rows=args.rows, epsilons=args.epsilons,
         draws=args.draws, requests=args.requests, concurrency=args.concurrency, reps=args.reps, threads=args.threads)
 

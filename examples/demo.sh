@@ -21,7 +21,7 @@ expect_rejection() {  # run a command that must be rejected (exit 3) and show it
 step "Data: all 12,808 labelled Rotten Tomatoes snippets; a tenth of the movies held out, the rest split by movie into 30 contributions"
 show "$BIN/python" examples/prepare_data.py --out "$OUT/data" --contributions 30
 
-step "Keys: the demo's INSECURE attester, ledger, release and rights-issuer keys (keys.example/), and a rogue attester nobody trusts"
+step "Keys: the demo's INSECURE attester, ledger, release and rights-issuer keys (keys.example/); a rogue attester"
 cp keys.example/{policy.toml,attester.key,attester.pub,ledger.key,ledger.pub,release.key,release.pub} "$OUT/keys/"
 cp keys.example/{issuer.key,issuer.pub} "$OUT/keys/"
 chmod 600 "$OUT"/keys/*.key   # git does not keep modes; govtrain refuses keys others can read
@@ -102,7 +102,8 @@ show "$BIN/govtrain" eval --config examples/run.toml --data "$OUT/data/heldout.j
 show "$BIN/python" examples/plot_epsilon.py --ledger "$LEDGER" --out "$OUT/epsilon.png"
 
 step "Release: sign the adapter's manifest (its files by SHA-256, ε per class and layer group, the run's proof)"
-RUN_ID=$("$BIN/python" -c 'import json,sys; print(json.load(open(sys.argv[1]))["run"]["run_id"])' "$OUT/adapter/govtrain.json")
+RUN_ID=$("$BIN/python" -c 'import json,sys; print(json.load(open(sys.argv[1]))["run"]["run_id"])' \
+  "$OUT/adapter/govtrain.json")   # the run that wrote the adapter, as its govtrain.json records
 show "$BIN/govtrain" release --run "$RUN_ID" --adapter "$OUT/adapter" --out "$OUT/release.dsse" --ledger "$LEDGER" \
   --key "$OUT/keys/release.key"
 show "$BIN/govtrain" release verify "$OUT/release.dsse" --key "$OUT/keys/release.pub" \

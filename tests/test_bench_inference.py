@@ -20,7 +20,7 @@ pytest.importorskip("uvicorn")
 
 from govtrain.attest.keys import load_private_key, load_public_key, public_key_pem  # noqa: E402
 from govtrain.inference import SessionStore  # noqa: E402
-from govtrain.inference.mechanism import SessionBudget  # noqa: E402
+from govtrain.inference.mechanism import SessionBudget, release_for  # noqa: E402
 from govtrain.policy.config import load_policy  # noqa: E402
 from govtrain.serve.policy import load_inference_policy  # noqa: E402
 from tests.conftest import KEYS_EXAMPLE, REPO  # noqa: E402
@@ -45,18 +45,22 @@ def target(tmp_path_factory, tmp_path: Path):
         issuer_key=deployment.root / "issuer.key", base=str(deployment.released.base))
 
 
+@pytest.mark.slow  # two server processes, each importing torch and loading the model (~10-20 s on 2 cores)
 def test_the_bench_runs_end_to_end_through_both_server_processes(target, capsys):
     _, heldout, deployment = target
-    accuracy, runs = bench.run(deployment, heldout, rows=0, epsilons=(0.5, 2.0, math.inf), draws=2, requests=6,
+    measured, runs, admit = bench.run(deployment, heldout, rows=0, epsilons=(0.5, 2.0, math.inf), draws=2, requests=6,
                                concurrency=2, reps=2, threads=1)
+    accuracy = measured.rows
     assert [r.n for r in accuracy] == [4] * 8 and all(0 <= r.accuracy <= 1 for r in accuracy)
     assert accuracy[0].setting == "always the majority label" and accuracy[0].accuracy == 0.5
     split = [r for r in accuracy if math.isfinite(r.epsilon)]
     assert [(r.epsilon, r.spread is None) for r in split] == [(0.5, True), (0.5, False), (2.0, True), (2.0, False)]
     assert all(r.accuracy * 4 == round(r.accuracy * 4) for r in split if r.spread is None)  # one pass of 4 requests
+    assert all(r.sigma == release_for(r.epsilon, 1e-7, 1.0).sigma for r in split) and measured.margin > 0
     assert set(runs) == {"gate", "bare"}
     assert all(len(loads) == 2 and all(load.requests_per_s > 0 and 0 < load.p50_ms <= load.p99_ms for load in loads)
                for loads in runs.values())
+    assert 0 < admit < 1
     out = capsys.readouterr().out
     assert "seed 002 at ε 1, δ 1e-05, C 1, d = 16" in out and "gate / bare: throughput" in out
     assert "per request δ 1e-07, C 1 (sensitivity 2C)" in out
@@ -80,6 +84,23 @@ def test_each_split_request_goes_through_the_gate_in_a_session_of_its_own(target
         rows = db.execute("SELECT owner, requests, spent_epsilon_u FROM sessions").fetchall()
     assert len(rows) == 68 and {(owner, requests) for owner, requests, _ in rows} == {("bench", 1)}
     assert all(0 < spent <= 500_000 for _, _, spent in rows)  # ε 0.5 at δ 1e-7, counted at the session's δ 1e-6
+
+
+def test_the_boundary_margin_is_the_distance_to_the_heads_decision_boundary(tmp_path_factory):
+    import numpy as np
+
+    import govtrain
+    from govtrain.inference import SplitHead
+
+    released = trained_release(tmp_path_factory)
+    loaded = govtrain.load(released.adapter, base=released.base)
+    head = SplitHead(loaded)
+    classifier = loaded.model.get_base_model().classifier  # the oracle: the head's own parameters
+    weight, bias = (p.detach().double().numpy() for p in (classifier.weight, classifier.bias))
+    vectors = np.random.default_rng(5).normal(size=(9, head.dimension))
+    normal = weight[1] - weight[0]
+    expected = np.median(np.abs(vectors @ normal + bias[1] - bias[0]) / np.linalg.norm(normal))
+    assert bench.boundary_margin(head, vectors) == pytest.approx(expected, rel=1e-5)
 
 
 def test_the_demos_inference_policy_pins_the_demos_keys(tmp_path: Path):
