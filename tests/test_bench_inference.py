@@ -48,11 +48,15 @@ def target(tmp_path_factory, tmp_path: Path):
 @pytest.mark.slow  # two server processes, each importing torch and loading the model (~10-20 s on 2 cores)
 def test_the_bench_runs_end_to_end_through_both_server_processes(target, capsys):
     _, heldout, deployment = target
-    measured, runs, admit = bench.run(deployment, heldout, rows=0, epsilons=(0.5, 2.0, math.inf), draws=2, requests=6,
-                               concurrency=2, reps=2, threads=1)
+    import govtrain
+
+    measured, runs, admit = bench.run(deployment, heldout, rows=0, epsilons=(0.5, 2.0, math.inf), draws=2,
+                                      requests=6, concurrency=2, reps=2, threads=1)
     accuracy = measured.rows
     assert [r.n for r in accuracy] == [4] * 8 and all(0 <= r.accuracy <= 1 for r in accuracy)
     assert accuracy[0].setting == "always the majority label" and accuracy[0].accuracy == 0.5
+    predicted = govtrain.load(deployment.adapter, base=deployment.base).predict(TEXTS)
+    assert accuracy[1].accuracy == sum(p == y for p, y in zip(predicted, LABELS)) / 4  # the full model's row
     split = [r for r in accuracy if math.isfinite(r.epsilon)]
     assert [(r.epsilon, r.spread is None) for r in split] == [(0.5, True), (0.5, False), (2.0, True), (2.0, False)]
     assert all(r.accuracy * 4 == round(r.accuracy * 4) for r in split if r.spread is None)  # one pass of 4 requests
