@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# govtrain demo: keys -> attest -> admit (admitted and rejected) -> checkpoint -> proof -> withdraw -> verify.
+# govtrain demo: keys -> attest -> admit (admitted and rejected) -> checkpoint -> proof -> withdraw -> train -> eval
+# -> release -> verify.
 # Run it with `make demo`, which creates .venv first. Everything lands in demo-out/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,8 +21,9 @@ expect_rejection() {  # run a command that must be rejected (exit 3) and show it
 step "Data: all 12,808 labelled Rotten Tomatoes snippets; a tenth of the movies held out, the rest split by movie into 30 contributions"
 show "$BIN/python" examples/prepare_data.py --out "$OUT/data" --contributions 30
 
-step "Keys: the demo's INSECURE attester and ledger keys (keys.example/), and a rogue attester nobody trusts"
-cp keys.example/{policy.toml,attester.key,attester.pub,ledger.key,ledger.pub} "$OUT/keys/"
+step "Keys: the demo's INSECURE attester, ledger, release and rights-issuer keys (keys.example/); a rogue attester"
+cp keys.example/{policy.toml,attester.key,attester.pub,ledger.key,ledger.pub,release.key,release.pub} "$OUT/keys/"
+cp keys.example/{issuer.key,issuer.pub} "$OUT/keys/"
 chmod 600 "$OUT"/keys/*.key   # git does not keep modes; govtrain refuses keys others can read
 show "$BIN/govtrain" keys generate --out "$OUT/keys" --name rogue
 
@@ -98,6 +100,18 @@ show "$BIN/python" examples/nonprivate.py --config examples/run.toml --train "$O
   --out "$OUT/nonprivate"
 show "$BIN/govtrain" eval --config examples/run.toml --data "$OUT/data/heldout.jsonl" --adapter "$OUT/nonprivate" --json
 show "$BIN/python" examples/plot_epsilon.py --ledger "$LEDGER" --out "$OUT/epsilon.png"
+
+step "Release: sign the adapter's manifest (its files by SHA-256, ε per class and layer group, the run's proof)"
+RUN_ID=$("$BIN/python" -c 'import json,sys; print(json.load(open(sys.argv[1]))["run"]["run_id"])' \
+  "$OUT/adapter/govtrain.json")   # the run that wrote the adapter, as its govtrain.json records
+show "$BIN/govtrain" release --run "$RUN_ID" --adapter "$OUT/adapter" --out "$OUT/release.dsse" --ledger "$LEDGER" \
+  --key "$OUT/keys/release.key"
+show "$BIN/govtrain" release verify "$OUT/release.dsse" --key "$OUT/keys/release.pub" \
+  --ledger-key "$OUT/keys/ledger.pub" --adapter "$OUT/adapter" --ledger "$LEDGER"
+echo "   contrib-05 withdrew while the run trained: the adapter learnt from it in the steps before (its ε stands;"
+echo "   nothing is unlearnt), so the manifest states it 'withdrawn at release'. The release is not tainted: nothing it"
+echo "   trained on was withdrawn after it was signed. A withdrawal from now on would make this verify exit 6 (tainted)"
+echo "   and the inference gate refuse the release (409) until a new one is signed. Serve it: docs/demo.md."
 
 step "Auditor: verify the ledger without any data, against the checkpoint kept earlier"
 show "$BIN/govtrain-verify" --ledger "$LEDGER" --trusted-checkpoint "$OUT/trusted.checkpoint"

@@ -87,9 +87,10 @@ def main(argv: list[str] | None = None) -> int:
 
     keys = out / "keys"
     keys.mkdir()
-    for name in ("policy.toml", "attester.key", "attester.pub", "ledger.key", "ledger.pub"):
+    for name in ("policy.toml", "attester.key", "attester.pub", "ledger.key", "ledger.pub", "release.key",
+                 "release.pub"):
         shutil.copy(REPO / "keys.example" / name, keys / name)
-    for name in ("attester.key", "ledger.key"):
+    for name in ("attester.key", "ledger.key", "release.key"):
         (keys / name).chmod(0o600)  # git keeps no modes; govtrain refuses keys that others can read
 
     ledger_path = out / "ledger.db"  # a relative path with a folder is written with its ./ (sqlite:///./scratch/…)

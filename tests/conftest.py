@@ -185,10 +185,11 @@ def sign_raw(payload: bytes, key: Ed25519PrivateKey, *, protected: bytes | None 
 def copy_demo_keys(target: Path) -> Path:
     """keys.example into `target` with private keys at 0600 (git does not keep modes)."""
     target.mkdir(parents=True, exist_ok=True)
-    for name in ("attester.key", "attester.pub", "ledger.key", "ledger.pub", "policy.toml"):
+    for name in ("attester.key", "attester.pub", "ledger.key", "ledger.pub", "release.key", "release.pub",
+                 "policy.toml"):
         shutil.copy(KEYS_EXAMPLE / name, target / name)
-    (target / "attester.key").chmod(0o600)
-    (target / "ledger.key").chmod(0o600)
+    for name in ("attester.key", "ledger.key", "release.key"):
+        (target / name).chmod(0o600)
     return target
 
 

@@ -164,7 +164,9 @@ def uvicorn_server(app: Any, *, host: str = "127.0.0.1", port: int = 8000) -> An
 def running(app: Any, *, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
     """Serve `app` with uvicorn on a thread while the block runs (port 0: a free one); yields the base URL, and
     shuts the server down cleanly when the block ends."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say so, as uvicorn's own bind does; without it
+    # every answer waits ~40 ms for the client's delayed ACK (headers and body are two writes)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     server = uvicorn_server(app, host=host, port=sock.getsockname()[1])
