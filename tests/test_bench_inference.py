@@ -86,7 +86,11 @@ def test_each_split_request_goes_through_the_gate_in_a_session_of_its_own(target
         assert len(labels) == 68 and set(labels) <= {0, 1}
     with sqlite3.connect(policy.session_store) as db:
         rows = db.execute("SELECT owner, requests, spent_epsilon_u FROM sessions").fetchall()
-    assert len(rows) == 68 and {(owner, requests) for owner, requests, _ in rows} == {("bench", 1)}
+    from govtrain.attest.keys import key_id
+    from govtrain.serve.rights import session_owner
+
+    bench_owner = session_owner(key_id(load_private_key(deployment.issuer_key).public_key().public_bytes_raw()), "bench")
+    assert len(rows) == 68 and {(owner, requests) for owner, requests, _ in rows} == {(bench_owner, 1)}
     assert all(0 < spent <= 500_000 for _, _, spent in rows)  # ε 0.5 at δ 1e-7, counted at the session's δ 1e-6
 
 
