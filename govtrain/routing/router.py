@@ -60,6 +60,7 @@ from govtrain.mechanisms import MECHANISMS
 from govtrain.mechanisms.reach import check_reach, lora_pairs
 from govtrain.resolver.profile import Resolution
 from govtrain.routing import coverage, layout, moe, persample
+from govtrain.routing.adapters import AdapterRoutes
 from govtrain.routing.tangent import TangentStacks
 
 
@@ -183,6 +184,9 @@ class Router:
         self._dtype = torch.float32
         self._handles = [tap.module.register_forward_hook(self._hook(tap)) for tap in self.taps.values()
                          if reached.intersection(tap.leaves.values())]
+        # each example of a captured forward runs through the default adapter and its own class's adapters only
+        self.routes = AdapterRoutes(model, resolution.reach)
+        self._routed: tuple[str, ...] | None = None  # the captured forward's examples' classes
         self._grids: dict[str, tuple[int, ...]] = {}  # MoE block -> the [B, T] of its last input
         for block in {tap.block for tap in self.taps.values() if tap.block is not None}:
             self._handles.append(model.get_submodule(block).register_forward_pre_hook(
@@ -192,6 +196,7 @@ class Router:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.routes.close()
 
     def _hook(self, tap: _Tap):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
@@ -240,15 +245,23 @@ class Router:
         tap.inputs[index] = None
 
     @contextmanager
-    def capture(self) -> Iterator[None]:
-        """Record the tapped modules' inputs and outputs during a forward pass."""
+    def capture(self, classes: Sequence[str] | None = None, units: Tensor | Sequence[int] | None = None
+                ) -> Iterator[None]:
+        """Record the tapped modules' inputs and outputs during a forward pass, each example routed through
+        the default adapter and its own class's adapters only (`routing/adapters.py`). `classes` and `units`
+        are what `accumulate` will be given for this forward (with `units`, `classes` are per unit). On a model
+        with class adapters, a forward with gradients enabled needs them; without gradients (the layout probe)
+        every adapter runs."""
         for tap in self.taps.values():
             tap.clear()
-        self._recording = True
-        try:
-            yield
-        finally:
-            self._recording = False
+        routed = None if classes is None else self.routes.examples(classes, units)
+        with self.routes.routed(routed):
+            self._routed = None if routed is None else tuple(routed)
+            self._recording = True
+            try:
+                yield
+            finally:
+                self._recording = False
 
     def probe(self, batches: Iterable[Mapping[str, Any]]) -> None:
         """Run the model forward on each of `batches` (keyword inputs, e.g. a tokenizer's output) under
@@ -356,6 +369,11 @@ class Router:
         unknown = sorted(set(classes) - self.masks.keys())
         if unknown:
             raise ValueError(f"class {unknown[0]!r} has no resolved profile")
+        routed, self._routed = self._routed, None
+        if self.routes.adapters and routed != tuple(self.routes.examples(classes, units)):
+            raise ValueError("the captured forward was routed through the adapters of other classes than these "
+                             "examples are clipped as (or of none): capture(classes, units) with the classes and "
+                             "units given here")
         dtype = _accumulator(losses.dtype)  # norms, clipping and sums never below fp32, whatever autocast ran in
         clip = torch.as_tensor(clip_norms, dtype=dtype, device=losses.device)
         if clip.shape != (batch,) or not bool((clip > 0).all()):
