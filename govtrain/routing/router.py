@@ -2,7 +2,7 @@
 clipped jointly to its own C_i, summed, noised per parameter group, divided by the expected batch size.
 
     router = Router(model, resolution)               # refuses a trainable parameter no hook covers
-    with router.capture():
+    with router.capture(classes):                    # each example through its own class's adapters only
         logits = model(**batch).logits
     losses = F.cross_entropy(logits, labels, reduction="none")   # one loss per example
     router.privatize(losses, classes, clip_norms, group_std, expected_batch_size)
@@ -18,7 +18,8 @@ A module called more than once in a forward (a reused LayerNorm, a projection sh
 contributes each call to its samples' gradients. A trainable parameter several modules hold (tied
 embeddings) gets the sum of every holder's per-sample gradient before the norm (`persample.Shared`, formed
 whole per chunk). BatchNorm that mixes the examples of a batch is refused. What the router covers, and
-what it refuses, is `coverage.py`.
+what it refuses, is `coverage.py`. In a captured forward each example runs through the default adapter and its
+own class's adapters only, never another class's (`adapters.py`): `capture` takes the examples' classes.
 
 `privatize` never calls `loss.backward()`: it asks autograd for the gradients of the tapped modules'
 *outputs* (`torch.autograd.grad`), so no parameter's `.grad` is written by anyone else. When it
