@@ -28,8 +28,8 @@ EXCLUDING_RESTRICTED = ["public", "sensitive"]  # restricted reached only its ow
 
 
 def _corpus_with_restricted_labels(root: Path, flip: int, policy: str | None = None):  # type: ignore[no-untyped-def]
-    """tests/release_setup.trained_release's ledger and data (release key included) in `root`, with restricted's
-    labels XOR `flip`."""
+    """The ledger and data of `trained_release` (tests/release_setup.py), release key included, in `root`, with
+    restricted's labels XOR `flip`."""
     from govtrain.gate.admission import admit
     from tests.conftest import make_corpus
     from tests.test_api import BATCH_POLICY
@@ -51,7 +51,8 @@ def _corpus_with_restricted_labels(root: Path, flip: int, policy: str | None = N
 
 
 def _train_with_restricted_labels(root: Path, base: Path, flip: int) -> Released:
-    """tests/release_setup.trained_release's run, on the same base and seed, with restricted's labels XOR `flip`."""
+    """The run of `trained_release` (tests/release_setup.py), on the same base and seed, with restricted's labels XOR
+    `flip`."""
     from tests.test_api import QUIET
     from tests.test_release import _run_toml
 

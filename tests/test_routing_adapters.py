@@ -250,7 +250,7 @@ def test_a_class_adapter_whose_branch_cannot_be_routed_per_example_is_refused(re
     with pytest.raises(ConfigError) as info:
         Router(net, resolve(classes, describe(net)))
     assert info.value.code.value == "routing_uncovered" and says in info.value.detail
-    assert not any(module._forward_pre_hooks for module in net.modules())
+    assert not any(module._forward_pre_hooks or module._forward_hooks for module in net.modules())  # nothing left
 
 
 def test_a_class_adapter_merged_into_the_weights_is_refused_at_the_forward():

@@ -72,17 +72,17 @@ class AdapterRoutes:
         if not self.adapters:
             return
         _check_parameters(model, self.adapters)
-        for path, layer in model.named_modules():
+        for path, layer in model.named_modules():  # every layer checked before any hook: a refusal leaves none
             factors = getattr(layer, "lora_A", None)
             embedded = getattr(layer, "lora_embedding_A", None)
             for adapter in self.adapters:
                 if isinstance(embedded, nn.ParameterDict) and adapter in embedded:
                     raise _refused(adapter, f"{path} is a LoRA embedding, whose factors are looked up, not called")
-                if not isinstance(factors, nn.ModuleDict) or adapter not in factors:
-                    continue
-                _check_layer(path, layer, adapter)
-                self._layers.append((path, layer, adapter))
-                self._handles.append(factors[adapter].register_forward_pre_hook(self._hook(path, adapter)))
+                if isinstance(factors, nn.ModuleDict) and adapter in factors:
+                    _check_layer(path, layer, adapter)
+                    self._layers.append((path, layer, adapter))
+        self._handles = [layer.lora_A[adapter].register_forward_pre_hook(self._hook(path, adapter))
+                         for path, layer, adapter in self._layers]
 
     def close(self) -> None:
         for handle in self._handles:

@@ -183,11 +183,12 @@ class Router:
         self.tangent = TangentStacks(self.params, self.pairs, {c: set(masks) for c, masks in self.masks.items()}
                                      ) if self.pairs else None
         self._dtype = torch.float32
-        self._handles = [tap.module.register_forward_hook(self._hook(tap)) for tap in self.taps.values()
-                         if reached.intersection(tap.leaves.values())]
-        # each example of a captured forward runs through the default adapter and its own class's adapters only
+        # each example of a captured forward runs through the default adapter and its own class's adapters only;
+        # built before any hook of the router, so that a class adapter it refuses leaves the model without hooks
         self.routes = AdapterRoutes(model, resolution.reach)
         self._routed: tuple[str, ...] | None = None  # the captured forward's examples' classes
+        self._handles = [tap.module.register_forward_hook(self._hook(tap)) for tap in self.taps.values()
+                         if reached.intersection(tap.leaves.values())]
         self._grids: dict[str, tuple[int, ...]] = {}  # MoE block -> the [B, T] of its last input
         for block in {tap.block for tap in self.taps.values() if tap.block is not None}:
             self._handles.append(model.get_submodule(block).register_forward_pre_hook(
