@@ -135,11 +135,11 @@ class Governed:
         if size == 0:
             self.router.noise_only(self.std, expected)
         else:
-            with self.router.capture(), self.autocast():
-                output = self.model(**inputs)
-            losses = self.losses(output, labels)
             clipped = size if units is None else max(units) + 1
             classes = [self.classes[i % len(self.classes)] for i in range(clipped)]
+            with self.router.capture(classes, units), self.autocast():  # each example through its class's adapters
+                output = self.model(**inputs)
+            losses = self.losses(output, labels)
             self.router.privatize(losses, classes, [self.clip] * clipped, self.std, expected, units=units)
         self.update.step(self.router.noise_std)
         self.update.zero_grad()

@@ -138,12 +138,12 @@ def corpus_with(tmp_path: Path, rows_: list[dict]) -> Corpus:
 
 def clipped_sum(run: Run, indices: list[int]) -> dict[str, torch.Tensor]:
     """The routed, clipped sum of the examples `indices` without noise, through the run's own phases:
-    encode, the forward under `run.forward()`, `router.accumulate`."""
+    encode, the forward under `run.forward(chunk)`, `router.accumulate`."""
     owners = [run.examples.owner[i] for i in indices]
     chunk = Chunk(indices, None, owners, [run.classes[c] for c in owners], [run.signed_clip[c] for c in owners])
     run.router.begin()
     batch = run.encode(chunk)
-    with run.forward():
+    with run.forward(chunk):
         output = run.model(**batch.inputs)
     run.router.accumulate(run.task.per_example_loss(output, batch), chunk.classes, chunk.clips)
     run.router.finish({}, 1.0)  # no group noised: .grad holds the clipped sum

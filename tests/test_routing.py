@@ -253,33 +253,7 @@ def test_poisson_sampler_rate_empty_batches_and_eligibility():
         PoissonSampler(0.0)
 
 
-
-def test_adapter_profiles_on_a_multi_adapter_model_match_the_loop():
-    torch.manual_seed(0)  # built as `govtrain train` builds it: a plain PeftModel, the head in the default adapter
-    config = transformers.BertConfig(hidden_size=16, num_hidden_layers=LAYERS, num_attention_heads=2,
-                                     intermediate_size=24, vocab_size=30, max_position_embeddings=16, num_labels=3,
-                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    net = peft.get_peft_model(transformers.BertForSequenceClassification(config), peft.LoraConfig(
-        r=3, target_modules=["query", "value"], modules_to_save=["classifier"], init_lora_weights=False))
-    net.add_adapter("restricted", peft.LoraConfig(r=2, target_modules=["query", "value"], init_lora_weights=False))
-    net.base_model.set_adapter(["default", "restricted"])
-    for name, param in net.named_parameters():
-        param.requires_grad_(".lora_" in name or ".modules_to_save." in name)
-    net.to(torch.float64).eval()
-    classes = {"public": CLASSES["public"], "restricted": cls("restricted", adapter="restricted")}
-    resolution = resolve(classes, describe(net))
-    ids, attention, labels, _, clip = batch()
-    who = ["restricted" if i % 2 else "public" for i in range(6)]
-    expected = reference(net, resolution, ids, attention, labels, who, clip)
-    router = Router(net, resolution, insecure_seed=0)
-    with router.capture():
-        losses = losses_of(net, ids, attention, labels)
-    router.privatize(losses, who, clip, {}, expected_batch_size=1.0)
-    restricted = [n for n, p in net.named_parameters() if ".restricted." in n]
-    assert restricted and all(net.get_parameter(n).grad is not None for n in restricted)
-    for name, param in net.named_parameters():
-        if param.grad is not None:
-            assert torch.allclose(param.grad, expected[name], atol=1e-10, rtol=1e-8), name
+# adapter profiles on a multi-adapter model, each example routed through its own adapters: tests/test_routing_adapters.py
 
 
 def test_weight_decay_is_refused_where_a_heads_profile_reaches_part_of_a_parameter():

@@ -416,7 +416,7 @@ def _step(run) -> None:
     """One logical step through the run's phases, as `GovernedRun.batches` takes it."""
     for chunk in run.draw():
         batch = run.encode(chunk)
-        with run.forward():
+        with run.forward(chunk):
             output = run.model(**batch.inputs)
         run.accumulate(chunk, run.task.per_example_loss(output, batch))
     run.apply()

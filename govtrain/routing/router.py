@@ -2,7 +2,7 @@
 clipped jointly to its own C_i, summed, noised per parameter group, divided by the expected batch size.
 
     router = Router(model, resolution)               # refuses a trainable parameter no hook covers
-    with router.capture():
+    with router.capture(classes):                    # each example through its own class's adapters only
         logits = model(**batch).logits
     losses = F.cross_entropy(logits, labels, reduction="none")   # one loss per example
     router.privatize(losses, classes, clip_norms, group_std, expected_batch_size)
@@ -18,7 +18,8 @@ A module called more than once in a forward (a reused LayerNorm, a projection sh
 contributes each call to its samples' gradients. A trainable parameter several modules hold (tied
 embeddings) gets the sum of every holder's per-sample gradient before the norm (`persample.Shared`, formed
 whole per chunk). BatchNorm that mixes the examples of a batch is refused. What the router covers, and
-what it refuses, is `coverage.py`.
+what it refuses, is `coverage.py`. In a captured forward each example runs through the default adapter and its
+own class's adapters only, never another class's (`adapters.py`): `capture` takes the examples' classes.
 
 `privatize` never calls `loss.backward()`: it asks autograd for the gradients of the tapped modules'
 *outputs* (`torch.autograd.grad`), so no parameter's `.grad` is written by anyone else. When it
@@ -60,6 +61,7 @@ from govtrain.mechanisms import MECHANISMS
 from govtrain.mechanisms.reach import check_reach, lora_pairs
 from govtrain.resolver.profile import Resolution
 from govtrain.routing import coverage, layout, moe, persample
+from govtrain.routing.adapters import AdapterRoutes
 from govtrain.routing.tangent import TangentStacks
 
 
@@ -181,6 +183,10 @@ class Router:
         self.tangent = TangentStacks(self.params, self.pairs, {c: set(masks) for c, masks in self.masks.items()}
                                      ) if self.pairs else None
         self._dtype = torch.float32
+        # each example of a captured forward runs through the default adapter and its own class's adapters only;
+        # built before any hook of the router, so that a class adapter it refuses leaves the model without hooks
+        self.routes = AdapterRoutes(model, resolution.reach)
+        self._routed: tuple[str, ...] | None = None  # the captured forward's examples' classes
         self._handles = [tap.module.register_forward_hook(self._hook(tap)) for tap in self.taps.values()
                          if reached.intersection(tap.leaves.values())]
         self._grids: dict[str, tuple[int, ...]] = {}  # MoE block -> the [B, T] of its last input
@@ -192,6 +198,7 @@ class Router:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.routes.close()
 
     def _hook(self, tap: _Tap):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
@@ -240,15 +247,23 @@ class Router:
         tap.inputs[index] = None
 
     @contextmanager
-    def capture(self) -> Iterator[None]:
-        """Record the tapped modules' inputs and outputs during a forward pass."""
+    def capture(self, classes: Sequence[str] | None = None, units: Tensor | Sequence[int] | None = None
+                ) -> Iterator[None]:
+        """Record the tapped modules' inputs and outputs during a forward pass, each example routed through
+        the default adapter and its own class's adapters only (`routing/adapters.py`). `classes` and `units`
+        are what `accumulate` will be given for this forward (with `units`, `classes` are per unit). On a model
+        with class adapters, a forward with gradients enabled needs them; without gradients (the layout probe)
+        every adapter runs."""
         for tap in self.taps.values():
             tap.clear()
-        self._recording = True
-        try:
-            yield
-        finally:
-            self._recording = False
+        routed = None if classes is None else self.routes.examples(classes, units)
+        with self.routes.routed(routed):
+            self._routed = None if routed is None else tuple(routed)
+            self._recording = True
+            try:
+                yield
+            finally:
+                self._recording = False
 
     def probe(self, batches: Iterable[Mapping[str, Any]]) -> None:
         """Run the model forward on each of `batches` (keyword inputs, e.g. a tokenizer's output) under
@@ -356,6 +371,11 @@ class Router:
         unknown = sorted(set(classes) - self.masks.keys())
         if unknown:
             raise ValueError(f"class {unknown[0]!r} has no resolved profile")
+        routed, self._routed = self._routed, None
+        if self.routes.adapters and routed != tuple(self.routes.examples(classes, units)):
+            raise ValueError("the captured forward was routed through the adapters of other classes than these "
+                             "examples are clipped as (or of none): capture(classes, units) with the classes and "
+                             "units given here")
         dtype = _accumulator(losses.dtype)  # norms, clipping and sums never below fp32, whatever autocast ran in
         clip = torch.as_tensor(clip_norms, dtype=dtype, device=losses.device)
         if clip.shape != (batch,) or not bool((clip > 0).all()):

@@ -518,9 +518,10 @@ class GovernedRun:
         """The guard's context for a governed forward: the weights as the last step left them, then the run's
         capture and precision. Gradients taken at weights moved by other code are a query the ledger never saw."""
         self._check_governed("at a governed forward")
-        drawn = self._guard.drawn
-        with self._run.forward(), (_rehearsing(self._run.model) if drawn is not None and drawn.rehearsal
-                                   else contextlib.nullcontext()):
+        drawn, waiting = self._guard.drawn, self._guard.waiting
+        assert waiting is not None  # the guard enters this context only for the waiting batch's forward
+        rehearsing = _rehearsing(self._run.model) if drawn is not None and drawn.rehearsal else contextlib.nullcontext()
+        with self._run.forward(waiting.chunk), rehearsing:
             yield
 
 

@@ -44,7 +44,9 @@ HEADS = ("classifier", "score")  # a sequence classifier's new head, trained in 
 def wrap_lora(base, lora, adapters: list[str], heads: tuple[str, ...] = HEADS):
     """`base` with the run's LoRA: a default adapter holding the `heads` (peft's modules_to_save copy; none for
     a causal LM, whose LM head, often tied to the input embedding, stays frozen) and one LoRA-only adapter per
-    `adapter` class, all active, every LoRA factor and head copy trainable."""
+    `adapter` class, all active, every LoRA factor and head copy trainable. All active is the model at full rights
+    (evaluation, `govtrain.load`); in a governed step the router runs each example through the default adapter and
+    its own class's adapter only (`routing/adapters.py`)."""
     from peft import LoraConfig, get_peft_model
 
     settings = dict(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules))
@@ -61,7 +63,7 @@ def wrap_lora(base, lora, adapters: list[str], heads: tuple[str, ...] = HEADS):
                                                    "check the names and layer numbers") from None
     for name in adapters:
         model.add_adapter(name, LoraConfig(**settings))
-    model.base_model.set_adapter(["default", *adapters])  # every adapter in the forward pass
+    model.base_model.set_adapter(["default", *adapters])  # all active; a governed step routes each example
     for name, param in model.named_parameters():
         param.requires_grad_(".lora_" in name or ".modules_to_save." in name)
     return model

@@ -6,9 +6,11 @@ logical step `run.batches()` hands out is a rehearsal (`batch.rehearsal is True`
 is written only once its last chunk was stepped. Its rows are synthetic: random tokens of the tokenizer's
 vocabulary at several lengths (so padding and truncation run), random labels, never a contributed row (a row
 equal to an admitted example is drawn again), spread over the classes of the run's contributions with each
-class's public clipping norm, so every class's profile is routed. One of its chunks is full: as many rows as
-the largest chunk a real step is likely to hand out (`full_chunk_rows`), each at `max_length` tokens, so a
-failure that depends on a chunk's size (out of memory on the device) is met before any spend.
+class's public clipping norm, so every class's profile is routed (a row runs through the default adapter and
+the adapter of the class it is given, as a real row of that class would: `routing/adapters.py`). One of its
+chunks is full: as many rows as the largest chunk a real step is likely to hand out (`full_chunk_rows`), each at
+`max_length` tokens, so a failure that depends on a chunk's size (out of memory on the device) is met before any
+spend.
 
 It runs every check a real step runs, on the same code: the guard at its forward, the loss's shape and type,
 the router's per-sample gradients, layout and coverage, and clipping (`Router.accumulate`). Then its sums are

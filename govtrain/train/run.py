@@ -135,7 +135,7 @@ class Run:
                 chunks = run.draw()         # the logical step's Poisson draw, in physical chunks
                 for chunk in chunks:
                     batch = run.encode(chunk)
-                    with run.forward():
+                    with run.forward(chunk):
                         output = run.model(**batch.inputs)
                     run.accumulate(chunk, run.task.per_example_loss(output, batch))
                 run.apply()                 # noise once, then the update
@@ -502,9 +502,10 @@ class Run:
                                 self.config.file.model.max_length, self.device)
 
     @contextlib.contextmanager
-    def forward(self):  # type: ignore[no-untyped-def]
-        """Where a chunk's forward runs: the router records the tapped calls, under the run's precision."""
-        with self.router.capture(), self._autocast():
+    def forward(self, chunk: Chunk):  # type: ignore[no-untyped-def]
+        """Where `chunk`'s forward runs: the router records the tapped calls, each example routed through the
+        default adapter and its own class's adapter only (`routing/adapters.py`), under the run's precision."""
+        with self.router.capture(chunk.classes, chunk.units), self._autocast():
             yield
 
     def accumulate(self, chunk: Chunk, losses, total: float | None = None) -> None:  # type: ignore[no-untyped-def]
