@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from govtrain.errors import Code, InferenceError
 from govtrain.inference.mechanism import MAX_DIMENSION, GaussianRelease
+from govtrain.policy.config import first_error
 
 SPLIT_PATH = "/v1/split"
 
@@ -71,9 +72,7 @@ def parse_split_request(body: bytes | str | dict) -> SplitRequest:
             return SplitRequest.model_validate(json.loads(json.dumps(body)))  # JSON's types, as the wire has them
         return SplitRequest.model_validate_json(body)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "the body"
-        raise InferenceError(Code.BAD_SPLIT_REQUEST, f"{where}: {first['msg']} (a split request is a JSON object "
+        raise InferenceError(Code.BAD_SPLIT_REQUEST, f"{first_error(e, 'the body')} (a split request is a JSON object "
                                                      f"with exactly: {', '.join(SplitRequest.model_fields)})") from None
     except (TypeError, ValueError) as e:
         raise InferenceError(Code.BAD_SPLIT_REQUEST, f"the body is not JSON ({e})") from None

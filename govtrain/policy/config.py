@@ -249,6 +249,14 @@ def format_errors(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def first_error(error: ValidationError, whole: str) -> str:
+    """The first invalid field of a pydantic error as `where: what`, `whole` naming the document where the error is
+    the document's own: the one-line form of a wire message refused at the first problem."""
+    item = error.errors()[0]
+    where = ".".join(str(p) for p in item["loc"]) or whole
+    return f"{where}: {item['msg']}"
+
+
 def read_toml_file(path: Path, model: type[BaseModel], *, what: str, unreadable: Code, invalid: Code,
                    parse_float: Any = float) -> tuple[Any, bytes]:
     """Read a TOML config file and validate it against `model`: (the model, the file's bytes). Every

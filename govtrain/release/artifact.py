@@ -30,6 +30,7 @@ from typing import Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from govtrain.errors import Code, ConfigError
+from govtrain.policy.config import first_error
 
 FORMAT = "govtrain-adapter"
 VERSION = 1
@@ -133,9 +134,7 @@ def read_record(folder: Path) -> ArtifactRecord:
     try:
         return ArtifactRecord.model_validate_json(path.read_bytes())
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "the file"
-        raise ConfigError(Code.ARTIFACT_UNREADABLE, f"{path}: {where}: {first['msg']} (format {FORMAT} version "
+        raise ConfigError(Code.ARTIFACT_UNREADABLE, f"{path}: {first_error(e, 'the file')} (format {FORMAT} version "
                                                     f"{VERSION} is what this govtrain reads)") from None
     except OSError as e:
         raise ConfigError(Code.ARTIFACT_UNREADABLE, f"{path}: {e.strerror}") from None

@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from govtrain.errors import Code, IntegrityError
+from govtrain.policy.config import first_error
 from govtrain.release.artifact import ADAPTER_CONFIG, WEIGHTS
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
@@ -183,9 +184,8 @@ def read_statement(document: object) -> Statement:
     try:
         statement = Statement.model_validate(document)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "the statement"
-        raise IntegrityError(Code.BAD_STATEMENT, f"{where}: {first['msg']} (an in-toto Statement v1 of predicate "
+        raise IntegrityError(Code.BAD_STATEMENT, f"{first_error(e, 'the statement')} (an in-toto Statement v1 of "
+                                                 f"predicate "
                                                  f"{PREDICATE_TYPE} is what this govtrain reads)") from None
     _relations(statement)
     return statement

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 
 from govtrain.errors import Code, GovtrainError, ServeError
 from govtrain.inference.server import HTTP_STATUS as SPLIT_STATUS
+from govtrain.policy.config import first_error
 from govtrain.serve.rights import HEADER
 from govtrain.serve.service import Gate
 
@@ -81,9 +82,7 @@ def parse_body(body: bytes, model: type[_Body]) -> Any:
     try:
         return model.model_validate(document)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "the body"
-        raise ServeError(Code.BAD_REQUEST, f"{where}: {first['msg']} (the body is a JSON object with "
+        raise ServeError(Code.BAD_REQUEST, f"{first_error(e, 'the body')} (the body is a JSON object with "
                                            f"{', '.join(model.model_fields)})") from None
 
 
