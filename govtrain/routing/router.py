@@ -187,12 +187,31 @@ class Router:
         # built before any hook of the router, so that a class adapter it refuses leaves the model without hooks
         self.routes = AdapterRoutes(model, resolution.reach)
         self._routed: tuple[str, ...] | None = None  # the captured forward's examples' classes
+        self._canaries = None  # audit only: `inject_audit_canaries`; None in every run
         self._handles = [tap.module.register_forward_hook(self._hook(tap)) for tap in self.taps.values()
                          if reached.intersection(tap.leaves.values())]
         self._grids: dict[str, tuple[int, ...]] = {}  # MoE block -> the [B, T] of its last input
         for block in {tap.block for tap in self.taps.values() if tap.block is not None}:
             self._handles.append(model.get_submodule(block).register_forward_pre_hook(
                 lambda _, args, block=block: self._grids.__setitem__(block, tuple(args[0].shape[:-1]) if args else ())))
+
+    def inject_audit_canaries(self, canaries) -> None:  # type: ignore[no-untyped-def]
+        """AUDIT ONLY. White-box canary gradients (`govtrain.audit.canaries.DiracCanaries`, which nothing but
+        `govtrain.audit` builds; no config, policy or option reaches this) added to the per-sample clipping: each
+        canary's Dirac joins its unit's squared norm before the coefficients are formed, and its clipped value
+        the sum before the noise. Its parameters must be reached, whole, by the canaries' class alone, so a real
+        example's gradient, norm and coefficient are exactly what they are without it (docs/auditing.md)."""
+        from govtrain.audit.canaries import DiracCanaries
+
+        if type(canaries) is not DiracCanaries:
+            raise TypeError(f"inject_audit_canaries takes a govtrain.audit DiracCanaries, not {type(canaries).__name__}")
+        for name in sorted(canaries.names):
+            reached = {c for c, masks in self.masks.items() if name in masks}
+            if reached != {canaries.data_class} or self.masks[canaries.data_class][name] is not None \
+                    or name in self._paired:
+                raise ValueError(f"{name}: a canary coordinate must be in a parameter the audit class "
+                                 f"{canaries.data_class!r} alone reaches whole, outside any LoRA pair under prism")
+        self._canaries = canaries
 
     def close(self) -> None:
         for handle in self._handles:
@@ -435,6 +454,8 @@ class Router:
         paired, measured = torch.zeros(batch, dtype=dtype, device=losses.device), []
         if self.tangent is not None:  # prism: the squared norms of the pairs' tangent parts, a stack per shape
             paired, measured = self.tangent.measure(calls, classes, dtype)
+        if self._canaries is not None:  # audit only: each canary's Dirac joins its own squared norm
+            self._canaries.inject(squares, classes, batch, dtype, losses.device)
         norms = sum(squares.values(), paired).sqrt()
         if self.mechanism == "dp-muon":  # each unit on its own, to C_i / sqrt(L_i)
             budget = clip / torch.tensor([self.units[c] for c in classes], dtype=clip.dtype, device=clip.device).sqrt()
@@ -455,6 +476,8 @@ class Router:
                     totals[name] += source.weighted_sum(leaf, take, weights, mask)
         if self.tangent is not None:
             totals.update(self.tangent.clipped_sums(measured, shared))
+        if self._canaries is not None:  # audit only: each Dirac clipped with its own unit's coefficient
+            self._canaries.add_clipped(totals, coefficients)
         return totals, StepReport(batch, int(clipped.sum()), float(norms.max()) if batch else 0.0)
 
     def _finish(self, totals: dict[str, Tensor], group_std: Mapping[frozenset, float], expected_batch_size: float) -> None:

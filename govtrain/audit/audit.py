@@ -1,0 +1,201 @@
+"""One audit: m canaries, one governed training run, one bound (docs/auditing.md).
+
+    result = run_audit(AuditConfig(mechanism="dpsgd", epsilon=4.0, m=1000), folder)
+    result.claimed, result.bound.epsilon_one_run, result.bound.epsilon_gdp
+
+The run is the real one: the canaries are attested and admitted through the gate into the audit's own ledger
+(`world.py`), `Run` prepares, plans each ledger epoch and writes its spend ahead, the run's Poisson sampler draws
+every step, the router clips, sums, noises per group and divides by the expected batch size, and the update
+moves the parameters. The audit drives `Run`'s phases as `GovernedRun.batches()` does, with two differences that
+only concern the canaries: a canary's loss is weighted by zero, and (white-box) its Dirac gradient is handed to
+the router's clipping (`canaries.DiracCanaries`). It never calls `Run.finish`: nothing is saved or released and
+no run entry is recorded, so a canary never reaches a release or a model card.
+
+The claim is what the ledger says: the largest cumulative ε of the canaries' contributions in its spend book,
+read back after the run, at the policy's δ. The bound is `bounds.audit_scores` at that δ, which must be below
+1/(2m) (Steinke et al. Theorem 3.1 loses m·δ... a δ ≥ 1/(2m) certifies nothing).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal
+
+import numpy as np
+
+from govtrain import units
+from govtrain.audit import world as worlds
+from govtrain.audit.bounds import AuditBound, audit_scores
+from govtrain.audit.canaries import Canaries, DiracCanaries, admit, coordinates_for, draw_canaries, units_of
+
+REAL_CONTRIBUTIONS, REAL_RECORDS = 4, 5  # the real data: a few small contributions of the real class
+
+
+@dataclass(frozen=True, kw_only=True)
+class AuditConfig:
+    """What to audit. `epsilon` is the target the canaries' noise is calibrated to (`noise_multiplier_for` at the
+    run's q, steps and δ); the claim reported is what the ledger then charges."""
+
+    mechanism: Literal["dpsgd", "prism", "dp-muon"] = "dpsgd"
+    kind: Literal["white-box", "black-box"] = "white-box"
+    unit: Literal["example", "contribution"] = "example"
+    profile: worlds.Profile = "head"
+    epsilon: float = 4.0
+    m: int = 1000
+    steps: int = 20
+    q: float = 0.5
+    delta: float = 1e-5
+    scale: float = 10.0  # a white-box canary's gradient norm, in units of C
+    lr: float = 0.1
+    seed: int = 0
+
+    def describe(self) -> str:
+        return f"{self.mechanism} {self.kind} {self.unit} unit, {self.profile} profile"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AuditResult:
+    config: AuditConfig
+    claimed: float  # the canaries' largest cumulative ε in the ledger, at `delta`
+    delta: float
+    bound: AuditBound
+    seconds: float
+    scores: np.ndarray = field(repr=False)
+    included: np.ndarray = field(repr=False)
+
+
+def run_audit(config: AuditConfig, folder: Path, *, log: Callable[[str], None] = lambda _: None,
+              now: Callable[[], int] = lambda: int(time.time())) -> AuditResult:
+    """Build the audit's world in the empty `folder`, train once with the canaries, score them, bound ε."""
+    from govtrain.accounting.calibrate import noise_multiplier_for
+
+    started = time.perf_counter()
+    if not config.delta < 1 / (2 * config.m):
+        raise ValueError(f"the audit's δ = {config.delta:g} must be far below 1/(2m) = {1 / (2 * config.m):g}")
+    rng = np.random.default_rng(config.seed)
+    canaries = draw_canaries(config.m, rng)
+    epoch_steps = config.steps
+    # RDP is cheap and never tighter than the ledger's PRV: the claim the ledger then charges is at most the target
+    sigma = noise_multiplier_for(config.epsilon, config.delta, config.q, config.steps, "rdp").noise_multiplier
+    white = config.kind == "white-box"
+    labels = max(2, -(-config.m // worlds.HIDDEN)) if white and config.profile == "head" else 16
+    model = worlds.save_tiny_bert(folder / "model", labels, seed=config.seed)
+    world = worlds.build(folder, policy=worlds.policy_text(
+        profile=config.profile, unit=config.unit, q=config.q, delta=config.delta, epoch_steps=epoch_steps,
+        audit_sigma=sigma, audit_budget=config.epsilon * 1.5, real_sigma=1.0 if white else sigma),
+        model=model, run=worlds.run_toml(model=model, profile=config.profile, mechanism=config.mechanism,
+                                         steps=config.steps, lr=config.lr, lora_r=8 if config.profile == "adapter" else 2))
+    clock = now()
+    real = {f"real-{k}": [{"text": f"{worlds.WORDS[(k + i) % 9]} movie {worlds.WORDS[9 + (i % 8)]}", "label": i % 2}
+                          for i in range(REAL_RECORDS)] for k in range(REAL_CONTRIBUTIONS)}
+    canary_class = worlds.AUDIT_CLASS if white else worlds.REAL_CLASS
+    admit(world, real, data_class=worlds.REAL_CLASS, clip_norm=1.0, sigma=1.0 if white else sigma, budget=1000.0,
+          now=clock)
+    rows = _canary_rows(canaries, labels, rng, white)
+    admit(world, {cid: [rows[i]] for i, cid in enumerate(canaries.ids) if canaries.included[i]},
+          data_class=canary_class, clip_norm=1.0, sigma=sigma, budget=config.epsilon * 1.5, now=clock)
+    log(f"{config.describe()}: {config.m} canaries, {int(canaries.included.sum())} admitted; σ = {sigma:g}")
+
+    scores = _train(config, world, canaries, rows, white, now, log)
+    claimed = _claimed(world, canaries)
+    bound = audit_scores(scores, canaries.included, delta=config.delta)
+    return AuditResult(config=config, claimed=claimed, delta=config.delta, bound=bound,
+                       seconds=time.perf_counter() - started, scores=scores, included=canaries.included)
+
+
+def _canary_rows(canaries: Canaries, labels: int, rng: np.random.Generator, white: bool) -> list[dict]:
+    """One row per canary. White-box: any text (its loss is weighted by zero). Black-box: random words with a
+    random label, which only memorising it fits."""
+    rows = []
+    for i in range(canaries.m):
+        words = rng.choice(worlds.WORDS, size=6)
+        rows.append({"text": f"{' '.join(words)} {i}", "label": int(rng.integers(labels)) if not white else 0})
+    return rows
+
+
+def _train(config: AuditConfig, world: worlds.World, canaries: Canaries, rows: list[dict], white: bool,
+           now: Callable[[], int], log: Callable[[str], None]) -> np.ndarray:
+    """Run the governed training with the canaries; each canary's score (higher: guessed included)."""
+    import torch
+
+    from govtrain.ledger.ledger import Ledger
+    from govtrain.train.config import run_config
+    from govtrain.train.run import Run
+
+    ledger = Ledger.open(world.url, key=world.ledger_key)
+    run = Run(run_config(world.run_toml), ledger, insecure_seed=config.seed, log=log, now=now,
+              checkpoint_every=10**9)
+    try:
+        run.prepare()
+        params = run.router.params
+        dirac = None
+        if white:
+            owned = sorted(n for n in params if {c for c, masks in run.router.masks.items() if n in masks}
+                           == {worlds.AUDIT_CLASS} and n not in run.router._paired)
+            if config.profile == "head":
+                owned = [n for n in owned if n.endswith("weight")] + [n for n in owned if not n.endswith("weight")]
+            coordinates = coordinates_for(canaries.ids, params, owned)
+            dirac = DiracCanaries(coordinates, data_class=worlds.AUDIT_CLASS, clip_norm=1.0, scale=config.scale)
+            run.router.inject_audit_canaries(dirac)
+            start = {n: params[n].detach().clone() for n in dirac.names}
+        canary_ids = set(canaries.ids)
+        while not run.done:
+            if run.pending is None and not run.plan_epoch():
+                break
+            if not run.write_ahead():
+                continue
+            while not run.epoch_done:
+                for chunk in run.draw():
+                    batch = run.encode(chunk)
+                    with run.forward(chunk):
+                        output = run.model(**batch.inputs)
+                    losses = run.task.per_example_loss(output, batch)
+                    if white:  # a white-box canary's own loss adds nothing: its gradient is its Dirac alone
+                        keep = torch.tensor([o not in canary_ids for o in chunk.owners], dtype=losses.dtype,
+                                            device=losses.device)
+                        losses = losses * keep
+                        dirac.select(units_of(chunk.owners, chunk.units))
+                    run.accumulate(chunk, losses)
+                run.apply()
+            run.close_epoch()
+        if white:
+            scores = []
+            for cid in canaries.ids:
+                c = dirac.coordinates[cid]
+                scores.append(float(params[c.name].detach().view(-1)[c.index] - start[c.name].view(-1)[c.index]))
+            return np.array(scores)
+        return _loss_scores(run, rows)
+    finally:
+        run.router.close()
+        run.release()
+        ledger.close()
+
+
+def _loss_scores(run, rows: list[dict]) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """Black-box: minus each canary's loss under the final model at full rights (every adapter active, outside
+    any capture), in batches."""
+    import torch
+
+    examples = [run.task.example(row, f"canary {i}") for i, row in enumerate(rows)]
+    losses = []
+    run.model.eval()
+    with torch.no_grad():
+        for start in range(0, len(examples), 256):
+            batch = run.task.encode(examples[start:start + 256], run.tokenizer, run.config.file.model.max_length,
+                                    run.device)
+            losses.append(run.task.per_example_loss(run.model(**batch.inputs), batch).float().cpu())
+    return -torch.cat(losses).numpy()
+
+
+def _claimed(world: worlds.World, canaries: Canaries) -> float:
+    """The canaries' largest cumulative ε, as the ledger's spend book reads it."""
+    from govtrain.ledger.ledger import Ledger
+
+    with Ledger.open(world.url) as ledger:
+        charged = ledger.spend_book().charged
+    spent = [charged[cid].eps_u for cid, inside in zip(canaries.ids, canaries.included) if inside and cid in charged]
+    if not spent:
+        raise RuntimeError("the ledger charged no canary: nothing was audited")
+    return max(spent) / units.MICRO

@@ -1,0 +1,104 @@
+"""Four deliberately broken mechanisms, for showing that the audit can fail (docs/auditing.md). TESTS ONLY.
+
+Each is a context manager that patches the running process's govtrain and restores it on exit; nothing in
+`govtrain/` imports this module or has a switch, flag, variable or parameter that does what these do
+(tests/test_attacks_audit.py checks that no govtrain module imports from tests).
+
+- `noise_off`: every group's noise std is 0.
+- `noise_over_realised_batch`: the bug of noising the mean at the sum's scale. The router must add N(0, s_g²) to
+  the *sum* of clipped gradients and divide that by the expected batch size B (fixed, public). The broken
+  router divides the noise's std by the *realised* batch size b (how many clipping units the Poisson draw
+  gave), as if it were noising a mean, and then divides the sum by B as before: the noise is b times too small
+  (b ≈ qN, hundreds here), and b itself depends on who was drawn.
+- `clipping_skipped_for(suffix)`: the clipping coefficient of one parameter (named by its suffix) is 1 for every sample (that
+  parameter is left out of clipping); every other parameter is clipped as before.
+- `sampled_at(factor)`: the sampler draws at `factor`·q while the ledger's spend (and the run's own rate check,
+  which reads the sampler's rate attribute) says q: a contribution charged at the wrong q.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import textwrap
+from typing import Iterator
+
+from govtrain.routing import router as router_module
+from govtrain.routing.router import Router
+from govtrain.routing.sampler import PoissonSampler
+
+
+@contextlib.contextmanager
+def _patched(owner: object, name: str, value: object) -> Iterator[None]:
+    original = owner.__dict__[name]
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def noise_off() -> Iterator[None]:
+    finish = Router.finish
+
+    def broken(self, group_std, expected_batch_size):  # type: ignore[no-untyped-def]
+        return finish(self, {group: 0.0 for group in group_std}, expected_batch_size)
+
+    with _patched(Router, "finish", broken):
+        yield
+
+
+@contextlib.contextmanager
+def noise_over_realised_batch() -> Iterator[None]:
+    accumulate, finish, begin = Router.accumulate, Router.finish, Router.begin
+
+    def counting_begin(self):  # type: ignore[no-untyped-def]
+        self._realised = 0
+        return begin(self)
+
+    def counting(self, losses, classes, clip_norms, units=None):  # type: ignore[no-untyped-def]
+        self._realised = getattr(self, "_realised", 0) + len(classes)
+        return accumulate(self, losses, classes, clip_norms, units)
+
+    def broken(self, group_std, expected_batch_size):  # type: ignore[no-untyped-def]
+        realised = max(getattr(self, "_realised", 0), 1)
+        return finish(self, {group: std / realised for group, std in group_std.items()}, expected_batch_size)
+
+    with _patched(Router, "begin", counting_begin), _patched(Router, "accumulate", counting), \
+            _patched(Router, "finish", broken):
+        yield
+
+
+_SHARED_LINE = "coefficients = {name: shared for name in squares}"
+
+
+@contextlib.contextmanager
+def clipping_skipped_for(suffix: str) -> Iterator[None]:
+    """`Router._clipped_sum` recompiled from its own source with one line changed (a mutant): the dpsgd/prism
+    branch's shared coefficient is replaced by ones for the parameter whose name ends with `suffix`. Fails loudly if that line is gone."""
+    source = textwrap.dedent(inspect.getsource(Router._clipped_sum))
+    if source.count(_SHARED_LINE) != 1:
+        raise RuntimeError("Router._clipped_sum changed: update tests/audit_faults.clipping_skipped_for")
+    source = source.replace(_SHARED_LINE, "coefficients = {name: torch.ones_like(shared) if name.endswith(SKIPPED) else "
+                                          "shared for name in squares}")
+    scope = dict(vars(router_module), SKIPPED=suffix)
+    exec(compile(source, inspect.getsourcefile(Router), "exec"), scope)  # noqa: S102 (a test's mutant)
+    with _patched(Router, "_clipped_sum", scope["_clipped_sum"]):
+        yield
+
+
+@contextlib.contextmanager
+def sampled_at(factor: float) -> Iterator[None]:
+    sample = PoissonSampler.sample
+
+    def broken(self, eligible, *, units=None):  # type: ignore[no-untyped-def]
+        charged = self.sampling_rate
+        self.sampling_rate = min(1.0, charged * factor)
+        try:
+            return sample(self, eligible, units=units)
+        finally:
+            self.sampling_rate = charged
+
+    with _patched(PoissonSampler, "sample", broken):
+        yield
