@@ -66,24 +66,47 @@ class AuditResult:
     included: np.ndarray = field(repr=False)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    """An audit's world with its canaries admitted (the included ones), before the run."""
+
+    world: worlds.World
+    canaries: Canaries
+    rows: list[dict]  # each canary's row, admitted or not
+    sigma: float  # the canaries' signed noise multiplier
+
+
 def run_audit(config: AuditConfig, folder: Path, *, log: Callable[[str], None] = lambda _: None,
               now: Callable[[], int] = lambda: int(time.time())) -> AuditResult:
     """Build the audit's world in the empty `folder`, train once with the canaries, score them, bound ε."""
+    started = time.perf_counter()
+    setup = prepare(config, folder, now=now)
+    log(f"{config.describe()}: {config.m} canaries, {int(setup.canaries.included.sum())} admitted; "
+        f"σ = {setup.sigma:g}")
+    scores = _train(config, setup, now, log)
+    claimed = _claimed(setup.world, setup.canaries)
+    bound = audit_scores(scores, setup.canaries.included, delta=config.delta)
+    return AuditResult(config=config, claimed=claimed, delta=config.delta, bound=bound,
+                       seconds=time.perf_counter() - started, scores=scores, included=setup.canaries.included)
+
+
+def prepare(config: AuditConfig, folder: Path, *, now: Callable[[], int] = lambda: int(time.time())) -> Setup:
+    """The audit's world in `folder` (keys, policy, tiny model, ledger, RUN.toml), the real data admitted, and
+    each included canary attested and admitted through the gate. The canaries' noise multiplier is calibrated
+    to `config.epsilon` at the run's q, steps and δ."""
     from govtrain.accounting.calibrate import noise_multiplier_for
 
-    started = time.perf_counter()
     if not config.delta < 1 / (2 * config.m):
         raise ValueError(f"the audit's δ = {config.delta:g} must be far below 1/(2m) = {1 / (2 * config.m):g}")
     rng = np.random.default_rng(config.seed)
     canaries = draw_canaries(config.m, rng)
-    epoch_steps = config.steps
     # RDP is cheap and never tighter than the ledger's PRV: the claim the ledger then charges is at most the target
     sigma = noise_multiplier_for(config.epsilon, config.delta, config.q, config.steps, "rdp").noise_multiplier
     white = config.kind == "white-box"
     labels = max(2, -(-config.m // worlds.HIDDEN)) if white and config.profile == "head" else 16
     model = worlds.save_tiny_bert(folder / "model", labels, seed=config.seed)
     world = worlds.build(folder, policy=worlds.policy_text(
-        profile=config.profile, unit=config.unit, q=config.q, delta=config.delta, epoch_steps=epoch_steps,
+        profile=config.profile, unit=config.unit, q=config.q, delta=config.delta, epoch_steps=config.steps,
         audit_sigma=sigma, audit_budget=config.epsilon * 1.5, real_sigma=1.0 if white else sigma),
         model=model, run=worlds.run_toml(model=model, profile=config.profile, mechanism=config.mechanism,
                                          steps=config.steps, lr=config.lr, lora_r=8 if config.profile == "adapter" else 2))
@@ -96,13 +119,46 @@ def run_audit(config: AuditConfig, folder: Path, *, log: Callable[[str], None] =
     rows = _canary_rows(canaries, labels, rng, white)
     admit(world, {cid: [rows[i]] for i, cid in enumerate(canaries.ids) if canaries.included[i]},
           data_class=canary_class, clip_norm=1.0, sigma=sigma, budget=config.epsilon * 1.5, now=clock)
-    log(f"{config.describe()}: {config.m} canaries, {int(canaries.included.sum())} admitted; σ = {sigma:g}")
+    return Setup(world=world, canaries=canaries, rows=rows, sigma=sigma)
 
-    scores = _train(config, world, canaries, rows, white, now, log)
-    claimed = _claimed(world, canaries)
-    bound = audit_scores(scores, canaries.included, delta=config.delta)
-    return AuditResult(config=config, claimed=claimed, delta=config.delta, bound=bound,
-                       seconds=time.perf_counter() - started, scores=scores, included=canaries.included)
+
+def open_run(config: AuditConfig, world: worlds.World, *, now: Callable[[], int] = lambda: int(time.time()),
+             log: Callable[[str], None] = lambda _: None):  # type: ignore[no-untyped-def]
+    """(ledger, prepared `Run`) of the audit's world: the caller closes both (`close_run`)."""
+    from govtrain.ledger.ledger import Ledger
+    from govtrain.train.config import run_config
+    from govtrain.train.run import Run
+
+    ledger = Ledger.open(world.url, key=world.ledger_key)
+    run = Run(run_config(world.run_toml), ledger, insecure_seed=config.seed, log=log, now=now,
+              checkpoint_every=10**9)
+    try:
+        run.prepare()
+    except BaseException:
+        close_run(ledger, run)
+        raise
+    return ledger, run
+
+
+def close_run(ledger, run) -> None:  # type: ignore[no-untyped-def]
+    if getattr(run, "router", None) is not None:
+        run.router.close()
+    run.release()
+    ledger.close()
+
+
+def attach_canaries(run, canaries: Canaries, scale: float) -> DiracCanaries:  # type: ignore[no-untyped-def]
+    """Give each canary a coordinate of the parameters the audit class alone reaches whole (outside LoRA pairs
+    under prism; the head's weight before its bias) and hand their Diracs to the run's router."""
+    router = run.router
+    owned = sorted(n for n in router.params if {c for c, masks in router.masks.items() if n in masks}
+                   == {worlds.AUDIT_CLASS} and router.masks[worlds.AUDIT_CLASS][n] is None
+                   and n not in router._paired)
+    owned = [n for n in owned if n.endswith("weight")] + [n for n in owned if not n.endswith("weight")]
+    dirac = DiracCanaries(coordinates_for(canaries.ids, router.params, owned), data_class=worlds.AUDIT_CLASS,
+                          clip_norm=1.0, scale=scale)
+    router.inject_audit_canaries(dirac)
+    return dirac
 
 
 def _canary_rows(canaries: Canaries, labels: int, rng: np.random.Generator, white: bool) -> list[dict]:
@@ -115,30 +171,16 @@ def _canary_rows(canaries: Canaries, labels: int, rng: np.random.Generator, whit
     return rows
 
 
-def _train(config: AuditConfig, world: worlds.World, canaries: Canaries, rows: list[dict], white: bool,
-           now: Callable[[], int], log: Callable[[str], None]) -> np.ndarray:
+def _train(config: AuditConfig, setup: Setup, now: Callable[[], int], log: Callable[[str], None]) -> np.ndarray:
     """Run the governed training with the canaries; each canary's score (higher: guessed included)."""
     import torch
 
-    from govtrain.ledger.ledger import Ledger
-    from govtrain.train.config import run_config
-    from govtrain.train.run import Run
-
-    ledger = Ledger.open(world.url, key=world.ledger_key)
-    run = Run(run_config(world.run_toml), ledger, insecure_seed=config.seed, log=log, now=now,
-              checkpoint_every=10**9)
+    canaries, white = setup.canaries, config.kind == "white-box"
+    ledger, run = open_run(config, setup.world, now=now, log=log)
     try:
-        run.prepare()
         params = run.router.params
-        dirac = None
         if white:
-            owned = sorted(n for n in params if {c for c, masks in run.router.masks.items() if n in masks}
-                           == {worlds.AUDIT_CLASS} and n not in run.router._paired)
-            if config.profile == "head":
-                owned = [n for n in owned if n.endswith("weight")] + [n for n in owned if not n.endswith("weight")]
-            coordinates = coordinates_for(canaries.ids, params, owned)
-            dirac = DiracCanaries(coordinates, data_class=worlds.AUDIT_CLASS, clip_norm=1.0, scale=config.scale)
-            run.router.inject_audit_canaries(dirac)
+            dirac = attach_canaries(run, canaries, config.scale)
             start = {n: params[n].detach().clone() for n in dirac.names}
         canary_ids = set(canaries.ids)
         while not run.done:
@@ -166,11 +208,9 @@ def _train(config: AuditConfig, world: worlds.World, canaries: Canaries, rows: l
                 c = dirac.coordinates[cid]
                 scores.append(float(params[c.name].detach().view(-1)[c.index] - start[c.name].view(-1)[c.index]))
             return np.array(scores)
-        return _loss_scores(run, rows)
+        return _loss_scores(run, setup.rows)
     finally:
-        run.router.close()
-        run.release()
-        ledger.close()
+        close_run(ledger, run)
 
 
 def _loss_scores(run, rows: list[dict]) -> np.ndarray:  # type: ignore[no-untyped-def]
