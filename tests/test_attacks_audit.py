@@ -60,12 +60,12 @@ def test_no_config_policy_or_command_line_option_enables_canaries(tmp_path: Path
         with pytest.raises(GovtrainError) as refused:
             run_config(bad)
         assert refused.value.code is Code.RUN_CONFIG_INVALID
-    policy = tmp_path / "bad-policy.toml"
+    policy = setup.world.policy_path.with_name("bad-policy.toml")  # beside the keys it names
     policy.write_text(setup.world.policy_path.read_text().replace("[floor]", "audit_canaries = true\n\n[floor]"))
-    for key in ("attester.pub", "ledger.pub"):
-        (tmp_path / key).write_bytes((setup.world.policy_path.parent / key).read_bytes())
-    with pytest.raises(GovtrainError):
+    load_policy(setup.world.policy_path)  # the audit's own policy loads
+    with pytest.raises(GovtrainError) as refused:
         load_policy(policy)
+    assert refused.value.code is Code.POLICY_INVALID and "audit_canaries" in str(refused.value)
 
     def options(command, path=()):  # every option of every command
         for param in command.params:
