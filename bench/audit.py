@@ -1,0 +1,81 @@
+"""The empirical privacy audit's table (docs/auditing.md): for each honest configuration (mechanism, privacy unit,
+profile) at several claimed ε, and with --broken for each deliberately broken mechanism (tests/audit_faults.py),
+the ε the ledger claims against the audit's 95% lower bounds (one-run and GDP), with m and the wall time.
+
+    python bench/audit.py                 # every honest configuration at ε 2, 4, 8, and a black-box run
+    python bench/audit.py --broken        # the four broken runs, each beside its honest twin
+    python bench/audit.py --quick         # one honest row (a smoke test)
+
+Runs on 2 CPU cores: a tiny random BERT, m = 1000 canaries, a few steps each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from govtrain.audit.audit import AuditConfig, run_audit  # noqa: E402
+
+BASE = AuditConfig(m=1000, steps=10, q=0.5, seed=0)
+HONEST = [
+    ("dpsgd, example unit, head profile", {}),
+    ("prism, example unit, head profile", {"mechanism": "prism"}),
+    ("dp-muon, example unit, head profile", {"mechanism": "dp-muon"}),
+    ("dpsgd, contribution unit, head profile", {"unit": "contribution"}),
+    ("dpsgd, example unit, adapter profile (restricted)", {"profile": "adapter"}),
+]
+
+
+def broken_runs():  # type: ignore[no-untyped-def]
+    from tests import audit_faults
+
+    head = "classifier.modules_to_save.default.weight"
+    wrong_q = {"q": 0.05}
+    return [
+        ("noise off", {}, audit_faults.noise_off),
+        ("noise std / realised batch", {}, audit_faults.noise_over_realised_batch),
+        ("clipping skipped (head)", {}, lambda: audit_faults.clipping_skipped_for(head)),
+        ("sampled at 10q, charged q=0.05", wrong_q, lambda: audit_faults.sampled_at(10)),
+    ]
+
+
+def row(name: str, config: AuditConfig, fault=None) -> str:  # type: ignore[no-untyped-def]
+    with tempfile.TemporaryDirectory() as folder, (fault() if fault else contextlib.nullcontext()):
+        result = run_audit(config, Path(folder))
+    b = result.bound
+    return (f"| {name} | {config.kind} | {config.q:g} | {config.steps} | {result.claimed:.2f} | {b.canaries} | "
+            f"{b.epsilon_one_run:.2f} | {b.epsilon_gdp:.2f} | {b.ceiling:.2f} | {result.seconds:.0f} s |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--broken", action="store_true", help="the four broken runs, each beside its honest twin")
+    parser.add_argument("--quick", action="store_true", help="one honest row")
+    parser.add_argument("--epsilons", default="2,4,8", help="claimed ε targets of the honest rows")
+    args = parser.parse_args()
+    print("| configuration | canaries | q | steps | claimed ε | m | ε one-run | ε GDP | ceiling | wall |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    if args.quick:
+        print(row(HONEST[0][0], replace(BASE, epsilon=4.0)), flush=True)
+        return
+    if args.broken:
+        for name, changes, fault in broken_runs():
+            config = replace(BASE, epsilon=2.0, **changes)
+            print(row(f"honest twin of: {name}", config), flush=True)
+            print(row(f"BROKEN: {name}", config, fault), flush=True)
+        return
+    for eps in (float(e) for e in args.epsilons.split(",")):
+        for name, changes in HONEST:
+            print(row(name, replace(BASE, epsilon=eps, **changes)), flush=True)
+    print(row("dpsgd, example unit (black-box: mislabelled random text, loss score)",
+              replace(BASE, epsilon=8.0, kind="black-box")), flush=True)
+
+
+if __name__ == "__main__":
+    main()
