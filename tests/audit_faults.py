@@ -79,7 +79,7 @@ def clipping_skipped_for(suffix: str) -> Iterator[None]:
     branch's shared coefficient is replaced by ones for the parameter whose name ends with `suffix`. Fails loudly if that line is gone."""
     source = textwrap.dedent(inspect.getsource(Router._clipped_sum))
     if source.count(_SHARED_LINE) != 1:
-        raise RuntimeError("Router._clipped_sum changed: update tests/audit_faults.clipping_skipped_for")
+        raise RuntimeError("Router._clipped_sum changed: update clipping_skipped_for in tests/audit_faults.py")
     source = source.replace(_SHARED_LINE, "coefficients = {name: torch.ones_like(shared) if name.endswith(SKIPPED) else "
                                           "shared for name in squares}")
     scope = dict(vars(router_module), SKIPPED=suffix)
