@@ -12,8 +12,8 @@ the router's clipping (`canaries.DiracCanaries`). It never calls `Run.finish`: n
 no run entry is recorded, so a canary never reaches a release or a model card.
 
 The claim is what the ledger says: the largest cumulative ε of the canaries' contributions in its spend book,
-read back after the run, at the policy's δ. The bound is `bounds.audit_scores` at that δ, which must be below
-1/(2m) (Steinke et al. Theorem 3.1 loses m·δ... a δ ≥ 1/(2m) certifies nothing).
+read back after the run, at the policy's δ. The bound is `bounds.audit_scores` at that δ, which must be far below
+1/(2m): the one-run test pays 2mδ, so a δ near 1/(2m) certifies nothing.
 """
 
 from __future__ import annotations
