@@ -161,7 +161,7 @@ def install(journal: Journal, kill: str | None, nth: int, fraction: float) -> No
     real_write_bytes = Path.write_bytes
 
     def write_bytes(path: Path, data: bytes) -> int:
-        if path.name.startswith("trial-") and path.suffix == ".json":
+        if path.name.startswith("trial-") and ".json" in path.name:  # a trial's config, or where it is written first
             if journal.call("trial_config") == nth and kill == "trial-config-partial":
                 with path.open("wb") as handle:
                     die(journal, kill, n=nth, file=path.name, written=write_part(handle, data, fraction), of=len(data))

@@ -9,7 +9,8 @@ completes, and then checked:
 - **ledger verified**: `verify_ledger` passes after every kill and at the end, the spend recomputed;
 - **spend ok**: nothing is under-counted (see `spend_problems`);
 - **hash ok**: each run's adapter folder hashes (`release.artifact.adapter_sha256`, the run entry's hash: every
-  file but the model card and run state) to what its run entry records, and `verify_adapter` accepts it.
+  file but the model card and run state) to what its run entry records, `verify_adapter` accepts it with the model
+  card the ledger's facts give, and no run state is left in it.
 """
 
 from __future__ import annotations
@@ -301,9 +302,13 @@ def hash_problems(s: Scene) -> list[str]:
                             f"{runs[run_id]['adapter_sha256'].hex()[:16]}")
         else:
             try:
-                verify_adapter(output, s.url)
+                card = verify_adapter(output, s.url).card
+                if card != "matches":
+                    problems.append(f"{run_id}: the model card {card}")
             except GovtrainError as e:
                 problems.append(f"{run_id}: {e.line()}")
+        if (output / "run-state.pt").exists():
+            problems.append(f"{run_id}: its run state (which holds its sampling key) is left in {output}")
     return problems
 
 
