@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Collection
 
 from govtrain import units
-from govtrain.errors import Code, ConfigError, GovtrainError, RejectedError
+from govtrain.errors import Code, ConfigError, GovtrainError, IntegrityError, RejectedError
 from govtrain.ledger.ledger import Ledger
 from govtrain.ledger.spend_rules import noise_groups_record
 from govtrain.train.config import RunConfig
@@ -164,6 +164,7 @@ class Run:
         self.plan: Plan | None = None  # what the run would charge, projected at prepare (check, or charged before)
         self.charged_before: set[str] = set()  # the run's contributions other runs (not its siblings) charged
         self.resumed = False  # prepare found the run's own state
+        self.recorded = False  # prepare found the run's state and its run entry (a kill came between the two)
         self.insecure_seed, self.checkpoint_every, self.observe = insecure_seed, checkpoint_every, observe
         self.total = config.file.training.steps
         self.state_path = config.output_dir / STATE_FILE
@@ -183,7 +184,7 @@ class Run:
 
     @property
     def done(self) -> bool:
-        return self.result.steps >= self.total
+        return self.result.steps >= self.total or self.recorded
 
     @property
     def epoch_done(self) -> bool:
@@ -303,9 +304,11 @@ class Run:
                 raise RejectedError(Code.RUN_ID_TAKEN, f"run {run_id!r}'s spend was written under another lease than "
                                                        f"{self.state_path} holds: another run took this id; move the "
                                                        "state file away and give this run another training.run_id")
-            if run_id in book.finished:
-                raise RejectedError(Code.RUN_ID_TAKEN, f"run {run_id!r} already recorded its run entry; "
-                                                       f"{self.state_path} was left by a kill after it: remove it")
+            if run_id in book.finished and book.finished[run_id] != self.run_nonce:
+                raise RejectedError(Code.RUN_ID_TAKEN, f"run {run_id!r}'s run entry was recorded under another lease "
+                                                       f"than {self.state_path} holds: another run took this id; "
+                                                       "move the state file away")
+            self.recorded = run_id in book.finished  # a kill came after the run entry: finish() completes the rest
             result.steps, result.losses = state["step"], state["losses"]
             result.epochs, result.eps_by_class = state["epochs"], state["eps_by_class"]
             with torch.no_grad():
@@ -316,7 +319,11 @@ class Run:
             if self.pending is not None and ledger.epoch() > self.pending["epoch"]:
                 self.pending = None  # the epoch was closed just before the kill
             self.confirmed = self.confirm or bool(state.get("confirmed"))
-            log(f"resuming {run_id} at step {result.steps}")
+            if self.recorded:
+                result.exhausted = result.steps < self.total
+                log(f"{run_id} recorded its run entry before it was stopped: finishing it")
+            else:
+                log(f"resuming {run_id} at step {result.steps}")
         elif book.used(run_id):
             raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.run_id: run {run_id!r} already wrote spend or a run "
                                                        "entry to this ledger; resume it from its state file, or give "
@@ -340,7 +347,7 @@ class Run:
         self.export = Release(self.model, record, tokenizer)  # what finish() will write
         if self.check or self.charged_before:
             self.plan = self.projection()
-        if self.charged_before and not self.check:
+        if self.charged_before and not self.check and not self.recorded:  # a recorded run charges nothing more
             if not self.confirmed:
                 raise consent_error(self.plan)
             log(f"note: {len(self.charged_before)} contribution(s) were charged by other runs before; charging them "
@@ -605,9 +612,11 @@ class Run:
 
     def finish(self, check: Callable[[Path], None] | None = None) -> RunResult:
         """Save the adapter (`self.export`, a `release.Release`: peft's files, then govtrain's record and
-        tokenizer), record the run entry (mechanism, config, base model, adapter, device, precision), remove the run
-        state, and write the model card from what the ledger then says. Called also when the budgets ran out
-        (`result.exhausted`). `check(output)` reads what was written before it is hashed and recorded."""
+        tokenizer), record the run entry (mechanism, config, base model, adapter, device, precision), write the model
+        card from what the ledger then says, and remove the run state. Called also when the budgets ran out
+        (`result.exhausted`). `check(output)` reads what was written before it is hashed and recorded. A run that
+        recorded its entry before a kill (`recorded`) saves and records nothing again: its folder must still hash to
+        the recorded adapter, and the card and the state's removal are done now."""
         from govtrain.release.artifact import adapter_sha256
 
         if self.check:
@@ -615,21 +624,40 @@ class Run:
         self.router.close()
         self._check_owner()
         output = self.config.output_dir
-        output.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(output)
-        self.export.write(output)
-        if check is not None:
-            check(output)
         result = self.result
-        result.adapter_sha256 = adapter_sha256(output)  # every file but the card, which cites the run entry
-        device = self.device.type if self.device.type == "cpu" else str(self.device)
-        self.ledger.record_run(result.run_id, self.config.file.training.mechanism, self.config.sha256,
-                               self.base_sha256, result.adapter_sha256, run_nonce=self.run_nonce, device=device,
-                               precision=self.precision, now=self.now())
+        if self.recorded:  # the adapter was saved and recorded before a kill: it must still be what was recorded
+            self._check_recorded(output)
+        else:
+            output.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(output)
+            self.export.write(output)
+            if check is not None:
+                check(output)
+            result.adapter_sha256 = adapter_sha256(output)  # every file but the card, which cites the run entry
+            device = self.device.type if self.device.type == "cpu" else str(self.device)
+            self.ledger.record_run(result.run_id, self.config.file.training.mechanism, self.config.sha256,
+                                   self.base_sha256, result.adapter_sha256, run_nonce=self.run_nonce, device=device,
+                                   precision=self.precision, now=self.now())
+        # The card before the state goes: a kill until the state is removed leaves a run that the same config, run
+        # again, finishes (`recorded`); after it, the run is whole.
+        self._write_card(output)
         self.state_path.unlink(missing_ok=True)
         (output / LOCK_FILE).unlink(missing_ok=True)  # the id is spent: no later run can take this state
-        self._write_card(output)
         return result
+
+    def _check_recorded(self, output: Path) -> None:
+        """Refuse (`adapter_mismatch`) to finish a run recorded before a kill whose folder no longer holds the adapter
+        its run entry records."""
+        from govtrain.release.artifact import adapter_sha256
+        from govtrain.release.card import run_facts
+
+        self.result.adapter_sha256 = found = adapter_sha256(output)
+        recorded = run_facts(self.ledger, self.run_id).adapter_sha256
+        if found != recorded:
+            raise IntegrityError(Code.ADAPTER_MISMATCH, f"run {self.run_id!r} recorded its adapter before it was "
+                                                        f"stopped, but {output} now hashes to {found.hex()[:16]}…, not "
+                                                        f"the {recorded.hex()[:16] if recorded else 'none'}… its run "
+                                                        "entry records: restore the folder as it was saved")
 
     def _write_card(self, output: Path) -> None:
         """The model card, from the ledger as the run entry left it. The run is recorded whatever happens here: a

@@ -76,6 +76,7 @@ REFUSED = {
     "training.physical_batch": "a performance flag, not a hyperparameter: it never changes the mechanism",
 }
 TRIAL_CONFIG = "trial-{k}.json"  # beside the trial folders: the derived config each trial's hash is over
+TEMPORARY = ".tmp"  # + a trial config's name: where it is written before it is renamed into place
 
 
 class SelectSection(BaseModel):
@@ -322,7 +323,7 @@ def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str
     Contributions that runs outside this search charged need `confirm` (module docstring)."""
     from govtrain.ledger.ledger import Ledger
     from govtrain.tasks import task_for
-    from govtrain.train.loop import BudgetExhausted, train
+    from govtrain.train.loop import STATE_FILE, BudgetExhausted, train
     from govtrain.release.artifact import adapter_sha256
 
     # Everything that can be refused is refused here, before any trial writes spend.
@@ -351,12 +352,14 @@ def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str
     stopped: BudgetExhausted | None = None
     stopped_at = 0
     for trial in trials:
-        (config.output_dir / TRIAL_CONFIG.format(k=trial.index)).write_bytes(trial.document)
+        _write_trial_config(config.output_dir / TRIAL_CONFIG.format(k=trial.index), trial.document)
         recorded = book.runs.get(trial.run_id)
-        if recorded:  # finished before a kill: keep it, if it is this trial and its adapter is as recorded
-            if recorded[-1][0] != trial.config.sha256:
-                raise ConfigError(Code.GRID_INVALID, f"run {trial.run_id!r} is recorded with another config than "
-                                                     f"trial {trial.index} of this grid; resume with the same files")
+        if recorded and recorded[-1][0] != trial.config.sha256:
+            raise ConfigError(Code.GRID_INVALID, f"run {trial.run_id!r} is recorded with another config than "
+                                                 f"trial {trial.index} of this grid; resume with the same files")
+        if recorded and not (trial.config.output_dir / STATE_FILE).exists():
+            # finished before a kill: keep it, if its adapter is as recorded (one recorded and stopped before its run
+            # state was removed is finished by train() below, which checks its adapter the same way)
             adapter = recorded[-1][1]
             if adapter is None or adapter_sha256(trial.config.output_dir) != adapter:
                 raise ConfigError(Code.BAD_ARGUMENT, f"{trial.config.output_dir} is not the adapter run "
@@ -410,6 +413,14 @@ def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str
     return result
 
 
+def _write_trial_config(path: Path, document: bytes) -> None:
+    """Write a trial's config whole or not at all (a temporary file renamed over it): a kill mid-write must not leave
+    a part of it, which `check_tune_output` would refuse as another search's."""
+    temporary = path.with_name(path.name + TEMPORARY)
+    temporary.write_bytes(document)
+    os.replace(temporary, path)
+
+
 def check_tune_output(folder: Path, trials: list[Trial]) -> None:
     """Refuse (`output_taken`) a search's `training.output` unless it is missing or holds only its trials' files:
     `trial-<k>.json` with this search's trial config (a resumed search), and `trial-<k>/` beside it (each trial
@@ -429,6 +440,8 @@ def check_tune_output(folder: Path, trials: list[Trial]) -> None:
     for path in sorted(folder.iterdir()):
         name = path.name
         if name == LOCK_FILE or name in ours:  # the lock a refused run leaves; this search's own trial config
+            continue
+        if name.endswith(TEMPORARY) and name.removesuffix(TEMPORARY) in configs:  # a trial config a kill cut short
             continue
         if path.is_dir() and name.startswith("trial-") and f"{name}.json" in ours:
             continue
