@@ -29,17 +29,20 @@ def _check(result: dict) -> None:
     assert verifier["audits"] and verifier["consistency"] > 0 and verifier["inclusion"] > 0
 
 
+@pytest.mark.slow
 def test_four_writers_and_a_verifier_on_sqlite(tmp_path: Path):
     result = run_load(f"sqlite:///{tmp_path / 'ledger.db'}", tmp_path, seconds=10, writers=4)
     _check(result)
     assert not any(result["operations"][op]["failed"] for op in ("admit", "withdraw", "spend"))
 
 
+@pytest.mark.slow
 def test_four_writers_and_a_verifier_on_postgresql(tmp_path: Path, pg_url: str):
     result = run_load(pg_url, tmp_path, seconds=10, writers=4)
     _check(result)
 
 
+@pytest.mark.slow
 def test_postgresql_restarted_mid_load_loses_nothing(tmp_path: Path):
     if binaries() is None:
         reason = "no PostgreSQL binaries (initdb, pg_ctl) to start a cluster of the test's own"
