@@ -1,6 +1,7 @@
 """Ledger throughput: batched appends, verification of a million entries, proofs at a million.
 
     .venv/bin/python bench/ledger.py [--entries 1000000] [--batch 10000] [--pg URL]
+    .venv/bin/python bench/ledger.py --load [--seconds 300] [--writers 8] [--url URL | --restart-pg]
 
 Prints, from one run on this machine:
   1. batched append rate into SQLite (entries per second; each batch is one transaction that also
@@ -12,6 +13,11 @@ Prints, from one run on this machine:
      next to the hashing-only lower bound (leaf and interior hashes of the same bodies, in memory);
   3. inclusion proof generation and verification at the full size       [target <= 5 ms each].
 Entries are spend-shaped (the bulk of a real ledger: one per contribution per epoch).
+
+`--load`: the ledger under load instead (bench/ledger_load.py): writer processes admitting, withdrawing and
+writing spend while a verifier process audits, for `--seconds`, against `--url` (a SQLite file by default, or an
+empty PostgreSQL database) or, with `--restart-pg`, a PostgreSQL cluster this bench creates (initdb in a temporary
+folder, a free port), stops and starts again halfway. Exit 1 if any end check fails.
 """
 
 from __future__ import annotations
@@ -77,14 +83,46 @@ def hashing_lower_bound(bodies: list[bytes]) -> float:
     return time.perf_counter() - start
 
 
+def load(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    from ledger_load import passed, report_lines, run_load
+    from tests.pg_cluster import Cluster
+
+    root = Path(tempfile.mkdtemp(prefix="govtrain-ledger-load-"))
+    cluster = None
+    try:
+        if args.restart_pg:
+            cluster = Cluster().start()
+            url, label, restart = cluster.url, "PostgreSQL (own cluster)", cluster.restart
+        else:
+            url = args.url or f"sqlite:///{root / 'ledger.db'}"
+            label, restart = ("PostgreSQL" if url.startswith("postgresql") else "SQLite"), None
+        result = run_load(url, root, seconds=args.seconds, writers=args.writers, restart=restart)
+        print("\n".join(report_lines(result, label)))
+    finally:
+        if cluster is not None:
+            cluster.remove()
+        shutil.rmtree(root, ignore_errors=True)
+    if not passed(result):
+        sys.exit(1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--load", action="store_true", help="the ledger under load (bench/ledger_load.py)")
+    parser.add_argument("--seconds", type=float, default=300)
+    parser.add_argument("--writers", type=int, default=8)
+    parser.add_argument("--url", help="--load: the ledger URL (default: a SQLite file in a temporary folder)")
+    parser.add_argument("--restart-pg", action="store_true",
+                        help="--load: on a PostgreSQL cluster of its own, stopped and started halfway")
     parser.add_argument("--entries", type=int, default=1_000_000)
     parser.add_argument("--batch", type=int, default=10_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pg", default=os.environ.get("GOVTRAIN_TEST_PG_URL"))
     parser.add_argument("--pg-entries", type=int, default=100_000)
     args = parser.parse_args()
+    if args.load:
+        return load(args)
     root = Path(tempfile.mkdtemp(prefix="govtrain-ledger-bench-"))
     try:
         keys = copy_demo_keys(root / "keys")

@@ -28,6 +28,8 @@ class Code(str, Enum):
     LEDGER_EXISTS = "ledger_exists"
     LEDGER_MISSING = "ledger_missing"
     LEDGER_NOT_DATABASE = "ledger_not_database"  # the file given as the ledger is no SQLite database
+    LEDGER_UNAVAILABLE = "ledger_unavailable"  # the database went away or stayed busy: nothing written; retry later
+    WRITE_UNCONFIRMED = "write_unconfirmed"  # the connection died while committing and never came back: look first
     BAD_ARGUMENT = "bad_argument"
     MODEL_UNREADABLE = "model_unreadable"
     RUN_CONFIG_INVALID = "run_config_invalid"

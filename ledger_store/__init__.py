@@ -13,6 +13,7 @@ from ledger_store.store import (
     StoredCheckpoint,
     StoredEntry,
     StoreError,
+    Unavailable,
     UnsupportedURL,
     leaf_hash,
     normalize_url,
@@ -21,5 +22,5 @@ from ledger_store.store import (
 
 __all__ = [
     "PERSISTED_NODE_HEIGHT", "NodeCache", "NotADatabase", "StoredCheckpoint", "AdmissionRow", "Appender", "Conflict", "LedgerExists", "LedgerMissing", "LedgerStore", "StoredEntry",
-    "StoreError", "UnsupportedURL", "leaf_hash", "normalize_url", "redacted_url",
+    "StoreError", "Unavailable", "UnsupportedURL", "leaf_hash", "normalize_url", "redacted_url",
 ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,10 @@ class LedgerExists(StoreError):
 
 class NotADatabase(StoreError):
     """A file SQLite cannot read as a database (a data file, a key, a policy given as the ledger)."""
+
+
+class Unavailable(StoreError):
+    """The database server could not be reached (down, restarting, refusing connections) or stayed locked."""
 
 
 class Conflict(StoreError):
@@ -350,6 +355,11 @@ class Appender:
         row = self.connection.execute(select(Checkpoint.__table__).order_by(Checkpoint.id.desc()).limit(1)).first()
         return StoredCheckpoint(row.id, row.size, row.root, row.note, row.time) if row is not None else None
 
+    def has_checkpoint(self, size: int, root: bytes) -> bool:
+        """Whether a checkpoint of the tree of `size` entries with `root` is stored, as this transaction sees it."""
+        return self.connection.execute(select(Checkpoint.id).where(Checkpoint.size == size, Checkpoint.root == root)
+                                       .limit(1)).first() is not None
+
     def last_time(self) -> int | None:
         """The time of the entry before this transaction's first one (read once: the lock is held)."""
         if self.first_seq == 0:
@@ -377,6 +387,35 @@ class LedgerStore:
         self.url = url
         self.engine = engine
         self.backend = backend
+        self._pinned = threading.local()  # this thread's snapshot connection, while `snapshot()` holds one
+
+    @contextmanager
+    def snapshot(self) -> Iterator[None]:
+        """Every read this thread makes inside sees the ledger as one moment: one connection in one read
+        transaction (SQLite: a WAL read transaction, fixed at its first read; PostgreSQL: REPEATABLE READ). A
+        verifier reads entries, checkpoints and index rows in many queries; without it, a writer committing in
+        between shows it entries no checkpoint it read covers, or an admit its index query did not see."""
+        if getattr(self._pinned, "connection", None) is not None:
+            yield
+            return
+        with self.engine.connect() as connection:
+            if self.backend == "postgresql":
+                connection.execution_options(isolation_level="REPEATABLE READ")
+            with connection.begin():
+                self._pinned.connection = connection
+                try:
+                    yield
+                finally:
+                    self._pinned.connection = None
+
+    @contextmanager
+    def _reading(self) -> Iterator[Connection]:
+        pinned = getattr(self._pinned, "connection", None)
+        if pinned is not None:
+            yield pinned
+            return
+        with self.engine.connect() as connection:
+            yield connection
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -396,7 +435,7 @@ class LedgerStore:
                     connection.exec_driver_sql(statement)
         except OperationalError as e:
             store.close()
-            raise LedgerMissing(f"cannot reach {redacted_url(url)}: "
+            raise Unavailable(f"cannot reach {redacted_url(url)}: "
                                 f"{str(e.orig).splitlines()[0]}") from e
         except DatabaseError as e:
             store.close()
@@ -420,7 +459,7 @@ class LedgerStore:
             present = inspect(store.engine).has_table("entries")
         except OperationalError as e:
             store.close()
-            raise LedgerMissing(f"cannot reach {redacted_url(url)}: "
+            raise Unavailable(f"cannot reach {redacted_url(url)}: "
                                 f"{str(e.orig).splitlines()[0]}") from e
         except DatabaseError as e:
             store.close()
@@ -466,28 +505,28 @@ class LedgerStore:
             connection.execute(insert(Setting.__table__), {"name": name, "value": value})
 
     def setting(self, name: str) -> str | None:
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             return connection.execute(select(Setting.value).where(Setting.name == name)).scalar_one_or_none()
 
     # -- reading -------------------------------------------------------------------------
 
     def size(self) -> int:
         """How many entries the table holds (a full count: what a verifier compares against)."""
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             return connection.execute(select(func.count()).select_from(Entry)).scalar_one()
 
     def next_seq(self) -> int:
         """One past the highest sequence number: the tree size of an intact ledger, by primary key."""
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             return connection.execute(select(func.coalesce(func.max(Entry.seq) + 1, 0))).scalar_one()
 
     def head(self) -> StoredEntry | None:
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             row = connection.execute(select(Entry.__table__).order_by(Entry.seq.desc()).limit(1)).first()
         return StoredEntry(*row) if row is not None else None
 
     def entry(self, seq: int) -> StoredEntry | None:
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             row = connection.execute(select(Entry.__table__).where(Entry.seq == seq)).first()
         return StoredEntry(*row) if row is not None else None
 
@@ -499,7 +538,7 @@ class LedgerStore:
             query = select(Entry.__table__).where(Entry.seq >= position)
             if kinds is not None:
                 query = query.where(Entry.kind.in_(kinds))
-            with self.engine.connect() as connection:
+            with self._reading() as connection:
                 rows = connection.execute(query.order_by(Entry.seq).limit(batch)).all()
             for row in rows:
                 yield StoredEntry(*row)
@@ -519,14 +558,14 @@ class LedgerStore:
             found = text("position(:pattern in entries.body) > 0").bindparams(
                 bindparam("pattern", pattern, type_=LargeBinary))
         condition = or_(found, Entry.kind.in_(kinds)) if kinds else found
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             rows = connection.execute(select(Entry.__table__).where(condition).order_by(Entry.seq)).all()
         return [StoredEntry(*row) for row in rows]
 
     def entries_at(self, seqs: list[int], batch: int = 500) -> list[StoredEntry]:
         """The entries with these sequence numbers (those that exist), in sequence order."""
         found: list[StoredEntry] = []
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             for start in range(0, len(seqs), batch):
                 chunk = seqs[start:start + batch]
                 rows = connection.execute(select(Entry.__table__).where(Entry.seq.in_(chunk))).all()
@@ -534,14 +573,14 @@ class LedgerStore:
         return sorted(found)
 
     def leaf_hashes(self, start: int, stop: int) -> list[bytes]:
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             return _leaf_hashes(connection, start, stop)
 
     def leaf_rows(self, batch: int = 100_000, *, with_kind: bool = False) -> Iterator[list[tuple]]:
         """Batches of (seq, leaf hash, body) for every entry in order, and its kind column last if
         `with_kind`: the bulk path auditors use."""
         columns = [Entry.seq, Entry.leaf_hash, Entry.body] + ([Entry.kind] if with_kind else [])
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             if self.backend == "sqlite":  # the driver's own cursor: no per-row Python objects in between
                 cursor = connection.connection.dbapi_connection.cursor()
                 cursor.execute(f"SELECT {', '.join(c.name for c in columns)} FROM entries ORDER BY seq")
@@ -556,11 +595,11 @@ class LedgerStore:
 
     def node_cache(self) -> NodeCache:
         def lookup(height: int, idx: int) -> bytes | None:
-            with self.engine.connect() as connection:
+            with self._reading() as connection:
                 return _node(connection, height, idx)
 
         def lookup_many(keys: list[tuple[int, int]]) -> dict[tuple[int, int], bytes]:
-            with self.engine.connect() as connection:
+            with self._reading() as connection:
                 rows = connection.execute(select(TreeNode.height, TreeNode.idx, TreeNode.hash).where(
                     tuple_(TreeNode.height, TreeNode.idx).in_(keys))).all()
             return {(h, i): v for h, i, v in rows}
@@ -568,22 +607,22 @@ class LedgerStore:
         return NodeCache(lookup, lookup_many)
 
     def count_kind(self, kind: str) -> int:
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             return connection.execute(select(func.count()).select_from(Entry).where(Entry.kind == kind)).scalar_one()
 
     def checkpoints(self) -> list[StoredCheckpoint]:
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             rows = connection.execute(select(Checkpoint.__table__).order_by(Checkpoint.id)).all()
         return [StoredCheckpoint(r.id, r.size, r.root, r.note, r.time) for r in rows]
 
     def latest_checkpoint(self) -> StoredCheckpoint | None:
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             row = connection.execute(select(Checkpoint.__table__).order_by(Checkpoint.id.desc()).limit(1)).first()
         return StoredCheckpoint(row.id, row.size, row.root, row.note, row.time) if row is not None else None
 
     def checkpoint_covering(self, seq: int) -> StoredCheckpoint | None:
         """The first checkpoint stored whose tree includes entry `seq`."""
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             row = connection.execute(select(Checkpoint.__table__).where(Checkpoint.size > seq)
                                      .order_by(Checkpoint.id).limit(1)).first()
         return StoredCheckpoint(row.id, row.size, row.root, row.note, row.time) if row is not None else None
@@ -594,7 +633,7 @@ class LedgerStore:
         if not contribution_ids:
             return []
         table = Admission.__table__
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             rows = connection.execute(
                 select(table).where(
                     table.c.contribution_id.in_(contribution_ids)
@@ -606,24 +645,24 @@ class LedgerStore:
         return [self._admission(row) for row in rows]
 
     def admission(self, contribution_id: str) -> AdmissionRow | None:
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             row = connection.execute(select(Admission.__table__).where(
                 Admission.contribution_id == contribution_id)).first()
         return self._admission(row) if row is not None else None
 
     def admissions(self) -> list[AdmissionRow]:
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             rows = connection.execute(select(Admission.__table__).order_by(Admission.seq)).all()
         return [self._admission(row) for row in rows]
 
     def withdrawals(self) -> dict[str, int]:
         """contribution id -> seq of its withdraw entry."""
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             return dict(connection.execute(select(Withdrawal.contribution_id, Withdrawal.seq)).all())
 
     def summaries(self) -> list[tuple[int, str, int, int]]:
         """(seq, class, first_seq, last_seq) of every summary entry."""
-        with self.engine.connect() as connection:
+        with self._reading() as connection:
             return [tuple(r) for r in connection.execute(
                 select(Summary.seq, Summary.data_class, Summary.first_seq, Summary.last_seq).order_by(Summary.seq))]
 

@@ -17,6 +17,7 @@ from typing import Iterable
 import ledger_store
 from govtrain.errors import AdmissionError, Code, GovtrainError
 from govtrain.gate.gate import Gate, VerifiedAttestation
+from govtrain.ledger import availability
 from govtrain.ledger.entries import admit_entry
 from govtrain.ledger.ledger import Ledger
 from govtrain.ledger.retention import RetiredKeys
@@ -225,5 +226,5 @@ def admit_many(ledger: Ledger, items: Iterable[tuple[str, bytes, Path]], *, now:
                 outcomes[index] = AdmitOutcome(source, error=e)
                 continue
             pending.append((index, source, verdict))
-        flush()
+        availability.retrying(flush, retry_s=ledger.retry_s)  # a batch lost with the connection runs again
     return outcomes

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Collection, Iterator, Sequence
 
 import ledger_store
 from govtrain.attest.keys import load_private_key, raw_public_key
-from govtrain.errors import Code, ConfigError, IntegrityError, RejectedError
-from govtrain.ledger import retention
+from govtrain.errors import Code, ConfigError, GovtrainError, IntegrityError, RejectedError
+from govtrain.ledger import availability, retention
 from govtrain.ledger.checkpoint import Checkpoint, NoteError, sign_checkpoint, verify_checkpoint
 from govtrain.ledger.entries import (
     DEVICE,
@@ -66,6 +66,18 @@ def store_errors() -> Iterator[None]:
         raise ConfigError(Code.LEDGER_EXISTS, f"{e}; a ledger is initialised once") from e
     except ledger_store.NotADatabase as e:
         raise ConfigError(Code.LEDGER_NOT_DATABASE, str(e)) from e
+    except ledger_store.Unavailable as e:
+        raise ConfigError(Code.LEDGER_UNAVAILABLE, f"{e}; try again once it is back") from e
+
+
+def _retried(method):  # type: ignore[no-untyped-def]
+    """A write that runs again while the database is unavailable (`availability.retrying`: never twice)."""
+
+    @functools.wraps(method)
+    def run(self: "Ledger", *args, **kwargs):  # type: ignore[no-untyped-def]
+        return availability.retrying(lambda: method(self, *args, **kwargs), retry_s=self.retry_s)
+
+    return run
 
 
 class Ledger:
@@ -78,6 +90,8 @@ class Ledger:
         self._key = None
         self._nodes = store.node_cache()  # subtree hashes, kept for the life of this Ledger
         self._header_leaf: bytes | None = None  # names this ledger in the signer's record of its heads
+        self.retry_s = availability.retry_seconds()  # how long a write retries a database that went away
+        availability.guard(store)
 
     @classmethod
     def open(cls, url: str, *, key: str | os.PathLike | None = None) -> "Ledger":
@@ -155,6 +169,7 @@ class Ledger:
         signers = [(key, self._key_name(key)), *cosigners]
         cache = self._nodes
         head = None
+        committing = False
         try:
             with self.store.append() as appender:
                 yield appender
@@ -180,6 +195,14 @@ class Ledger:
                 cache.flush(appender.connection)
                 checkpoint = sign_checkpoint(self.policy.origin, size, root, signers)
                 appender.add_checkpoint(size, root, checkpoint.note, now)
+                committing = True
+        except GovtrainError as e:
+            # Lost while committing: it may have committed unacknowledged. Ask, and report what is so
+            # (availability.py); an operation is run again only where nothing of it landed.
+            if not (committing and e.code is Code.LEDGER_UNAVAILABLE) or not availability.landed(
+                    self.store, first, [s.leaf_hash for s in appender.added], root, retry_s=self.retry_s):
+                cache.rollback()
+                raise
         except BaseException:
             cache.rollback()
             raise
@@ -240,6 +263,7 @@ class Ledger:
         raw = raw_public_key(key.public_key())
         return next(k.name for k in self.policy.ledger_keys if k.public_key == raw)
 
+    @_retried
     def checkpoint(self, now: int | None = None) -> Checkpoint:
         """Sign and store a checkpoint of the ledger as it is now."""
         with self.append(now):
@@ -320,6 +344,7 @@ class Ledger:
 
     # -- writes --------------------------------------------------------------------------
 
+    @_retried
     def close_epoch(self, now: int | None = None, *, epoch: int | None = None) -> int | None:
         """Append the `epoch` entry that closes the current epoch (and sign the checkpoint). With `epoch`,
         close it only if it is still the current one (another run may have closed it): returns the epoch
@@ -369,6 +394,7 @@ class Ledger:
             self.store.set_setting(LEDGER_KEY_SETTING, str(Path(key).resolve()))
         return stored
 
+    @_retried
     def withdraw(self, contribution_id: str, reason: str, now: int | None = None) -> ledger_store.StoredEntry:
         """Append a `withdraw` entry. Never removes or edits earlier entries, never refunds spend."""
         now = int(_time.time()) if now is None else now
@@ -393,6 +419,7 @@ class Ledger:
             raise RejectedError(Code.ALREADY_WITHDRAWN, f"{contribution_id!r} is already withdrawn") from e
         return stored
 
+    @_retried
     def record_spend(self, epoch: int, sampling_rate_u: int, spends: "Sequence[tuple[str, int, int, int]]", *,
                      run_id: str, run_nonce: bytes, epoch_steps: int, noise_groups: "Sequence[dict]",
                      now: int | None = None, consent: Collection[str] | None = None
@@ -483,6 +510,7 @@ class Ledger:
         from the entries (never the index tables, which a database writer without keys can edit)."""
         return read_spend_state(self.store, self.policy)
 
+    @_retried
     def record_run(self, run_id: str, mechanism: str, config_sha256: bytes, base_model_sha256: bytes,
                    adapter_sha256: bytes | None, now: int | None = None, *, run_nonce: bytes, device: str = "cpu",
                    precision: str = "fp32") -> ledger_store.StoredEntry:
@@ -511,6 +539,7 @@ class Ledger:
         """The runs, their spend and the tunes recorded so far, as the rules a new tune must meet read them."""
         return TuneBook.read(self.store)
 
+    @_retried
     def record_tune(self, *, tune_id: str, config_sha256: bytes, grid_sha256: bytes, trials: "Sequence[tuple[str, bytes]]",
                     selection_sha256: bytes, metric: str, selected_run_id: str | None,
                     now: int | None = None) -> tuple[ledger_store.StoredEntry, dict]:

@@ -45,6 +45,7 @@ from typing import Callable, Sequence
 import ledger_store
 from govtrain.errors import Code, GovtrainError, IntegrityError
 from govtrain.gate.gate import Gate
+from govtrain.ledger import availability
 from govtrain.ledger.checkpoint import Checkpoint, NoteError, verify_checkpoint
 from govtrain.ledger.entries import DEVICE, PRECISIONS, decode_entry
 from govtrain.ledger.ledger import store_errors
@@ -147,14 +148,16 @@ def inspect_ledger(url: str, *, trusted_checkpoints: Sequence[str] = (), attesta
     """
     with store_errors():
         store = ledger_store.LedgerStore.open(url)
+    availability.guard(store)  # a database that goes away mid-audit: ledger_unavailable, not a driver traceback
     report = VerificationReport(url=store.url, attestations_verified=attestations and not integrity_only,
                                 spend_recomputed=accountant is not None and not integrity_only,
                                 not_checked=NOT_CHECKED if integrity_only else ())
     try:
-        if integrity_only:
-            _integrity(store, report, trusted_checkpoints)
-        else:
-            _Audit(store, report, attestations, accountant).run(trusted_checkpoints)
+        with store.snapshot():  # one moment of a ledger that writers may be appending to
+            if integrity_only:
+                _integrity(store, report, trusted_checkpoints)
+            else:
+                _Audit(store, report, attestations, accountant).run(trusted_checkpoints)
     except _Failure as e:
         report.error, report.bad_seq, report.bad_checkpoint = e, e.seq, e.checkpoint
     except IntegrityError as e:
