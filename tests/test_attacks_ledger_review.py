@@ -151,14 +151,14 @@ def test_a_retried_admission_batch_does_not_refuse_its_own_landed_admissions(cor
         calls = _lose_next_write(ledger, skip=2)
         outcomes = admit_many(ledger, items, now=corpus.now)
         assert calls[0] >= 3  # the scenario ran: the batch, c3, then c4 lost
-    admitted = {row.contribution_id for row in Ledger_admissions(corpus)}
+    admitted = {row.contribution_id for row in _admissions(corpus)}
     assert admitted == {"c2", "c3", "c4"}
     assert outcomes[0].error is None, f"c3 is in the ledger but was reported {outcomes[0].error!r}"
     assert outcomes[1].error is None and outcomes[2].error is not None
     assert outcomes[2].error.code is Code.REPLAY
 
 
-def Ledger_admissions(corpus: Corpus):  # type: ignore[no-untyped-def]
+def _admissions(corpus: Corpus):  # type: ignore[no-untyped-def]
     with corpus.open() as ledger:
         return ledger.store.admissions()
 
@@ -263,3 +263,24 @@ def test_a_full_sqlite_disk_is_a_coded_error(corpus: Corpus):
             admit_many(ledger, items, now=corpus.now)
     assert snapshot(corpus.url) == before
     assert "\n" not in info.value.line() and "INSERT" not in info.value.line()
+
+
+def test_a_wrong_postgresql_password_is_not_ledger_unavailable(pg_url: str):
+    """Adversary: none but a misconfiguration (a rotated or mistyped password): the error must say what to do.
+
+    Defect: `_transient` takes every psycopg OperationalError for a database that went away, and
+    `LedgerStore.open` every connect failure, so a refused password is `ledger_unavailable`, "cannot reach ...
+    try again once it is back", and a write meeting it mid-run (the password rotated) is retried for
+    GOVTRAIN_LEDGER_RETRY_S seconds before saying so. Retrying cannot help; the line sends the operator to wait
+    for a server that is up.
+    Fix: tell authentication and authorisation failures (SQLSTATE 28xxx, 42501) from unreachability, and give
+    them a configuration code of their own (exit 2, not retried), the password still redacted."""
+    from sqlalchemy.engine import make_url
+
+    from govtrain.ledger.ledger import Ledger
+
+    wrong = make_url(pg_url).set(password="not-the-password").render_as_string(hide_password=False)
+    with pytest.raises(GovtrainError) as info:
+        Ledger.open(wrong)
+    assert "not-the-password" not in info.value.line()
+    assert info.value.code is not Code.LEDGER_UNAVAILABLE, info.value.line()
