@@ -8,7 +8,6 @@ import sqlite3
 import threading
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 
