@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import sqlite3
 from pathlib import Path
 
 import pytest
+
+import ledger_store
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -105,8 +108,6 @@ def test_an_unsigned_run_entry_forged_in_the_database_does_not_finish_a_killed_r
     folder = corpus.dir / "adapter"
     state = (folder / STATE).read_bytes()
 
-    import sqlite3
-
     db = _db(corpus.url)
     connection = sqlite3.connect(db)
     seq, last = connection.execute("SELECT max(seq) + 1, max(time) FROM entries").fetchone()
@@ -114,8 +115,6 @@ def test_an_unsigned_run_entry_forged_in_the_database_does_not_finish_a_killed_r
     body = run_entry(seq, last, run_id="test-run", run_nonce=_nonce(corpus.url, "test-run"), mechanism="dpsgd",
                      config_sha256=config.sha256, base_model_sha256=hashlib.sha256(b"any").digest(),
                      adapter_sha256=adapter_sha256(folder), device="cpu", precision="fp32")
-    import ledger_store
-
     _sql(db, "INSERT INTO entries (seq, kind, time, leaf_hash, body) VALUES (?, ?, ?, ?, ?)",
          params=(seq, "run", last, ledger_store.leaf_hash(body), body))
 
@@ -123,3 +122,36 @@ def test_an_unsigned_run_entry_forged_in_the_database_does_not_finish_a_killed_r
         train(config, corpus.url, insecure_seed=1, **QUIET)
     assert info.value.exit_code != 5  # not "finished, budgets ran out": a forged entry is an integrity failure
     assert (folder / STATE).read_bytes() == state and not (folder / "README.md").exists()
+
+
+# -- 3. a link planted at run-state.pt.tmp: the run state (its sampling key) is written through it -----------------
+
+def test_a_link_planted_at_the_state_temporary_is_not_written_through(corpus: Corpus, tiny_model: Path,
+                                                                       tmp_path: Path):
+    """Adversary: someone who can write the output folder between a kill and the resume (a kill leaves
+    `run-state.pt.tmp` behind routinely, so a file there is expected).
+
+    Defect: `_save_state` opens `run-state.pt.tmp` with O_CREAT|O_TRUNC and no O_NOFOLLOW (and `os.chmod`
+    follows links): a symbolic link planted there makes the resumed run write its state, sampling key included,
+    into the link's target (any file the run's user can write, truncated), and `os.replace` then installs the link
+    itself as `run-state.pt`, so later reads follow it too. `write_card` already unlinks a planted README.md link;
+    the state's temporary is not. Fix: unlink the temporary first and open it with O_EXCL|O_NOFOLLOW."""
+    from govtrain.train.config import load_run_config
+    from govtrain.train.loop import train
+
+    _admit(corpus, "pub")
+    config = load_run_config(_config(corpus, tiny_model, 6))
+    with pytest.raises(KeyboardInterrupt):
+        train(config, corpus.url, insecure_seed=1, checkpoint_every=1, interrupt_after_steps=2, **QUIET)
+    folder = corpus.dir / "adapter"
+    target = tmp_path / "elsewhere.txt"
+    target.write_bytes(b"a file of the run's user, outside its folder\n")
+    (folder / (STATE + ".tmp")).unlink(missing_ok=True)
+    (folder / (STATE + ".tmp")).symlink_to(target)
+
+    try:
+        train(config, corpus.url, insecure_seed=1, interrupt_after_steps=1, **QUIET)  # resumes, saves, is killed
+    except (KeyboardInterrupt, GovtrainError):
+        pass
+    assert target.read_bytes() == b"a file of the run's user, outside its folder\n"
+    assert not (folder / STATE).is_symlink()
