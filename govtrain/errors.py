@@ -30,6 +30,7 @@ class Code(str, Enum):
     LEDGER_NOT_DATABASE = "ledger_not_database"  # the file given as the ledger is no SQLite database
     LEDGER_UNAVAILABLE = "ledger_unavailable"  # the database went away or stayed busy: nothing written; retry later
     WRITE_UNCONFIRMED = "write_unconfirmed"  # the connection died while committing and never came back: look first
+    LEDGER_ACCESS_DENIED = "ledger_access_denied"  # the database refused the URL's user or password: not retried
     BAD_ARGUMENT = "bad_argument"
     MODEL_UNREADABLE = "model_unreadable"
     RUN_CONFIG_INVALID = "run_config_invalid"

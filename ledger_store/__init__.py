@@ -2,6 +2,7 @@
 
 from ledger_store.store import (
     PERSISTED_NODE_HEIGHT,
+    AccessDenied,
     AdmissionRow,
     Appender,
     Conflict,
@@ -15,12 +16,13 @@ from ledger_store.store import (
     StoreError,
     Unavailable,
     UnsupportedURL,
+    access_denied,
     leaf_hash,
     normalize_url,
     redacted_url,
 )
 
 __all__ = [
-    "PERSISTED_NODE_HEIGHT", "NodeCache", "NotADatabase", "StoredCheckpoint", "AdmissionRow", "Appender", "Conflict", "LedgerExists", "LedgerMissing", "LedgerStore", "StoredEntry",
+    "PERSISTED_NODE_HEIGHT", "AccessDenied", "access_denied", "NodeCache", "NotADatabase", "StoredCheckpoint", "AdmissionRow", "Appender", "Conflict", "LedgerExists", "LedgerMissing", "LedgerStore", "StoredEntry",
     "StoreError", "Unavailable", "UnsupportedURL", "leaf_hash", "normalize_url", "redacted_url",
 ]

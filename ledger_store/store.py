@@ -65,8 +65,27 @@ class Unavailable(StoreError):
     """The database server could not be reached (down, restarting, refusing connections) or stayed locked."""
 
 
+class AccessDenied(StoreError):
+    """The database refused these credentials or this role (a wrong or rotated password, no pg_hba entry, no
+    privilege): waiting cannot help, the URL or the database's grants must change."""
+
+
 class Conflict(StoreError):
     """A unique constraint refused the write (a replay, or a second withdrawal, that raced another writer)."""
+
+
+# PostgreSQL's refusals of a connection carry no SQLSTATE (libpq reports them as text); these are the server's.
+_ACCESS_DENIED = re.compile(r"authentication failed|no pg_hba\.conf entry|permission denied|is not permitted to log in"
+                            r"|role \"[^\"]*\" does not exist|no password supplied")
+
+
+def access_denied(error: BaseException) -> bool:
+    """Whether a driver error is PostgreSQL refusing who connects: SQLSTATE class 28 (invalid authorization,
+    a wrong password) or 42501 (insufficient privilege), or a refused connection saying so."""
+    sqlstate = getattr(error, "sqlstate", None)
+    if sqlstate:
+        return sqlstate.startswith("28") or sqlstate == "42501"
+    return type(error).__module__.startswith("psycopg") and _ACCESS_DENIED.search(str(error)) is not None
 
 
 def leaf_hash(body: bytes) -> bytes:
@@ -158,6 +177,16 @@ def _backend(url: str) -> str:
 
 def _sqlite_path(url: str) -> Path:
     return Path(make_url(url).database)
+
+
+def _unopenable(url: str, error: DatabaseError) -> StoreError:
+    """What a failure to open or create the ledger at `url` means to its user."""
+    if access_denied(error.orig):
+        return AccessDenied(f"{redacted_url(url)} refused this connection ({str(error.orig).splitlines()[0]}): "
+                            "check the user and password in the URL and the database's grants")
+    if isinstance(error, OperationalError):
+        return Unavailable(f"cannot reach {redacted_url(url)}: {str(error.orig).splitlines()[0]}")
+    return _not_a_database(url, error)
 
 
 def _not_a_database(url: str, error: DatabaseError) -> StoreError:
@@ -355,10 +384,18 @@ class Appender:
         row = self.connection.execute(select(Checkpoint.__table__).order_by(Checkpoint.id.desc()).limit(1)).first()
         return StoredCheckpoint(row.id, row.size, row.root, row.note, row.time) if row is not None else None
 
-    def has_checkpoint(self, size: int, root: bytes) -> bool:
-        """Whether a checkpoint of the tree of `size` entries with `root` is stored, as this transaction sees it."""
-        return self.connection.execute(select(Checkpoint.id).where(Checkpoint.size == size, Checkpoint.root == root)
-                                       .limit(1)).first() is not None
+    def entries(self, start: int, stop: int) -> list[StoredEntry]:
+        """The stored entries from `start` to `stop` (exclusive), as this transaction sees them."""
+        self.flush()
+        rows = self.connection.execute(select(Entry.__table__).where(Entry.seq >= start, Entry.seq < stop)
+                                       .order_by(Entry.seq)).all()
+        return [StoredEntry(*row) for row in rows]
+
+    def checkpoints_after(self, checkpoint_id: int) -> list[StoredCheckpoint]:
+        """The checkpoints stored after the one with `checkpoint_id`, as this transaction sees them."""
+        rows = self.connection.execute(select(Checkpoint.__table__).where(Checkpoint.id > checkpoint_id)
+                                       .order_by(Checkpoint.id)).all()
+        return [StoredCheckpoint(r.id, r.size, r.root, r.note, r.time) for r in rows]
 
     def last_time(self) -> int | None:
         """The time of the entry before this transaction's first one (read once: the lock is held)."""
@@ -388,6 +425,9 @@ class LedgerStore:
         self.engine = engine
         self.backend = backend
         self._pinned = threading.local()  # this thread's snapshot connection, while `snapshot()` holds one
+        # How long a PostgreSQL writer waits for the write lock (None: as long as it takes). A holder that hangs
+        # (stopped, or a backend whose client is partitioned away) must not hold every writer past its retries.
+        self.lock_wait_s: float | None = None
 
     @contextmanager
     def snapshot(self) -> Iterator[None]:
@@ -433,13 +473,9 @@ class LedgerStore:
                 triggers = sqlite_triggers() if backend == "sqlite" else postgresql_triggers()
                 for statement in triggers:
                     connection.exec_driver_sql(statement)
-        except OperationalError as e:
-            store.close()
-            raise Unavailable(f"cannot reach {redacted_url(url)}: "
-                                f"{str(e.orig).splitlines()[0]}") from e
         except DatabaseError as e:
             store.close()
-            raise _not_a_database(url, e) from e
+            raise _unopenable(url, e) from e
         if store.size() > 0:
             store.close()
             raise LedgerExists(f"{redacted_url(url)} already holds a ledger")
@@ -457,13 +493,9 @@ class LedgerStore:
         store = cls(url, _engine(url, backend), backend)
         try:
             present = inspect(store.engine).has_table("entries")
-        except OperationalError as e:
-            store.close()
-            raise Unavailable(f"cannot reach {redacted_url(url)}: "
-                                f"{str(e.orig).splitlines()[0]}") from e
         except DatabaseError as e:
             store.close()
-            raise _not_a_database(url, e) from e
+            raise _unopenable(url, e) from e
         if not present:
             store.close()
             raise LedgerMissing(f"{redacted_url(url)} is not a govtrain ledger; create one with `govtrain init`")
@@ -482,6 +514,9 @@ class LedgerStore:
             try:
                 with connection.begin():
                     if self.backend == "postgresql":
+                        if self.lock_wait_s is not None:  # 0 would mean no limit to PostgreSQL: 1 ms at least
+                            connection.exec_driver_sql(
+                                f"SET LOCAL lock_timeout = {max(1, round(self.lock_wait_s * 1000))}")
                         connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({ADVISORY_LOCK})")
                     yield connection
             finally:

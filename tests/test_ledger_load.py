@@ -172,3 +172,38 @@ def test_a_verifier_reads_one_snapshot_while_writers_append(corpus: Corpus):
             assert [row.contribution_id for row in reader.store.admissions()] == ["c1"]
             assert reader.store.withdrawals() == {}
         assert reader.store.size() == size + 2
+
+
+def test_a_lost_write_whose_positions_another_writer_took_runs_again(corpus: Corpus):
+    """A write lost while committing that did not land, whose sequence numbers another writer's entries hold by
+    the time it asks: those rows are not its own and do not pass for it, so it runs again (not `fork`)."""
+    _admitted(corpus, "c1")
+    before = snapshot(corpus.url)
+    with corpus.open() as ledger:
+        original, calls = ledger.store.append, [0]
+
+        class Lost(Exception):
+            pass
+
+        @contextmanager
+        def append():
+            calls[0] += 1
+            if calls[0] > 1:
+                with original() as appender:
+                    yield appender
+                return
+            try:
+                with original() as appender:
+                    yield appender
+                    raise Lost  # rolled back, as a commit that never reached the server
+            except Lost:
+                pass
+            _admitted(corpus, "c2")  # meanwhile, another writer appends at the same positions
+            raise ConfigError(Code.LEDGER_UNAVAILABLE, "connection lost while committing (simulated)")
+
+        ledger.store.append = append
+        stored = ledger.withdraw("c1", "asked", now=corpus.now)
+    assert calls[0] == 3  # the lost write, the landed check, the rerun
+    size, head, admissions = snapshot(corpus.url)
+    assert (size, head, admissions) == (before[0] + 2, stored.leaf_hash, before[2] + 1)
+    assert verify_ledger(corpus.url).withdrawals == 1

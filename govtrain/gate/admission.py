@@ -164,6 +164,9 @@ def admit_many(ledger: Ledger, items: Iterable[tuple[str, bytes, Path]], *, now:
     pending: list[tuple[int, str, VerifiedAttestation]] = []
 
     def flush() -> None:
+        # Run again after a lost write, it judges only what is still open: an item this call has already
+        # written (or refused) keeps its outcome, and is not looked up again to find itself a replay.
+        pending[:] = [p for p in pending if outcomes[p[0]].receipt is None and outcomes[p[0]].error is None]
         if not pending:
             return
         verified_list = [v for _, _, v in pending]

@@ -68,6 +68,8 @@ def store_errors() -> Iterator[None]:
         raise ConfigError(Code.LEDGER_NOT_DATABASE, str(e)) from e
     except ledger_store.Unavailable as e:
         raise ConfigError(Code.LEDGER_UNAVAILABLE, f"{e}; try again once it is back") from e
+    except ledger_store.AccessDenied as e:
+        raise ConfigError(Code.LEDGER_ACCESS_DENIED, str(e)) from e
 
 
 def _retried(method):  # type: ignore[no-untyped-def]
@@ -90,8 +92,19 @@ class Ledger:
         self._key = None
         self._nodes = store.node_cache()  # subtree hashes, kept for the life of this Ledger
         self._header_leaf: bytes | None = None  # names this ledger in the signer's record of its heads
-        self.retry_s = availability.retry_seconds()  # how long a write retries a database that went away
+        self.retry_s = availability.retry_seconds()
         availability.guard(store)
+
+    @property
+    def retry_s(self) -> float:
+        """How long a write retries a database that went away, and the longest a PostgreSQL writer waits for
+        the write lock."""
+        return self._retry_s
+
+    @retry_s.setter
+    def retry_s(self, seconds: float) -> None:
+        self._retry_s = seconds
+        self.store.lock_wait_s = seconds
 
     @classmethod
     def open(cls, url: str, *, key: str | os.PathLike | None = None) -> "Ledger":
@@ -182,7 +195,8 @@ class Ledger:
                     raise IntegrityError(Code.BAD_LEDGER_HEADER, "the ledger has no header entry")
                 head = SignedHead.of(self._signing_key_path(), header_leaf)
                 head.prepare()
-                tree = self._signed_prefix(appender, head, signed_under or self.policy)
+                latest = appender.latest_checkpoint()
+                tree = self._signed_prefix(appender, head, signed_under or self.policy, latest)
                 for leaf in appender.leaf_hashes(first, size):
                     tree.append(leaf)
                 root = tree.root()
@@ -199,8 +213,14 @@ class Ledger:
         except GovtrainError as e:
             # Lost while committing: it may have committed unacknowledged. Ask, and report what is so
             # (availability.py); an operation is run again only where nothing of it landed.
-            if not (committing and e.code is Code.LEDGER_UNAVAILABLE) or not availability.landed(
-                    self.store, first, [s.leaf_hash for s in appender.added], root, retry_s=self.retry_s):
+            try:
+                stored = committing and e.code is Code.LEDGER_UNAVAILABLE and availability.landed(
+                    self.store, appender.added, checkpoint.note, size=size,
+                    after=latest.id if latest is not None else -1, retry_s=self.retry_s)
+            except BaseException:
+                cache.rollback()
+                raise
+            if not stored:
                 cache.rollback()
                 raise
         except BaseException:
@@ -210,7 +230,8 @@ class Ledger:
         self._header_leaf = header_leaf
         head.save(tree, new_ledger=first == 0)
 
-    def _signed_prefix(self, appender: ledger_store.Appender, head: SignedHead, policy: Policy) -> CompactRange:
+    def _signed_prefix(self, appender: ledger_store.Appender, head: SignedHead, policy: Policy,
+                       latest: ledger_store.StoredCheckpoint | None) -> CompactRange:
         """The tree of the entries before this write, as this signer knows it was signed.
 
         From the head this key last signed here (kept outside the database), extended by any entries that
@@ -218,7 +239,6 @@ class Ledger:
         be exactly that tree head. A key with no record for this ledger (its first write here) takes the
         database as it is, once, after checking it against its latest signed checkpoint."""
         first = appender.first_seq
-        latest = appender.latest_checkpoint()
         tree = head.load() if first else None  # a new ledger starts from nothing, whatever was recorded
         if tree is None:
             tree = CompactRange()
