@@ -76,7 +76,7 @@ def test_the_stated_ceiling_is_what_a_perfect_attack_certifies_through_audit_sco
 
 def test_the_docs_say_the_white_box_audit_cannot_see_a_fault_confined_to_what_the_canaries_do_not_reach():
     """Adversary: a fault in the real clipping code that touches only parameters the real class reaches, e.g.
-    `tests/audit_faults.clipping_skipped_for("lora_A.default.weight")` under the head profile.
+    `clipping_skipped_for("lora_A.default.weight")` of tests/audit_faults.py under the head profile.
     Defect (documentation honesty): by construction (`world.py`: the canaries' coordinates are in parameters only
     the audit class reaches, and tests/test_attacks_audit.py proves the canaries' coordinates bit-for-bit
     independent of real gradients), such a fault leaves every canary score, hence the bound, exactly as in the
