@@ -1,6 +1,8 @@
 """The empirical privacy audit's table (docs/auditing.md): for each honest configuration (mechanism, privacy unit,
 profile) at several claimed ε, and with --broken for each deliberately broken mechanism (tests/audit_faults.py),
-the ε the ledger claims against the audit's 95% lower bounds (one-run and GDP), with m and the wall time.
+the ε the ledger claims against the audit's 95% results: the one-run lower bound (any mechanism), whether the
+f-DP test rejects the claimed mechanism's curve, and the f-DP family bound (valid for a subsampled Gaussian at the
+run's q and steps), with the ceiling, m and the wall time.
 
     python bench/audit.py                 # every honest configuration at ε 2, 4, 8, and a black-box run
     python bench/audit.py --broken        # the four broken runs, each beside its honest twin
@@ -35,12 +37,12 @@ HONEST = [
 def broken_runs():  # type: ignore[no-untyped-def]
     from tests import audit_faults
 
-    head = "classifier.modules_to_save.default.weight"
     wrong_q = {"q": 0.05}
     return [
         ("noise off", {}, audit_faults.noise_off),
         ("noise std / realised batch", {}, audit_faults.noise_over_realised_batch),
-        ("clipping skipped (head)", {}, lambda: audit_faults.clipping_skipped_for(head)),
+        ("clipping skipped (layer 0, adapter profile)", {"profile": "adapter"},
+         lambda: audit_faults.clipping_skipped_for_layer(0)),
         ("sampled at 10q, charged q=0.05", wrong_q, lambda: audit_faults.sampled_at(10)),
     ]
 
@@ -50,7 +52,8 @@ def row(name: str, config: AuditConfig, fault=None) -> str:  # type: ignore[no-u
         result = run_audit(config, Path(folder))
     b = result.bound
     return (f"| {name} | {config.kind} | {config.q:g} | {config.steps} | {result.claimed:.2f} | {b.canaries} | "
-            f"{b.epsilon_one_run:.2f} | {b.epsilon_gdp:.2f} | {b.ceiling:.2f} | {result.seconds:.0f} s |")
+            f"{b.epsilon_one_run:.2f} | {'yes' if b.fdp.claim_rejected else 'no'} | {b.fdp.epsilon:.2f} | "
+            f"{b.ceiling:.2f} | {'FAILED' if result.failed else 'passed'} | {result.seconds:.0f} s |")
 
 
 def main() -> None:
@@ -59,8 +62,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one honest row")
     parser.add_argument("--epsilons", default="2,4,8", help="claimed ε targets of the honest rows")
     args = parser.parse_args()
-    print("| configuration | canaries | q | steps | claimed ε | m | ε one-run | ε GDP | ceiling | wall |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| configuration | canaries | q | steps | claimed ε | m | ε one-run | claim rejected (f-DP) | ε f-DP family "
+          "| ceiling | audit | wall |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     if args.quick:
         print(row(HONEST[0][0], replace(BASE, epsilon=4.0)), flush=True)
         return

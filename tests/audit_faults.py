@@ -10,8 +10,10 @@ Each is a context manager that patches the running process's govtrain and restor
   router divides the noise's std by the *realised* batch size b (how many clipping units the Poisson draw
   gave), as if it were noising a mean, and then divides the sum by B as before: the noise is b times too small
   (b ≈ qN, hundreds here), and b itself depends on who was drawn.
-- `clipping_skipped_for(suffix)`: the clipping coefficient of one parameter (named by its suffix) is 1 for every sample (that
-  parameter is left out of clipping); every other parameter is clipped as before.
+- `clipping_skipped_for_layer(layer)`: the clipping coefficient of every parameter of one transformer layer
+  (`.layer.<n>.` in its name: the real class's adapter factors there and the audit class's alike) is 1 for every
+  sample (that layer is left out of clipping); every other parameter is clipped as before.
+  `clipping_skipped_for(suffix)` does the same for one parameter named by its suffix.
 - `sampled_at(factor)`: the sampler draws at `factor`·q while the ledger's spend (and the run's own rate check,
   which reads the sampler's rate attribute) says q: a contribution charged at the wrong q.
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import textwrap
-from typing import Iterator
+from typing import Callable, Iterator
 
 from govtrain.routing import router as router_module
 from govtrain.routing.router import Router
@@ -74,18 +76,29 @@ _SHARED_LINE = "coefficients = {name: shared for name in squares}"
 
 
 @contextlib.contextmanager
-def clipping_skipped_for(suffix: str) -> Iterator[None]:
+def _clipping_skipped(skipped: Callable[[str], bool]) -> Iterator[None]:
     """`Router._clipped_sum` recompiled from its own source with one line changed (a mutant): the dpsgd/prism
-    branch's shared coefficient is replaced by ones for the parameter whose name ends with `suffix`. Fails loudly if that line is gone."""
+    branch's shared coefficient is replaced by ones for each parameter `skipped` names. Fails loudly if that line
+    is gone."""
     source = textwrap.dedent(inspect.getsource(Router._clipped_sum))
     if source.count(_SHARED_LINE) != 1:
-        raise RuntimeError("Router._clipped_sum changed: update clipping_skipped_for in tests/audit_faults.py")
-    source = source.replace(_SHARED_LINE, "coefficients = {name: torch.ones_like(shared) if name.endswith(SKIPPED) else "
+        raise RuntimeError("Router._clipped_sum changed: update _clipping_skipped in tests/audit_faults.py")
+    source = source.replace(_SHARED_LINE, "coefficients = {name: torch.ones_like(shared) if SKIPPED(name) else "
                                           "shared for name in squares}")
-    scope = dict(vars(router_module), SKIPPED=suffix)
+    scope = dict(vars(router_module), SKIPPED=skipped)
     exec(compile(source, inspect.getsourcefile(Router), "exec"), scope)  # noqa: S102 (a test's mutant)
     with _patched(Router, "_clipped_sum", scope["_clipped_sum"]):
         yield
+
+
+def clipping_skipped_for(suffix: str):  # type: ignore[no-untyped-def]
+    """Clipping skipped for the one parameter whose name ends with `suffix`."""
+    return _clipping_skipped(lambda name: name.endswith(suffix))
+
+
+def clipping_skipped_for_layer(layer: int):  # type: ignore[no-untyped-def]
+    """Clipping skipped for every parameter of transformer layer `layer`, whichever class reaches it."""
+    return _clipping_skipped(lambda name: f".layer.{layer}." in name)
 
 
 @contextlib.contextmanager

@@ -175,3 +175,55 @@ def test_an_audit_releases_nothing_and_records_no_run(tmp_path: Path):
         assert book.finished == {} and ledger.policy.origin == "audit.invalid/govtrain/1"
         assert {c for c in book.charged if c.startswith("canary-")}  # the canaries were charged, in this ledger only
     assert worlds.AUDIT_CLASS == "audit"
+
+
+def test_closing_the_router_drops_the_audit_canaries(tmp_path: Path):
+    """A router's canaries end with it: `close()` clears them, so a closed router never clips a Dirac again."""
+    setup = prepare(SMALL, tmp_path / "audit")
+    ledger, run = open_run(SMALL, setup.world)
+    try:
+        attach_canaries(run, setup.canaries, SMALL.scale)
+        assert run.router._canaries is not None
+        run.router.close()
+        assert run.router._canaries is None
+    finally:
+        close_run(ledger, run)  # a second close is harmless
+
+
+def _forward(run, chunk):  # type: ignore[no-untyped-def]
+    batch = run.encode(chunk)
+    with run.forward(chunk):
+        output = run.model(**batch.inputs)
+    return run.task.per_example_loss(output, batch)
+
+
+def test_a_misused_canary_chunk_is_a_value_error_and_changes_nothing(tmp_path: Path):
+    """The audit's driver must name each clipping unit's contribution before each chunk (`DiracCanaries.select`)
+    and clip a canary as the canaries' class. Either misuse is a programmer's mistake: a ValueError (as the
+    router's other argument checks), raised before any gradient is formed, so no sum, no `.grad`, no noise."""
+    setup = prepare(SMALL, tmp_path / "audit")
+    ledger, run = open_run(SMALL, setup.world)
+    try:
+        assert run.plan_epoch() and run.write_ahead()
+        chunk = run.draw()[0]
+        canary_ids = set(setup.canaries.ids)
+        assert set(chunk.owners) & canary_ids
+        dirac = attach_canaries(run, setup.canaries, SMALL.scale)
+        router = run.router
+        router.begin()
+        state = router.generator.get_state()
+        with pytest.raises(ValueError, match="select"):  # no select before the chunk
+            router.accumulate(_forward(run, chunk), chunk.classes, chunk.clips, units=chunk.units)
+        assert router._totals is None and all(p.grad is None for p in router.params.values())
+        dirac.select(units_of(chunk.owners, chunk.units))
+        wrong = [worlds.REAL_CLASS] * len(chunk.classes)  # every unit clipped as the real class
+        with pytest.raises(ValueError, match="clipped as class"):
+            router.accumulate(_forward(run, chunk), wrong, chunk.clips, units=chunk.units)
+        assert router._totals is None and all(p.grad is None for p in router.params.values())
+        assert torch.equal(router.generator.get_state(), state)  # no noise drawn
+        # the same chunk, used rightly, still goes through: the refusals left the router as it was
+        dirac.select(units_of(chunk.owners, chunk.units))
+        router.accumulate(_forward(run, chunk), chunk.classes, chunk.clips, units=chunk.units)
+        assert router._totals is not None
+    finally:
+        close_run(ledger, run)

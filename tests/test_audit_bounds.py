@@ -1,7 +1,8 @@
 """The audit's statistics (govtrain/audit/bounds.py) against oracles written here, and by simulation.
 
 Oracles: scipy.stats.binom's tail for the pure-epsilon test; the (epsilon, delta) test's bound written out again in
-mpmath, in 50 digits; the mu-GDP curve solved again in mpmath. Simulation: mechanisms whose privacy is known exactly
+mpmath, in 50 digits; the mu-GDP curve solved again in mpmath; the claimed subsampled-Gaussian curve (dp_accounting's
+PLD) against the exact Gaussian trade-off and against dp_accounting's RDP accountant. Simulation: mechanisms whose privacy is known exactly
 (randomized response: exactly eps-DP; a Gaussian shift of the score: exactly mu-GDP), audited over seeded trials,
 must see their true privacy exceeded in at most about 5% of the trials, and a strong attack must come close to it.
 """
@@ -24,10 +25,12 @@ from govtrain.audit.bounds import (
     audit_scores,
     ceiling,
     default_guess_counts,
+    fdp_rejects,
     gdp_epsilon,
     gdp_mu,
     one_run_epsilon,
 )
+from govtrain.audit.tradeoff import SubsampledGaussian, epsilon_delta_curve
 
 ALPHA = 0.05
 
@@ -102,13 +105,33 @@ def test_delta_term_against_mpmath(m, r, v, delta):
 
 
 def test_ceiling_for_a_thousand_canaries():
+    """The unrestricted one-run test's ceiling (every canary guessed right, at the full confidence), and what
+    `audit_scores` itself can certify: k <= m/2 per side, each k at the Bonferroni level."""
     q = 0.05 ** (1 / 1000)  # a perfect attack at 95%: q^1000 = 0.05
     oracle = math.log(q / (1 - q))
     assert oracle == pytest.approx(5.809, abs=1e-3)
-    assert oracle - 2 * TOLERANCE <= ceiling(canaries=1000, delta=0.0) <= oracle
-    with_delta = ceiling(canaries=1000, delta=1e-6)
-    assert 5.80 < with_delta < oracle
-    assert ceiling(canaries=100, delta=1e-6) < with_delta < ceiling(canaries=10_000, delta=1e-6)
+    unrestricted = one_run_epsilon(canaries=1000, guesses=1000, correct=1000, delta=0.0)
+    assert oracle - 2 * TOLERANCE <= unrestricted <= oracle
+    assert 5.80 < one_run_epsilon(canaries=1000, guesses=1000, correct=1000, delta=1e-6) < oracle
+    # audit_scores': at best (500 drawn in) k = 500 at the 0.05/6 level; three or more off, k = 250
+    q_best = (0.05 / 6) ** (1 / 1000)
+    assert ceiling(canaries=1000, delta=0.0) == pytest.approx(math.log(q_best / (1 - q_best)), abs=2 * TOLERANCE)
+    best, usual = ceiling(canaries=1000, delta=1e-5), ceiling(canaries=1000, delta=1e-5, included=480)
+    assert round(best, 2) == 5.27 and round(usual, 2) == 4.57 and usual < best < unrestricted
+    assert usual == ceiling(canaries=1000, delta=1e-5, included=520) == one_run_epsilon(
+        canaries=1000, guesses=500, correct=500, delta=1e-5, confidence=1 - ALPHA / 6)
+    assert ceiling(canaries=1000, delta=1e-5, guess_counts=[250]) == one_run_epsilon(
+        canaries=1000, guesses=500, correct=500, delta=1e-5)  # one k: no correction
+    assert ceiling(canaries=100, delta=1e-6) < ceiling(canaries=1000, delta=1e-6) < ceiling(canaries=10_000,
+                                                                                           delta=1e-6)
+
+
+def test_a_perfect_attack_certifies_exactly_the_ceiling():
+    rng = np.random.default_rng(5)
+    for m in (200, 1000):
+        included = rng.random(m) < 0.5
+        perfect = audit_scores(included + 1e-3 * rng.random(m), included, delta=1e-5)
+        assert perfect.epsilon_one_run == perfect.ceiling
 
 
 def test_more_correct_more_canaries_larger_bound():
@@ -171,12 +194,11 @@ def test_audit_scores_is_the_best_k_at_the_bonferroni_level():
         right = int(np.sum(~included[by_rank[:k]]) + np.sum(included[by_rank[-k:]]))
         candidates.append((one_run_epsilon(canaries=m, guesses=2 * k, correct=right, delta=delta,
                                            confidence=level), 2 * k, right,
-                           gdp_mu(canaries=m, guesses=2 * k, correct=right, confidence=level)))
+                           0))
     eps, guesses, right, _ = max(candidates)
     assert (bound.epsilon_one_run, bound.guesses, bound.correct) == (eps, guesses, right)
-    assert bound.mu == max(c[3] for c in candidates)
-    assert bound.epsilon_gdp == gdp_epsilon(bound.mu, delta)
-    assert bound.ceiling == ceiling(canaries=m, delta=delta)
+    assert bound.fdp is None  # no claim given, no f-DP test
+    assert bound.ceiling == ceiling(canaries=m, delta=delta, included=int(included.sum()))
     # one k, no correction
     single = audit_scores(scores, included, delta=delta, guess_counts=[50])
     right = candidates[counts.index(50)][2]
@@ -189,7 +211,7 @@ def test_audit_scores_is_the_best_k_at_the_bonferroni_level():
 def test_ties_count_against_the_auditor():
     included = [True] * 50 + [False] * 50
     flat = audit_scores([0.0] * 100, included, delta=1e-5)
-    assert flat.correct == 0 and flat.epsilon_one_run == 0.0 and flat.mu == 0.0
+    assert flat.correct == 0 and flat.epsilon_one_run == 0.0
     # two tied blocks: the top 10 come from the "high" block, whose excluded members are taken first
     scores = [1.0] * 20 + [0.0] * 80
     inc = [True] * 12 + [False] * 8 + [True] * 38 + [False] * 42
@@ -197,34 +219,107 @@ def test_ties_count_against_the_auditor():
     assert bound.correct == 2  # "in" on 8 excluded and 2 included, "out" on 10 included
 
 
+def _rejected_by_some_k(scores, included, curve, level) -> bool:  # type: ignore[no-untyped-def]
+    """audit_scores' claim_rejected, without the family search: the f-DP test of each default k at `level`."""
+    m, by_rank = len(scores), np.argsort(scores)
+    for k in default_guess_counts(m):
+        right = int(np.sum(~included[by_rank[:k]]) + np.sum(included[by_rank[-k:]]))
+        if fdp_rejects(canaries=m, guesses=2 * k, correct=right, curve=curve, confidence=level):
+            return True
+    return False
+
+
 @pytest.mark.parametrize("mu", [1.5])
 def test_validity_gaussian_shift(mu):
-    """Scores shifted by mu when included: the scores are exactly mu-GDP in each canary, so the audit may exceed mu,
-    or its epsilon at delta, in at most ~5% of the trials."""
+    """Scores shifted by mu when included: the scores are exactly mu-GDP in each canary (the subsampled Gaussian at
+    q = 1, one step, noise multiplier 1/mu), so the audit may exceed mu or its epsilon at delta, or reject that
+    claimed curve, in at most ~5% of the trials."""
     rng, m, delta, trials = np.random.default_rng(2023), 1000, 1e-5, 200
     truth = gdp_epsilon(mu, delta) + 2 * TOLERANCE
-    over_mu = over_gdp = over_one_run = 0
+    claimed = SubsampledGaussian(noise_multiplier=1 / mu, sampling_rate=1.0, steps=1).curve()
+    level = 1 - ALPHA / len(default_guess_counts(m))
+    over_mu = over_one_run = rejected = 0
     for _ in range(trials):
         included = rng.random(m) < 0.5
-        bound = audit_scores(rng.normal(size=m) + mu * included, included, delta=delta)
-        over_mu += bound.mu > mu
-        over_gdp += bound.epsilon_gdp > truth
+        scores = rng.normal(size=m) + mu * included
+        bound = audit_scores(scores, included, delta=delta)
+        over_mu += gdp_mu(canaries=m, guesses=bound.guesses, correct=bound.correct, confidence=level) > mu
         over_one_run += bound.epsilon_one_run > truth
+        rejected += _rejected_by_some_k(scores, included, claimed, level)
         assert bound.epsilon_one_run <= bound.ceiling
-    for over in (over_mu, over_gdp, over_one_run):
+    for over in (over_mu, over_one_run, rejected):
         assert over / trials <= ALPHA + 0.03
 
 
 def test_a_mechanism_three_times_its_claim_is_caught():
-    """Scores shifted by 3 audited against a claim of mu = 1: the audit must say so, in nearly every trial."""
-    rng, m, delta, claim = np.random.default_rng(11), 1000, 1e-5, 1.0
-    caught_mu = caught_eps = 0
+    """Scores shifted by 3 audited against a claim of mu = 1 (noise multiplier 1): the f-DP test rejects the claimed
+    curve in nearly every trial."""
+    rng, m = np.random.default_rng(11), 1000
+    claimed = SubsampledGaussian(noise_multiplier=1.0, sampling_rate=1.0, steps=1).curve()
+    level = 1 - ALPHA / len(default_guess_counts(m))
+    caught = 0
     for _ in range(50):
         included = rng.random(m) < 0.5
-        bound = audit_scores(rng.normal(size=m) + 3.0 * included, included, delta=delta)
-        caught_mu += bound.mu > claim
-        caught_eps += bound.epsilon_gdp > gdp_epsilon(claim, delta)
-    assert caught_mu >= 48 and caught_eps >= 48
+        caught += _rejected_by_some_k(rng.normal(size=m) + 3.0 * included, included, claimed, level)
+    assert caught >= 48
+
+
+# --- the f-DP test against a claimed curve -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("sigma", [0.5, 1.0, 3.0])
+def test_the_claimed_curve_of_a_pure_gaussian_is_the_exact_trade_off_from_below(sigma):
+    """q = 1, one step: the PLD curve is the Gaussian trade-off Phi(Phi^-1(1 - a) - 1/sigma), within the
+    discretisation and never above it (above would make a false rejection likelier)."""
+    curve = SubsampledGaussian(noise_multiplier=sigma, sampling_rate=1.0, steps=1).curve()
+    alphas = np.linspace(0.0, 1.0, 1001)
+    ours = np.array([curve(a) for a in alphas])
+    exact = norm.cdf(norm.ppf(1 - alphas) - 1 / sigma)
+    assert np.all(ours <= exact + 1e-12)
+    assert np.max(exact - ours) < 1e-4
+
+
+def test_the_claimed_epsilon_against_a_second_accountant():
+    """Subsampled and composed: the optimistic PLD's epsilon at delta (a family member's stated epsilon) against
+    Microsoft's prv-accountant (Gopi et al.), a second library: at most its upper bound, and within its error
+    band of its estimate."""
+    prv = pytest.importorskip("prv_accountant")
+
+    for sigma, q, steps in ((1.0, 0.5, 10), (2.0, 0.05, 10), (0.8, 1.0, 5)):
+        ours = SubsampledGaussian(noise_multiplier=sigma, sampling_rate=q, steps=steps).epsilon(1e-5)
+        accountant = prv.PRVAccountant(prvs=[prv.PoissonSubsampledGaussianMechanism(
+            noise_multiplier=sigma, sampling_probability=q)], max_self_compositions=[steps], eps_error=0.01,
+            delta_error=1e-10)
+        lower, _, upper = accountant.compute_epsilon(delta=1e-5, num_self_compositions=[steps])
+        assert lower - 0.02 <= ours <= upper
+
+
+def test_the_family_bound_is_the_gaussian_bound_for_a_pure_gaussian_claim():
+    """At q = 1 and one step the family is mu-GDP with mu = 1/sigma': its bound is the diagnostic gdp_mu, from
+    below (the claimed curve is never above the true one), and a claim weaker than the truth is not rejected."""
+    rng, m, delta = np.random.default_rng(3), 1000, 1e-5
+    level = 1 - ALPHA / len(default_guess_counts(m))
+    for mu in (1.0, 2.0):
+        included = rng.random(m) < 0.5
+        scores = rng.normal(size=m) + mu * included
+        bound = audit_scores(scores, included, delta=delta,
+                             claim=SubsampledGaussian(noise_multiplier=1 / mu, sampling_rate=1.0, steps=1))
+        fdp = bound.fdp
+        diagnostic = gdp_mu(canaries=m, guesses=fdp.guesses, correct=fdp.correct, confidence=level)
+        assert diagnostic - 0.01 < 1 / fdp.noise_multiplier <= diagnostic + 2 * TOLERANCE
+        assert not fdp.claim_rejected and fdp.noise_multiplier > 1 / mu
+        assert 0 < fdp.epsilon <= gdp_epsilon(1 / fdp.noise_multiplier, delta) + 1e-3
+        weaker = audit_scores(scores, included, delta=delta,
+                              claim=SubsampledGaussian(noise_multiplier=0.5 / mu, sampling_rate=1.0, steps=1))
+        assert not weaker.fdp.claim_rejected
+
+
+def test_the_f_dp_test_against_an_epsilon_delta_claim_rejects_a_stronger_one():
+    """Randomized response at eps = 2 guessed on every canary: the f-DP test does not reject (2, delta) and does
+    reject (0.5, delta), in the expected case."""
+    m, q = 1000, math.exp(2) / (1 + math.exp(2))
+    right = round(m * q)
+    assert not fdp_rejects(canaries=m, guesses=m, correct=right, curve=epsilon_delta_curve(2.0, 1e-5))
+    assert fdp_rejects(canaries=m, guesses=m, correct=right, curve=epsilon_delta_curve(0.5, 1e-5))
 
 
 def test_validity_and_tightness_randomized_response():

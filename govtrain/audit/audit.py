@@ -1,7 +1,7 @@
 """One audit: m canaries, one governed training run, one bound (docs/auditing.md).
 
     result = run_audit(AuditConfig(mechanism="dpsgd", epsilon=4.0, m=1000), folder)
-    result.claimed, result.bound.epsilon_one_run, result.bound.epsilon_gdp
+    result.claimed, result.bound.epsilon_one_run, result.bound.fdp.claim_rejected, result.bound.fdp.epsilon
 
 The run is the real one: the canaries are attested and admitted through the gate into the audit's own ledger
 (`world.py`), `Run` prepares, plans each ledger epoch and writes its spend ahead, the run's Poisson sampler draws
@@ -12,8 +12,12 @@ the router's clipping (`canaries.DiracCanaries`). It never calls `Run.finish`: n
 no run entry is recorded, so a canary never reaches a release or a model card.
 
 The claim is what the ledger says: the largest cumulative ε of the canaries' contributions in its spend book,
-read back after the run, at the policy's δ. The bound is `bounds.audit_scores` at that δ, which must be far below
-1/(2m): the one-run test pays 2mδ, so a δ near 1/(2m) certifies nothing.
+read back after the run, at the policy's δ; and the mechanism the run claims for each canary, the subsampled
+Gaussian at the run's q, the canaries' signed noise multiplier and its steps (`AuditResult.mechanism`). The bound
+is `bounds.audit_scores` at that δ, which must be far below 1/(2m) (the one-run test pays 2mδ, so a δ near 1/(2m)
+certifies nothing), with the f-DP test against that claimed mechanism's curve. The audit fails the run when
+`AuditResult.failed`: the one-run bound, valid for any mechanism, is above the ledger's claim, or the f-DP test
+rejects the claimed curve.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from govtrain import units
 from govtrain.audit import world as worlds
 from govtrain.audit.bounds import AuditBound, audit_scores
 from govtrain.audit.canaries import Canaries, DiracCanaries, admit, coordinates_for, draw_canaries, units_of
+from govtrain.audit.tradeoff import SubsampledGaussian
 
 REAL_CONTRIBUTIONS, REAL_RECORDS = 4, 5  # the real data: a few small contributions of the real class
 
@@ -60,10 +65,19 @@ class AuditResult:
     config: AuditConfig
     claimed: float  # the canaries' largest cumulative ε in the ledger, at `delta`
     delta: float
-    bound: AuditBound
+    mechanism: SubsampledGaussian  # each canary's mechanism, as the run claims it
+    bound: AuditBound  # its `fdp` is the f-DP test against `mechanism`
     seconds: float
     scores: np.ndarray = field(repr=False)
     included: np.ndarray = field(repr=False)
+
+    @property
+    def failed(self) -> bool:
+        """The audit shows the claim wrong: the one-run bound (any mechanism) exceeds the ledger's ε, or the f-DP
+        test rejects the claimed curve. `bound.fdp.epsilon` above the claim says the same for a mechanism of the
+        claimed family (a subsampled Gaussian), which the rejection already covers."""
+        assert self.bound.fdp is not None
+        return self.bound.epsilon_one_run > self.claimed or self.bound.fdp.claim_rejected
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,8 +99,9 @@ def run_audit(config: AuditConfig, folder: Path, *, log: Callable[[str], None] =
         f"σ = {setup.sigma:g}")
     scores = _train(config, setup, now, log)
     claimed = _claimed(setup.world, setup.canaries)
-    bound = audit_scores(scores, setup.canaries.included, delta=config.delta)
-    return AuditResult(config=config, claimed=claimed, delta=config.delta, bound=bound,
+    mechanism = SubsampledGaussian(noise_multiplier=setup.sigma, sampling_rate=config.q, steps=config.steps)
+    bound = audit_scores(scores, setup.canaries.included, delta=config.delta, claim=mechanism)
+    return AuditResult(config=config, claimed=claimed, delta=config.delta, mechanism=mechanism, bound=bound,
                        seconds=time.perf_counter() - started, scores=scores, included=setup.canaries.included)
 
 

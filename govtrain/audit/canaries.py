@@ -110,20 +110,28 @@ class DiracCanaries:
         """The contribution of each clipping unit of the chunk about to be accumulated."""
         self._selected = list(owners)
 
+    def check(self, classes: Sequence[str]) -> None:
+        """Refuse a chunk before the router forms anything from it: `select` must have named one contribution per
+        clipping unit, and a canary must be clipped as the canaries' class. A misuse of the audit's own driver, so
+        a ValueError, as the router's other checks of its arguments."""
+        owners = self._selected
+        if owners is None or len(owners) != len(classes):
+            raise ValueError("DiracCanaries.select(owners) with one owner per clipping unit must precede each chunk")
+        for owner, data_class in zip(owners, classes):
+            if owner in self.coordinates and data_class != self.data_class:
+                raise ValueError(f"canary {owner} is clipped as class {data_class!r}, not {self.data_class!r}")
+
     def inject(self, squares: dict[str, Tensor], classes: Sequence[str], batch: int, dtype: torch.dtype,
                device: torch.device) -> None:
         """Add each selected canary's Dirac to its unit's squared norm (its model gradient is zero there: its
         loss is weighted by zero), before the router forms the clipping coefficients."""
+        self.check(classes)
         owners, self._selected = self._selected, None
-        if owners is None or len(owners) != batch:
-            raise RuntimeError("DiracCanaries.select(owners) with one owner per clipping unit must precede each chunk")
         found: dict[str, tuple[list[int], list[int]]] = {}
         for row, owner in enumerate(owners):
             coordinate = self.coordinates.get(owner)
             if coordinate is None:
                 continue
-            if classes[row] != self.data_class:
-                raise RuntimeError(f"canary {owner} is clipped as class {classes[row]!r}, not {self.data_class!r}")
             rows, flat = found.setdefault(coordinate.name, ([], []))
             rows.append(row)
             flat.append(coordinate.index)

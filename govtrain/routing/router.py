@@ -218,6 +218,7 @@ class Router:
             handle.remove()
         self._handles.clear()
         self.routes.close()
+        self._canaries = None  # an audit's canaries end with its router's life
 
     def _hook(self, tap: _Tap):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
@@ -399,6 +400,8 @@ class Router:
         clip = torch.as_tensor(clip_norms, dtype=dtype, device=losses.device)
         if clip.shape != (batch,) or not bool((clip > 0).all()):
             raise ValueError("need one positive clipping norm per clipping unit (example or contribution)")
+        if self._canaries is not None:  # audit only: each unit's canary named, and clipped as the canaries' class
+            self._canaries.check(classes)
         # Rounding favours privacy: clip to a hair under C_i, so that a norm computed in floating point (fp32
         # rounds at ~1e-7) never lets a released per-sample gradient exceed the C_i the accountant charges.
         clip = clip * (1 - 8 * torch.finfo(dtype).eps)
