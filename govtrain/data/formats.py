@@ -50,6 +50,8 @@ def json_lines_rows(lines: Iterable[bytes], name: str) -> Iterator[Row]:
             record = json.loads(line)
         except (UnicodeDecodeError, ValueError) as e:
             raise BadData(where, f"not JSON ({e.__class__.__name__}){_ONE_PER_LINE}") from None
+        except RecursionError:
+            raise BadData(where, "JSON nested too deep to read") from None
         if not isinstance(record, dict):
             raise BadData(where, f"not a JSON object{_ONE_PER_LINE}")
         yield where, record
@@ -78,7 +80,11 @@ def csv_rows(raw: bytes, name: str, integer_columns: Collection[str] = ()) -> It
                 continue
             if len(fields) != len(header):
                 raise BadData(where, f"{len(fields)} fields, the header has {len(header)}")
-            yield where, {column: _csv_cell(cell, column in integer_columns) for column, cell in zip(header, fields)}
+            try:
+                row = {column: _csv_cell(cell, column in integer_columns) for column, cell in zip(header, fields)}
+            except ValueError:  # an integer past Python's digit limit (sys.get_int_max_str_digits)
+                raise BadData(where, "a number too long to read") from None
+            yield where, row
     except csv.Error as e:
         raise BadData(f"{name}:{reader.line_num}", f"not CSV ({e})") from None
 
@@ -112,9 +118,12 @@ def arrow_stream_table(raw: bytes, name: str):  # type: ignore[no-untyped-def]
 
 def table_rows(table, name: str, first: int = 1) -> Iterator[Row]:  # type: ignore[no-untyped-def]
     """Rows of a pyarrow table, numbered from `first` (a dataset's shards continue one numbering)."""
-    names = table.schema.names
+    names = _arrow(lambda: table.schema.names, name, "column names that are not UTF-8")
     if len(set(names)) != len(names):
         raise BadData(name, "a column name appears twice")
+    # Readers check an Arrow stream's metadata, not its buffers: an offset past its values would be read out of
+    # bounds (a crash) by to_pylist. Full validation checks every offset and length first.
+    _arrow(lambda: table.validate(full=True), name, "buffers that do not hold what the schema says")
     records = _arrow(table.to_pylist, name, "values pyarrow cannot convert")
     return ((f"{name}:row {first + i}", record) for i, record in enumerate(records))
 

@@ -268,6 +268,10 @@ def read_toml_file(path: Path, model: type[BaseModel], *, what: str, unreadable:
         raise ConfigError(unreadable, f"cannot read {what} {path}: {e.strerror}") from e
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(unreadable, f"{path} is not valid TOML: {e}") from e
+    except RecursionError as e:  # tomllib recurses once per nested array or inline table
+        raise ConfigError(unreadable, f"{path} is not valid TOML: arrays or tables nested too deep") from e
+    except ValueError as e:  # an integer past Python's digit limit (sys.get_int_max_str_digits)
+        raise ConfigError(unreadable, f"{path} is not valid TOML: a number too long to read") from e
     try:
         return model.model_validate(document), raw
     except ValidationError as e:
