@@ -11,6 +11,7 @@ ledger whose entry k holds the input, its leaf hash recomputed: what a database 
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import sqlite3
 import tempfile
@@ -104,7 +105,7 @@ def run_verifier(data: bytes) -> None:
         connection.execute("UPDATE entries SET body = ?, leaf_hash = ? WHERE seq = ?", (body, leaf_hash(body), seq))
     connection.close()
     report = inspect_ledger(f"sqlite:///{path}", accountant=recorded_accountant)
-    if report.error is None:
+    if report.error is None and body != _bodies()[seq]:
         raise ContractViolation(f"a ledger with entry {seq} replaced verified")
 
 
@@ -115,14 +116,20 @@ def run_trusted_checkpoint(data: bytes) -> None:
         raise ContractViolation("a trusted checkpoint other than the ledger's own was consistent")
 
 
-def _entry_seeds() -> list[bytes]:
+@functools.cache
+def _bodies() -> list[bytes]:
+    """The world ledger's entry bodies, by seq."""
     import ledger_store
 
     store = ledger_store.LedgerStore.open(f"sqlite:///{_ledger_copy()}")
     try:
-        return [bytes((e.seq,)) + e.body for e in store.entries()]
+        return [e.body for e in store.entries()]
     finally:
         store.close()
+
+
+def _entry_seeds() -> list[bytes]:
+    return [bytes((seq,)) + body for seq, body in enumerate(_bodies())]
 
 
 def _note_seeds() -> list[bytes]:

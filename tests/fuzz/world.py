@@ -23,6 +23,7 @@ from govtrain.ledger.checkpoint import NoteKey
 from govtrain.ledger.ledger import Ledger
 from govtrain.policy.config import load_policy
 from govtrain.policy.model import Policy
+from govtrain.policy.trust import TrustStore
 from tests.conftest import KEYS_EXAMPLE, TEST_POLICY, append_runs, copy_demo_keys
 
 NOW = 1_700_000_000
@@ -45,11 +46,27 @@ class World:
     checkpoint: str  # the ledger's last checkpoint note
 
     def gate(self) -> Gate:
-        return Gate(self.policy)
+        """A gate with an empty attestation cache (each input verified afresh) and the policy's screened keys."""
+        return Gate(self.policy, trust=_trust(self.policy))
 
     @property
     def note_key(self) -> NoteKey:
-        return NoteKey(ORIGIN, raw_public_key(self.ledger_key.public_key()))
+        return _note_key(raw_public_key(self.ledger_key.public_key()))
+
+
+_TRUST: dict[int, TrustStore] = {}
+
+
+def _trust(policy: Policy) -> TrustStore:
+    """The policy's trust store, built once: screening its keys is what costs (policies do not hash)."""
+    if id(policy) not in _TRUST:
+        _TRUST[id(policy)] = TrustStore.from_policy(policy)
+    return _TRUST[id(policy)]
+
+
+@functools.cache
+def _note_key(public_key: bytes) -> NoteKey:
+    return NoteKey(ORIGIN, public_key)
 
 
 def descriptor_map(data: bytes, name: str, **overrides: object) -> dict:
