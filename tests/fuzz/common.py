@@ -30,7 +30,7 @@ from govtrain.errors import Code, GovtrainError
 settings.register_profile("ci", max_examples=120, deadline=None, derandomize=True, database=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                  HealthCheck.function_scoped_fixture])
-settings.register_profile("fuzz", max_examples=3000, deadline=None, derandomize=False, database=None,
+settings.register_profile("fuzz", max_examples=1000, deadline=None, derandomize=False, database=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                  HealthCheck.function_scoped_fixture])
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
