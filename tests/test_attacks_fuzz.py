@@ -26,7 +26,7 @@ from govtrain.train.data import rows_of
 from govtrain.train.tune import load_grid, tune
 from govtrain.verify.verifier import inspect_ledger
 from tests.conftest import REPO, Corpus, snapshot
-from tests.fuzz.findings import JSON_DEEP, LONG_DIGITS, SHARD, STATE, TOML_DEEP, TOML_LONG_INT, \
+from tests.fuzz.findings import JSON_DEEP, LONG_DIGITS, STATE, TOML_DEEP, TOML_LONG_INT, \
     arrow_column_not_utf8, arrow_offsets_past_values, proof_with_long_index
 
 ORIGIN = "test.invalid/govtrain/1"

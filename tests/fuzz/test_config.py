@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import functools
 import random
-import tempfile
 import tomllib
 from pathlib import Path
 

@@ -8,18 +8,18 @@ authorised attester signed as its payload, through Gate.verify: what a trusted k
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from hypothesis import given
 from hypothesis import strategies as st
 
-from govtrain.attest.cose import sign_sign1, CONTENT_TYPE
+from govtrain.attest.cose import CONTENT_TYPE, sign_sign1
 from govtrain.attest.descriptor import Descriptor
 from govtrain.encoding import cbor
 from govtrain.encoding.cbor import Tag
 from tests.fuzz.common import ContractViolation, Target, check, fuzz_settings, main, mutated
 from tests.fuzz.world import NOW, descriptor_map, world
 from tests.vectors import __file__ as _vectors
-
-from pathlib import Path
 
 VECTORS = Path(_vectors).parent
 TAGS = frozenset({18, 1})

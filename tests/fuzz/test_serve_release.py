@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import functools
 import json
+from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 
 from govtrain.attest.cose import sign_sign1
 from govtrain.attest.keys import raw_public_key
+from govtrain.encoding import cbor
 from govtrain.inference.wire import parse_split_request
 from govtrain.ledger.merkle import MerkleTree
 from govtrain.ledger.proof import InclusionProof
@@ -29,8 +31,6 @@ from govtrain.serve.rights import CONTENT_TYPE, Issuer, from_header, verify_righ
 from tests.fuzz.common import Target, check, fuzz_settings, main, mutated
 from tests.fuzz.world import world
 from tests.vectors import __file__ as _vectors
-
-from pathlib import Path
 
 VECTORS = Path(_vectors).parent
 RIGHTS = json.loads((VECTORS / "rights-v1.json").read_text())
@@ -165,7 +165,7 @@ def test_rights_header(data: bytes) -> None:
                                                   "not_after", "issued_at", "rights_id", "x"]),
                                  st.one_of(st.integers(-5, 2**64 - 1), st.text(max_size=10), st.binary(max_size=20),
                                            st.lists(st.one_of(st.text(max_size=8), st.integers(-(2**63), 2**63)), max_size=3)))
-                 .map(lambda claims: __import__("govtrain.encoding.cbor", fromlist=["encode"]).encode(claims))))
+                 .map(cbor.encode)))
 def test_signed_rights(data: bytes) -> None:
     check(lambda: run_signed_rights(data))
 
