@@ -26,7 +26,7 @@ from govtrain.train.data import rows_of
 from govtrain.train.tune import load_grid, tune
 from govtrain.verify.verifier import inspect_ledger
 from tests.conftest import REPO, Corpus, snapshot
-from tests.fuzz.findings import JSON_DEEP, LONG_DIGITS, STATE, TOML_DEEP, TOML_LONG_INT, \
+from tests.fuzz.findings import JSON_DEEP, LONG_DIGITS, PARQUET_ROWS_DECLARED, STATE, TOML_DEEP, TOML_LONG_INT, \
     arrow_column_not_utf8, arrow_offsets_past_values, proof_with_long_index
 
 ORIGIN = "test.invalid/govtrain/1"
@@ -84,6 +84,18 @@ def test_hostile_toml_files(corpus: Corpus, tmp_path: Path, text: bytes) -> None
     assert snapshot(corpus.url) == before
 
 
+@pytest.mark.parametrize("text", [b'"\\n" = 0\n', b'[classes."a\\u001b[2Jb"]\nclip_norm = 1.0\n'])
+def test_toml_key_with_a_control_character(corpus: Corpus, text: bytes) -> None:
+    """Findings 14 and 15: a quoted TOML key holding a newline (or a terminal escape) is named escaped in the
+    policy_invalid line: the error stays one line, and no control character reaches the terminal."""
+    before = snapshot(corpus.url)
+    path = corpus.dir / "keys.toml"
+    path.write_bytes(text)
+    error = _raises(Code.POLICY_INVALID, lambda: load_policy(path))
+    assert error.line().isprintable()
+    assert snapshot(corpus.url) == before
+
+
 @pytest.mark.parametrize("value", ["2000-01-01", "07:32:00", "1979-05-27T07:32:00Z", "nan", "inf"])
 def test_grid_value_without_a_json_form(corpus: Corpus, value: str) -> None:
     """Finding 7: a grid value that is a TOML date or time (or NaN, infinity) is grid_invalid before any trial is
@@ -106,12 +118,17 @@ def _dataset(folder: Path, state: bytes, shard: bytes | None) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("case", ["jsonl-deep", "state-deep", "column-not-utf8", "offsets-past-values"])
+@pytest.mark.parametrize("case", ["jsonl-deep", "state-deep", "column-not-utf8", "offsets-past-values",
+                                  "parquet-rows-declared"])
 def test_admission_of_hostile_data(corpus: Corpus, case: str) -> None:
-    """Findings 8, 10, 11 and 12: a contribution whose data is a JSON line nested 100000 deep, a dataset whose
-    state.json is, an Arrow shard whose column name is not UTF-8, or one whose string offsets point past its values,
-    signed as it is: admission refuses it with bad_data and records nothing."""
-    if case == "jsonl-deep":
+    """Findings 8, 10, 11, 12 and 13: a contribution whose data is a JSON line nested 100000 deep, a dataset whose
+    state.json is, an Arrow shard whose column name is not UTF-8, one whose string offsets point past its values, or
+    a Parquet file of 3 rows whose row group declares 55 billion, signed as it is: admission refuses it with bad_data
+    and records nothing."""
+    if case == "parquet-rows-declared":
+        data = corpus.dir / "rows.parquet"
+        data.write_bytes(PARQUET_ROWS_DECLARED)
+    elif case == "jsonl-deep":
         data = corpus.dir / "deep.jsonl"
         data.write_bytes(b'{"text": "x", "label": 1}\n' + JSON_DEEP + b"\n")
     elif case == "state-deep":

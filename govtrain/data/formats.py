@@ -105,8 +105,22 @@ def parquet_rows(raw: bytes, name: str) -> Iterator[Row]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = _arrow(lambda: pq.ParquetFile(pa.BufferReader(raw)).read(), name, "not a readable Parquet file")
+    file = _arrow(lambda: pq.ParquetFile(pa.BufferReader(raw)), name, "not a readable Parquet file")
+    if not _arrow(lambda: _counts_agree(file.metadata), name, "not a readable Parquet file"):
+        # The reader allocates for the rows a row group declares: 3 rows of data declared as 55 billion would
+        # exhaust memory before any value is read.
+        raise BadData(name, "not a readable Parquet file (its row groups, its columns and its footer declare "
+                            "different numbers of rows)")
+    table = _arrow(file.read, name, "not a readable Parquet file")
     return table_rows(table, name)
+
+
+def _counts_agree(meta) -> bool:  # type: ignore[no-untyped-def]
+    """The row groups' rows add up to the file's, and every column chunk holds at least one value (or null, or
+    empty list) per row of its group."""
+    groups = [meta.row_group(i) for i in range(meta.num_row_groups)]
+    return sum(g.num_rows for g in groups) == meta.num_rows and all(
+        g.column(j).num_values >= g.num_rows for g in groups for j in range(g.num_columns))
 
 
 def arrow_stream_table(raw: bytes, name: str):  # type: ignore[no-untyped-def]

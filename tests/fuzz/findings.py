@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
+from pathlib import Path
 
 from govtrain.errors import Code
 
@@ -52,6 +53,9 @@ def arrow_column_not_utf8() -> bytes:
     return raw.replace(b"qzqz", b"qz\xf8z")  # the same length: the flatbuffer stays well formed
 
 
+# Found by atheris (make fuzz, 2026-11-27): 3 rows of data whose row group declares 55,406,687,869 rows.
+PARQUET_ROWS_DECLARED = (Path(__file__).parent / "inputs" / "parquet-55-billion-rows.parquet").read_bytes()
+
 STATE = b'{"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}'
 SHARD = b"\n--shard--\n"  # tests.fuzz.test_data.SEPARATOR
 
@@ -83,4 +87,10 @@ def findings(checkpoint: str) -> list[Finding]:
                 "UnicodeDecodeError: an Arrow column name that is not UTF-8"),
         Finding(12, "dataset_dir", STATE + SHARD + arrow_offsets_past_values(), Code.BAD_DATA,
                 "segmentation fault: pyarrow's to_pylist read a string offset past its values"),
+        Finding(13, "parquet", PARQUET_ROWS_DECLARED, Code.BAD_DATA,
+                "out of memory (over 4 GB for a 736-byte file): the reader allocated for the rows a row group declared"),
+        Finding(14, "policy", b'"\\n" = 0\n', Code.POLICY_INVALID,
+                "an error of two lines: pydantic's path of a quoted key holding a newline, printed as it was"),
+        Finding(15, "grid", b'[grid]\n"\\n" = [0]\n[select]\ndata = "x.jsonl"\n', Code.GRID_INVALID,
+                "an error of two lines (the same, in a grid)"),
     ]
