@@ -116,11 +116,9 @@ def parquet_rows(raw: bytes, name: str) -> Iterator[Row]:
 
 
 def _counts_agree(meta) -> bool:  # type: ignore[no-untyped-def]
-    """The row groups' rows add up to the file's, and every column chunk holds at least one value (or null, or
-    empty list) per row of its group."""
-    groups = [meta.row_group(i) for i in range(meta.num_row_groups)]
-    return sum(g.num_rows for g in groups) == meta.num_rows and all(
-        g.column(j).num_values >= g.num_rows for g in groups for j in range(g.num_columns))
+    """The row groups' rows add up to the file's. (Column chunks' counts are left to the reader: pyarrow 26 aborts
+    the process, uncatchably, reading some malformed column-chunk metadata that its reader refuses cleanly.)"""
+    return sum(meta.row_group(i).num_rows for i in range(meta.num_row_groups)) == meta.num_rows
 
 
 def arrow_stream_table(raw: bytes, name: str):  # type: ignore[no-untyped-def]

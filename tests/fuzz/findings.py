@@ -56,6 +56,8 @@ def arrow_column_not_utf8() -> bytes:
 # Found by atheris (make fuzz, 2026-11-27): 3 rows of data whose row group declares 55,406,687,869 rows.
 PARQUET_ROWS_DECLARED = (Path(__file__).parent / "inputs" / "parquet-55-billion-rows.parquet").read_bytes()
 
+PARQUET_LEVEL_HISTOGRAM = (Path(__file__).parent / "inputs" / "parquet-level-histogram.parquet").read_bytes()
+
 STATE = b'{"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}'
 SHARD = b"\n--shard--\n"  # tests.fuzz.test_data.SEPARATOR
 
@@ -93,4 +95,7 @@ def findings(checkpoint: str) -> list[Finding]:
                 "an error of two lines: pydantic's path of a quoted key holding a newline, printed as it was"),
         Finding(15, "grid", b'[grid]\n"\\n" = [0]\n[select]\ndata = "x.jsonl"\n', Code.GRID_INVALID,
                 "an error of two lines (the same, in a grid)"),
+        Finding(16, "parquet", PARQUET_LEVEL_HISTOGRAM, Code.BAD_DATA,
+                "process abort (an uncaught C++ exception) where a first fix for 13 read column-chunk metadata: kept "
+                "as a regression of that fix; the reader itself refuses the file cleanly"),
     ]
