@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo demo-contribution scratch test docs bench schemas vectors readme clean
+.PHONY: demo demo-contribution scratch test fuzz docs bench schemas vectors readme clean
 
 # torch first, pinned to the release whose CPU wheel lies on this machine's disk; a bare `torch`
 # requirement resolved later would pull a multi-GB CUDA build. The bundled model and data packages
@@ -30,6 +30,12 @@ scratch: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# Every parser of untrusted input, coverage-guided (atheris) for FUZZ_SECONDS each, then the hypothesis tests at the
+# "fuzz" profile: executions, coverage and findings per target (docs/fuzzing.md); corpora and crashes in fuzz-out/.
+FUZZ_SECONDS ?= 60
+fuzz: $(STAMP)
+	FUZZ_SECONDS=$(FUZZ_SECONDS) $(PY) -m tests.fuzz.run
+
 # The documentation site, into site/; --strict fails on a broken link or reference (tests/test_docs.py too).
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
@@ -52,4 +58,4 @@ vectors: $(STAMP)
 	$(PY) -m tests.vectors.generate
 
 clean:
-	rm -rf $(VENV) demo-out bench-out scratch site dist build .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) demo-out bench-out fuzz-out scratch site dist build .pytest_cache .hypothesis *.egg-info

@@ -101,10 +101,16 @@ def _is_identity(point: tuple) -> bool:
     return x % _P == 0 and (y - z) % _P == 0
 
 
+_SCREENED: set[bytes] = set()  # keys found of prime order: the verifier screens a policy's keys at every checkpoint
+_SCREENED_MAX = 1024
+
+
 def check_public_key(raw: bytes) -> None:
     """Raise `ConfigError(bad_public_key)` unless `raw` canonically encodes a point of prime order L."""
     if not isinstance(raw, (bytes, bytearray)) or len(raw) != PUBLIC_KEY_BYTES:
         raise ConfigError(Code.BAD_PUBLIC_KEY, "an Ed25519 public key is exactly 32 bytes")
+    if bytes(raw) in _SCREENED:  # the answer is a function of the 32 bytes alone; only passes are remembered
+        return
     affine = _decompress(bytes(raw))
     if affine is None:
         raise ConfigError(Code.BAD_PUBLIC_KEY, "public key is not a canonical encoding of a curve point")
@@ -116,6 +122,8 @@ def check_public_key(raw: bytes) -> None:
         raise ConfigError(
             Code.BAD_PUBLIC_KEY, "public key has a small-order component; signatures under it can be forged"
         )
+    if len(_SCREENED) < _SCREENED_MAX:
+        _SCREENED.add(bytes(raw))
 
 
 # ---------------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ def _state(tree: Tree, name: str) -> dict:
         raise BadData(name, f"a directory that is not a datasets save_to_disk directory (no {STATE_FILE})")
     try:
         state = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise BadData(f"{name}/{STATE_FILE}", f"not JSON ({e.__class__.__name__})") from None
     if not isinstance(state, dict):
         raise BadData(f"{name}/{STATE_FILE}", "not a JSON object")

@@ -50,6 +50,8 @@ def json_lines_rows(lines: Iterable[bytes], name: str) -> Iterator[Row]:
             record = json.loads(line)
         except (UnicodeDecodeError, ValueError) as e:
             raise BadData(where, f"not JSON ({e.__class__.__name__}){_ONE_PER_LINE}") from None
+        except RecursionError:
+            raise BadData(where, "JSON nested too deep to read") from None
         if not isinstance(record, dict):
             raise BadData(where, f"not a JSON object{_ONE_PER_LINE}")
         yield where, record
@@ -78,7 +80,11 @@ def csv_rows(raw: bytes, name: str, integer_columns: Collection[str] = ()) -> It
                 continue
             if len(fields) != len(header):
                 raise BadData(where, f"{len(fields)} fields, the header has {len(header)}")
-            yield where, {column: _csv_cell(cell, column in integer_columns) for column, cell in zip(header, fields)}
+            try:
+                row = {column: _csv_cell(cell, column in integer_columns) for column, cell in zip(header, fields)}
+            except ValueError:  # an integer past Python's digit limit (sys.get_int_max_str_digits)
+                raise BadData(where, "a number too long to read") from None
+            yield where, row
     except csv.Error as e:
         raise BadData(f"{name}:{reader.line_num}", f"not CSV ({e})") from None
 
@@ -99,8 +105,20 @@ def parquet_rows(raw: bytes, name: str) -> Iterator[Row]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = _arrow(lambda: pq.ParquetFile(pa.BufferReader(raw)).read(), name, "not a readable Parquet file")
+    file = _arrow(lambda: pq.ParquetFile(pa.BufferReader(raw)), name, "not a readable Parquet file")
+    if not _arrow(lambda: _counts_agree(file.metadata), name, "not a readable Parquet file"):
+        # The reader allocates for the rows a row group declares: 3 rows of data declared as 55 billion would
+        # exhaust memory before any value is read.
+        raise BadData(name, "not a readable Parquet file (its row groups, its columns and its footer declare "
+                            "different numbers of rows)")
+    table = _arrow(file.read, name, "not a readable Parquet file")
     return table_rows(table, name)
+
+
+def _counts_agree(meta) -> bool:  # type: ignore[no-untyped-def]
+    """The row groups' rows add up to the file's. (Column chunks' counts are left to the reader: pyarrow 26 aborts
+    the process, uncatchably, reading some malformed column-chunk metadata that its reader refuses cleanly.)"""
+    return sum(meta.row_group(i).num_rows for i in range(meta.num_row_groups)) == meta.num_rows
 
 
 def arrow_stream_table(raw: bytes, name: str):  # type: ignore[no-untyped-def]
@@ -112,9 +130,12 @@ def arrow_stream_table(raw: bytes, name: str):  # type: ignore[no-untyped-def]
 
 def table_rows(table, name: str, first: int = 1) -> Iterator[Row]:  # type: ignore[no-untyped-def]
     """Rows of a pyarrow table, numbered from `first` (a dataset's shards continue one numbering)."""
-    names = table.schema.names
+    names = _arrow(lambda: table.schema.names, name, "column names that are not UTF-8")
     if len(set(names)) != len(names):
         raise BadData(name, "a column name appears twice")
+    # Readers check an Arrow stream's metadata, not its buffers: an offset past its values would be read out of
+    # bounds (a crash) by to_pylist. Full validation checks every offset and length first.
+    _arrow(lambda: table.validate(full=True), name, "buffers that do not hold what the schema says")
     records = _arrow(table.to_pylist, name, "values pyarrow cannot convert")
     return ((f"{name}:row {first + i}", record) for i, record in enumerate(records))
 

@@ -30,7 +30,7 @@ MAX_NOTE_BYTES = 64 * 1024
 MAX_SIGNATURES = 64
 _EM_DASH = "\u2014"
 _KEY_NAME = re.compile(r"[^\s+]+")
-_SIZE = re.compile(r"0|[1-9][0-9]*")
+_SIZE = re.compile(r"0|[1-9][0-9]{0,18}")  # a tree size fits in 63 bits: at most 19 digits
 
 
 class NoteError(IntegrityError):
@@ -209,7 +209,7 @@ def verify_checkpoint(note: str | bytes, *, origin: str, keys: Iterable[NoteKey]
     if lines[0] != origin:
         raise NoteError(f"checkpoint is for origin {lines[0]!r}, not {origin!r}")
     if not _SIZE.fullmatch(lines[1]):
-        raise NoteError("checkpoint size is not a decimal without leading zeros")
+        raise NoteError("checkpoint size is not a decimal of at most 19 digits without leading zeros")
     try:
         root = base64.b64decode(lines[2], validate=True)
     except (binascii.Error, ValueError) as e:

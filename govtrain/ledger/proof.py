@@ -28,7 +28,7 @@ from govtrain.ledger.entries import decode_entry
 from govtrain.ledger.merkle import ProofError, leaf_hash, verify_inclusion
 
 HEADER = "c2sp.org/tlog-proof@v1"
-_INDEX = re.compile(r"index (0|[1-9][0-9]*)")
+_INDEX = re.compile(r"index (0|[1-9][0-9]{0,18})")  # a ledger seq fits in 63 bits: at most 19 digits
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +69,7 @@ def parse_proof(text: str) -> InclusionProof:
         entry = base64.b64decode(rest[0][len("extra "):], validate=True)
         match = _INDEX.fullmatch(rest[1]) if len(rest) > 1 else None
         if match is None:
-            raise _bad("no index line")
+            raise _bad("no index line (index N, N a decimal of at most 19 digits)")
         hashes = [base64.b64decode(line, validate=True) for line in rest[2:]]
     except (binascii.Error, ValueError) as e:
         raise _bad("proof lines are not base64") from e

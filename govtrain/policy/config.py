@@ -239,11 +239,18 @@ def policy_from_file(model: PolicyFile, base: Path) -> Policy:
     return policy.validate(ConfigError)
 
 
+def _loc_part(part: object) -> str:
+    """One step of a field's path as an error line shows it: a key the file spelled with a newline or another
+    control character (a quoted TOML key) is escaped, so the error stays one line."""
+    text = str(part)
+    return text if text.isprintable() else ascii(text)
+
+
 def format_errors(error: ValidationError) -> str:
     """Every invalid field of a pydantic error, by dotted path, on one line."""
     parts = []
     for item in error.errors():
-        where = ".".join(str(p) for p in item["loc"] if not str(p).startswith("function-after"))
+        where = ".".join(_loc_part(p) for p in item["loc"] if not str(p).startswith("function-after"))
         message = item["msg"].removeprefix("Value error, ")
         parts.append(f"{where}: {message}" if where else message)
     return "; ".join(parts)
@@ -253,7 +260,7 @@ def first_error(error: ValidationError, whole: str) -> str:
     """The first invalid field of a pydantic error as `where: what`, `whole` naming the document where the error is
     the document's own: the one-line form of a wire message refused at the first problem."""
     item = error.errors()[0]
-    where = ".".join(str(p) for p in item["loc"]) or whole
+    where = ".".join(_loc_part(p) for p in item["loc"]) or whole
     return f"{where}: {item['msg']}"
 
 
@@ -268,6 +275,10 @@ def read_toml_file(path: Path, model: type[BaseModel], *, what: str, unreadable:
         raise ConfigError(unreadable, f"cannot read {what} {path}: {e.strerror}") from e
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(unreadable, f"{path} is not valid TOML: {e}") from e
+    except RecursionError as e:  # tomllib recurses once per nested array or inline table
+        raise ConfigError(unreadable, f"{path} is not valid TOML: arrays or tables nested too deep") from e
+    except ValueError as e:  # an integer past Python's digit limit (sys.get_int_max_str_digits)
+        raise ConfigError(unreadable, f"{path} is not valid TOML: a number too long to read") from e
     try:
         return model.model_validate(document), raw
     except ValidationError as e:

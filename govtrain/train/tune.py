@@ -193,7 +193,11 @@ def plan_trials(config: RunConfig, config_path: str | Path, grid: Grid, tune_id:
         if section not in SECTIONS or name not in SECTIONS[section].model_fields:
             raise ConfigError(Code.GRID_INVALID, f"grid key {key!r} is not a run config setting (section.name, "
                                                  f"e.g. \"optimizer.lr\")")
-        canonical = [json.dumps(v, sort_keys=True) for v in values]
+        try:  # the trials' configs are hashed as JSON: a TOML date or time, NaN or infinity has no JSON form
+            canonical = [json.dumps(v, sort_keys=True, allow_nan=False) for v in values]
+        except (TypeError, ValueError) as e:
+            raise ConfigError(Code.GRID_INVALID, f"grid key {key!r} lists a value that is not a number, string, "
+                                                 f"boolean, array or table ({e})") from e
         if len(set(canonical)) != len(canonical):
             raise ConfigError(Code.GRID_INVALID, f"grid key {key!r} lists a value twice: each trial is charged")
     count = 1
