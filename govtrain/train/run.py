@@ -630,8 +630,9 @@ class Run:
         tokenizer), record the run entry (mechanism, config, base model, adapter, device, precision), write the model
         card from what the ledger then says, and remove the run state. Called also when the budgets ran out
         (`result.exhausted`). `check(output)` reads what was written before it is hashed and recorded. A run that
-        recorded its entry before a kill (`recorded`) saves and records nothing again: its folder must still hash to
-        the recorded adapter, and the card and the state's removal are done now."""
+        recorded its entry before a kill (`recorded`: a signed entry of this config and base model, `prepare`) saves
+        and records nothing again: its folder must still hash to the recorded adapter, and the card (from the
+        govtrain.json that was hashed) and the state's removal are done now."""
         from govtrain.release.artifact import adapter_sha256
 
         if self.check:
