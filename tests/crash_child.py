@@ -79,6 +79,7 @@ def install(journal: Journal, kill: str | None, nth: int, fraction: float) -> No
     import torch
 
     import govtrain.train.run as run_module
+    import govtrain.train.tune as tune_module
     from govtrain.ledger.ledger import Ledger
     from govtrain.ledger.signer import SignedHead
     from govtrain.release.export import Release
@@ -158,14 +159,18 @@ def install(journal: Journal, kill: str | None, nth: int, fraction: float) -> No
             die(journal, kill, n=nth, seq=stored.seq)
         return stored
 
-    real_write_bytes = Path.write_bytes
+    def write_trial_config(original, path: Path, write):  # type: ignore[no-untyped-def]
+        if journal.call("trial_config") == nth and kill == "trial-config-partial":
+            buffer = io.BytesIO()
+            write(buffer)
+            data = buffer.getvalue()
 
-    def write_bytes(path: Path, data: bytes) -> int:
-        if path.name.startswith("trial-") and ".json" in path.name:  # a trial's config, or where it is written first
-            if journal.call("trial_config") == nth and kill == "trial-config-partial":
-                with path.open("wb") as handle:
-                    die(journal, kill, n=nth, file=path.name, written=write_part(handle, data, fraction), of=len(data))
-        return real_write_bytes(path, data)
+            def partial(handle):  # type: ignore[no-untyped-def]
+                die(journal, kill, n=nth, file=path.name + ".tmp", written=write_part(handle, data, fraction),
+                    of=len(data))
+
+            return original(path, partial)
+        return original(path, write)
 
     drawn: list[str] = []
 
@@ -193,7 +198,7 @@ def install(journal: Journal, kill: str | None, nth: int, fraction: float) -> No
     torch.save = torch_save
     wrap(peft.peft_model, "safe_save_file", save_file)
     wrap(Release, "write", release_write)
-    Path.write_bytes = write_bytes  # type: ignore[method-assign]
+    wrap(tune_module, "write_whole", write_trial_config)  # a trial's config, written whole (`resume.write_whole`)
     wrap(run_module.Run, "draw", draw)
     wrap(run_module.Run, "accumulate", accumulate)
     wrap(run_module.Run, "move", move)

@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import Callable, Collection
 
 from govtrain import units
-from govtrain.errors import Code, ConfigError, GovtrainError, IntegrityError, RejectedError
+from govtrain.errors import Code, ConfigError, GovtrainError, RejectedError
 from govtrain.ledger.ledger import Ledger
 from govtrain.ledger.spend_rules import noise_groups_record
 from govtrain.train.config import RunConfig
 from govtrain.train.preflight import Plan, check_output, consent_error, project
+from govtrain.train.resume import TEMPORARY, check_recorded_entry, read_recorded_adapter, recorded_entry, write_whole
 from govtrain.train.lease import (
     LOCK_FILE,
     Replan,
@@ -39,7 +40,7 @@ from govtrain.train.lease import (
 
 LOG = Callable[[str], None]
 STATE_FILE = "run-state.pt"
-_NOT_ADAPTER = (STATE_FILE, STATE_FILE + ".tmp", LOCK_FILE)
+_NOT_ADAPTER = (STATE_FILE, STATE_FILE + TEMPORARY, LOCK_FILE)
 
 
 class BudgetExhausted(GovtrainError):
@@ -101,12 +102,9 @@ def _save_state(path: Path, state: dict) -> None:
     import torch
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    # 0600 from its creation: it holds the sampling key, which decides every step's draw (`routing/sampler.py`).
-    with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as handle:
-        torch.save(state, handle)
-    os.chmod(temporary, 0o600)  # an earlier, looser file of that name keeps its mode through O_TRUNC
-    os.replace(temporary, path)
+    # 0600 from its creation, never through a link planted at its temporary: it holds the sampling key, which decides
+    # every step's draw (`routing/sampler.py`).
+    write_whole(path, lambda handle: torch.save(state, handle))
 
 
 def _load_state(path: Path, config: RunConfig) -> dict | None:
@@ -119,6 +117,11 @@ def _load_state(path: Path, config: RunConfig) -> dict | None:
         raise ConfigError(Code.OUTPUT_TAKEN, f"{path} holds the state of a run with another config: training.output "
                                              "is that run's; restore its config to resume it, or give this run "
                                              "another training.output")
+    named = config.file.training.run_id
+    if named is not None and state.get("run_id") != named:  # the config hash it states is not proof: it is no MAC
+        raise ConfigError(Code.OUTPUT_TAKEN, f"{path} holds the state of run {state.get('run_id')!r}, not of "
+                                             f"training.run_id {named!r}: training.output is that run's; give this "
+                                             "run another training.output")
     return state
 
 
@@ -165,6 +168,7 @@ class Run:
         self.charged_before: set[str] = set()  # the run's contributions other runs (not its siblings) charged
         self.resumed = False  # prepare found the run's own state
         self.recorded = False  # prepare found the run's state and its run entry (a kill came between the two)
+        self._entry: dict | None = None  # that run entry, as a checkpoint signs it
         self.insecure_seed, self.checkpoint_every, self.observe = insecure_seed, checkpoint_every, observe
         self.total = config.file.training.steps
         self.state_path = config.output_dir / STATE_FILE
@@ -195,7 +199,18 @@ class Run:
     def prepare(self) -> None:
         """Match the data to the admitted, not withdrawn contributions; load the model onto its device;
         resolve the profiles, probe the router and build the update, sampler and scheduler; then resume
-        from the run state, or refuse a fresh run whose id already wrote spend."""
+        from the run state, or refuse a fresh run whose id already wrote spend. A refusal leaves no lock file
+        it made."""
+        lock = self.config.output_dir / LOCK_FILE
+        made = not self.check and not os.path.lexists(lock)
+        try:
+            self._prepare()
+        except GovtrainError:
+            if made:
+                lock.unlink(missing_ok=True)  # held until `release`: a process that opened it first is refused
+            raise
+
+    def _prepare(self) -> None:
         import numpy as np
         import torch
 
@@ -219,7 +234,7 @@ class Run:
         if not self.check:  # a check writes nothing, the lock file and the output folder included
             self._lock = lock_state(config.output_dir)
         if not self.state_path.exists():  # a fresh run starts in an empty folder (`preflight.check_output`)
-            check_output(config.output_dir, (LOCK_FILE, STATE_FILE + ".tmp"))
+            check_output(config.output_dir, (LOCK_FILE, STATE_FILE + TEMPORARY))
         if self.insecure_seed is not None:
             torch.manual_seed(self.insecure_seed)
         self.policy = policy = ledger.policy
@@ -304,11 +319,11 @@ class Run:
                 raise RejectedError(Code.RUN_ID_TAKEN, f"run {run_id!r}'s spend was written under another lease than "
                                                        f"{self.state_path} holds: another run took this id; move the "
                                                        "state file away and give this run another training.run_id")
-            if run_id in book.finished and book.finished[run_id] != self.run_nonce:
-                raise RejectedError(Code.RUN_ID_TAKEN, f"run {run_id!r}'s run entry was recorded under another lease "
-                                                       f"than {self.state_path} holds: another run took this id; "
-                                                       "move the state file away")
-            self.recorded = run_id in book.finished  # a kill came after the run entry: finish() completes the rest
+            if run_id in book.finished:  # a kill came after the run entry: finish() completes the rest, if it is ours
+                self._entry = recorded_entry(ledger, run_id)  # as a checkpoint signs it, never an unsigned row
+                check_recorded_entry(self._entry, config=config, base_sha256=self.base_sha256,
+                                     run_nonce=self.run_nonce, state_path=self.state_path)
+            self.recorded = self._entry is not None
             result.steps, result.losses = state["step"], state["losses"]
             result.epochs, result.eps_by_class = state["epochs"], state["eps_by_class"]
             with torch.no_grad():
@@ -615,8 +630,9 @@ class Run:
         tokenizer), record the run entry (mechanism, config, base model, adapter, device, precision), write the model
         card from what the ledger then says, and remove the run state. Called also when the budgets ran out
         (`result.exhausted`). `check(output)` reads what was written before it is hashed and recorded. A run that
-        recorded its entry before a kill (`recorded`) saves and records nothing again: its folder must still hash to
-        the recorded adapter, and the card and the state's removal are done now."""
+        recorded its entry before a kill (`recorded`: a signed entry of this config and base model, `prepare`) saves
+        and records nothing again: its folder must still hash to the recorded adapter, and the card (from the
+        govtrain.json that was hashed) and the state's removal are done now."""
         from govtrain.release.artifact import adapter_sha256
 
         if self.check:
@@ -625,8 +641,9 @@ class Run:
         self._check_owner()
         output = self.config.output_dir
         result = self.result
+        record = self.export.record
         if self.recorded:  # the adapter was saved and recorded before a kill: it must still be what was recorded
-            self._check_recorded(output)
+            result.adapter_sha256, record = read_recorded_adapter(output, self._entry)
         else:
             output.mkdir(parents=True, exist_ok=True)
             self.model.save_pretrained(output)
@@ -640,32 +657,19 @@ class Run:
                                    precision=self.precision, now=self.now())
         # The card before the state goes: a kill until the state is removed leaves a run that the same config, run
         # again, finishes (`recorded`); after it, the run is whole.
-        self._write_card(output)
+        self._write_card(output, record)
         self.state_path.unlink(missing_ok=True)
         (output / LOCK_FILE).unlink(missing_ok=True)  # the id is spent: no later run can take this state
         return result
 
-    def _check_recorded(self, output: Path) -> None:
-        """Refuse (`adapter_mismatch`) to finish a run recorded before a kill whose folder no longer holds the adapter
-        its run entry records."""
-        from govtrain.release.artifact import adapter_sha256
-        from govtrain.release.card import run_facts
-
-        self.result.adapter_sha256 = found = adapter_sha256(output)
-        recorded = run_facts(self.ledger, self.run_id).adapter_sha256
-        if found != recorded:
-            raise IntegrityError(Code.ADAPTER_MISMATCH, f"run {self.run_id!r} recorded its adapter before it was "
-                                                        f"stopped, but {output} now hashes to {found.hex()[:16]}…, not "
-                                                        f"the {recorded.hex()[:16] if recorded else 'none'}… its run "
-                                                        "entry records: restore the folder as it was saved")
-
-    def _write_card(self, output: Path) -> None:
-        """The model card, from the ledger as the run entry left it. The run is recorded whatever happens here: a
-        card that cannot be written is said, not raised (`verify_adapter` checks the adapter without it)."""
+    def _write_card(self, output: Path, record) -> None:  # type: ignore[no-untyped-def]
+        """The model card of the adapter whose govtrain.json is `record`, from the ledger as the run entry left it. The
+        run is recorded whatever happens here: a card that cannot be written is said, not raised (`verify_adapter`
+        checks the adapter without it)."""
         from govtrain.release.card import run_facts, write_card
 
         try:
-            write_card(output, self.export.record, run_facts(self.ledger, self.run_id))
+            write_card(output, record, run_facts(self.ledger, self.run_id))
         except (GovtrainError, OSError) as e:
             self.log(f"note: the model card {output / 'README.md'} was not written ({e}); the adapter and its run "
                      "entry are saved")

@@ -55,6 +55,7 @@ from govtrain.train.config import (
     RunFile,
     TrainingSection,
 )
+from govtrain.train.resume import TEMPORARY, write_whole
 
 SECTIONS: dict[str, type[BaseModel]] = {
     "model": ModelSection, "data": DataSection, "lora": LoraSection, "optimizer": OptimizerSection,
@@ -76,7 +77,6 @@ REFUSED = {
     "training.physical_batch": "a performance flag, not a hyperparameter: it never changes the mechanism",
 }
 TRIAL_CONFIG = "trial-{k}.json"  # beside the trial folders: the derived config each trial's hash is over
-TEMPORARY = ".tmp"  # + a trial config's name: where it is written before it is renamed into place
 
 
 class SelectSection(BaseModel):
@@ -420,9 +420,7 @@ def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str
 def _write_trial_config(path: Path, document: bytes) -> None:
     """Write a trial's config whole or not at all (a temporary file renamed over it): a kill mid-write must not leave
     a part of it, which `check_tune_output` would refuse as another search's."""
-    temporary = path.with_name(path.name + TEMPORARY)
-    temporary.write_bytes(document)
-    os.replace(temporary, path)
+    write_whole(path, lambda handle: handle.write(document))  # never through a link planted at its temporary
 
 
 def check_tune_output(folder: Path, trials: list[Trial]) -> None:
@@ -445,7 +443,8 @@ def check_tune_output(folder: Path, trials: list[Trial]) -> None:
         name = path.name
         if name == LOCK_FILE or name in ours:  # the lock a refused run leaves; this search's own trial config
             continue
-        if name.endswith(TEMPORARY) and name.removesuffix(TEMPORARY) in configs:  # a trial config a kill cut short
+        if name.endswith(TEMPORARY) and name.removesuffix(TEMPORARY) in configs \
+                and (path.is_symlink() or not path.is_dir()):  # a trial config a kill cut short (a folder: not ours)
             continue
         if path.is_dir() and name.startswith("trial-") and f"{name}.json" in ours:
             continue
