@@ -74,11 +74,14 @@ def _no_constant(name: str) -> Any:
 
 
 def parse_body(body: bytes, model: type[_Body]) -> Any:
-    """`body` as `model`, or `bad_request` naming the first problem (NaN and Infinity are not JSON: refused)."""
+    """`body` as `model`, or `bad_request` naming the first problem (NaN and Infinity are not JSON, and nesting
+    past Python's recursion limit is not read: both refused)."""
     try:
         document = json.loads(body, parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError) as e:
         raise ServeError(Code.BAD_REQUEST, f"the body is not JSON ({e})") from None
+    except RecursionError:  # json.loads recurses once per nested array or object; the stack is no request's
+        raise ServeError(Code.BAD_REQUEST, "the body nests too deep (send a flat JSON object)") from None
     try:
         return model.model_validate(document)
     except ValidationError as e:
