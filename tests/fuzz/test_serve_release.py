@@ -4,8 +4,9 @@ split-inference request bodies.
 Targets: `rights` (a Govtrain-Rights header value through from_header and verify_rights), `signed_rights` (bytes the
 issuer signed as a rights payload: what an issuer's key can still send), `release` (a .dsse file through
 verify_release under the pinned release and ledger keys), `signed_release` (a payload the release key signed: the
-statement, its predicate, its proof and checkpoint are read without trusting the key holder) and `split_wire`
-(parse_split_request on a request body).
+statement, its predicate, its proof and checkpoint are read without trusting the key holder), `split_wire`
+(parse_split_request on a request body) and `serve_body` (parse_body, the JSON reader of `govtrain serve`'s
+/v1/classify and /v1/generate, on a request body: any client reaches it).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from govtrain.ledger.merkle import MerkleTree
 from govtrain.ledger.proof import InclusionProof
 from govtrain.release import dsse
 from govtrain.release.verification import verify_release
+from govtrain.serve.app import ClassifyRequest, GenerateRequest, parse_body
 from govtrain.serve.rights import CONTENT_TYPE, Issuer, from_header, verify_rights
 from tests.fuzz.common import Target, check, fuzz_settings, main, mutated
 from tests.fuzz.world import world
@@ -74,6 +76,12 @@ def run_split_wire(data: bytes) -> None:
     parse_split_request(data)
 
 
+def run_serve_body(data: bytes) -> None:
+    """The first byte picks the route's body model (classify or generate); the rest is the body."""
+    model = GenerateRequest if data[:1] == b"g" else ClassifyRequest
+    parse_body(data[1:], model)
+
+
 @functools.cache
 def _statement() -> bytes:
     """A release statement of the world ledger's run r0 (entry 3), its proof against the latest checkpoint. The run
@@ -113,6 +121,17 @@ def _statement() -> bytes:
     return json.dumps(statement, sort_keys=True).encode()
 
 
+SERVE_SEEDS = (b"c" + json.dumps({"texts": ["a good film", "dull"]}).encode(),
+               b"g" + json.dumps({"prompt": "once upon", "max_new_tokens": 4}).encode())
+
+
+def _nested(route: bytes, depth: int, arrays: bool) -> bytes:
+    """A body nested `depth` deep (arrays, or objects of one key): small bytes, deep for a recursive reader."""
+    if arrays:
+        return route + b"[" * depth + b"]" * depth
+    return route + b'{"texts":' * depth + b"0" + b"}" * depth
+
+
 def _split_seed() -> bytes:
     return json.dumps({"session_id": "s-1", "epsilon": 1.0, "delta": 1e-6, "clip_norm": 4.0, "sigma": 12.5,
                        "vector": [0.5, -1.25, 3.0]}).encode()
@@ -129,6 +148,7 @@ TARGETS = [
            ("govtrain/release/verification.py", "govtrain/release/predicate.py", "govtrain/ledger/proof.py"),
            setup=world),
     Target("split_wire", run_split_wire, lambda: [_split_seed()], ("govtrain/inference/wire.py",)),
+    Target("serve_body", run_serve_body, lambda: list(SERVE_SEEDS), ("govtrain/serve/app.py",)),
 ]
 
 json_values = st.recursive(
@@ -191,6 +211,14 @@ def test_signed_release(data: bytes) -> None:
                  st.just(b'{"epsilon": ' + b"9" * 5000 + b"}")))
 def test_split_wire(data: bytes) -> None:
     check(lambda: run_split_wire(data))
+
+
+@fuzz_settings()
+@given(st.one_of(st.sampled_from(SERVE_SEEDS).flatmap(lambda seed: edited_json(seed[1:]).map(seed[:1].__add__)),
+                 mutated(SERVE_SEEDS),
+                 st.builds(_nested, st.sampled_from([b"c", b"g"]), st.integers(0, 5000), st.booleans())))
+def test_serve_body(data: bytes) -> None:
+    check(lambda: run_serve_body(data))
 
 
 if __name__ == "__main__":
