@@ -13,7 +13,8 @@ normalisation); entries are sorted by those bytes (bytewise, shortest first on a
 holds no NUL and a digest is 32 bytes, so the encoding reads back one way only. Directories contribute
 nothing of their own (an empty one is neither bound nor read). Refused, so that no digest is computed:
 a symbolic link anywhere inside (it could point outside, or change after hashing), anything that is not
-a regular file or a directory (FIFO, socket, device), a path that is not UTF-8, and a tree with no file.
+a regular file or a directory (FIFO, socket, device), a path that is not UTF-8, directories nested past
+`MAX_DEPTH` levels, and a tree with no file. A file name in such an error is shown escaped (`!r`).
 
 Domain separation: a data *file* whose bytes begin with TREE_DOMAIN is refused by every reader
 (`govtrain.data.contribution`), so the preimages of file digests and tree hashes are disjoint and a file
@@ -34,6 +35,7 @@ from pathlib import Path
 from govtrain.data.formats import BadData
 
 TREE_DOMAIN = b"govtrain-tree-v1\x00"
+MAX_DEPTH = 64  # directory levels under a dataset directory (save_to_disk writes none; a deeper tree is hostile)
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
 
 
@@ -66,32 +68,43 @@ def read_tree(root: Path) -> Tree:
     """Every regular file under `root`, read once, and their tree hash. Raises `BadData` for what the tree
     hash refuses and `OSError` when a file cannot be read."""
     label = root.name or root.absolute().name
-    files: dict[str, bytes] = {}
-    _walk(root, "", files, label)
+    files = _walk(root, label)
     if not files:
         raise BadData(label, "the directory holds no file")
     ordered = dict(sorted(files.items(), key=lambda item: item[0].encode("utf-8")))
     return Tree(ordered, tree_sha256(ordered))
 
 
-def _walk(directory: Path, prefix: str, files: dict[str, bytes], label: str) -> None:
-    with os.scandir(directory) as entries:
-        listed = list(entries)
-    for entry in listed:
-        relative = prefix + entry.name
-        try:
-            relative.encode("utf-8")
-        except UnicodeEncodeError:
-            raise BadData(label, f"{relative.encode('utf-8', 'surrogateescape')!r}: file name is not UTF-8") from None
-        if entry.is_symlink():
-            raise BadData(label, f"{relative} is a symbolic link; a dataset directory must hold its files "
-                                 "(copy the target in)")
-        if entry.is_dir(follow_symlinks=False):
-            _walk(Path(entry.path), relative + "/", files, label)
-        elif entry.is_file(follow_symlinks=False):
-            files[relative] = _read_regular(Path(entry.path), relative, label)
-        else:
-            raise BadData(label, f"{relative} is not a regular file")
+def _walk(root: Path, label: str) -> dict[str, bytes]:
+    """Relative path → bytes of every file under `root`. An explicit stack, not recursion, so that a deep tree
+    meets `MAX_DEPTH` (a `BadData`) rather than Python's recursion limit. A name in an error is shown with `!r`:
+    it is the contributor's, and may hold a newline that would forge a second error line."""
+    files: dict[str, bytes] = {}
+    pending: list[tuple[Path, str, int]] = [(root, "", 0)]
+    while pending:
+        directory, prefix, depth = pending.pop()
+        with os.scandir(directory) as entries:
+            listed = list(entries)
+        for entry in listed:
+            relative = prefix + entry.name
+            try:
+                relative.encode("utf-8")
+            except UnicodeEncodeError:
+                raise BadData(label, f"{relative.encode('utf-8', 'surrogateescape')!r}: file name is not UTF-8"
+                              ) from None
+            if entry.is_symlink():
+                raise BadData(label, f"{relative!r} is a symbolic link; a dataset directory must hold its files "
+                                     "(copy the target in)")
+            if entry.is_dir(follow_symlinks=False):
+                if depth + 1 > MAX_DEPTH:
+                    raise BadData(label, f"{relative!r} nests directories past {MAX_DEPTH} levels, which no "
+                                         "dataset directory does")
+                pending.append((Path(entry.path), relative + "/", depth + 1))
+            elif entry.is_file(follow_symlinks=False):
+                files[relative] = _read_regular(Path(entry.path), relative, label)
+            else:
+                raise BadData(label, f"{relative!r} is not a regular file")
+    return files
 
 
 def _read_regular(path: Path, relative: str, label: str) -> bytes:
@@ -100,9 +113,10 @@ def _read_regular(path: Path, relative: str, label: str) -> bytes:
         fd = os.open(path, _OPEN_FLAGS)
     except OSError as e:
         if getattr(os, "O_NOFOLLOW", 0) and path.is_symlink():
-            raise BadData(label, f"{relative} is a symbolic link; a dataset directory must hold its files") from None
+            raise BadData(label, f"{relative!r} is a symbolic link; a dataset directory must hold its files"
+                          ) from None
         raise
     with os.fdopen(fd, "rb") as handle:
         if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-            raise BadData(label, f"{relative} is not a regular file")
+            raise BadData(label, f"{relative!r} is not a regular file")
         return handle.read()
