@@ -14,9 +14,11 @@ from ledger_store.store import (
     StoredCheckpoint,
     StoredEntry,
     StoreError,
+    TamperedRow,
     Unavailable,
     UnsupportedURL,
     access_denied,
+    checked,
     leaf_hash,
     normalize_url,
     redacted_url,
@@ -24,5 +26,5 @@ from ledger_store.store import (
 
 __all__ = [
     "PERSISTED_NODE_HEIGHT", "AccessDenied", "access_denied", "NodeCache", "NotADatabase", "StoredCheckpoint", "AdmissionRow", "Appender", "Conflict", "LedgerExists", "LedgerMissing", "LedgerStore", "StoredEntry",
-    "StoreError", "Unavailable", "UnsupportedURL", "leaf_hash", "normalize_url", "redacted_url",
+    "StoreError", "TamperedRow", "checked", "Unavailable", "UnsupportedURL", "leaf_hash", "normalize_url", "redacted_url",
 ]

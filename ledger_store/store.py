@@ -74,6 +74,53 @@ class Conflict(StoreError):
     """A unique constraint refused the write (a replay, or a second withdrawal, that raced another writer)."""
 
 
+class TamperedRow(StoreError):
+    """A cell that does not hold its column's type (SQLite keeps whatever type is written: a TEXT body, a TEXT
+    seq): no ledger writer wrote it. `table`, `column` and `key` (the row's seq, id or name) say where."""
+
+    def __init__(self, table: str, column: str, key: object, value: object) -> None:
+        where = repr(key) if len(repr(key)) <= 80 else repr(key)[:77] + "..."
+        super().__init__(f"{table}.{column} of row {where} holds {type(value).__name__}, not the column's type")
+        self.table, self.column, self.key = table, column, key
+
+
+_NONE = type(None)
+# The Python type each column's cells read back as, by table (column order as in ledger_store.models).
+COLUMN_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
+    "entries": {"seq": (int,), "kind": (str,), "time": (int,), "leaf_hash": (bytes,), "body": (bytes, _NONE)},
+    "admissions": {"contribution_id": (str,), "seq": (int,), "data_class": (str,), "descriptor_sha256": (bytes,),
+                   "attestation_sha256": (bytes,), "data_sha256": (bytes,)},
+    "checkpoints": {"id": (int,), "size": (int,), "root": (bytes,), "note": (str,), "time": (int,)},
+    "withdrawals": {"contribution_id": (str,), "seq": (int,)},
+    "summaries": {"seq": (int,), "data_class": (str,), "first_seq": (int,), "last_seq": (int,)},
+    "tree_nodes": {"height": (int,), "idx": (int,), "hash": (bytes,)},
+    "settings": {"name": (str,), "value": (str,)},
+}
+
+
+def checked(table: str, columns: tuple[str, ...], row: tuple) -> tuple:
+    """`row` (cells of `columns`, the first its key) as read, or `TamperedRow` at the first cell of a type its
+    column does not hold. `type(v) in` rather than isinstance: a bool is no INTEGER cell."""
+    types = COLUMN_TYPES[table]
+    for column, value in zip(columns, row):
+        if type(value) not in types[column]:
+            raise TamperedRow(table, column, row[0], value)
+    return row
+
+
+_ENTRY = tuple(COLUMN_TYPES["entries"])
+_CHECKPOINT = tuple(COLUMN_TYPES["checkpoints"])
+_ADMISSION = tuple(COLUMN_TYPES["admissions"])
+
+
+def _entry(row) -> "StoredEntry":  # type: ignore[no-untyped-def]
+    return StoredEntry(*checked("entries", _ENTRY, tuple(row)))
+
+
+def _checkpoint(row) -> "StoredCheckpoint":  # type: ignore[no-untyped-def]
+    return StoredCheckpoint(*checked("checkpoints", _CHECKPOINT, (row.id, row.size, row.root, row.note, row.time)))
+
+
 # PostgreSQL's refusals of a connection carry no SQLSTATE (libpq reports them as text); these are the server's.
 _ACCESS_DENIED = re.compile(r"authentication failed|no pg_hba\.conf entry|permission denied|is not permitted to log in"
                             r"|role \"[^\"]*\" does not exist|no password supplied")
@@ -240,14 +287,15 @@ def _insert_rows(connection: Connection, table, rows: list[dict], *, ignore_exis
 
 def _leaf_hashes(connection: Connection, start: int, stop: int) -> list[bytes]:
     rows = connection.execute(
-        select(Entry.leaf_hash).where(Entry.seq >= start, Entry.seq < stop).order_by(Entry.seq)
+        select(Entry.seq, Entry.leaf_hash).where(Entry.seq >= start, Entry.seq < stop).order_by(Entry.seq)
     ).all()
-    return [row[0] for row in rows]
+    return [checked("entries", ("seq", "leaf_hash"), tuple(row))[1] for row in rows]
 
 
 def _node(connection: Connection, height: int, idx: int) -> bytes | None:
-    row = connection.execute(select(TreeNode.hash).where(TreeNode.height == height, TreeNode.idx == idx)).first()
-    return row[0] if row is not None else None
+    row = connection.execute(select(TreeNode.height, TreeNode.idx, TreeNode.hash).where(
+        TreeNode.height == height, TreeNode.idx == idx)).first()
+    return checked("tree_nodes", ("height", "idx", "hash"), tuple(row))[2] if row is not None else None
 
 
 class NodeCache(MutableMapping):
@@ -382,20 +430,20 @@ class Appender:
     def latest_checkpoint(self) -> "StoredCheckpoint | None":
         """The last checkpoint stored, as this transaction (holding the write lock) sees it."""
         row = self.connection.execute(select(Checkpoint.__table__).order_by(Checkpoint.id.desc()).limit(1)).first()
-        return StoredCheckpoint(row.id, row.size, row.root, row.note, row.time) if row is not None else None
+        return _checkpoint(row) if row is not None else None
 
     def entries(self, start: int, stop: int) -> list[StoredEntry]:
         """The stored entries from `start` to `stop` (exclusive), as this transaction sees them."""
         self.flush()
         rows = self.connection.execute(select(Entry.__table__).where(Entry.seq >= start, Entry.seq < stop)
                                        .order_by(Entry.seq)).all()
-        return [StoredEntry(*row) for row in rows]
+        return [_entry(row) for row in rows]
 
     def checkpoints_after(self, checkpoint_id: int) -> list[StoredCheckpoint]:
         """The checkpoints stored after the one with `checkpoint_id`, as this transaction sees them."""
         rows = self.connection.execute(select(Checkpoint.__table__).where(Checkpoint.id > checkpoint_id)
                                        .order_by(Checkpoint.id)).all()
-        return [StoredCheckpoint(r.id, r.size, r.root, r.note, r.time) for r in rows]
+        return [_checkpoint(r) for r in rows]
 
     def last_time(self) -> int | None:
         """The time of the entry before this transaction's first one (read once: the lock is held)."""
@@ -541,7 +589,8 @@ class LedgerStore:
 
     def setting(self, name: str) -> str | None:
         with self._reading() as connection:
-            return connection.execute(select(Setting.value).where(Setting.name == name)).scalar_one_or_none()
+            row = connection.execute(select(Setting.name, Setting.value).where(Setting.name == name)).first()
+        return checked("settings", ("name", "value"), tuple(row))[1] if row is not None else None
 
     # -- reading -------------------------------------------------------------------------
 
@@ -558,12 +607,12 @@ class LedgerStore:
     def head(self) -> StoredEntry | None:
         with self._reading() as connection:
             row = connection.execute(select(Entry.__table__).order_by(Entry.seq.desc()).limit(1)).first()
-        return StoredEntry(*row) if row is not None else None
+        return _entry(row) if row is not None else None
 
     def entry(self, seq: int) -> StoredEntry | None:
         with self._reading() as connection:
             row = connection.execute(select(Entry.__table__).where(Entry.seq == seq)).first()
-        return StoredEntry(*row) if row is not None else None
+        return _entry(row) if row is not None else None
 
     def entries(self, start: int = 0, batch: int = 10_000, kinds: tuple[str, ...] | None = None
                 ) -> Iterator[StoredEntry]:
@@ -576,7 +625,7 @@ class LedgerStore:
             with self._reading() as connection:
                 rows = connection.execute(query.order_by(Entry.seq).limit(batch)).all()
             for row in rows:
-                yield StoredEntry(*row)
+                yield _entry(row)
             if len(rows) < batch:
                 return
             position = rows[-1][0] + 1
@@ -595,7 +644,7 @@ class LedgerStore:
         condition = or_(found, Entry.kind.in_(kinds)) if kinds else found
         with self._reading() as connection:
             rows = connection.execute(select(Entry.__table__).where(condition).order_by(Entry.seq)).all()
-        return [StoredEntry(*row) for row in rows]
+        return [_entry(row) for row in rows]
 
     def entries_at(self, seqs: list[int], batch: int = 500) -> list[StoredEntry]:
         """The entries with these sequence numbers (those that exist), in sequence order."""
@@ -604,7 +653,7 @@ class LedgerStore:
             for start in range(0, len(seqs), batch):
                 chunk = seqs[start:start + batch]
                 rows = connection.execute(select(Entry.__table__).where(Entry.seq.in_(chunk))).all()
-                found.extend(StoredEntry(*row) for row in rows)
+                found.extend(_entry(row) for row in rows)
         return sorted(found)
 
     def leaf_hashes(self, start: int, stop: int) -> list[bytes]:
@@ -613,7 +662,8 @@ class LedgerStore:
 
     def leaf_rows(self, batch: int = 100_000, *, with_kind: bool = False) -> Iterator[list[tuple]]:
         """Batches of (seq, leaf hash, body) for every entry in order, and its kind column last if
-        `with_kind`: the bulk path auditors use."""
+        `with_kind`: the bulk path auditors use. The cells are as the driver returns them, unchecked (a
+        caller meeting a cell of the wrong type names it with `checked`)."""
         columns = [Entry.seq, Entry.leaf_hash, Entry.body] + ([Entry.kind] if with_kind else [])
         with self._reading() as connection:
             if self.backend == "sqlite":  # the driver's own cursor: no per-row Python objects in between
@@ -637,7 +687,7 @@ class LedgerStore:
             with self._reading() as connection:
                 rows = connection.execute(select(TreeNode.height, TreeNode.idx, TreeNode.hash).where(
                     tuple_(TreeNode.height, TreeNode.idx).in_(keys))).all()
-            return {(h, i): v for h, i, v in rows}
+            return {(h, i): v for h, i, v in (checked("tree_nodes", ("height", "idx", "hash"), tuple(r)) for r in rows)}
 
         return NodeCache(lookup, lookup_many)
 
@@ -648,19 +698,19 @@ class LedgerStore:
     def checkpoints(self) -> list[StoredCheckpoint]:
         with self._reading() as connection:
             rows = connection.execute(select(Checkpoint.__table__).order_by(Checkpoint.id)).all()
-        return [StoredCheckpoint(r.id, r.size, r.root, r.note, r.time) for r in rows]
+        return [_checkpoint(r) for r in rows]
 
     def latest_checkpoint(self) -> StoredCheckpoint | None:
         with self._reading() as connection:
             row = connection.execute(select(Checkpoint.__table__).order_by(Checkpoint.id.desc()).limit(1)).first()
-        return StoredCheckpoint(row.id, row.size, row.root, row.note, row.time) if row is not None else None
+        return _checkpoint(row) if row is not None else None
 
     def checkpoint_covering(self, seq: int) -> StoredCheckpoint | None:
         """The first checkpoint stored whose tree includes entry `seq`."""
         with self._reading() as connection:
             row = connection.execute(select(Checkpoint.__table__).where(Checkpoint.size > seq)
                                      .order_by(Checkpoint.id).limit(1)).first()
-        return StoredCheckpoint(row.id, row.size, row.root, row.note, row.time) if row is not None else None
+        return _checkpoint(row) if row is not None else None
 
     def admission_conflicts(self, contribution_ids: list[str], descriptor_hashes: list[bytes], data_hashes: list[bytes],
                             attestation_hashes: list[bytes] | None = None) -> list[AdmissionRow]:
@@ -693,16 +743,17 @@ class LedgerStore:
     def withdrawals(self) -> dict[str, int]:
         """contribution id -> seq of its withdraw entry."""
         with self._reading() as connection:
-            return dict(connection.execute(select(Withdrawal.contribution_id, Withdrawal.seq)).all())
+            rows = connection.execute(select(Withdrawal.contribution_id, Withdrawal.seq)).all()
+        return dict(checked("withdrawals", ("contribution_id", "seq"), tuple(row)) for row in rows)
 
     def summaries(self) -> list[tuple[int, str, int, int]]:
         """(seq, class, first_seq, last_seq) of every summary entry."""
         with self._reading() as connection:
-            return [tuple(r) for r in connection.execute(
-                select(Summary.seq, Summary.data_class, Summary.first_seq, Summary.last_seq).order_by(Summary.seq))]
+            rows = connection.execute(
+                select(Summary.seq, Summary.data_class, Summary.first_seq, Summary.last_seq).order_by(Summary.seq)).all()
+        return [checked("summaries", ("seq", "data_class", "first_seq", "last_seq"), tuple(r)) for r in rows]
 
     @staticmethod
     def _admission(row) -> AdmissionRow:
         m = row._mapping
-        return AdmissionRow(m["contribution_id"], m["seq"], m["data_class"], m["descriptor_sha256"],
-                            m["attestation_sha256"], m["data_sha256"])
+        return AdmissionRow(*checked("admissions", _ADMISSION, tuple(m[column] for column in _ADMISSION)))

@@ -56,7 +56,7 @@ from govtrain.ledger.tuning import TuneBook, TuneRuleError
 from govtrain.mechanisms import MECHANISMS
 from govtrain.policy.model import Policy
 from govtrain.ledger.merkle import CompactRange, root_of
-from govtrain.verify.integrity import NOT_CHECKED, _Failure, _integrity, fork_detail
+from govtrain.verify.integrity import NOT_CHECKED, _Failure, _integrity, fork_detail, tampered
 from govtrain.verify.retention import RetentionAudit
 
 # (accountant name, delta_p, [(sampling_rate_u, noise_multiplier_u, steps), ...]) -> epsilon in
@@ -160,6 +160,9 @@ def inspect_ledger(url: str, *, trusted_checkpoints: Sequence[str] = (), attesta
                 _Audit(store, report, attestations, accountant).run(trusted_checkpoints)
     except _Failure as e:
         report.error, report.bad_seq, report.bad_checkpoint = e, e.seq, e.checkpoint
+    except ledger_store.TamperedRow as e:  # a cell of a type no ledger writes (a TEXT body, a TEXT seq)
+        failure = tampered(e)
+        report.error, report.bad_seq, report.bad_checkpoint = failure, failure.seq, failure.checkpoint
     except IntegrityError as e:
         report.error = e
     finally:
