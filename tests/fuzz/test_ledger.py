@@ -4,13 +4,15 @@ Targets: `checkpoint` (a note's bytes through verify_checkpoint), `signed_checkp
 what a key holder can still send; the tree head inside is parsed), `proof` (c2sp.org/tlog-proof text through
 verify_proof, as `govtrain ledger verify-proof` reads it), `merkle` (RFC 9162 inclusion and consistency proofs against
 a real tree: whatever verifies must be true), `entry` (decode_entry on a body), `verifier` (inspect_ledger on a real
-ledger whose entry k holds the input, its leaf hash recomputed: what a database writer can put there) and
-`trusted_checkpoint` (inspect_ledger with the input as a checkpoint the auditor trusts).
+ledger whose entry k holds the input, its leaf hash recomputed: what a database writer can put there),
+`verifier_cell` (inspect_ledger on a real ledger with one cell rewritten as another SQLite type: a TEXT body, a
+TEXT withdrawal seq) and `trusted_checkpoint` (inspect_ledger with the input as a checkpoint the auditor trusts).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import hashlib
 import sqlite3
@@ -109,6 +111,33 @@ def run_verifier(data: bytes) -> None:
         raise ContractViolation(f"a ledger with entry {seq} replaced verified")
 
 
+CELLS = (("entries", "body", "seq = 1"), ("entries", "body", "seq = 2"), ("entries", "leaf_hash", "seq = 1"),
+         ("entries", "time", "seq = 2"), ("entries", "kind", "seq = 3"), ("withdrawals", "seq", "1"),
+         ("withdrawals", "contribution_id", "1"), ("admissions", "seq", "seq = 1"),
+         ("admissions", "data_sha256", "seq = 1"), ("checkpoints", "size", "id = 1"), ("checkpoints", "note", "id = 1"),
+         ("checkpoints", "root", "id = 1"))
+SQL_VALUES = ("?", "CAST(? AS TEXT)", "length(?)", "length(?) + 0.5", "NULL", "-length(?)")
+
+
+def run_verifier_cell(data: bytes) -> None:
+    """One cell of the world ledger (data[0] picks which) rewritten as another SQLite type (data[1]: BLOB, TEXT,
+    INTEGER, REAL, NULL) from the rest of the input, the triggers dropped first: what a database writer can do
+    that no ledger does. `inspect_ledger` must give a verdict, never a traceback."""
+    path = _ledger_copy()
+    (table, column, where), value = CELLS[data[0] % len(CELLS)] if data else CELLS[0], data[2:]
+    sql = SQL_VALUES[data[1] % len(SQL_VALUES)] if len(data) > 1 else "?"
+    connection = sqlite3.connect(path)
+    try:
+        for (name,) in connection.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'").fetchall():
+            connection.execute(f"DROP TRIGGER {name}")
+        with contextlib.suppress(sqlite3.IntegrityError):  # a NULL or a duplicate a constraint still refuses
+            connection.execute(f"UPDATE {table} SET {column} = {sql} WHERE {where}", (value,) * sql.count("?"))
+        connection.commit()
+    finally:
+        connection.close()
+    inspect_ledger(f"sqlite:///{path}", accountant=recorded_accountant)
+
+
 def run_trusted_checkpoint(data: bytes) -> None:
     report = inspect_ledger(f"sqlite:///{_ledger_copy()}", trusted_checkpoints=[data.decode("utf-8", "replace")],
                             accountant=None)
@@ -151,6 +180,8 @@ TARGETS = [
            setup=world),
     Target("verifier", run_verifier, _entry_seeds,
            ("govtrain/verify/verifier.py", "govtrain/verify/retention.py", "govtrain/ledger/entries.py"), setup=world),
+    Target("verifier_cell", run_verifier_cell, lambda: [bytes((i, 1)) + b"x" for i in range(len(CELLS))],
+           ("govtrain/verify/verifier.py", "govtrain/verify/integrity.py", "ledger_store/store.py"), setup=world),
     Target("trusted_checkpoint", run_trusted_checkpoint, _note_seeds,
            ("govtrain/verify/verifier.py", "govtrain/ledger/checkpoint.py"), setup=world),
 ]
@@ -208,6 +239,13 @@ def test_entry_mutations(data: bytes) -> None:
 @given(mutated(_entry_seeds()))
 def test_verifier_entry_mutations(data: bytes) -> None:
     check(lambda: run_verifier(data))
+
+
+@fuzz_settings(0.25)
+@given(st.builds(lambda cell, kind, value: bytes((cell, kind)) + value, st.integers(0, len(CELLS) - 1),
+                 st.integers(0, len(SQL_VALUES) - 1), st.binary(max_size=40)))
+def test_verifier_cell_types(data: bytes) -> None:
+    check(lambda: run_verifier_cell(data))
 
 
 @fuzz_settings(0.25)
