@@ -2,14 +2,18 @@
 
 Each target writes the input as the file (or directory) and reads it the two ways an attacker's data is read: the
 gate's `inspect_data` (a digest, a count and the first problem, never an exception but a coded error) and training's
-`rows_of(read_data(...))` with an integer label column (every row, or one `bad_data` line).
+`rows_of(read_data(...))` with an integer label column (every row, or one `bad_data` line). `dataset_tree` varies
+the directory's shape around a valid dataset: added files, links, FIFOs and directories, their names (any byte but
+"/" and NUL: newlines, invalid UTF-8) and their depth (past the walk's bound).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -57,6 +61,41 @@ def run_dataset_dir(data: bytes) -> None:
     _read(folder)
 
 
+def run_dataset_tree(data: bytes) -> None:
+    """A valid dataset directory (state.json and one shard) with entries added, NUL-separated: a kind byte
+    (f file, l symbolic link, p FIFO, anything else a directory), an optional depth `N*` (N levels of `a/`, at
+    most 200) and a path whose names may hold any byte but "/" and NUL: the tree's shape, names and depth."""
+    folder = _scratch() / "tree"
+    shutil.rmtree(folder, ignore_errors=True)
+    state, _, shard = _dataset_seed().partition(SEPARATOR)
+    folder.mkdir()
+    (folder / "state.json").write_bytes(state)
+    (folder / SHARD).write_bytes(shard)
+    for record in data.split(b"\x00"):
+        kind, spec = record[:1], record[1:]
+        depth, star, rest = spec.partition(b"*")
+        levels = min(int(depth), 200) if star and depth.isdigit() and len(depth) <= 3 else 0
+        names = [n[:100] for n in (rest if levels else spec).split(b"/") if n not in (b"", b".", b"..")]
+        if not names:
+            continue
+        path = os.path.join(os.fsencode(folder), *([b"a"] * levels), *names)
+        with contextlib.suppress(OSError):  # a name taken, or too long: that entry is left out
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            if kind == b"f":
+                Path(os.fsdecode(path)).write_bytes(b"x")
+            elif kind == b"l":
+                os.symlink(b"state.json", path)
+            elif kind == b"p":
+                os.mkfifo(path)
+            else:
+                os.mkdir(path)
+    _read(folder)
+
+
+TREE_SEEDS = (b"f.DS_Store", b"fcache-1.arrow\x00dempty", b"d70*deep\x00f3*x", b"lx\nerror[ok]: admitted",
+              b"p\xff\xfe", b"fsub/\xe2\x80\xaeevil")
+
+
 TABLE = pa.table({"text": ["a good film", "a bad film", "ok"], "label": [1, 0, 1]})
 
 
@@ -87,6 +126,7 @@ TARGETS = [
     Target("parquet", _file(".parquet"), lambda: [_parquet_seed()], ("govtrain/data/formats.py",)),
     Target("dataset_dir", run_dataset_dir, lambda: [_dataset_seed()],
            ("govtrain/data/dataset.py", "govtrain/data/digest.py", "govtrain/data/formats.py")),
+    Target("dataset_tree", run_dataset_tree, lambda: list(TREE_SEEDS), ("govtrain/data/digest.py",)),
 ]
 
 json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False),
@@ -128,6 +168,23 @@ def test_parquet(data: bytes) -> None:
                            st.lists(st.text(max_size=5), max_size=3))))
 def test_dataset_dir(data: bytes) -> None:
     check(lambda: run_dataset_dir(data))
+
+
+tree_names = st.one_of(st.text(st.characters(exclude_characters="/\x00"), min_size=1, max_size=8).map(
+    lambda t: t.encode("utf-8", "surrogatepass")),  # a lone surrogate: a name that is not UTF-8
+    st.binary(min_size=1, max_size=8).map(lambda b: b.replace(b"/", b"_").replace(b"\x00", b"_")),
+    st.sampled_from([b"x\nerror[ok]: admitted", b"\x1b[2K", b"\xe2\x80\xae"]))
+
+
+@fuzz_settings(0.5)
+@given(st.one_of(mutated(list(TREE_SEEDS)),
+                 st.lists(st.builds(lambda kind, depth, names: kind + (b"%d*" % depth if depth else b"") +
+                                    b"/".join(names), st.sampled_from([b"f", b"l", b"p", b"d"]),
+                                    st.one_of(st.just(0), st.integers(0, 120)), st.lists(tree_names, min_size=1,
+                                                                                         max_size=3)),
+                          max_size=4).map(b"\x00".join)))
+def test_dataset_tree(data: bytes) -> None:
+    check(lambda: run_dataset_tree(data))
 
 
 if __name__ == "__main__":
