@@ -98,4 +98,16 @@ def findings(checkpoint: str) -> list[Finding]:
         Finding(16, "parquet", PARQUET_LEVEL_HISTOGRAM, Code.BAD_DATA,
                 "process abort (an uncaught C++ exception) where a first fix for 13 read column-chunk metadata: kept "
                 "as a regression of that fix; the reader itself refuses the file cleanly"),
+        # 17-21: found by review (tests/test_attacks_fuzz_review.py), reached by the targets added for them.
+        Finding(17, "serve_body", b"c" + b"[" * 2000 + b"]" * 2000, Code.BAD_REQUEST,
+                "RecursionError in parse_body's json.loads: a 4 KB body of nested arrays (500 internal)"),
+        Finding(18, "dataset_tree", b"f200*x", Code.BAD_DATA,
+                "RecursionError past ~1,000 levels (the review's test builds 1,100; the harness stops at 200, past "
+                "the bound of 64): the tree walk recursed once per directory level"),
+        Finding(19, "dataset_tree", b"lx\nerror[ok]: contribution admitted", Code.BAD_DATA,
+                "an error of two lines: a file name holding a newline, printed as it was"),
+        Finding(20, "verifier_cell", bytes((0, 1)) + b"not bytes", Code.BAD_ENTRY,
+                "TypeError: an entry body stored as TEXT, hashed as bytes"),
+        Finding(21, "verifier_cell", bytes((5, 1)) + b"x", Code.INDEX_MISMATCH,
+                "TypeError: a withdrawals seq stored as TEXT, sorted among integers"),
     ]

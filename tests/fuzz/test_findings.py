@@ -13,7 +13,7 @@ TARGETS = {t.name: t for m in (test_encoding, test_ledger, test_config, test_dat
            for t in m.TARGETS}
 
 
-@pytest.mark.parametrize("number", range(1, 17))
+@pytest.mark.parametrize("number", range(1, 22))
 def test_finding_is_a_coded_error(number: int) -> None:
     finding = findings(world().checkpoint)[number - 1]
     assert finding.number == number

@@ -122,7 +122,8 @@ SQL_VALUES = ("?", "CAST(? AS TEXT)", "length(?)", "length(?) + 0.5", "NULL", "-
 def run_verifier_cell(data: bytes) -> None:
     """One cell of the world ledger (data[0] picks which) rewritten as another SQLite type (data[1]: BLOB, TEXT,
     INTEGER, REAL, NULL) from the rest of the input, the triggers dropped first: what a database writer can do
-    that no ledger does. `inspect_ledger` must give a verdict, never a traceback."""
+    that no ledger does. `inspect_ledger` must give a verdict, never a traceback; a verdict against the ledger is
+    raised (the coded error the report carries)."""
     path = _ledger_copy()
     (table, column, where), value = CELLS[data[0] % len(CELLS)] if data else CELLS[0], data[2:]
     sql = SQL_VALUES[data[1] % len(SQL_VALUES)] if len(data) > 1 else "?"
@@ -135,7 +136,9 @@ def run_verifier_cell(data: bytes) -> None:
         connection.commit()
     finally:
         connection.close()
-    inspect_ledger(f"sqlite:///{path}", accountant=recorded_accountant)
+    report = inspect_ledger(f"sqlite:///{path}", accountant=recorded_accountant)
+    if report.error is not None:
+        raise report.error
 
 
 def run_trusted_checkpoint(data: bytes) -> None:
