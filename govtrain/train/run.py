@@ -27,6 +27,7 @@ from govtrain.ledger.spend_rules import noise_groups_record
 from govtrain.train.config import RunConfig
 from govtrain.train.preflight import Plan, check_output, consent_error, project
 from govtrain.train.resume import TEMPORARY, check_recorded_entry, read_recorded_adapter, recorded_entry, write_whole
+from govtrain.train.withdrawals import Withdrawn
 from govtrain.train.lease import (
     LOCK_FILE,
     Replan,
@@ -181,6 +182,7 @@ class Run:
         self._written = False  # the pending epoch's spend is in the ledger: its steps may run
         self._charged_rates: set[int] | None = None  # the sampling rates the pending epoch's spend charged
         self._loss_sum, self._drawn = 0.0, 0  # the logical step in progress
+        self._withdrawn = Withdrawn(ledger.store)  # each step's withdrawals, read from the entries
 
     @property
     def run_id(self) -> str:
@@ -504,7 +506,7 @@ class Run:
         self._check_rate()
         result, examples = self.result, self.examples
         step = result.steps - self.pending["first_step"]
-        gone = self.ledger.store.withdrawals()
+        gone = self._withdrawn.read()  # from the entries, never the `withdrawals` index table (withdrawals.py)
         live = np.array([self._allowed[i] > step and self.ids[i] not in gone for i in range(len(self.ids))], dtype=bool)
         chunks = []
         for part, unit in self._draw(live):
