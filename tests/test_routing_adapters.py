@@ -92,6 +92,15 @@ def clipped_reference(grads, clip) -> dict[str, torch.Tensor]:
     return total
 
 
+def _assert_grads(net, expected: dict, *, atol: float, rtol: float) -> None:
+    """Each parameter's `.grad` is its expected gradient, and a parameter with none expected has no `.grad`."""
+    for name, param in net.named_parameters():
+        if name in expected:
+            assert torch.allclose(param.grad, expected[name], atol=atol, rtol=rtol), name
+        else:
+            assert param.grad is None, name
+
+
 @pytest.mark.parametrize("strategy", ["auto", "ghost", "materialize"])
 def test_the_routed_clipped_sum_equals_the_loop_with_only_each_examples_adapters_active(strategy: str):
     net = model()
@@ -107,11 +116,7 @@ def test_the_routed_clipped_sum_equals_the_loop_with_only_each_examples_adapters
     assert 0 < report.clipped < 6
     for adapter in ("restricted", "secret"):  # each class adapter trained by its own class's examples
         assert any(".lora_B." in n and f".{adapter}." in n for n in expected)
-    for name, param in net.named_parameters():
-        if name in expected:
-            assert torch.allclose(param.grad, expected[name], atol=1e-10, rtol=1e-8), name
-        else:
-            assert param.grad is None, name
+    _assert_grads(net, expected, atol=1e-10, rtol=1e-8)
     router.close()
 
 
@@ -157,11 +162,7 @@ def test_every_mechanism_routes_each_unit_through_its_own_adapters_as_the_loop_d
         losses = losses_of(net, ids, attention, labels)
     router.privatize(losses, classes, clip, {}, expected_batch_size=1.0, units=units)
     assert any(".secret." in n for n in expected) and any(".restricted." in n for n in expected)
-    for name, param in net.named_parameters():
-        if name in expected:
-            assert torch.allclose(param.grad, expected[name], atol=1e-10, rtol=1e-8), name
-        else:
-            assert param.grad is None, name
+    _assert_grads(net, expected, atol=1e-10, rtol=1e-8)
     router.close()
 
 
@@ -294,9 +295,5 @@ def test_a_causal_lm_routes_each_example_through_its_own_adapters_as_the_loop_do
         losses = TASK.per_example_loss(net(**encoded.inputs), encoded)
     router.privatize(losses, who, clip, {}, 1.0)
     assert any(".restricted." in n for n in expected) and any(".default." in n for n in expected)
-    for name, param in net.named_parameters():
-        if name in expected:
-            assert torch.allclose(param.grad, expected[name], atol=1e-8, rtol=1e-6), name
-        else:
-            assert param.grad is None, name
+    _assert_grads(net, expected, atol=1e-8, rtol=1e-6)
     router.close()
