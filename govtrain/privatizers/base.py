@@ -57,12 +57,15 @@ class Participation:
 class Charge:
     """What one spend entry charges, as the accountant reads it: `family` names the mechanism the accountant
     composes (gaussian, laplace, discrete-gaussian, skellam), at rate `sampling_rate_u` (micro), noise multiplier
-    `noise_multiplier_u` (micro; for laplace the scale over the L1 clip norm) over `rounds` compositions."""
+    `noise_multiplier_u` (micro; for laplace the scale over the L1 clip norm) over `rounds` compositions.
+    `params`: what else the family's accountant needs, as ints from the privatizer's record (the quantised
+    sensitivities of the integer families); empty for gaussian and laplace. Hashable: the accountants key on it."""
 
     family: str
     sampling_rate_u: int
     noise_multiplier_u: int
     rounds: int
+    params: tuple[int, ...] = ()
 
 
 class Privatizer(ABC):
