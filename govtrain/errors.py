@@ -54,6 +54,10 @@ class Code(str, Enum):
     OUTPUT_TAKEN = "output_taken"  # the output folder holds another run's adapter, run state or other files
     INFERENCE_POLICY_UNREADABLE = "inference_policy_unreadable"  # inference.toml cannot be read or is no TOML
     INFERENCE_POLICY_INVALID = "inference_policy_invalid"  # inference.toml's fields (one line names each)
+    # privatizers (docs/privatizers.md)
+    PRIVATIZER_UNKNOWN = "privatizer_unknown"  # [noise] privatizer (or a record) names none this installation has
+    PRIVATIZER_INVALID = "privatizer_invalid"  # [noise] parameters (or a record) the named privatizer refuses
+    PRIVATIZER_UNSUPPORTED = "privatizer_unsupported"  # the mechanism or router cannot run with this privatizer
 
     # -- encoding: the strict deterministic-CBOR decoder (docs/design.md §2) ----------------------
     TOO_LARGE = "too_large"
@@ -162,6 +166,7 @@ class Code(str, Enum):
     ROLLBACK = "rollback"
     FORK = "fork"
     BAD_SPEND = "bad_spend"
+    BAD_PRIVATIZER = "bad_privatizer"  # a run or spend entry's privatizer record names none known or cannot rebuild it
     BAD_WITHDRAWAL = "bad_withdrawal"
     BAD_SUMMARY = "bad_summary"
     BAD_EPOCH = "bad_epoch"

@@ -23,10 +23,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:  # the verifier rebuilds privatizers from records (`from_record`, `charge`) and never imports torch
+    import torch
+    from torch import Tensor
+
+    from govtrain.train.config import NoiseSection
 
 State = Any  # a privatizer's own state: secret; persisted only through `state_dict` / `load_state`
 
@@ -77,6 +80,23 @@ class Privatizer(ABC):
     # (`quantize`) before the sum, so that integer noise is added in the quantised domain.
     norm: ClassVar[str] = "l2"
     quantized: ClassVar[bool] = False
+    # The RUN.toml [noise] fields it takes besides `privatizer` (`from_config` refuses any other that is set).
+    parameters: ClassVar[tuple[str, ...]] = ()
+    # Where its noise is drawn from: the run's generator (`build` sets it: OS entropy unless insecure_seed). None: a
+    # privatizer that draws seeds its own from the OS when it first needs one.
+    generator: "torch.Generator | None" = None
+
+    @classmethod
+    def from_config(cls, noise: "NoiseSection") -> "Privatizer":
+        """From RUN.toml [noise] (`privatizer` names this class): refuses (ValueError, one line saying what to
+        change) a field set that it does not take, then rebuilds from the record those fields make. A privatizer
+        whose record is not its config fields one to one overrides it."""
+        given = {k: v for k, v in noise.model_dump().items() if k != "privatizer" and v is not None}
+        other = sorted(set(given) - set(cls.parameters))
+        if other:
+            takes = f"it takes {', '.join(cls.parameters)}" if cls.parameters else "it takes none"
+            raise ValueError(f"noise.{other[0]} does not apply to privatizer {cls.name!r} ({takes}): remove it")
+        return cls.from_record({"name": cls.name, **given})
 
     def quantize(self, clipped: Tensor, clip: Tensor, generator: torch.Generator) -> Tensor:
         """Integer families: each row of `clipped` ([units, d], already clipped to its `clip`) as an integer

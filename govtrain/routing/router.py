@@ -62,6 +62,9 @@ from govtrain.mechanisms.reach import check_reach, lora_pairs
 from govtrain.resolver.profile import Resolution
 from govtrain.routing import coverage, layout, moe, persample
 from govtrain.routing.adapters import AdapterRoutes
+from govtrain.privatizers.base import Privatizer
+from govtrain.privatizers.gaussian import IIDGaussian
+from govtrain.routing import slots
 from govtrain.routing.tangent import TangentStacks
 
 
@@ -107,9 +110,12 @@ class StepReport:
 
 class Router:
     def __init__(self, model: nn.Module, resolution: Resolution, *, mechanism: str = "dpsgd",
-                 insecure_seed: int | None = None, per_sample: str = "auto") -> None:
+                 insecure_seed: int | None = None, per_sample: str = "auto", privatizer: Privatizer | None = None
+                 ) -> None:
         """`per_sample` is a performance flag that never changes what is released: how a Linear weight's
-        per-sample norms are computed (`persample.use_ghost`: auto picks per layer; ghost; materialize)."""
+        per-sample norms are computed (`persample.use_ghost`: auto picks per layer; ghost; materialize).
+        `privatizer` adds the noise (`govtrain.privatizers`; None: the i.i.d. Gaussian); one without a generator
+        of its own draws from the router's (OS entropy, or `insecure_seed`)."""
         if mechanism not in MECHANISMS:
             raise ValueError(f"unknown mechanism {mechanism!r}: one of {', '.join(MECHANISMS)}")
         if per_sample not in persample.STRATEGIES:
@@ -175,6 +181,10 @@ class Router:
         self.noise_std: dict[str, float] = {}  # per reached parameter: the last step's noise std / batch size
         self.generator = torch.Generator(device=next(iter(self.params.values())).device if self.params else "cpu")
         self.generator.manual_seed(insecure_seed if insecure_seed is not None else int.from_bytes(os.urandom(8), "big"))
+        self.privatizer = IIDGaussian() if privatizer is None else privatizer
+        slots.check_privatizer(mechanism, self.privatizer)
+        if self.privatizer.generator is None:
+            self.privatizer.generator = self.generator
         self._recording = False
         # Only modules holding a parameter some class reaches are recorded: autograd then stops where the
         # deepest reached parameter is, instead of differentiating layers no one may train.
@@ -182,6 +192,9 @@ class Router:
         self._reached = reached
         self.tangent = TangentStacks(self.params, self.pairs, {c: set(masks) for c, masks in self.masks.items()}
                                      ) if self.pairs else None
+        # what the privatizer noises, in the order the noise is drawn; its state (secret: `Run` saves it 0600)
+        self.noise_slots = slots.NoiseSlots(self.params, resolution, self._paired, self.tangent)
+        self.noise_state = self.privatizer.init(self.noise_slots.slots)
         self._dtype = torch.float32
         # each example of a captured forward runs through the default adapter and its own class's adapters only;
         # built before any hook of the router, so that a class adapter it refuses leaves the model without hooks
@@ -489,27 +502,20 @@ class Router:
         groups = [(group, float(group_std.get(group.classes, 0.0)))
                   for group in self.resolution.groups if group.classes]
         self.noise_std = {part.name: std / expected_batch_size for group, std in groups for part in group.parts}
+        pair_std: dict[str, float] = {}
         if self.tangent is not None:  # prism: the pairs' clipped sums lifted, each with its group's tangent noise
-            pair_std: dict[str, float] = {}
             for group, std in groups:
                 for part in group.parts:
                     if part.name in self._paired:
                         if part.dim is not None:
                             raise RuntimeError(f"{part.name} is reached in part: check_reach should have refused it")
                         pair_std[part.name] = std
-            self.tangent.release(totals, pair_std, self.generator)
-        for group, std in groups:
-            if std <= 0:
-                continue
-            for part in group.parts:
-                if part.name in self._paired:
-                    continue
-                total = totals[part.name]
-                noise = torch.normal(0.0, std, size=total.shape, generator=self.generator, device=total.device,
-                                     dtype=total.dtype)
-                if part.dim is not None:
-                    noise = noise * _keep(noise, part.dim, list(part.index))
-                total += noise
+        # every draw is the privatizer's, in slot order: the tangent Gaussians first, then each group's parts
+        sums, std, keep = self.noise_slots.step(totals, groups, pair_std)
+        noisy, self.noise_state = self.privatizer.update(sums, self.noise_state, std=std, keep=keep)
+        self.noise_slots.released(totals, noisy)
+        if self.tangent is not None:
+            self.tangent.release(totals, pair_std, self.noise_slots.omega(noisy))
         for name, param in self.params.items():
             param.grad = (totals[name] / expected_batch_size).to(param.dtype) if name in self.noise_std else None
 
@@ -554,9 +560,3 @@ def _coefficient(norms: Tensor, clip: Tensor) -> Tensor:
     """min(1, C / ‖g‖) per sample, without dividing by a zero norm."""
     return torch.where(norms > clip, clip / norms.clamp(min=torch.finfo(norms.dtype).tiny), torch.ones_like(norms))
 
-
-def _keep(like: Tensor, dim: int, index) -> Tensor:
-    """A 0/1 tensor that broadcasts against `like`: 1 at `index` along dimension `dim`, 0 elsewhere."""
-    keep = torch.zeros(like.shape[dim], dtype=like.dtype, device=like.device)
-    keep[index] = 1
-    return keep.reshape([-1 if d == dim else 1 for d in range(like.dim())])

@@ -10,7 +10,8 @@ one rank in one batched eigh per step (`prism.grams`).
 
 The arithmetic is the per-pair arithmetic: the PRISM functions broadcast over the stack's leading axis.
 Only the order of the noise draws differs from a loop over the pairs: Ω_A of a whole stack [P, m, r], then
-its Ω_B [P, n, r], stack after stack (`prism.tangent_noise`). Each pair's noise is distributed as before,
+its Ω_B [P, n, r], stack after stack, drawn by the router's privatizer (`routing/slots.py`) and handed to
+`prism.tangent_noise`. Each pair's noise is distributed as before,
 isotropic on its tangent space with the standard deviation of the one group that holds it.
 
 A sample whose class does not reach a pair adds nothing to it: its per-sample gradients are zeroed in the
@@ -149,11 +150,13 @@ class TangentStacks:
             totals.update(zip(stack.lora_A, sum_Bt.unbind(0)))
         return totals
 
-    def release(self, totals: dict[str, Tensor], std: Mapping[str, float], generator: torch.Generator) -> None:
+    def release(self, totals: dict[str, Tensor], std: Mapping[str, float],
+                omega: Sequence[tuple[Tensor, Tensor]]) -> None:
         """Replace each pair's clipped sum in `totals` by the canonical lift of its tangent part plus the
         canonical lift of tangent noise with standard deviation `std[lora_B name]` (none where that is 0 or
-        missing), in the sums' dtype."""
-        for stack, geometry in zip(self.stacks, self.geometry()):
+        missing), in the sums' dtype. `omega`: each stack's standard Gaussians (Ω_A [P, m, r], Ω_B [P, n, r],
+        float64), drawn by the router's privatizer (`routing/slots.py`)."""
+        for stack, geometry, drawn in zip(self.stacks, self.geometry(), omega, strict=True):
             A, B, grams = geometry.A, geometry.B, geometry.grams
             dtype = totals[stack.lora_B[0]].dtype
             gA = torch.stack([totals[b] for b in stack.lora_B]).to(A.dtype)
@@ -163,7 +166,7 @@ class TangentStacks:
                 scale: float | Tensor = stds[0] if len(set(stds)) == 1 else \
                     torch.tensor(stds, dtype=A.dtype, device=A.device).view(-1, 1, 1)
                 # the noise as factor gradients, so one lift gives the sum's canonical lift plus the noise's
-                xi_A, xi_B = prism.tangent_noise(A, B, scale, generator, grams=grams)
+                xi_A, xi_B = prism.tangent_noise(A, B, scale, None, grams=grams, omega=drawn)
                 noise_A, noise_B = prism.factor_gradients(A, B, xi_A, xi_B)
                 gA, gB = gA + noise_A, gB + noise_B
             dA, dB = prism.tangent_lift(A, B, gA, gB, grams=grams)

@@ -42,6 +42,10 @@ and a test keeps the two identical. Paths are relative to the config file. The c
     lr = 0.01
     momentum = 0.9
 
+    [noise]                      # the privatizer (docs/privatizers.md); absent: the i.i.d. Gaussian
+    privatizer = "gaussian"      # gaussian | banded-mf | blt | laplace | discrete-gaussian | skellam
+    bands = 16                   # banded-mf only
+
 With prism or dp-muon, `[optimizer]` moves what those do not: the classifier head, norms, embeddings.
 """
 
@@ -59,6 +63,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError, m
 
 from govtrain.errors import Code, ConfigError
 from govtrain.policy.config import format_errors, read_toml_file, schema_of
+from govtrain.privatizers import REGISTRY
 
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -171,6 +176,23 @@ class MuonSection(_Strict):
         None, description="Newton-Schulz iterations (default: 6 for seed, torch.optim.Muon's own for quintic)")
 
 
+class NoiseSection(_Strict):
+    """RUN.toml [noise]: which privatizer adds the noise, and its parameters (docs/privatizers.md). Each field
+    besides `privatizer` applies to some privatizers only: the privatizer's `from_config` refuses the others
+    (`privatizer_invalid`, when the run is prepared)."""
+
+    privatizer: Literal[tuple(REGISTRY)] = Field(  # type: ignore[valid-type]
+        "gaussian", description="gaussian (i.i.d., DP-SGD's), banded-mf, blt (correlated: matrix factorization), "
+                                "laplace, discrete-gaussian, skellam (noise families)")
+    bands: PositiveInt | None = Field(None, description="banded-mf: the number of bands b of the strategy matrix")
+    buffers: PositiveInt | None = Field(None, description="blt: the number of buffers of the strategy")
+    granularity_bits: Annotated[int, Field(ge=1, le=32, strict=True)] | None = Field(
+        None, description="discrete-gaussian, skellam: the quantisation step is 2^-granularity_bits of the clip norm")
+    beta_exp: Annotated[int, Field(ge=1, le=64, strict=True)] | None = Field(
+        None, description="discrete-gaussian, skellam: randomised rounding is conditioned to fail with "
+                          "probability at most 2^-beta_exp")
+
+
 class TrainingSection(_Strict):
     mechanism: Literal["dpsgd", "prism", "dp-muon"] = "dpsgd"
     steps: PositiveInt
@@ -201,6 +223,7 @@ class RunFile(_Strict):
     training: TrainingSection
     prism: PrismSection | None = None
     muon: MuonSection | None = None
+    noise: NoiseSection = Field(default_factory=NoiseSection)
 
     @model_validator(mode="after")
     def _mechanism_sections(self) -> "RunFile":

@@ -126,6 +126,25 @@ def _load_state(path: Path, config: RunConfig) -> dict | None:
     return state
 
 
+def _sampler(privatizer, q_u: int, insecure_seed: int | None):  # type: ignore[no-untyped-def]
+    """The sampling the privatizer's accounting assumes (`Privatizer.participation`): Poisson, or cyclic Poisson
+    (`routing.sampler.CyclicPoissonSampler`) for a correlated privatizer amplified over its cycle."""
+    participation = privatizer.participation()
+    if participation.scheme == "poisson":
+        from govtrain.routing.sampler import PoissonSampler
+
+        return PoissonSampler(q_u / units.MICRO, insecure_seed=insecure_seed)
+    if participation.scheme == "cyclic":
+        from govtrain.routing import sampler
+
+        cyclic = getattr(sampler, "CyclicPoissonSampler", None)
+        if cyclic is None:
+            raise ConfigError(Code.PRIVATIZER_UNKNOWN, f"privatizer {privatizer.name!r} needs cyclic Poisson sampling, "
+                                                       "which this installation of govtrain lacks: upgrade it")
+        return cyclic(q_u / units.MICRO, participation.cycle, insecure_seed=insecure_seed)
+    raise RuntimeError(f"privatizer {privatizer.name!r} asks for unknown participation {participation.scheme!r}")
+
+
 class Run:
     """One run of `config` against an open ledger. Drive it as `train()` does:
 
@@ -225,8 +244,8 @@ class Run:
         from govtrain.resolver.schedule import Scheduler
         from govtrain.routing.independence import check_batch_independence
         from govtrain.routing.layout import probe_batches
+        from govtrain.privatizers import build as build_privatizer
         from govtrain.routing.router import Router
-        from govtrain.routing.sampler import PoissonSampler
         from govtrain.tasks import task_for
         from govtrain.train.data import load_examples
         from govtrain.train.model import check_weight_decay, load_model, resolve_device
@@ -283,11 +302,13 @@ class Run:
         self.model.to(self.device)  # before the router: its noise generator lives on the parameters' device
         resolution = resolve(policy.classes, describe(self.model, name=config.model_spec))
         check_weight_decay(resolution, config.file.optimizer.weight_decay)
-        self.router = Router(self.model, resolution, mechanism=training.mechanism, insecure_seed=self.insecure_seed)
+        self.privatizer = build_privatizer(config.file.noise)  # draws from the router's generator
+        self.router = Router(self.model, resolution, mechanism=training.mechanism, insecure_seed=self.insecure_seed,
+                             privatizer=self.privatizer)
         self.router.probe(probe_batches(self.tokenizer, config.file.model.max_length))  # batch-first calls only
         check_batch_independence(self.model, self.task, self.tokenizer, config.file.model.max_length, self.device)
         self.update = Update.build(self.model, config.file)
-        self.sampler = PoissonSampler(q_u / units.MICRO, insecure_seed=self.insecure_seed)  # set again per epoch
+        self.sampler = _sampler(self.privatizer, q_u, self.insecure_seed)  # its rate set again per epoch
         self.epoch_steps = training.epoch_steps or policy.steps_per_epoch
         if self.epoch_steps > policy.steps_per_epoch:
             raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.epoch_steps: {self.epoch_steps} is more than the "
@@ -332,6 +353,7 @@ class Run:
                 for name, value in state["trainable"].items():
                     self.model.get_parameter(name).copy_(value)
             self.update.load_state_dict(state["update"])
+            self._load_noise_state(state.get("noise"))
             self.pending = state["pending"]
             if self.pending is not None and ledger.epoch() > self.pending["epoch"]:
                 self.pending = None  # the epoch was closed just before the kill
@@ -717,4 +739,26 @@ class Run:
             "losses": result.losses, "epochs": result.epochs, "eps_by_class": result.eps_by_class,
             "pending": self.pending,
             "trainable": {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad},
-            "update": self.update.state_dict()})
+            "update": self.update.state_dict(),
+            # the privatizer's state: as secret as the noise it determines (whoever holds it can subtract it)
+            "noise": {"privatizer": self.privatizer.record(),
+                      "state": self.privatizer.state_dict(self.router.noise_state)}})
+
+    def _load_noise_state(self, saved: dict | None) -> None:
+        """The privatizer's state as the run state saved it, so the noise stream goes on exactly where it was
+        (a state with none, written before privatizers or by the i.i.d. Gaussian, starts it afresh)."""
+        if saved is None:
+            if self.privatizer.correlated:
+                raise ConfigError(Code.OUTPUT_TAKEN, f"{self.state_path} holds no noise state, and privatizer "
+                                                     f"{self.privatizer.name!r} correlates its noise across steps: "
+                                                     "it cannot go on from there; give this run another "
+                                                     "training.output")
+            return
+        if saved.get("privatizer") != self.privatizer.record():
+            raise ConfigError(Code.OUTPUT_TAKEN, f"{self.state_path} holds the noise state of another privatizer "
+                                                 f"({saved.get('privatizer')!r}): training.output is that run's")
+        try:
+            self.router.noise_state = self.privatizer.load_state(self.router.noise_slots.slots, saved["state"])
+        except ValueError as e:
+            raise ConfigError(Code.OUTPUT_TAKEN, f"{self.state_path}: its noise state does not fit this run's "
+                                                 f"slots ({e}): training.output is another run's") from e

@@ -1,0 +1,92 @@
+"""Privatizers: what turns the router's clipped sums into the released gradient (docs/privatizers.md; the
+interface is `base.py`). RUN.toml `[noise] privatizer` names one of `REGISTRY`; the `run` and `spend` entries
+record its `record()`, from which the verifier rebuilds it (`from_record`) and recomputes every charge.
+
+    privatizer = build(config.file.noise, generator=generator)   # RUN.toml [noise]; None: the i.i.d. Gaussian
+    privatizer = from_record(spend["privatizer"])                # what a ledger entry recorded
+
+Each name maps to "module:Class", imported only when asked for: the verifier imports the classes of the
+records it reads and nothing else, and never torch (a privatizer module imports torch inside its methods).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any, Mapping
+
+from govtrain.errors import Code, ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from govtrain.privatizers.base import Privatizer
+    from govtrain.train.config import NoiseSection
+
+__all__ = ["REGISTRY", "GAUSSIAN_RECORD", "privatizer_class", "build", "from_record"]
+
+REGISTRY: dict[str, str] = {
+    "gaussian": "govtrain.privatizers.gaussian:IIDGaussian",
+    "banded-mf": "govtrain.privatizers.mf.banded:BandedMF",
+    "blt": "govtrain.privatizers.mf.blt:BLT",
+    "laplace": "govtrain.privatizers.families.laplace:Laplace",
+    "discrete-gaussian": "govtrain.privatizers.families.discrete_gaussian:DiscreteGaussian",
+    "skellam": "govtrain.privatizers.families.skellam:Skellam",
+}
+
+# What a spend entry written before privatizers existed charged: the i.i.d. Gaussian (DP-SGD).
+GAUSSIAN_RECORD: Mapping[str, Any] = {"name": "gaussian"}
+
+
+def privatizer_class(name: str) -> "type[Privatizer]":
+    """The class `name` maps to (ConfigError `privatizer_unknown`: a name not in the registry, or one whose module
+    is not in this installation)."""
+    from govtrain.privatizers.base import Privatizer
+
+    if not isinstance(name, str) or name not in REGISTRY:
+        raise ConfigError(Code.PRIVATIZER_UNKNOWN, f"privatizer {name!r} is not one of {', '.join(REGISTRY)}: "
+                                                   "name one of them in RUN.toml [noise] privatizer")
+    module_name, _, class_name = REGISTRY[name].partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not module_name.startswith(e.name):
+            raise  # a module it imports is missing: a broken installation, not an unknown privatizer
+        raise ConfigError(Code.PRIVATIZER_UNKNOWN, f"privatizer {name!r} is not in this installation of govtrain "
+                                                   f"({module_name} is missing): upgrade govtrain, or use another "
+                                                   "privatizer") from e
+    found = getattr(module, class_name, None)
+    if not (isinstance(found, type) and issubclass(found, Privatizer) and found.name == name):
+        raise RuntimeError(f"{REGISTRY[name]} is not the Privatizer named {name!r}")
+    return found
+
+
+def build(noise: "NoiseSection | None" = None, *, generator: "torch.Generator | None" = None) -> "Privatizer":
+    """The privatizer RUN.toml [noise] describes (None: the i.i.d. Gaussian), drawing from `generator`.
+    ConfigError `privatizer_unknown` for a privatizer not available, `privatizer_invalid` for parameters it
+    refuses."""
+    if noise is None:
+        from govtrain.train.config import NoiseSection
+
+        noise = NoiseSection()
+    cls = privatizer_class(noise.privatizer)
+    try:
+        privatizer = cls.from_config(noise)
+    except ValueError as e:
+        raise ConfigError(Code.PRIVATIZER_INVALID, f"RUN.toml [noise]: {e}") from e
+    privatizer.generator = generator
+    return privatizer
+
+
+def from_record(record: Mapping[str, Any] | None) -> "Privatizer":
+    """The privatizer a `run` or `spend` entry recorded (None, a spend written before privatizers: the i.i.d.
+    Gaussian). ConfigError `privatizer_unknown` for a name not available, `privatizer_invalid` for a record its
+    class did not write; the verifier turns both into an integrity failure of the entry."""
+    if record is None:
+        record = GAUSSIAN_RECORD
+    if not isinstance(record, Mapping) or not isinstance(record.get("name"), str):
+        raise ConfigError(Code.PRIVATIZER_INVALID, "a privatizer record is a map with a text \"name\"")
+    cls = privatizer_class(record["name"])
+    try:
+        return cls.from_record(record)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ConfigError(Code.PRIVATIZER_INVALID, f"privatizer record {dict(record)!r}: {e}") from e

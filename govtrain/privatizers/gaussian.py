@@ -1,0 +1,68 @@
+"""The i.i.d. Gaussian (DP-SGD's noise) as a privatizer: each slot's clipped sum gets N(0, s²) per coordinate,
+s its group's standard deviation, masked to the slot's part of the tensor, drawn slot after slot from one
+generator. In the router's slot order, with the router's generator, these are the very draws the router made
+before privatizers existed: a run's `.grad` bytes and adapter are unchanged (tests/test_privatizers_core.py
+holds them to hashes recorded before).
+
+Its noise depends on nothing earlier, so it keeps no secret state: a resumed run draws fresh noise from a
+generator the OS seeds, as it always has.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from govtrain.privatizers.base import Privatizer, Slot
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+__all__ = ["IIDGaussian"]
+
+
+class IIDGaussian(Privatizer):
+    name = "gaussian"
+    family = "gaussian"
+
+    def record(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> "IIDGaussian":
+        if dict(record) != {"name": cls.name}:
+            raise ValueError(f"the i.i.d. Gaussian records its name alone, not {sorted(record)}")
+        return cls()
+
+    def init(self, slots: Sequence[Slot]) -> tuple[str, ...]:
+        """The state: the slots' keys in order (public: what the noise is drawn in the order of)."""
+        keys = tuple(slot.key for slot in slots)
+        if len(set(keys)) != len(keys):
+            raise ValueError("two slots with one key")
+        return keys
+
+    def update(self, sums: Mapping[str, "Tensor"], state: tuple[str, ...], *, std: Mapping[str, float],
+               keep: Mapping[str, "Tensor | None"] | None = None) -> tuple[dict[str, "Tensor"], tuple[str, ...]]:
+        import torch
+
+        unknown = sorted(set(sums) - set(state))
+        if unknown:
+            raise ValueError(f"slot {unknown[0]!r} was not among the slots the privatizer was initialised with")
+        if self.generator is None:  # the OS's entropy, on the sums' device, once
+            import os
+
+            device = next(iter(sums.values())).device if sums else torch.device("cpu")
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(int.from_bytes(os.urandom(8), "big"))
+        for key in state:
+            if key not in sums:
+                continue
+            total, scale = sums[key], float(std.get(key, 0.0))
+            if scale <= 0:
+                continue
+            noise = torch.normal(0.0, scale, size=total.shape, generator=self.generator, device=total.device,
+                                 dtype=total.dtype)
+            mask = keep.get(key) if keep is not None else None
+            if mask is not None:
+                noise = noise * mask
+            total += noise
+        return dict(sums), state
