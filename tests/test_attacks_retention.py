@@ -111,7 +111,8 @@ def _retired(corpus: Corpus, admit_seq: int, entry_seqs: list[int], withdraw_seq
         entry = cbor.decode(ledger.store.entry(admit_seq).body)
         bodies = [cbor.decode(ledger.store.entry(seq).body) for seq in entry_seqs[1:] if seq != withdraw_seq]
     spends = [{"seq": b["seq"], **{k: b[k] for k in ("run_id", "run_nonce", "epoch", "epoch_steps", "steps",
-                                                     "sampling_rate_u", "noise_multiplier_u", "eps_u", "noise_groups")}}
+                                                     "sampling_rate_u", "noise_multiplier_u", "eps_u", "noise_groups",
+                                                     "privatizer") if k in b}}  # privatizer: since it is recorded
               for b in bodies]
     return {"contribution_id": entry["contribution_id"], "data_class": entry["data_class"], "admit_seq": admit_seq,
             "descriptor_sha256": entry["descriptor_sha256"], "attestation_sha256": entry["attestation_sha256"],

@@ -8,6 +8,9 @@ corpus of 100,000 contributions that share a handful of parameter sets costs a h
 accountant calls, and the verifier, which recomputes every recorded spend, gets the same
 numbers from the same function.
 
+A history may also hold the charge of a privatizer of another noise family (`accounting/charges.py`): its key is
+then its charges in epoch order, and `govtrain.accounting.families.epsilon_u` accounts it.
+
 sigma_eff is only ever bucketed by rounding **down** (`bucket_sigma_u`): a smaller noise
 multiplier yields a larger epsilon, so the coarser grid can only over-charge.
 """
@@ -21,6 +24,8 @@ from typing import Iterable, Sequence
 
 from govtrain import units
 from govtrain.accounting.accountants import Accountant, Bucket, EpsilonResult, get_accountant
+from govtrain.accounting.charges import Bucketer, family_charges
+from govtrain.privatizers.base import Charge
 
 History = tuple[tuple[int, int, int], ...]  # (sampling_rate_u, noise_multiplier_u, steps), epoch order
 
@@ -145,7 +150,10 @@ class SpendCalculator:
             self._pool = None
 
     def key(self, history: Iterable[tuple[int, int, int]]) -> History:
-        return canonical(history, self.ordered)
+        history = tuple(history)
+        if all(type(item) is tuple for item in history):
+            return canonical(history, self.ordered)
+        return family_charges(history)  # type: ignore[return-value]
 
     def result(self, history: Iterable[tuple[int, int, int]]) -> EpsilonResult:
         key = self.key(history)
@@ -167,11 +175,22 @@ class SpendCalculator:
 
     def prefetch(self, histories: Iterable[Iterable[tuple[int, int, int]]]) -> None:
         """Evaluate every distinct uncached history, in parallel when `workers` > 1."""
-        missing = sorted({self.key(h) for h in histories} - self._cache.keys())
+        missing = {self.key(h) for h in histories} - self._cache.keys()
+        family = [key for key in missing if key and type(key[0]) is Charge]  # Charges do not order: apart
+        missing = sorted(missing.difference(family)) + sorted(family, key=repr)
         if missing:
             self._compute(missing)
 
     def _compute(self, keys: list[History]) -> None:
+        families = [key for key in keys if key and type(key[0]) is Charge]
+        if families:  # a history with a charge of another family: its own accountants, in this process
+            self.calls += len(families)
+            for key in families:
+                self._store(key, EpsilonResult(epsilon_u=_families_epsilon_u(self.name, self.delta_p, key),
+                                               accountant=self.name))
+            keys = [key for key in keys if not (key and type(key[0]) is Charge)]
+            if not keys:
+                return
         self.calls += len(keys)
         if self.workers == 1:
             results = [self.accountant.epsilon([Bucket.from_micro(*b) for b in key], self.delta) for key in keys]
@@ -183,9 +202,10 @@ class SpendCalculator:
             self._store(key, result)
 
     def max_steps(self, history: History, sampling_rate_u: int, sigma_u: int, limit: int,
-                  budget_u: int) -> tuple[int, int]:
+                  budget_u: int, *, bucket: Bucketer | None = None) -> tuple[int, int]:
         """The most steps k <= `limit` at (q, sigma) after `history` whose cumulative epsilon stays within
-        `budget_u`, and that epsilon.
+        `budget_u`, and that epsilon. `bucket(q, sigma, k)`: what k steps charge (`charges.bucketer` of the run's
+        privatizer; None: the i.i.d. Gaussian's (q, sigma, k)).
 
         Epsilon grows with k, so this keeps a bracket (lo within budget, hi over it) and shrinks it by
         interpolating the budget's position between the ends, probing one step past each landing to
@@ -194,7 +214,8 @@ class SpendCalculator:
         """
 
         def eps(k: int) -> int:
-            return self.epsilon_u(history + ((sampling_rate_u, sigma_u, k),))
+            item = (sampling_rate_u, sigma_u, k) if bucket is None else bucket(sampling_rate_u, sigma_u, k)
+            return self.epsilon_u(history + (item,))
 
         top = eps(limit)
         if top <= budget_u:
@@ -227,6 +248,23 @@ class SpendCalculator:
         if len(self._cache) >= self.max_cached:
             self._cache.pop(next(iter(self._cache)))
         self._cache[key] = result
+
+
+def _families_epsilon_u(accountant: str, delta_p: int, charges: tuple[Charge, ...]) -> int:
+    """ε (micro, rounded up) of charges that include another family than the Gaussian: the families' accountants
+    (`govtrain.accounting.families`)."""
+    try:
+        from govtrain.accounting import families
+    except ModuleNotFoundError as e:
+        if e.name != "govtrain.accounting.families":
+            raise
+        from govtrain.errors import Code, ConfigError
+
+        names = sorted({c.family for c in charges} - {"gaussian"})
+        raise ConfigError(Code.PRIVATIZER_UNKNOWN, f"a history charges the {', '.join(names)} family, and this "
+                                                   "installation of govtrain has no accountant for it "
+                                                   "(govtrain.accounting.families): upgrade govtrain") from e
+    return int(families.epsilon_u(accountant, delta_p, charges))
 
 
 @functools.lru_cache(maxsize=16)

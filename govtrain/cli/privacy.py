@@ -170,11 +170,21 @@ def plan_command(ledger_url: str, config_path: str | None, steps: int | None, ex
             layout = load_layout(model)
         plan = plan_run(opened, steps, expected_batch_size, layout,
                         epoch_steps=config.file.training.epoch_steps if config is not None else None,
-                        mechanism=config.file.training.mechanism if config is not None else "dpsgd")
+                        mechanism=config.file.training.mechanism if config is not None else "dpsgd",
+                        privatizer=_privatizer(config))
     if as_json:
         emit_json(plan)
         return
     _print_plan(plan)
+
+
+def _privatizer(config):  # type: ignore[no-untyped-def]
+    """The run config's privatizer (RUN.toml [noise]), whose charge the plan projects; None without a config."""
+    if config is None:
+        return None
+    from govtrain.privatizers import build
+
+    return build(config.file.noise)
 
 
 def _print_plan(plan: dict) -> None:

@@ -61,6 +61,7 @@ SPECS: dict[str, dict[str, type | tuple[type, ...]]] = {
         "privacy_unit": str,            # the header's: what q samples and eps protects (example, contribution)
         "eps_u": int,                   # cumulative epsilon after this epoch, micro-units, rounded up
         "noise_groups": list,           # the epoch's noise schedule: NOISE_GROUP maps, sorted by classes
+        "privatizer": dict,             # the privatizer's record (PRIVATIZER): what the charge follows from
     },
     "withdraw": {**_COMMON, "contribution_id": str, "admit_leaf": bytes, "reason": str},
     "epoch": {**_COMMON, "epoch": int},   # closes ledger epoch `epoch` (numbered from 0)
@@ -83,7 +84,8 @@ SPECS: dict[str, dict[str, type | tuple[type, ...]]] = {
             "mechanism": str, "config_sha256": bytes, "base_model_sha256": bytes,
             "adapter_sha256": (bytes, type(None)),
             "device": str,                  # what computed it: cpu or cuda:N (never what it released)
-            "precision": str},              # fp32, or bf16 autocast (norms, clipping, sums and noise in fp32)
+            "precision": str,               # fp32, or bf16 autocast (norms, clipping, sums and noise in fp32)
+            "privatizer": dict},            # the privatizer's record (PRIVATIZER), as its spend entries record it
     "policy": {**_COMMON, "policy": dict, "policy_source_sha256": bytes, "reason": str},
     # A hyperparameter search (`govtrain tune`): its trials, each a governed run whose spend entries already
     # charged it, bound together, the one selected, and the total epsilon the search charged (ledger/tuning.py).
@@ -131,14 +133,24 @@ RETIRED: dict[str, type | tuple[type, ...]] = {
 # ledger's fixed accountant, delta and privacy unit), so that a redacted spend is checked as its body was.
 SPENT: dict[str, type | tuple[type, ...]] = {
     "seq": int, "run_id": str, "run_nonce": bytes, "epoch": int, "epoch_steps": int, "steps": int,
-    "sampling_rate_u": int, "noise_multiplier_u": int, "eps_u": int, "noise_groups": list}
+    "sampling_rate_u": int, "noise_multiplier_u": int, "eps_u": int, "noise_groups": list, "privatizer": dict}
 _DIGESTS = ("descriptor_sha256", "attestation_sha256", "data_sha256")
+# Fields every entry written now has and entries written before them lack: a `spend` or `run` entry without
+# `privatizer` (and a SPENT map without it) was the i.i.d. Gaussian's, which is all govtrain had then.
+LATER = {"spend": frozenset({"privatizer"}), "run": frozenset({"privatizer"})}
+SPENT_LATER = frozenset({"privatizer"})
+# A privatizer's record (`Privatizer.record`): "name" and its public parameters, text keys to ints or text.
+PRIVATIZER_KEYS = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 _TEMPLATES = {kind: cbor.MapTemplate(spec) for kind, spec in SPECS.items()}
+# An entry as written before the LATER fields existed: what old ledgers hold (the `Ledger` writes every field).
+_EARLIER = {kind: cbor.MapTemplate(set(SPECS[kind]) - later) for kind, later in LATER.items()}
 
 
 def _entry(seq: int, kind: str, time: int, **fields: Any) -> bytes:
     fields.update(v=ENTRY_VERSION, seq=seq, kind=kind, time=time)  # kwargs is already a fresh dict
+    if kind in LATER and not LATER[kind] & fields.keys():
+        return _EARLIER[kind].encode(fields)
     return _TEMPLATES[kind].encode(fields)
 
 
@@ -217,7 +229,10 @@ def decode_entry(body: bytes, *, seq: int, kind: str | None) -> dict:
     if spec is None:
         raise IntegrityError(Code.BAD_ENTRY, f"entry {seq} has a kind this verifier does not know: {kind!r}")
     try:
-        check_shape(entry, spec, what=f"entry {seq} ({kind})", error=IntegrityError)
+        check_shape(entry, spec, what=f"entry {seq} ({kind})", error=IntegrityError,
+                    optional=LATER.get(kind, frozenset()))
+        if "privatizer" in entry and kind in LATER:
+            check_privatizer_record(entry["privatizer"], what=f"entry {seq} ({kind}).privatizer")
         if kind == "summary":
             _check_retired(entry["retired"], what=f"entry {seq} (summary).retired")
         if kind == "spend":
@@ -241,6 +256,23 @@ def decode_stored(stored: "ledger_store.StoredEntry") -> dict:
     return decode_entry(stored.body, seq=stored.seq, kind=stored.kind)
 
 
+def check_privatizer_record(record: dict, *, what: str) -> None:
+    """A privatizer record's shape: a text "name" and at most 16 parameters, each a lower-case key to an unsigned
+    integer or text (whether its privatizer takes them is the verifier's question: `privatizers.from_record`)."""
+    if type(record.get("name")) is not str or not record["name"]:
+        raise IntegrityError(Code.MISSING_FIELD, f"{what} must name its privatizer (a text \"name\")")
+    if len(record) > 17:
+        raise IntegrityError(Code.BAD_VALUE, f"{what} has more than 16 parameters")
+    for key, value in record.items():
+        if type(key) is not str or not PRIVATIZER_KEYS.fullmatch(key):
+            raise IntegrityError(Code.BAD_VALUE, f"{what} has a key that is no parameter name: {key!r}")
+        if type(value) is str:
+            if len(value) > 64:
+                raise IntegrityError(Code.BAD_VALUE, f"{what}.{key} is longer than 64 characters")
+        elif type(value) is not int or not 0 <= value <= INT63_MAX:
+            raise IntegrityError(Code.WRONG_TYPE, f"{what}.{key} must be an unsigned integer or text")
+
+
 def _check_noise_groups(groups: list, *, what: str) -> None:
     for index, item in enumerate(groups):
         check_shape(item, NOISE_GROUP, what=f"{what}[{index}]", error=IntegrityError)
@@ -259,5 +291,7 @@ def _check_retired(retired: list, *, what: str) -> None:
             if type(value) is not int or not 0 <= value <= INT63_MAX:
                 raise IntegrityError(Code.WRONG_TYPE, f"{where}.entry_seqs[{position}] must be an unsigned integer")
         for position, spent in enumerate(item["spends"]):
-            check_shape(spent, SPENT, what=f"{where}.spends[{position}]", error=IntegrityError)
+            check_shape(spent, SPENT, what=f"{where}.spends[{position}]", error=IntegrityError, optional=SPENT_LATER)
             _check_noise_groups(spent["noise_groups"], what=f"{where}.spends[{position}].noise_groups")
+            if "privatizer" in spent:
+                check_privatizer_record(spent["privatizer"], what=f"{where}.spends[{position}].privatizer")

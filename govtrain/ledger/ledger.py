@@ -13,7 +13,7 @@ import os
 import time as _time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Collection, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping, Sequence
 
 import ledger_store
 from govtrain.attest.keys import load_private_key, raw_public_key
@@ -442,8 +442,8 @@ class Ledger:
     @_retried
     def record_spend(self, epoch: int, sampling_rate_u: int, spends: "Sequence[tuple[str, int, int, int]]", *,
                      run_id: str, run_nonce: bytes, epoch_steps: int, noise_groups: "Sequence[dict]",
-                     now: int | None = None, consent: Collection[str] | None = None
-                     ) -> list[ledger_store.StoredEntry]:
+                     now: int | None = None, consent: Collection[str] | None = None,
+                     privatizer: "Mapping[str, Any] | None" = None) -> list[ledger_store.StoredEntry]:
         """Write ahead one ledger epoch's spend for run `run_id` (holding the lease `run_nonce`), which takes
         `epoch_steps` steps in it (docs/design.md §5): for each (contribution_id, steps, sigma_eff_u, eps_u), a `spend`
         entry recording the epoch's schedule `noise_groups` (`spend_rules.noise_groups_record`), all in one
@@ -454,9 +454,12 @@ class Ledger:
         holds the epoch: `epoch_held`; another run holds the id: `run_id_taken`). With `consent` (the run ids whose
         charges need no consent: the run's own, a search's trials), a record of a contribution that any other run
         charged is refused (`charged_before`), read under the write lock: a run that never confirmed charging
-        again is refused even where another run charged its contributions after it opened."""
+        again is refused even where another run charged its contributions after it opened. `privatizer`: the
+        record of the privatizer the run adds its noise with (`Privatizer.record`; None: the i.i.d. Gaussian's),
+        which every spend entry records and the charge follows from (`privatizers`, docs/privatizers.md)."""
         now = int(_time.time()) if now is None else now
         policy = self.policy
+        record = _privatizer_record(privatizer)
         if policy.sampling_rate_u is not None and sampling_rate_u != policy.sampling_rate_u:
             raise ConfigError(Code.BAD_ARGUMENT, f"sampling rate {sampling_rate_u} differs from the policy's "
                                                  f"{policy.sampling_rate_u}")
@@ -502,7 +505,8 @@ class Ledger:
                 fields = dict(contribution_id=contribution_id, admit_leaf=leaf, run_id=run_id, run_nonce=run_nonce,
                               epoch=epoch, epoch_steps=epoch_steps, steps=steps, sampling_rate_u=sampling_rate_u,
                               noise_multiplier_u=sigma_u, accountant=policy.accountant, delta_p=policy.delta_p,
-                              privacy_unit=policy.privacy_unit, eps_u=eps_u, noise_groups=list(noise_groups))
+                              privacy_unit=policy.privacy_unit, eps_u=eps_u, noise_groups=list(noise_groups),
+                              privatizer=dict(record))
                 try:
                     book.check(fields, ledger_epoch=ledger_epoch, steps_per_epoch=policy.steps_per_epoch,
                                min_rate_u=floor, classes=policy.classes)
@@ -533,7 +537,8 @@ class Ledger:
     @_retried
     def record_run(self, run_id: str, mechanism: str, config_sha256: bytes, base_model_sha256: bytes,
                    adapter_sha256: bytes | None, now: int | None = None, *, run_nonce: bytes, device: str = "cpu",
-                   precision: str = "fp32") -> ledger_store.StoredEntry:
+                   precision: str = "fp32", privatizer: "Mapping[str, Any] | None" = None
+                   ) -> ledger_store.StoredEntry:
         """Append a `run` entry: what a training run was (config, base model, the device and precision that
         computed it) and what it produced. It ends the run's lease on its id: refused (`run_id_taken`, nothing
         written) where the id already has a run entry or its spend carries another nonce than `run_nonce`."""
@@ -544,16 +549,17 @@ class Ledger:
         if precision not in PRECISIONS or not DEVICE.fullmatch(device):
             raise ValueError(f"a run's precision is one of {', '.join(PRECISIONS)} and its device cpu or cuda:N")
         now = int(_time.time()) if now is None else now
+        record = _privatizer_record(privatizer)
         with self.append(now) as appender:
             t = self.dated(appender, now)
             try:
-                self.spend_book().check_run({"run_id": run_id, "run_nonce": run_nonce})
+                self.spend_book().check_run({"run_id": run_id, "run_nonce": run_nonce, "privatizer": record})
             except SpendRuleError as e:
                 raise (RejectedError if e.code in _REJECTED else ConfigError)(e.code, e.detail) from e
             return appender.add("run", t, lambda seq: run_entry(
                 seq, t, run_id=run_id, run_nonce=run_nonce, mechanism=mechanism, config_sha256=config_sha256,
                 base_model_sha256=base_model_sha256, adapter_sha256=adapter_sha256, device=device,
-                precision=precision))
+                precision=precision, privatizer=dict(record)))
 
     def tune_book(self) -> TuneBook:
         """The runs, their spend and the tunes recorded so far, as the rules a new tune must meet read them."""
@@ -675,6 +681,21 @@ def _check_times(appender: ledger_store.Appender) -> None:
                                                    f"entry ahead of it ({previous}): entry times never decrease; "
                                                    "check this machine's clock")
         previous = stored.time
+
+
+def _privatizer_record(privatizer: "Mapping[str, Any] | None") -> dict:
+    """A privatizer record to write (None: the i.i.d. Gaussian's), refused (`privatizer_unknown`/`_invalid`, nothing
+    written) where its privatizer could not be rebuilt from it: the verifier could not recompute the charge."""
+    from govtrain.ledger.entries import check_privatizer_record
+    from govtrain.privatizers import GAUSSIAN_RECORD, from_record
+
+    record = dict(GAUSSIAN_RECORD if privatizer is None else privatizer)
+    try:
+        check_privatizer_record(record, what="the privatizer record")
+    except IntegrityError as e:
+        raise ConfigError(Code.PRIVATIZER_INVALID, e.detail) from e
+    from_record(record)
+    return record
 
 
 def _spend_at(seq: int, *, now: int, fields: dict) -> bytes:

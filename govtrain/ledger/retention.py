@@ -55,8 +55,8 @@ def retired_record(entries: Sequence[Summarized]) -> dict:
     its final cumulative epsilon."""
     admit = entries[0].entry
     withdrawals = [e.seq for e in entries if e.entry["kind"] == "withdraw"]
-    spends = [{name: e.seq if name == "seq" else e.entry[name] for name in SPENT}
-              for e in entries if e.entry["kind"] == "spend"]
+    spends = [{name: e.seq if name == "seq" else e.entry[name] for name in SPENT if name == "seq" or name in e.entry}
+              for e in entries if e.entry["kind"] == "spend"]  # a spend before privatizers keeps none (SPENT_LATER)
     return {
         "contribution_id": admit["contribution_id"],
         "data_class": admit["data_class"],

@@ -28,6 +28,9 @@ schedule (`noise_groups`). Then:
    justify: σ_eff = 100 where those contributions imply 1 is refused, and a contribution that retired, withdrew
    or never afforded a step justifies nothing.
 
+8. A run adds its noise with one privatizer: every spend of a run id and its run entry record the same privatizer
+   record (`privatizers`; an entry written before privatizers records none: the i.i.d. Gaussian's).
+
 A spend whose body retention redacted is read as its summary recorded it (`retention.Redacted.spend_entry`:
 every field the rules read), and is held to the same rules.
 """
@@ -106,6 +109,7 @@ class SpendBook:
     finished: dict[str, bytes] = field(default_factory=dict)  # run id -> the nonce of its run entry
     signed: dict[str, _Signed] = field(default_factory=dict)  # contribution -> its signed bounds
     epochs: dict[int, _Epoch] = field(default_factory=dict)  # epoch -> its schedule and what may justify it
+    privatizers: dict[str, dict] = field(default_factory=dict)  # run id -> the privatizer record its spend carries
 
     # -- feeding -------------------------------------------------------------------------------------
 
@@ -119,6 +123,7 @@ class SpendBook:
             self.runs[run] = (first_length, length < first_length)
             self.holders[epoch] = (run, entry["run_nonce"], length)
         self.leases.setdefault(run, entry["run_nonce"])
+        self.privatizers.setdefault(run, privatizer_of(entry))
         record = self.epochs.setdefault(epoch, _Epoch(seq, None))
         if record.schedule is None:
             record.schedule = entry["noise_groups"]
@@ -183,6 +188,7 @@ class SpendBook:
             raise SpendRuleError(Code.BUDGET_EXCEEDED, f"{cid!r}: spend already written for epoch {epoch}, or ε "
                                                        f"{entry['eps_u']} below the recorded {last.eps_u}")
         self._check_sigma(entry, classes)  # 7.
+        self._check_privatizer(entry)  # 8.
 
     def check_schedule(self, epoch: int) -> None:
         """Rule 7's bound on s_g, over all of `epoch`'s spend so far: each group's s_g is at most the largest
@@ -204,6 +210,14 @@ class SpendBook:
         if run in self.finished:
             raise SpendRuleError(Code.RUN_ID_TAKEN, f"run {run!r} already has a run entry: a run id is used once")
         self._check_lease(run, entry["run_nonce"])
+        self._check_privatizer(entry)
+
+    def _check_privatizer(self, entry: dict) -> None:
+        run, record = entry["run_id"], privatizer_of(entry)
+        held = self.privatizers.get(run)
+        if held is not None and held != record:
+            raise SpendRuleError(Code.BAD_ARGUMENT, f"run {run!r} records privatizer {record!r} here and {held!r} in "
+                                                    "its spend before: a run adds its noise with one privatizer")
 
     def _check_lease(self, run: str, nonce: bytes) -> None:
         if len(nonce) != NONCE_BYTES:
@@ -237,6 +251,13 @@ class SpendBook:
             raise SpendRuleError(Code.BAD_ARGUMENT, f"{cid!r}: sigma_eff {entry['noise_multiplier_u']} (micro) exceeds "
                                                     f"{implied}, min over its class's noise groups of s_g / C: the "
                                                     "schedule does not imply that much noise")
+
+
+def privatizer_of(entry: Mapping) -> dict:
+    """The privatizer record of a spend or run entry: an entry written before privatizers was the i.i.d. Gaussian."""
+    from govtrain.privatizers import GAUSSIAN_RECORD
+
+    return dict(entry.get("privatizer", GAUSSIAN_RECORD))
 
 
 def _check_groups(groups: Iterable[dict], classes: Collection[str]) -> None:

@@ -87,6 +87,10 @@ def from_record(record: Mapping[str, Any] | None) -> "Privatizer":
         raise ConfigError(Code.PRIVATIZER_INVALID, "a privatizer record is a map with a text \"name\"")
     cls = privatizer_class(record["name"])
     try:
-        return cls.from_record(record)
+        privatizer = cls.from_record(record)
     except (ValueError, TypeError, KeyError) as e:
         raise ConfigError(Code.PRIVATIZER_INVALID, f"privatizer record {dict(record)!r}: {e}") from e
+    if privatizer.record() != dict(record):  # a record its class would not write: what else did it mean?
+        raise ConfigError(Code.PRIVATIZER_INVALID, f"privatizer record {dict(record)!r} is not what privatizer "
+                                                   f"{cls.name!r} records ({privatizer.record()!r})")
+    return privatizer

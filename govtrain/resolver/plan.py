@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from govtrain import units
+from govtrain.accounting.charges import spend_item
 from govtrain.accounting.spend import SpendCalculator
 from govtrain.errors import Code, ConfigError, IntegrityError
 from govtrain.ledger.entries import decode_stored
@@ -61,7 +62,7 @@ def read_corpus(ledger: Ledger) -> tuple[dict[str, _Admitted], set[str], int]:
             withdrawn.add(cid)
         elif cid in admitted:
             spent = admitted[cid]
-            spent.history.append((entry["sampling_rate_u"], entry["noise_multiplier_u"], entry["steps"]))
+            spent.history.append(spend_item(entry))  # through the privatizer it records (accounting/charges.py)
             spent.eps_u, spent.last_epoch = entry["eps_u"], entry["epoch"]
             spent.retired = entry["steps"] < entry["epoch_steps"]
     retired = RetiredKeys.read(ledger.store)  # summarized, bodies not yet dropped: retired all the same
@@ -73,7 +74,8 @@ def read_corpus(ledger: Ledger) -> tuple[dict[str, _Admitted], set[str], int]:
 
 def plan_run(ledger: Ledger, steps: int, expected_batch_size: int | None = None,
              layout: ModelLayout | None = None, *, epoch_steps: int | None = None, workers: int = 1,
-             mechanism: str = "dpsgd") -> dict[str, Any]:
+             mechanism: str = "dpsgd", privatizer: Any = None) -> dict[str, Any]:
+    """`privatizer`: the run's (`govtrain.privatizers`; None: the i.i.d. Gaussian), whose charge the plan projects."""
     policy = ledger.policy
     if steps < 1:
         raise ConfigError(Code.BAD_ARGUMENT, "--steps must be at least 1")
@@ -107,7 +109,8 @@ def plan_run(ledger: Ledger, steps: int, expected_batch_size: int | None = None,
                          [cid for cid, a in eligible.items() if a.retired])
     start = {id(c): c.eps_u for c in cohorts}
     with SpendCalculator(policy.accountant, policy.delta_p, workers=workers) as calculator:
-        scheduler = Scheduler(calculator, class_groups, sampling_rate_u=q_u, steps_per_epoch=steps_per_epoch)
+        scheduler = Scheduler(calculator, class_groups, sampling_rate_u=q_u, steps_per_epoch=steps_per_epoch,
+                              privatizer=privatizer)
         plans = scheduler.project(cohorts, first_epoch=epoch, total_steps=steps) if q_u else []
     sigmas: dict[int, list[int]] = {}
     for plan in plans:

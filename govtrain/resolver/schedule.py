@@ -24,10 +24,14 @@ the real groups' s_g can only be larger, so that is a conservative stand-in.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from govtrain import units
+from govtrain.accounting.charges import bucketer
 from govtrain.accounting.spend import History, SpendCalculator, bucket_sigma_u
+
+if TYPE_CHECKING:
+    from govtrain.privatizers.base import Privatizer
 
 Signature = frozenset  # the set of classes that reach a group
 
@@ -140,7 +144,10 @@ def sigma_eff_u(cohort: Cohort, class_groups: Mapping[str, Sequence[Signature]],
 
 class Scheduler:
     def __init__(self, calculator: SpendCalculator, class_groups: Mapping[str, Sequence[Signature]], *,
-                 sampling_rate_u: int, steps_per_epoch: int) -> None:
+                 sampling_rate_u: int, steps_per_epoch: int, privatizer: "Privatizer | None" = None) -> None:
+        """`privatizer`: the run's (None: the i.i.d. Gaussian); what a spend of k steps charges follows from it
+        (`Privatizer.charge`: a matrix factorization amplified over a cycle of b steps is charged ceil(k / b)
+        rounds at rate min(1, b·q))."""
         missing = [name for name, groups in class_groups.items() if not groups]
         if missing:
             raise ValueError(f"class {missing[0]!r} reaches no parameter group")
@@ -148,6 +155,7 @@ class Scheduler:
         self.class_groups = class_groups
         self.sampling_rate_u = sampling_rate_u
         self.steps_per_epoch = steps_per_epoch
+        self.bucket = bucketer(privatizer)
 
     def plan_epoch(self, cohorts: Sequence[Cohort], epoch: int, first_step: int, steps: int | None = None,
                    *, commit: bool = True) -> EpochPlan:
@@ -163,14 +171,15 @@ class Scheduler:
         while True:
             noise = group_noise(self.class_groups, taking)
             sigmas = [sigma_eff_u(c, self.class_groups, noise) for c in taking]
-            self.calculator.prefetch([c.history + ((q, s, steps),) for c, s in zip(taking, sigmas)])
+            self.calculator.prefetch([c.history + (self.bucket(q, s, steps),) for c, s in zip(taking, sigmas)])
             spends = []
             for cohort, sigma in zip(taking, sigmas):
-                full = self.calculator.epsilon_u(cohort.history + ((q, sigma, steps),))
+                full = self.calculator.epsilon_u(cohort.history + (self.bucket(q, sigma, steps),))
                 if full <= cohort.eps_budget_u:
                     taken, eps_u = steps, full
                 else:
-                    taken, eps_u = self.calculator.max_steps(cohort.history, q, sigma, steps, cohort.eps_budget_u)
+                    taken, eps_u = self.calculator.max_steps(cohort.history, q, sigma, steps, cohort.eps_budget_u,
+                                                             bucket=self.bucket)
                 retires = first_step + taken if taken < steps else None
                 spends.append(CohortSpend(cohort, sigma, taken, max(eps_u, cohort.eps_u), retires))
             if all(spend.steps for spend in spends) or not any(spend.steps for spend in spends):
@@ -183,7 +192,7 @@ class Scheduler:
             for spend in spends:
                 cohort = spend.cohort
                 if spend.steps:
-                    cohort.history += ((q, spend.sigma_eff_u, spend.steps),)
+                    cohort.history += (self.bucket(q, spend.sigma_eff_u, spend.steps),)
                     cohort.eps_u = spend.eps_u
                 cohort.retired_at = spend.retires_at
         return EpochPlan(epoch, first_step, steps, q, noise, tuple(spends))

@@ -71,7 +71,7 @@ def write_ahead(ledger: Ledger, pending: dict, lease: tuple[str, bytes], now: Ca
         try:
             ledger.record_spend(epoch, pending["q_u"], pending["spend"], run_id=run_id, run_nonce=nonce,
                                 epoch_steps=pending["steps"], noise_groups=pending["noise_groups"], now=now(),
-                                consent=consent)
+                                consent=consent, privatizer=pending.get("privatizer"))
             return True
         except GovtrainError as e:  # a concurrent run got the epoch first, or closed it
             if e.code in (Code.ALREADY_WITHDRAWN, Code.REDACTED):
@@ -103,6 +103,7 @@ def written_plan(ledger: Ledger, epoch: int, lease: tuple[str, bytes]) -> dict:
     lease, e.g. a copied folder or a restored backup, would otherwise train the held epoch under a plan of its
     own: other contributions, other noise)."""
     from govtrain.ledger.entries import decode_stored
+    from govtrain.ledger.spend_rules import privatizer_of
 
     spends = [entry for entry in (decode_stored(stored) for stored in ledger.store.entries(kinds=("spend",))
                                   if stored.body is not None)
@@ -119,7 +120,7 @@ def written_plan(ledger: Ledger, epoch: int, lease: tuple[str, bytes]) -> dict:
             "spend": sorted((e["contribution_id"], e["steps"], e["noise_multiplier_u"], e["eps_u"]) for e in spends),
             "noise_groups": first["noise_groups"],
             "group_std": {tuple(group["classes"]): group["s_pu"] / units.PICO for group in first["noise_groups"]},
-            "eps": eps}
+            "eps": eps, "privatizer": privatizer_of(first)}
 
 
 def claim(ledger: Ledger, run_id: str) -> str:

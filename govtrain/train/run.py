@@ -314,7 +314,7 @@ class Run:
             raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.epoch_steps: {self.epoch_steps} is more than the "
                                                        f"policy's steps_per_epoch ({policy.steps_per_epoch})")
         self.scheduler = Scheduler(SpendCalculator(policy.accountant, policy.delta_p), resolution.class_groups(),
-                                   sampling_rate_u=q_u, steps_per_epoch=self.epoch_steps)
+                                   sampling_rate_u=q_u, steps_per_epoch=self.epoch_steps, privatizer=self.privatizer)
 
         # Contributions by index: the sampler draws example indices, `owner` maps each to its contribution.
         self.ids = ids = sorted(present)
@@ -455,7 +455,8 @@ class Run:
                    "group_std": {tuple(sorted(g)): plan.group_std(g) for g in plan.group_noise_pu},
                    "noise_groups": noise_groups_record(plan.group_noise_pu),
                    "spend": plan.spend_records(), "eps": {s.cohort.data_class: 0 for s in plan.spends},
-                   "retiring": sorted(m for c in cohorts if c.retired_at is not None for m in c.members)}
+                   "retiring": sorted(m for c in cohorts if c.retired_at is not None for m in c.members),
+                   "privatizer": self.privatizer.record()}
         for spend in plan.spends:
             pending["eps"][spend.cohort.data_class] = max(pending["eps"][spend.cohort.data_class], spend.eps_u)
         self.pending = pending
@@ -492,6 +493,10 @@ class Run:
             return False
         if pending["spend"]:  # train the epoch exactly as the ledger charged it
             written = written_plan(self.ledger, pending["epoch"], (self.run_id, self.run_nonce))
+            if written.pop("privatizer") != self.privatizer.record():  # its charge is that privatizer's
+                raise ConfigError(Code.PRIVATIZER_INVALID, f"ledger epoch {pending['epoch']} was written ahead under "
+                                                           "this run's lease with another privatizer than RUN.toml "
+                                                           "[noise] names: restore the run's config to resume it")
             steps = min(written.pop("epoch_steps"), self.total - pending["first_step"])
             if (written["spend"], written["q_u"], steps) != (pending["spend"], pending["q_u"], pending["steps"]):
                 self.log(f"ledger epoch {pending['epoch']} was written ahead under this run's lease by an earlier "
@@ -678,7 +683,7 @@ class Run:
             device = self.device.type if self.device.type == "cpu" else str(self.device)
             self.ledger.record_run(result.run_id, self.config.file.training.mechanism, self.config.sha256,
                                    self.base_sha256, result.adapter_sha256, run_nonce=self.run_nonce, device=device,
-                                   precision=self.precision, now=self.now())
+                                   precision=self.precision, now=self.now(), privatizer=self.privatizer.record())
         # The card before the state goes: a kill until the state is removed leaves a run that the same config, run
         # again, finishes (`recorded`); after it, the run is whole.
         self._write_card(output, record)

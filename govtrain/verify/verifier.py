@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import ledger_store
-from govtrain.errors import Code, GovtrainError, IntegrityError
+from govtrain.accounting.charges import spend_item
+from govtrain.errors import Code, ConfigError, GovtrainError, IntegrityError
 from govtrain.gate.gate import Gate
 from govtrain.ledger import availability
 from govtrain.ledger.checkpoint import Checkpoint, NoteError, verify_checkpoint
@@ -55,6 +56,7 @@ from govtrain.ledger.spend_rules import SpendBook, SpendRuleError, min_sampling_
 from govtrain.ledger.tuning import TuneBook, TuneRuleError
 from govtrain.mechanisms import MECHANISMS
 from govtrain.policy.model import Policy
+from govtrain.privatizers import from_record
 from govtrain.ledger.merkle import CompactRange, root_of
 from govtrain.verify.integrity import NOT_CHECKED, _Failure, _integrity, fork_detail, tampered
 from govtrain.verify.retention import RetentionAudit
@@ -175,6 +177,7 @@ class _Audit:
                  accountant: SpendAccountant | None) -> None:
         self.store, self.report = store, report
         self.attestations, self.accountant = attestations, accountant
+        self.privatizers_recorded = False  # an entry so far recorded its privatizer: every later one must
         self.policy: Policy | None = None
         self.gate: Gate | None = None
         self.contributions: dict[str, _Contribution] = {}
@@ -408,6 +411,11 @@ class _Audit:
             raise bad("effective noise multiplier is below the one the contributor signed")
         if entry["eps_u"] > c.eps_budget_u:
             raise bad(f"cumulative ε {entry['eps_u']} exceeds the signed budget {c.eps_budget_u}")
+        self._check_recorded_privatizer(seq, entry, where)
+        try:  # the charge follows from the privatizer rebuilt from its record (accounting/charges.py)
+            item = spend_item(entry)
+        except ConfigError as e:
+            raise _Failure(Code.BAD_PRIVATIZER, f"{where}: {e.detail}", seq=seq) from e
         floor = (min_sampling_rate_u(self.policy.expected_batch_size, self.live_records)
                  if self.policy.expected_batch_size is not None else None)
         try:
@@ -418,20 +426,36 @@ class _Audit:
             raise bad(e.detail) from e
         self.book.add(entry, seq)
         self.tunes.spend(entry, c.data_class)
-        c.history.append((entry["sampling_rate_u"], entry["noise_multiplier_u"], entry["steps"]))
+        c.history.append(item)
         if self.accountant is not None:
-            implied = self.accountant(entry["accountant"], entry["delta_p"], c.history)
+            implied = self._implied(seq, where, entry, c.history)
             if entry["eps_u"] < implied:
-                raise bad(f"records ε {entry['eps_u']} but its parameters imply at least {implied}")
+                raise bad(f"records ε {entry['eps_u']} but its parameters and privatizer imply at least {implied}")
             if entry["steps"] < entry["epoch_steps"]:  # charged for part of the epoch: only where it retires
-                one_more = self.accountant(entry["accountant"], entry["delta_p"],
-                                           [*c.history[:-1], (*c.history[-1][:2], entry["steps"] + 1)])
+                one_more = self._implied(seq, where, entry, [*c.history[:-1], spend_item(
+                    {**entry, "steps": entry["steps"] + 1})])
                 if one_more <= c.eps_budget_u:
                     raise bad(f"charged for {entry['steps']} of the epoch's {entry['epoch_steps']} steps, yet its budget "
                               f"allows another ({one_more} <= {c.eps_budget_u}): only a retiring contribution is "
                               "charged for part of an epoch")
         c.epochs.add(entry["epoch"])
         c.eps_u = entry["eps_u"]
+
+    def _implied(self, seq: int, where: str, entry: dict, history: list) -> int:
+        assert self.accountant is not None
+        try:
+            return self.accountant(entry["accountant"], entry["delta_p"], history)
+        except ConfigError as e:  # a family this installation has no accountant for
+            raise _Failure(Code.BAD_PRIVATIZER, f"{where}: {e.detail}", seq=seq) from e
+
+    def _check_recorded_privatizer(self, seq: int, entry: dict, where: str) -> None:
+        """Once an entry records its privatizer, every later spend and run entry does (this govtrain writes it on
+        each): one without it would be read as the i.i.d. Gaussian's."""
+        if "privatizer" in entry:
+            self.privatizers_recorded = True
+        elif self.privatizers_recorded:
+            raise _Failure(Code.BAD_PRIVATIZER, f"{where}: records no privatizer, although the entries before it do",
+                           seq=seq)
 
     def _epoch_schedule(self) -> None:
         """Rule 7's bound on the current epoch's s_g, once all its spend is in (at its `epoch` entry, or at the end
@@ -456,6 +480,11 @@ class _Audit:
             raise _Failure(Code.BAD_ENTRY, f"entry {seq}: run {entry['run_id']!r} records device {entry['device']!r} "
                            f"and precision {entry['precision']!r}: cpu or cuda:N, and one of {', '.join(PRECISIONS)}",
                            seq=seq)
+        self._check_recorded_privatizer(seq, entry, f"entry {seq}")
+        try:
+            from_record(entry.get("privatizer"))
+        except ConfigError as e:
+            raise _Failure(Code.BAD_PRIVATIZER, f"entry {seq}: run {entry['run_id']!r}: {e.detail}", seq=seq) from e
         try:  # a run id is a one-time lease: one run entry, under the nonce its spend carries
             self.book.check_run(entry)
         except SpendRuleError as e:
