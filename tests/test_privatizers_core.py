@@ -192,3 +192,148 @@ def test_prism_refuses_a_correlated_or_quantized_or_l1_privatizer(flag, value):
     assert not any(m._forward_hooks for m in net.modules())  # refused before any hook was registered
     if flag == "correlated":  # dpsgd and dp-muon add correlated noise to a fixed space: allowed
         Router(net, resolution, mechanism="dpsgd", privatizer=privatizer).close()
+
+
+# -- a correlated privatizer's state through a checkpoint and a resume ------------------------------------
+
+class Stream(Privatizer):
+    """A correlated privatizer for these tests only: the noise of slot k at step t is s·z + ½·(its noise at t − 1),
+    z a standard Gaussian from a generator seeded by SHA-256(key, t, k), the key drawn at `init` from the run's
+    generator. Its state (key, step, previous noise) is what a resume must restore to go on with the same stream."""
+
+    name = "stream-test"
+    correlated = True
+    drawn: list[tuple[int, str]] = []  # (step, SHA-256 of the step's noise): what each process drew, in order
+
+    def record(self):
+        return {"name": self.name}
+
+    @classmethod
+    def from_record(cls, record):
+        if dict(record) != {"name": cls.name}:
+            raise ValueError("stream-test records its name alone")
+        return cls()
+
+    def init(self, slots):
+        key = torch.randint(0, 2 ** 62, (1,), generator=self.generator, device=self.generator.device).item()
+        return {"key": int(key), "step": 0, "previous": {}, "keys": [s.key for s in slots]}
+
+    def update(self, sums, state, *, std, keep=None):
+        import hashlib
+
+        digest = hashlib.sha256()
+        previous = {}
+        for key in state["keys"]:
+            total = sums[key]
+            seed = int.from_bytes(hashlib.sha256(f"{state['key']}/{state['step']}/{key}".encode()).digest()[:8], "big")
+            z = torch.randn(total.shape, generator=torch.Generator().manual_seed(seed), dtype=total.dtype)
+            noise = float(std.get(key, 0.0)) * z + 0.5 * state["previous"].get(key, torch.zeros_like(z))
+            if keep is not None and keep.get(key) is not None:
+                noise = noise * keep[key]
+            total += noise
+            previous[key] = noise
+            digest.update(noise.numpy().tobytes())
+        type(self).drawn.append((state["step"], digest.hexdigest()))
+        return dict(sums), {**state, "step": state["step"] + 1, "previous": previous}
+
+    def state_dict(self, state):
+        return {"key": state["key"], "step": state["step"], "previous": {k: v.clone() for k, v in state["previous"].items()}}
+
+    def load_state(self, slots, saved):
+        state = self.init(slots)
+        if set(saved["previous"]) - set(state["keys"]):
+            raise ValueError("a saved slot this run does not have")
+        return {**state, "key": saved["key"], "step": saved["step"], "previous": dict(saved["previous"])}
+
+
+def _stream_corpus(folder):
+    from tests.conftest import make_corpus
+    from tests.test_train import _admit
+
+    folder.mkdir()
+    corpus = make_corpus(folder, f"sqlite:///{folder / 'ledger.db'}")
+    _admit(corpus, "pub", noise_multiplier_u=2_000_000, eps_budget_u=8_000_000)
+    _admit(corpus, "sens", data_class="sensitive", clip_norm_u=500_000, noise_multiplier_u=2_000_000,
+           eps_budget_u=4_000_000)
+    return corpus
+
+
+def _stream_run(corpus, tiny, **options) -> list[str]:
+    """Train (or resume) 8 dpsgd steps in ledger epochs of 5 under the Stream privatizer; what it logged."""
+    from govtrain.train.config import load_run_config
+    from govtrain.train.loop import train
+    from tests.test_train import _config
+
+    config = load_run_config(_config(corpus, tiny, 8, "dpsgd", "epoch_steps = 5"))
+    lines: list[str] = []
+    train(config, corpus.url, insecure_seed=4, log=lines.append, checkpoint_every=3, **options)
+    return lines
+
+
+@pytest.fixture
+def stream(monkeypatch):
+    """The Stream privatizer registered (so the ledger can rebuild its record) and built for every run."""
+    import govtrain.privatizers as privatizers
+
+    monkeypatch.setitem(REGISTRY, Stream.name, f"{__name__}:Stream")
+    monkeypatch.setattr(privatizers, "build", lambda noise=None, **_: Stream())
+    Stream.drawn = []
+
+
+def test_a_correlated_stream_resumed_mid_run_reproduces_the_uninterrupted_noise_and_adapter(tmp_path, stream):
+    import hashlib
+    import stat
+
+    from govtrain.ledger.entries import decode_entry
+    from govtrain.train.run import STATE_FILE
+    from tests.test_train import save_tiny_bert
+
+    (tmp_path / "model").mkdir()
+    tiny = save_tiny_bert(tmp_path / "model")
+    whole = _stream_corpus(tmp_path / "whole")
+    _stream_run(whole, tiny)
+    uninterrupted = dict(Stream.drawn)
+    assert sorted(uninterrupted) == list(range(8))
+
+    Stream.drawn = []
+    killed = _stream_corpus(tmp_path / "killed")
+    with pytest.raises(KeyboardInterrupt):
+        _stream_run(killed, tiny, interrupt_after_steps=7)
+    state_path = killed.dir / "adapter" / STATE_FILE
+    assert stat.S_IMODE(state_path.stat().st_mode) == 0o600  # as secret as a key
+    saved = torch.load(state_path, weights_only=False)["noise"]
+    assert saved["privatizer"] == {"name": "stream-test"} and saved["state"]["step"] == 6  # the checkpoint at step 6
+    first = list(Stream.drawn)
+    Stream.drawn = []
+    lines = _stream_run(killed, tiny)
+    assert [t for t, _ in Stream.drawn] == [6, 7]  # drawn again after the resume, from the saved state
+    assert dict(first[:6] + Stream.drawn) == uninterrupted
+    assert not state_path.exists()  # deleted with the run
+    assert not any(str(saved["state"]["key"]) in line for line in lines)  # never logged
+
+    def weights(corpus):
+        return hashlib.sha256((corpus.dir / "adapter" / "adapter_model.safetensors").read_bytes()).hexdigest()
+
+    assert weights(killed) == weights(whole)
+    with whole.open() as ledger:
+        recorded = [decode_entry(e.body, seq=e.seq, kind=e.kind)["privatizer"]
+                    for e in ledger.store.entries(kinds=("spend", "run"))]
+    assert recorded and all(r == {"name": "stream-test"} for r in recorded)
+
+
+def test_a_run_state_without_noise_state_cannot_resume_a_correlated_privatizer(tmp_path, stream):
+    from govtrain.train.run import STATE_FILE
+    from tests.test_train import save_tiny_bert
+
+    (tmp_path / "model").mkdir()
+    tiny = save_tiny_bert(tmp_path / "model")
+    corpus = _stream_corpus(tmp_path / "k")
+    with pytest.raises(KeyboardInterrupt):
+        _stream_run(corpus, tiny, interrupt_after_steps=4)
+    state_path = corpus.dir / "adapter" / STATE_FILE
+    state = torch.load(state_path, weights_only=False)
+    del state["noise"]  # as a run state written before privatizers would be
+    torch.save(state, state_path)
+    with pytest.raises(ConfigError) as info:
+        _stream_run(corpus, tiny)
+    assert info.value.code.value == "output_taken" and "correlates its noise" in info.value.detail

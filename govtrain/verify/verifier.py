@@ -177,7 +177,6 @@ class _Audit:
                  accountant: SpendAccountant | None) -> None:
         self.store, self.report = store, report
         self.attestations, self.accountant = attestations, accountant
-        self.privatizers_recorded = False  # an entry so far recorded its privatizer: every later one must
         self.policy: Policy | None = None
         self.gate: Gate | None = None
         self.contributions: dict[str, _Contribution] = {}
@@ -411,7 +410,6 @@ class _Audit:
             raise bad("effective noise multiplier is below the one the contributor signed")
         if entry["eps_u"] > c.eps_budget_u:
             raise bad(f"cumulative ε {entry['eps_u']} exceeds the signed budget {c.eps_budget_u}")
-        self._check_recorded_privatizer(seq, entry, where)
         try:  # the charge follows from the privatizer rebuilt from its record (accounting/charges.py)
             item = spend_item(entry)
         except ConfigError as e:
@@ -448,15 +446,6 @@ class _Audit:
         except ConfigError as e:  # a family this installation has no accountant for
             raise _Failure(Code.BAD_PRIVATIZER, f"{where}: {e.detail}", seq=seq) from e
 
-    def _check_recorded_privatizer(self, seq: int, entry: dict, where: str) -> None:
-        """Once an entry records its privatizer, every later spend and run entry does (this govtrain writes it on
-        each): one without it would be read as the i.i.d. Gaussian's."""
-        if "privatizer" in entry:
-            self.privatizers_recorded = True
-        elif self.privatizers_recorded:
-            raise _Failure(Code.BAD_PRIVATIZER, f"{where}: records no privatizer, although the entries before it do",
-                           seq=seq)
-
     def _epoch_schedule(self) -> None:
         """Rule 7's bound on the current epoch's s_g, once all its spend is in (at its `epoch` entry, or at the end
         of the ledger for the open epoch); a failure names the epoch's first spend entry."""
@@ -480,7 +469,6 @@ class _Audit:
             raise _Failure(Code.BAD_ENTRY, f"entry {seq}: run {entry['run_id']!r} records device {entry['device']!r} "
                            f"and precision {entry['precision']!r}: cpu or cuda:N, and one of {', '.join(PRECISIONS)}",
                            seq=seq)
-        self._check_recorded_privatizer(seq, entry, f"entry {seq}")
         try:
             from_record(entry.get("privatizer"))
         except ConfigError as e:
