@@ -225,3 +225,71 @@ def test_the_verifier_rebuilds_gaussian_records_without_importing_torch(corpus: 
             "assert 'torch' not in sys.modules, 'the verifier imported torch'\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_scheduler_plans_with_the_privatizers_charge(registered):
+    """Planning an epoch under the cyclic privatizer charges ceil(steps / b) rounds at min(1, b·q), and the most
+    steps a budget affords is found through the same charge."""
+    from govtrain.accounting.spend import SpendCalculator
+    from govtrain.resolver.schedule import Member, Scheduler, cohorts_of, disjoint_groups
+
+    member = Member("a", "public", 1_000_000, 1_000_000, 8_000_000)
+    cyclic = CyclicTest(4)
+    scheduler = Scheduler(SpendCalculator("prv", DELTA_P), disjoint_groups(["public"]), sampling_rate_u=Q_U,
+                          steps_per_epoch=10, privatizer=cyclic)
+    cohorts = cohorts_of([member])
+    plan = scheduler.plan_epoch(cohorts, 0, 0, 10)
+    assert cohorts[0].history == ((4 * Q_U, 1_000_000, 3),) and plan.spends[0].eps_u == _cyclic_eps(4)
+    tight = cohorts_of([Member("b", "public", 1_000_000, 1_000_000, _cyclic_eps(4, steps=5))])
+    plan = scheduler.plan_epoch(tight, 1, 10, 10)
+    assert plan.spends[0].steps == 8 and plan.spends[0].eps_u == _cyclic_eps(4, steps=8)  # 2 rounds: 8 steps
+    gaussian = Scheduler(SpendCalculator("prv", DELTA_P), disjoint_groups(["public"]), sampling_rate_u=Q_U,
+                         steps_per_epoch=10)
+    again = cohorts_of([member])
+    gaussian.plan_epoch(again, 0, 0, 10)
+    assert again[0].history == ((Q_U, 1_000_000, 10),)  # no privatizer: today's bucket
+
+
+class FamilyTest(CyclicTest):
+    """A privatizer of another noise family, for these tests only."""
+
+    name = "family-test"
+    correlated = False
+
+    def charge(self, *, sampling_rate_u: int, noise_multiplier_u: int, steps: int) -> Charge:
+        return Charge(family="test-family", sampling_rate_u=sampling_rate_u, noise_multiplier_u=noise_multiplier_u,
+                      rounds=steps, params=(self.bands,))
+
+
+def test_a_history_with_another_family_goes_to_the_families_accountant(monkeypatch):
+    import sys
+    import types
+
+    import govtrain.accounting as accounting
+    from govtrain.accounting import charges
+    from govtrain.accounting.spend import SpendCalculator
+
+    monkeypatch.setitem(REGISTRY, "family-test", f"{__name__}:FamilyTest")
+    charges._rebuilt.cache_clear()
+    seen = []
+    fake = types.ModuleType("govtrain.accounting.families")
+    fake.epsilon_u = lambda accountant, delta_p, history: seen.append((accountant, delta_p, history)) or 123
+    monkeypatch.setitem(sys.modules, "govtrain.accounting.families", fake)
+    monkeypatch.setattr(accounting, "families", fake, raising=False)
+    history = (charges.spend_item({"sampling_rate_u": Q_U, "noise_multiplier_u": 2_000_000, "steps": 10}),
+               charges.spend_item({"sampling_rate_u": Q_U, "noise_multiplier_u": 3_000_000, "steps": 5,
+                                   "privatizer": {"name": "family-test", "bands": 2}}))
+    assert history[0] == (Q_U, 2_000_000, 10)  # a spend before privatizers: today's bucket
+    calculator = SpendCalculator("prv", DELTA_P)
+    assert calculator.epsilon_u(history) == 123
+    assert seen == [("prv", DELTA_P, (Charge(family="gaussian", sampling_rate_u=Q_U, noise_multiplier_u=2_000_000,
+                                             rounds=10),
+                                      Charge(family="test-family", sampling_rate_u=Q_U, noise_multiplier_u=3_000_000,
+                                             rounds=5, params=(2,))))]
+    assert calculator.epsilon_u(history) == 123 and len(seen) == 1  # cached by its charges
+    monkeypatch.setitem(sys.modules, "govtrain.accounting.families", None)  # an installation without them
+    monkeypatch.delattr(accounting, "families")
+    with pytest.raises(ConfigError) as info:
+        SpendCalculator("prv", DELTA_P).epsilon_u(history)
+    assert info.value.code.value == "privatizer_unknown" and "test-family" in info.value.detail
+    charges._rebuilt.cache_clear()
