@@ -59,12 +59,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from govtrain.errors import Code, ConfigError
 from govtrain.mechanisms import MECHANISMS
 from govtrain.mechanisms.reach import check_reach, lora_pairs
-from govtrain.resolver.profile import Resolution
-from govtrain.routing import coverage, layout, moe, persample
-from govtrain.routing.adapters import AdapterRoutes
 from govtrain.privatizers.base import Privatizer
 from govtrain.privatizers.gaussian import IIDGaussian
-from govtrain.routing import slots
+from govtrain.resolver.profile import Resolution
+from govtrain.routing import coverage, layout, moe, persample, slots
+from govtrain.routing.adapters import AdapterRoutes
 from govtrain.routing.tangent import TangentStacks
 
 
