@@ -60,6 +60,7 @@ from govtrain.errors import Code, ConfigError
 from govtrain.mechanisms import MECHANISMS
 from govtrain.mechanisms.reach import check_reach, lora_pairs
 from govtrain.resolver.profile import Resolution
+from govtrain.routing import compiled as compiled_routing
 from govtrain.routing import coverage, layout, moe, persample
 from govtrain.routing.adapters import AdapterRoutes
 from govtrain.routing.tangent import TangentStacks
@@ -107,9 +108,11 @@ class StepReport:
 
 class Router:
     def __init__(self, model: nn.Module, resolution: Resolution, *, mechanism: str = "dpsgd",
-                 insecure_seed: int | None = None, per_sample: str = "auto") -> None:
+                 insecure_seed: int | None = None, per_sample: str = "auto", compiled: bool = False) -> None:
         """`per_sample` is a performance flag that never changes what is released: how a Linear weight's
-        per-sample norms are computed (`persample.use_ghost`: auto picks per layer; ghost; materialize)."""
+        per-sample norms are computed (`persample.use_ghost`: auto picks per layer; ghost; materialize).
+        `compiled` is another: the clipping stage (`_clip`) runs as a compiled graph (`routing.compiled`), whose
+        output is bitwise the hooks' eager one."""
         if mechanism not in MECHANISMS:
             raise ValueError(f"unknown mechanism {mechanism!r}: one of {', '.join(MECHANISMS)}")
         if per_sample not in persample.STRATEGIES:
@@ -188,6 +191,7 @@ class Router:
         self.routes = AdapterRoutes(model, resolution.reach)
         self._routed: tuple[str, ...] | None = None  # the captured forward's examples' classes
         self._canaries = None  # audit only: `inject_audit_canaries`; None in every run
+        self._compiled = compiled_routing.CompiledStage(self._clip) if compiled else None
         self._handles = [tap.module.register_forward_hook(self._hook(tap)) for tap in self.taps.values()
                          if reached.intersection(tap.leaves.values())]
         self._grids: dict[str, tuple[int, ...]] = {}  # MoE block -> the [B, T] of its last input
@@ -445,23 +449,39 @@ class Router:
         for name, held in sources.items():
             calls[name] = (persample.Shared(held), "")
 
+        if self.tangent is not None:  # the step's factor geometry (an eigh), formed once, outside any compiled graph
+            self.tangent.geometry()
+        stage = self._clip if self._compiled is None or self._canaries is not None else self._compiled
+        totals, norms, clipped = stage(calls, rows, clip, classes)
+        return totals, StepReport(batch, int(clipped.sum()), float(norms.max()) if batch else 0.0)
+
+    def _clip(self, calls: Mapping[str, tuple[Any, str]], rows: Mapping[str, Tensor], clip: Tensor,
+              classes: Sequence[str]) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+        """The masking, per-sample norms, clipping coefficients and clipped weighted sums of one chunk, from its
+        calls, each class's rows and each unit's clip norm: (clipped sums, norms, whether each unit was clipped).
+        A tensor function of its arguments and the router's fixed structure, which is what `compiled=True`
+        compiles (`routing.compiled`); `classes` is read by the audit's canaries alone (never compiled)."""
+        batch, dtype, device = clip.shape[0], clip.dtype, clip.device
         squares: dict[str, Tensor] = {}  # clipping unit (a parameter) -> [B]
         for data_class, index in rows.items():
             take = None if len(rows) == 1 else index  # one class: every sample, in order, without a copy
             for name, mask in self.masks[data_class].items():
                 if name in self._paired or name not in calls:
                     continue  # LoRA pairs under prism are measured as stacks; a parameter with no gradient adds nothing
-                square = squares.setdefault(name, torch.zeros(batch, dtype=dtype, device=losses.device))
+                square = squares.setdefault(name, torch.zeros(batch, dtype=dtype, device=device))
                 source, leaf = calls[name]
                 square.index_add_(0, index, source.sq_norms(leaf, take, mask))
-        paired, measured = torch.zeros(batch, dtype=dtype, device=losses.device), []
+        paired, measured = torch.zeros(batch, dtype=dtype, device=device), []
         if self.tangent is not None:  # prism: the squared norms of the pairs' tangent parts, a stack per shape
-            paired, measured = self.tangent.measure(calls, classes, dtype)
+            paired, measured = self.tangent.measure(calls, rows, batch, dtype)
         if self._canaries is not None:  # audit only: each canary's Dirac joins its own squared norm
-            self._canaries.inject(squares, classes, batch, dtype, losses.device)
+            self._canaries.inject(squares, classes, batch, dtype, device)
         norms = sum(squares.values(), paired).sqrt()
         if self.mechanism == "dp-muon":  # each unit on its own, to C_i / sqrt(L_i)
-            budget = clip / torch.tensor([self.units[c] for c in classes], dtype=clip.dtype, device=clip.device).sqrt()
+            units = torch.zeros(batch, dtype=dtype, device=device)  # L_i of each unit, from its class's rows
+            for data_class, index in rows.items():
+                units.index_fill_(0, index, self.units[data_class])
+            budget = clip / units.sqrt()
             coefficients = {name: _coefficient(square.sqrt(), budget) for name, square in squares.items()}
             clipped = torch.stack([square.sqrt() > budget for square in squares.values()]).any(0) if squares else norms > clip
         else:
@@ -481,7 +501,7 @@ class Router:
             totals.update(self.tangent.clipped_sums(measured, shared))
         if self._canaries is not None:  # audit only: each Dirac clipped with its own unit's coefficient
             self._canaries.add_clipped(totals, coefficients)
-        return totals, StepReport(batch, int(clipped.sum()), float(norms.max()) if batch else 0.0)
+        return totals, norms, clipped
 
     def _finish(self, totals: dict[str, Tensor], group_std: Mapping[frozenset, float], expected_batch_size: float) -> None:
         if not expected_batch_size > 0:
