@@ -37,9 +37,11 @@ which releases the same bits (`CompiledStage.eager` counts them, and the first o
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.fx.experimental._config as shape_config
 
 BACKEND = "aot_eager"
 RECOMPILE_LIMIT = 64  # graphs of one stage: class subsets x the 0/1 batch specialisations x layers' ghost guards
@@ -57,8 +59,7 @@ class CompiledStage:
 
     def __call__(self, *args: Any) -> Any:
         try:
-            with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, recompile_limit=RECOMPILE_LIMIT), \
-                    torch.fx.experimental._config.patch(backed_size_oblivious=True):
+            with _settings():
                 out = self.graph(*args)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             if not self.eager:
@@ -68,3 +69,22 @@ class CompiledStage:
             return self.stage(*args)
         self.compiled += 1
         return out
+
+
+# dynamo's and the shape environment's settings while this stage is looked up or traced, restored after: set and
+# reset by hand, since their `patch` context costs ~2 ms a call (as much as the stage itself on a small model)
+_SETTINGS = ((torch._dynamo.config, "capture_dynamic_output_shape_ops", True),
+             (torch._dynamo.config, "recompile_limit", RECOMPILE_LIMIT),
+             (shape_config, "backed_size_oblivious", True))
+
+
+@contextmanager
+def _settings() -> Iterator[None]:
+    saved = [getattr(module, name) for module, name, _ in _SETTINGS]
+    for module, name, value in _SETTINGS:
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for (module, name, _), value in zip(_SETTINGS, saved):
+            setattr(module, name, value)
