@@ -47,6 +47,7 @@ never who reaches what or how much noise a group gets (so the accounting is DP-S
 
 from __future__ import annotations
 
+import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -108,11 +109,17 @@ class StepReport:
 
 class Router:
     def __init__(self, model: nn.Module, resolution: Resolution, *, mechanism: str = "dpsgd",
-                 insecure_seed: int | None = None, per_sample: str = "auto", compiled: bool = False) -> None:
+                 insecure_seed: int | None = None, per_sample: str = "auto", compiled: bool = False,
+                 microbatches: int = 1) -> None:
         """`per_sample` is a performance flag that never changes what is released: how a Linear weight's
         per-sample norms are computed (`persample.use_ghost`: auto picks per layer; ghost; materialize).
         `compiled` is another: the clipping stage (`_clip`) runs as a compiled graph (`routing.compiled`), whose
-        output is bitwise the hooks' eager one."""
+        output is bitwise the hooks' eager one. `microbatches` is a privacy parameter (docs/privatizers.md,
+        per-microbatch noise): k > 1 keeps a clipped sum per microbatch (`accumulate(..., microbatch=m)`) and
+        noises each on its own; 1 is the step with one noise per group."""
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive integer: got {microbatches!r}")
+        self.microbatches = microbatches
         if mechanism not in MECHANISMS:
             raise ValueError(f"unknown mechanism {mechanism!r}: one of {', '.join(MECHANISMS)}")
         if per_sample not in persample.STRATEGIES:
@@ -343,11 +350,12 @@ class Router:
     def begin(self) -> None:
         """Start a logical step: no clipped gradient summed yet."""
         self._totals: dict[str, Tensor] | None = None
+        self._parts: dict[int, dict[str, Tensor]] = {}  # microbatch m >= 1 -> its clipped sum (per-microbatch noise)
         if self.tangent is not None:
             self.tangent.begin()
 
     def accumulate(self, losses: Tensor, classes: Sequence[str], clip_norms: Tensor | Sequence[float],
-                   units: Tensor | Sequence[int] | None = None) -> StepReport:
+                   units: Tensor | Sequence[int] | None = None, *, microbatch: int = 0) -> StepReport:
         """Add the clipped gradients of one chunk (the captured forward that gave `losses`, one per example).
 
         Without `units` every example is clipped on its own, and `classes` and `clip_norms` are per example.
@@ -357,13 +365,23 @@ class Router:
 
         `losses` must be one value per example, shape [examples]: a scalar (a batch mean), a [B, T] token loss
         or a loss of another length is a programmer's mistake, refused with a ValueError before any gradient
-        is taken, so nothing is summed, no `.grad` written and no noise drawn."""
+        is taken, so nothing is summed, no `.grad` written and no noise drawn.
+
+        `microbatch`: which of the router's `microbatches` this chunk's units belong to (`routing.microbatch`
+        assigns them); its clipped sum is kept apart from the other microbatches' until each is noised."""
+        if isinstance(microbatch, bool) or not isinstance(microbatch, int) or not 0 <= microbatch < self.microbatches:
+            raise ValueError(f"microbatch must be an integer in [0, {self.microbatches}): got {microbatch!r}")
         try:
             totals, report = self._clipped_sum(losses, classes, clip_norms, units)
         finally:
             for tap in self.taps.values():
                 tap.clear()
-        if self._totals is None:
+        if microbatch:  # per-microbatch noise: a microbatch after the first keeps a sum of its own
+            held = self._parts.setdefault(microbatch, totals)
+            if held is not totals:
+                for name, total in totals.items():
+                    held[name] += total
+        elif self._totals is None:
             self._totals = totals
         else:
             for name, total in totals.items():
@@ -372,10 +390,30 @@ class Router:
 
     def finish(self, group_std: Mapping[frozenset, float], expected_batch_size: float) -> None:
         """Noise the step's clipped sum once per group, divide by the expected batch size, write `.grad`."""
-        totals = self._totals if self._totals is not None else {
-            name: torch.zeros_like(p, dtype=_accumulator(p.dtype)) for name, p in self.params.items()}
+        totals = self._totals if self._totals is not None else self._zeros()
         self._totals = None
-        self._finish(totals, group_std, expected_batch_size)
+        if self.microbatches == 1:
+            self._finish(totals, group_std, expected_batch_size)
+            return
+        parts, self._parts = self._parts, {}
+        self._finish_microbatches([totals] + [parts.get(m) or self._zeros() for m in range(1, self.microbatches)],
+                                  group_std, expected_batch_size)
+
+    def _zeros(self) -> dict[str, Tensor]:
+        return {name: torch.zeros_like(p, dtype=_accumulator(p.dtype)) for name, p in self.params.items()}
+
+    def _finish_microbatches(self, parts: list[dict[str, Tensor]], group_std: Mapping[frozenset, float],
+                             expected_batch_size: float) -> None:
+        """Per-microbatch noise: each microbatch's clipped sum gets the group noise on its own, in microbatch
+        order, and the step releases their sum over the expected batch size (k times the variance of one)."""
+        for part in parts:
+            self._noise(part, group_std, expected_batch_size)
+        totals = parts[0]
+        for part in parts[1:]:
+            for name, total in part.items():
+                totals[name] += total
+        self.noise_std = {name: std * math.sqrt(len(parts)) for name, std in self.noise_std.items()}
+        self._write(totals, expected_batch_size)
 
     def _clipped_sum(self, losses: Tensor, classes: Sequence[str], clip_norms,
                      units: Tensor | Sequence[int] | None) -> tuple[dict[str, Tensor], StepReport]:
@@ -504,6 +542,13 @@ class Router:
         return totals, norms, clipped
 
     def _finish(self, totals: dict[str, Tensor], group_std: Mapping[frozenset, float], expected_batch_size: float) -> None:
+        self._noise(totals, group_std, expected_batch_size)
+        self._write(totals, expected_batch_size)
+
+    def _noise(self, totals: dict[str, Tensor], group_std: Mapping[frozenset, float], expected_batch_size: float
+               ) -> None:
+        """Add each group's noise to `totals` in place (prism: the pairs' sums lifted, with their tangent noise);
+        `noise_std` then holds each reached parameter's noise std over the expected batch size."""
         if not expected_batch_size > 0:
             raise ValueError("the expected batch size must be positive")
         groups = [(group, float(group_std.get(group.classes, 0.0)))
@@ -530,6 +575,8 @@ class Router:
                 if part.dim is not None:
                     noise = noise * _keep(noise, part.dim, list(part.index))
                 total += noise
+
+    def _write(self, totals: dict[str, Tensor], expected_batch_size: float) -> None:
         for name, param in self.params.items():
             param.grad = (totals[name] / expected_batch_size).to(param.dtype) if name in self.noise_std else None
 
