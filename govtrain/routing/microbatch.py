@@ -3,7 +3,8 @@
 A step's Poisson batch is split into k microbatches by a public rule fixed before the step, that depends only on
 the unit's own id and the step:
 
-    microbatch(unit, step) = HMAC-SHA-256(key, "govtrain-microbatch" ‖ 0x00 ‖ step (8 bytes, big-endian) ‖ id) mod k
+    microbatch(unit, step) = HMAC-SHA-256(key, "govtrain-microbatch" ‖ 0x00 ‖ step (8 bytes, big-endian) ‖ id)
+                             mod k
 
 (`id` the unit's UTF-8 id.) Never on the unit's position in the batch: removing one unit would then move every
 unit after it to another microbatch, and a neighbouring dataset would change every microbatch's sum, not one.
