@@ -4,6 +4,7 @@
     .venv/bin/python bench/step.py --memory [--device cuda] [--model bert-base|llama-1b] [--precision bf16]
     .venv/bin/python bench/step.py --device cuda [--model ...]      # wall seconds, synchronized
     .venv/bin/python bench/step.py --task causal-lm [--model tiny-llama|small-llama]
+    .venv/bin/python bench/step.py --compiled [--repeats 7] [--batch 32] [--seq 48]
 
 `--model` picks the bundled MiniLM (default), or randomly initialised BERT-base (12 x 768) or a ~1.1B
 Llama (16 x 2048, TinyLlama's shape) with LoRA on every projection and the classification head. On CUDA
@@ -28,6 +29,13 @@ next-token cross-entropy) against a non-private step on a randomly initialised L
 tests' shape: hidden 32, 2 layers, 4 query / 2 key-value heads, vocab 64) or `small-llama` (hidden 256, 4 layers,
 8 / 2 heads, vocab 4096). LoRA r = 8 on every projection, no trainable head (the LM head stays frozen), one class
 over every layer; every token after the first is a target, and the ratio govtrain / non-private is printed.
+
+With --compiled it times the router's clipping stage compiled (`Router(compiled=True)`, `routing/compiled.py`)
+against the hooks' eager stage, on a random tiny BERT (hidden 128, 2 layers) and the bundled MiniLM, each with one
+class over every layer and with three profiles mixed in a batch (a top half with the head, a top band, one
+attention head). Each pair is interleaved in one process; it prints the step (forward, backward, routing, AdamW)
+and the clipping stage alone, median over the rounds, the ratio compiled / hooks, and the first step, compilation
+included. The released gradients are bitwise the same (tests/test_compiled_routing.py).
 
 With --mechanisms it times the three training mechanisms instead, each over the full band and the top-2
 band, the update included (DP-SGD: AdamW; PRISM: lift, intrinsic norm, tangent noise, preconditioner,
@@ -234,6 +242,8 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true",
                         help="peak memory per variant instead: each in its own process, growth of peak RSS over its steps")
     parser.add_argument("--mechanisms", action="store_true", help="time dpsgd, prism and dp-muon against each other")
+    parser.add_argument("--compiled", action="store_true",
+                        help="time the compiled clipping stage against the hooks, on a tiny BERT and MiniLM")
     parser.add_argument("--model", choices=["minilm", "bert-base", "llama-1b", *CAUSAL_LLAMAS], default=None,
                         help="default: minilm; tiny-llama with --task causal-lm")
     parser.add_argument("--task", choices=["sequence-classification", "causal-lm"], default="sequence-classification")
@@ -259,6 +269,8 @@ def main() -> None:
         return memory(args)
     if args.mechanisms:
         return mechanisms(args)
+    if args.compiled:
+        return compiled(args)
     if args.device.startswith("cuda") or args.model != "minilm":
         return compare(args)
 
@@ -337,6 +349,87 @@ def report(times: dict[str, float], header: str) -> None:
     if "opacus" in times:
         for name in ("govtrain top-2 band", "govtrain full band"):
             print(f"  {name} / opacus: {times[name] / times['opacus']:.2f}")
+
+
+def build_tiny_bert(seed: int = 0):
+    """A random BERT of hidden 128 and 2 layers, with the bench's LoRA (r = 8 on six projections) and head."""
+    import peft
+    import transformers
+
+    torch.manual_seed(seed)
+    base = transformers.BertForSequenceClassification(transformers.BertConfig(
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512, num_labels=2,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS,
+                                                      modules_to_save=["classifier"]))
+    return model.train().to(SETTINGS["device"])
+
+
+class _StageClock:
+    """Wraps a router's clipping stage (`Router._clip`, or its compiled graph) and adds up the time it takes."""
+
+    def __init__(self, stage, clock) -> None:
+        self.stage, self.clock, self.seconds = stage, clock, 0.0
+
+    def __call__(self, *args):
+        start = self.clock()
+        try:
+            return self.stage(*args)
+        finally:
+            self.seconds += self.clock() - start
+
+
+def compiled(args) -> None:
+    """The compiled clipping stage against the hooks' eager one, step and stage, per model and profile mix."""
+    clock = time.perf_counter if SETTINGS["device"].startswith("cuda") else time.process_time
+    models = {"tiny BERT (random, 128 x 2)": (build_tiny_bert, 2), "MiniLM (all-MiniLM-L6-v2)": (build, 6)}
+    unit = "wall seconds, synchronized" if SETTINGS["device"].startswith("cuda") else \
+        f"CPU seconds, {torch.get_num_threads()} thread(s)"
+    print(f"compiled clipping stage (aot_eager) against the hooks on {SETTINGS['device']}, batch {args.batch}, seq "
+          f"{args.seq}, median of {args.repeats} rounds x {args.steps} steps ({unit} per step)")
+    for label, (make, depth) in models.items():
+        last = depth - 1
+        mixes = {"one class, every layer": {"all": data_class("all", band=(0, last), head=True)},
+                 "three profiles": {"public": data_class("public", fraction_u=(500_000, 1_000_000), head=True),
+                                    "sensitive": data_class("sensitive", band=(last - 1, last) if last else (0, 0)),
+                                    "heads": data_class("heads", band=(last, last), heads=((last, (0,)),))}}
+        for mix, classes in mixes.items():
+            pair = []
+            for is_compiled in (False, True):
+                variant = Governed(make(), classes, run_file("dpsgd"), name="compiled" if is_compiled else "hooks",
+                                   autocast=autocast, compiled=is_compiled)
+                router = variant.router
+                if is_compiled:
+                    router._compiled = _StageClock(router._compiled, clock)
+                else:
+                    router._clip = _StageClock(router._clip, clock)
+                pair.append((variant, router._compiled if is_compiled else router._clip))
+            inputs, labels = batch(args.batch, args.seq, 0)
+            first = {}
+            for variant, _ in pair:  # the first step: the compiled variant traces its graph here
+                start = time.perf_counter()
+                variant.step(inputs, labels)
+                first[variant.name] = time.perf_counter() - start
+            steps: dict[str, list[float]] = {v.name: [] for v, _ in pair}
+            stages: dict[str, list[float]] = {v.name: [] for v, _ in pair}
+            for round_ in range(args.repeats):
+                for variant, stage in pair[round_ % 2:] + pair[:round_ % 2]:
+                    sync()
+                    stage.seconds, start = 0.0, clock()
+                    for _ in range(args.steps):
+                        variant.step(inputs, labels)
+                    sync()
+                    steps[variant.name].append((clock() - start) / args.steps)
+                    stages[variant.name].append(stage.seconds / args.steps)
+            step = {name: statistics.median(values) for name, values in steps.items()}
+            stage = {name: statistics.median(values) for name, values in stages.items()}
+            print(f"  {label}, {mix}:")
+            print(f"    step   hooks {step['hooks']:8.4f} s   compiled {step['compiled']:8.4f} s   "
+                  f"compiled / hooks {step['compiled'] / step['hooks']:5.2f}")
+            print(f"    stage  hooks {stage['hooks']:8.4f} s   compiled {stage['compiled']:8.4f} s   "
+                  f"compiled / hooks {stage['compiled'] / stage['hooks']:5.2f}")
+            print(f"    first step (wall s, compiling included): hooks {first['hooks']:.2f}, "
+                  f"compiled {first['compiled']:.2f}")
 
 
 def mechanisms(args) -> None:

@@ -77,17 +77,17 @@ _SHARED_LINE = "coefficients = {name: shared for name in squares}"
 
 @contextlib.contextmanager
 def _clipping_skipped(skipped: Callable[[str], bool]) -> Iterator[None]:
-    """`Router._clipped_sum` recompiled from its own source with one line changed (a mutant): the dpsgd/prism
-    branch's shared coefficient is replaced by ones for each parameter `skipped` names. Fails loudly if that line
-    is gone."""
-    source = textwrap.dedent(inspect.getsource(Router._clipped_sum))
+    """`Router._clip` (the clipping stage) recompiled from its own source with one line changed (a mutant): the
+    dpsgd/prism branch's shared coefficient is replaced by ones for each parameter `skipped` names. Fails loudly
+    if that line is gone."""
+    source = textwrap.dedent(inspect.getsource(Router._clip))
     if source.count(_SHARED_LINE) != 1:
-        raise RuntimeError("Router._clipped_sum changed: update _clipping_skipped in tests/audit_faults.py")
+        raise RuntimeError("Router._clip changed: update _clipping_skipped in tests/audit_faults.py")
     source = source.replace(_SHARED_LINE, "coefficients = {name: torch.ones_like(shared) if SKIPPED(name) else "
                                           "shared for name in squares}")
     scope = dict(vars(router_module), SKIPPED=skipped)
     exec(compile(source, inspect.getsourcefile(Router), "exec"), scope)  # noqa: S102 (a test's mutant)
-    with _patched(Router, "_clipped_sum", scope["_clipped_sum"]):
+    with _patched(Router, "_clip", scope["_clip"]):
         yield
 
 

@@ -47,6 +47,7 @@ never who reaches what or how much noise a group gets (so the accounting is DP-S
 
 from __future__ import annotations
 
+import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ from govtrain.mechanisms.reach import check_reach, lora_pairs
 from govtrain.privatizers.base import Privatizer
 from govtrain.privatizers.gaussian import IIDGaussian
 from govtrain.resolver.profile import Resolution
+from govtrain.routing import compiled as compiled_routing
 from govtrain.routing import coverage, layout, moe, persample, slots
 from govtrain.routing.adapters import AdapterRoutes
 from govtrain.routing.tangent import TangentStacks
@@ -109,12 +111,25 @@ class StepReport:
 
 class Router:
     def __init__(self, model: nn.Module, resolution: Resolution, *, mechanism: str = "dpsgd",
-                 insecure_seed: int | None = None, per_sample: str = "auto", privatizer: Privatizer | None = None
-                 ) -> None:
+                 insecure_seed: int | None = None, per_sample: str = "auto", privatizer: Privatizer | None = None,
+                 compiled: bool = False, microbatches: int = 1) -> None:
         """`per_sample` is a performance flag that never changes what is released: how a Linear weight's
         per-sample norms are computed (`persample.use_ghost`: auto picks per layer; ghost; materialize).
+        `compiled` is another: the clipping stage (`_clip`) runs as a compiled graph (`routing.compiled`), whose
+        output is bitwise the hooks' eager one.
         `privatizer` adds the noise (`govtrain.privatizers`; None: the i.i.d. Gaussian); one without a generator
-        of its own draws from the router's (OS entropy, or `insecure_seed`)."""
+        of its own draws from the router's (OS entropy, or `insecure_seed`). `microbatches` is a privacy
+        parameter (docs/privatizers.md, per-microbatch noise): k > 1 keeps a clipped sum per microbatch
+        (`accumulate(..., microbatch=m)`) and has the privatizer noise each on its own; 1 is the step with one
+        noise per group. A correlated privatizer's state advances once per step, so it takes k = 1 only."""
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive integer: got {microbatches!r}")
+        if microbatches > 1 and privatizer is not None and privatizer.correlated:
+            raise ConfigError(Code.PRIVATIZER_UNSUPPORTED,
+                              f"the {privatizer.name} privatizer's noise is correlated across steps and its state "
+                              "advances once per step: per-microbatch noise (microbatches > 1) takes the i.i.d. "
+                              "gaussian or a noise family; set microbatches = 1")
+        self.microbatches = microbatches
         if mechanism not in MECHANISMS:
             raise ValueError(f"unknown mechanism {mechanism!r}: one of {', '.join(MECHANISMS)}")
         if per_sample not in persample.STRATEGIES:
@@ -200,6 +215,7 @@ class Router:
         self.routes = AdapterRoutes(model, resolution.reach)
         self._routed: tuple[str, ...] | None = None  # the captured forward's examples' classes
         self._canaries = None  # audit only: `inject_audit_canaries`; None in every run
+        self._compiled = compiled_routing.CompiledStage(self._clip) if compiled else None
         self._handles = [tap.module.register_forward_hook(self._hook(tap)) for tap in self.taps.values()
                          if reached.intersection(tap.leaves.values())]
         self._grids: dict[str, tuple[int, ...]] = {}  # MoE block -> the [B, T] of its last input
@@ -351,11 +367,12 @@ class Router:
     def begin(self) -> None:
         """Start a logical step: no clipped gradient summed yet."""
         self._totals: dict[str, Tensor] | None = None
+        self._parts: dict[int, dict[str, Tensor]] = {}  # microbatch m >= 1 -> its clipped sum (per-microbatch noise)
         if self.tangent is not None:
             self.tangent.begin()
 
     def accumulate(self, losses: Tensor, classes: Sequence[str], clip_norms: Tensor | Sequence[float],
-                   units: Tensor | Sequence[int] | None = None) -> StepReport:
+                   units: Tensor | Sequence[int] | None = None, *, microbatch: int = 0) -> StepReport:
         """Add the clipped gradients of one chunk (the captured forward that gave `losses`, one per example).
 
         Without `units` every example is clipped on its own, and `classes` and `clip_norms` are per example.
@@ -365,13 +382,23 @@ class Router:
 
         `losses` must be one value per example, shape [examples]: a scalar (a batch mean), a [B, T] token loss
         or a loss of another length is a programmer's mistake, refused with a ValueError before any gradient
-        is taken, so nothing is summed, no `.grad` written and no noise drawn."""
+        is taken, so nothing is summed, no `.grad` written and no noise drawn.
+
+        `microbatch`: which of the router's `microbatches` this chunk's units belong to (`routing.microbatch`
+        assigns them); its clipped sum is kept apart from the other microbatches' until each is noised."""
+        if isinstance(microbatch, bool) or not isinstance(microbatch, int) or not 0 <= microbatch < self.microbatches:
+            raise ValueError(f"microbatch must be an integer in [0, {self.microbatches}): got {microbatch!r}")
         try:
             totals, report = self._clipped_sum(losses, classes, clip_norms, units)
         finally:
             for tap in self.taps.values():
                 tap.clear()
-        if self._totals is None:
+        if microbatch:  # per-microbatch noise: a microbatch after the first keeps a sum of its own
+            held = self._parts.setdefault(microbatch, totals)
+            if held is not totals:
+                for name, total in totals.items():
+                    held[name] += total
+        elif self._totals is None:
             self._totals = totals
         else:
             for name, total in totals.items():
@@ -380,10 +407,30 @@ class Router:
 
     def finish(self, group_std: Mapping[frozenset, float], expected_batch_size: float) -> None:
         """Noise the step's clipped sum once per group, divide by the expected batch size, write `.grad`."""
-        totals = self._totals if self._totals is not None else {
-            name: torch.zeros_like(p, dtype=_accumulator(p.dtype)) for name, p in self.params.items()}
+        totals = self._totals if self._totals is not None else self._zeros()
         self._totals = None
-        self._finish(totals, group_std, expected_batch_size)
+        if self.microbatches == 1:
+            self._finish(totals, group_std, expected_batch_size)
+            return
+        parts, self._parts = self._parts, {}
+        self._finish_microbatches([totals] + [parts.get(m) or self._zeros() for m in range(1, self.microbatches)],
+                                  group_std, expected_batch_size)
+
+    def _zeros(self) -> dict[str, Tensor]:
+        return {name: torch.zeros_like(p, dtype=_accumulator(p.dtype)) for name, p in self.params.items()}
+
+    def _finish_microbatches(self, parts: list[dict[str, Tensor]], group_std: Mapping[frozenset, float],
+                             expected_batch_size: float) -> None:
+        """Per-microbatch noise: each microbatch's clipped sum gets the group noise on its own, in microbatch
+        order, and the step releases their sum over the expected batch size (k times the variance of one)."""
+        for part in parts:
+            self._noise(part, group_std, expected_batch_size)
+        totals = parts[0]
+        for part in parts[1:]:
+            for name, total in part.items():
+                totals[name] += total
+        self.noise_std = {name: std * math.sqrt(len(parts)) for name, std in self.noise_std.items()}
+        self._write(totals, expected_batch_size)
 
     def _clipped_sum(self, losses: Tensor, classes: Sequence[str], clip_norms,
                      units: Tensor | Sequence[int] | None) -> tuple[dict[str, Tensor], StepReport]:
@@ -457,23 +504,39 @@ class Router:
         for name, held in sources.items():
             calls[name] = (persample.Shared(held), "")
 
+        if self.tangent is not None:  # the step's factor geometry (an eigh), formed once, outside any compiled graph
+            self.tangent.geometry()
+        stage = self._clip if self._compiled is None or self._canaries is not None else self._compiled
+        totals, norms, clipped = stage(calls, rows, clip, classes)
+        return totals, StepReport(batch, int(clipped.sum()), float(norms.max()) if batch else 0.0)
+
+    def _clip(self, calls: Mapping[str, tuple[Any, str]], rows: Mapping[str, Tensor], clip: Tensor,
+              classes: Sequence[str]) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+        """The masking, per-sample norms, clipping coefficients and clipped weighted sums of one chunk, from its
+        calls, each class's rows and each unit's clip norm: (clipped sums, norms, whether each unit was clipped).
+        A tensor function of its arguments and the router's fixed structure, which is what `compiled=True`
+        compiles (`routing.compiled`); `classes` is read by the audit's canaries alone (never compiled)."""
+        batch, dtype, device = clip.shape[0], clip.dtype, clip.device
         squares: dict[str, Tensor] = {}  # clipping unit (a parameter) -> [B]
         for data_class, index in rows.items():
             take = None if len(rows) == 1 else index  # one class: every sample, in order, without a copy
             for name, mask in self.masks[data_class].items():
                 if name in self._paired or name not in calls:
                     continue  # LoRA pairs under prism are measured as stacks; a parameter with no gradient adds nothing
-                square = squares.setdefault(name, torch.zeros(batch, dtype=dtype, device=losses.device))
+                square = squares.setdefault(name, torch.zeros(batch, dtype=dtype, device=device))
                 source, leaf = calls[name]
                 square.index_add_(0, index, source.sq_norms(leaf, take, mask))
-        paired, measured = torch.zeros(batch, dtype=dtype, device=losses.device), []
+        paired, measured = torch.zeros(batch, dtype=dtype, device=device), []
         if self.tangent is not None:  # prism: the squared norms of the pairs' tangent parts, a stack per shape
-            paired, measured = self.tangent.measure(calls, classes, dtype)
+            paired, measured = self.tangent.measure(calls, rows, batch, dtype)
         if self._canaries is not None:  # audit only: each canary's Dirac joins its own squared norm
-            self._canaries.inject(squares, classes, batch, dtype, losses.device)
+            self._canaries.inject(squares, classes, batch, dtype, device)
         norms = sum(squares.values(), paired).sqrt()
         if self.mechanism == "dp-muon":  # each unit on its own, to C_i / sqrt(L_i)
-            budget = clip / torch.tensor([self.units[c] for c in classes], dtype=clip.dtype, device=clip.device).sqrt()
+            units = torch.zeros(batch, dtype=dtype, device=device)  # L_i of each unit, from its class's rows
+            for data_class, index in rows.items():
+                units.index_fill_(0, index, self.units[data_class])
+            budget = clip / units.sqrt()
             coefficients = {name: _coefficient(square.sqrt(), budget) for name, square in squares.items()}
             clipped = torch.stack([square.sqrt() > budget for square in squares.values()]).any(0) if squares else norms > clip
         else:
@@ -493,9 +556,16 @@ class Router:
             totals.update(self.tangent.clipped_sums(measured, shared))
         if self._canaries is not None:  # audit only: each Dirac clipped with its own unit's coefficient
             self._canaries.add_clipped(totals, coefficients)
-        return totals, StepReport(batch, int(clipped.sum()), float(norms.max()) if batch else 0.0)
+        return totals, norms, clipped
 
     def _finish(self, totals: dict[str, Tensor], group_std: Mapping[frozenset, float], expected_batch_size: float) -> None:
+        self._noise(totals, group_std, expected_batch_size)
+        self._write(totals, expected_batch_size)
+
+    def _noise(self, totals: dict[str, Tensor], group_std: Mapping[frozenset, float], expected_batch_size: float
+               ) -> None:
+        """Add each group's noise to `totals` in place (prism: the pairs' sums lifted, with their tangent noise);
+        `noise_std` then holds each reached parameter's noise std over the expected batch size."""
         if not expected_batch_size > 0:
             raise ValueError("the expected batch size must be positive")
         groups = [(group, float(group_std.get(group.classes, 0.0)))
@@ -515,6 +585,8 @@ class Router:
         self.noise_slots.released(totals, noisy)
         if self.tangent is not None:
             self.tangent.release(totals, pair_std, self.noise_slots.omega(noisy))
+
+    def _write(self, totals: dict[str, Tensor], expected_batch_size: float) -> None:
         for name, param in self.params.items():
             param.grad = (totals[name] / expected_batch_size).to(param.dtype) if name in self.noise_std else None
 

@@ -105,14 +105,14 @@ class TangentStacks:
         self._geometry = [_Geometry(A=A, B=B, grams=grams[i]) for i, (A, B) in enumerate(factors)]
         return self._geometry
 
-    def measure(self, calls: Mapping[str, tuple[Calls, str]], classes: Sequence[str], dtype: torch.dtype
-                ) -> tuple[Tensor, list[Measured | None]]:
+    def measure(self, calls: Mapping[str, tuple[Calls, str]], rows: Mapping[str, Tensor], batch: int,
+                dtype: torch.dtype) -> tuple[Tensor, list[Measured | None]]:
         """Every sample's Σ over the pairs its class reaches of ‖P_{A,B}(G_i)‖²_F, [b] in `dtype`, and the
-        stacks' per-sample factor gradients for `clipped_sums` (None for a stack with none in `calls`)."""
-        batch = len(classes)
+        stacks' per-sample factor gradients for `clipped_sums` (None for a stack with none in `calls`). `rows`:
+        each class present -> the indices of its samples among the `batch`."""
         device = self.stacks[0].reach.device if self.stacks else torch.device("cpu")
         square = torch.zeros(batch, dtype=dtype, device=device)
-        present = set(classes)
+        present = set(rows)
         ids = None
         measured: list[Measured | None] = []
         for stack, geometry in zip(self.stacks, self.geometry()):
@@ -122,8 +122,10 @@ class TangentStacks:
             gA = torch.stack([self._per_sample(calls, b, batch, dtype) for b in stack.lora_B])
             gBt = torch.stack([self._per_sample(calls, a, batch, dtype) for a in stack.lora_A])
             if not all(all(stack.reached_by[c]) for c in present):
-                if ids is None:
-                    ids = torch.tensor([self.classes[c] for c in classes], dtype=torch.long, device=device)
+                if ids is None:  # each sample's class, as its column in the reach table
+                    ids = torch.zeros(batch, dtype=torch.long, device=device)
+                    for data_class, index in rows.items():
+                        ids.index_fill_(0, index.to(device), self.classes[data_class])
                 keep = stack.reach.index_select(1, ids)[..., None, None]  # [P, b, 1, 1]
                 gA, gBt = torch.where(keep, gA, 0), torch.where(keep, gBt, 0)
             GM, GN = geometry.grams
