@@ -101,10 +101,13 @@ class Lattice:
         return (1 << self.bits) * units.MICRO / noise_multiplier_u * _MARGIN
 
     def l2(self, noise_multiplier_u: int) -> float:
-        return l2_bound(self.span(noise_multiplier_u), self.dimension, self.beta_exp) * _MARGIN
+        """Δ₂ in lattice steps; ‖q‖₂² is an integer, so the bound's square rounds down."""
+        bound = l2_bound(self.span(noise_multiplier_u), self.dimension, self.beta_exp) * _MARGIN
+        return math.sqrt(math.floor(bound * bound))
 
     def l1(self, noise_multiplier_u: int) -> float:
-        return l1_bound(self.span(noise_multiplier_u), self.dimension, self.beta_exp) * _MARGIN
+        """Δ₁ in lattice steps (the Laplace privatizer's L1 rounding); ‖q‖₁ is an integer."""
+        return float(math.floor(l1_bound(self.span(noise_multiplier_u), self.dimension, self.beta_exp) * _MARGIN))
 
 
 # -- per-step RDP curves ---------------------------------------------------------------------------------------
@@ -131,9 +134,9 @@ def pure_rdp(orders: "np.ndarray", epsilon0: float) -> "np.ndarray":
 
 
 def poisson_subsampled_rdp(orders: "np.ndarray", q: float, base) -> "np.ndarray":  # type: ignore[no-untyped-def]
-    """Zhu & Wang (2019) Theorem 6: the RDP of a mechanism with RDP `base` (a function of an integer order array)
-    run on a Poisson sample at rate q, at each order (a fractional order takes the next integer's bound), and
-    never above `base` itself."""
+    """Zhu & Wang (2019) Theorem 6: the RDP of a mechanism with RDP `base` (a function of an order array, valid at
+    every real order > 1) run on a Poisson sample at rate q, at each order (a fractional order takes the next
+    integer's bound), and never above `base` itself."""
     import numpy as np
     from scipy.special import gammaln, logsumexp
 
@@ -142,7 +145,7 @@ def poisson_subsampled_rdp(orders: "np.ndarray", q: float, base) -> "np.ndarray"
     top = int(integer.max())
     ells = np.arange(2, top + 1)
     eps = np.asarray(base(ells.astype(np.float64)), dtype=np.float64)  # ε(l), l = 2..top
-    unsampled = np.asarray(base(integer.astype(np.float64)), dtype=np.float64)
+    unsampled = np.asarray(base(orders), dtype=np.float64)
     if q >= 1:
         return unsampled
     if q <= 0:
