@@ -60,7 +60,7 @@ from govtrain.errors import Code, ConfigError
 from govtrain.mechanisms import MECHANISMS
 from govtrain.mechanisms.reach import check_reach, lora_pairs
 from govtrain.resolver.profile import Resolution
-from govtrain.routing import coverage, layout, moe, persample
+from govtrain.routing import coverage, layout, materialized, moe, persample
 from govtrain.routing.adapters import AdapterRoutes
 from govtrain.routing.tangent import TangentStacks
 
@@ -188,6 +188,7 @@ class Router:
         self.routes = AdapterRoutes(model, resolution.reach)
         self._routed: tuple[str, ...] | None = None  # the captured forward's examples' classes
         self._canaries = None  # audit only: `inject_audit_canaries`; None in every run
+        self.materialized: materialized.Path | None = None  # the noise families' per-sample path (`materialize`)
         self._handles = [tap.module.register_forward_hook(self._hook(tap)) for tap in self.taps.values()
                          if reached.intersection(tap.leaves.values())]
         self._grids: dict[str, tuple[int, ...]] = {}  # MoE block -> the [B, T] of its last input
@@ -212,6 +213,12 @@ class Router:
                 raise ValueError(f"{name}: a canary coordinate must be in a parameter the audit class "
                                  f"{canaries.data_class!r} alone reaches whole, outside any LoRA pair under prism")
         self._canaries = canaries
+
+    def materialize(self, privatizer) -> None:  # type: ignore[no-untyped-def]
+        """Form the clipped sum from materialized per-sample gradients (`routing/materialized.py`): for a
+        privatizer that clips in L1 or quantises (the noise families). `begin(group_std)` then gives each step's
+        group noise, from which a quantising privatizer's lattice follows."""
+        self.materialized = materialized.Path(privatizer, self.resolution, self.params, self.mechanism)
 
     def close(self) -> None:
         for handle in self._handles:
@@ -320,7 +327,7 @@ class Router:
                   units: Tensor | Sequence[int] | None = None) -> StepReport:
         """Replace every reachable parameter's `.grad` with the privatized gradient of sum(losses): one logical
         step on one physical batch (`begin`, `accumulate` (with `units`: per contribution), `finish`)."""
-        self.begin()
+        self.begin(group_std)
         report = self.accumulate(losses, classes, clip_norms, units)
         self.finish(group_std, expected_batch_size)
         return report
@@ -336,9 +343,12 @@ class Router:
     # it is in, so the sum of the chunks' clipped sums is the batch's clipped sum; the noise is drawn once,
     # in `finish`. Nothing per-sample outlives the `accumulate` that made it.
 
-    def begin(self) -> None:
-        """Start a logical step: no clipped gradient summed yet."""
+    def begin(self, group_std: Mapping[frozenset, float] | None = None) -> None:
+        """Start a logical step: no clipped gradient summed yet. `group_std`: the step's noise per group, which
+        the materialized path needs before the sum (a quantising privatizer's lattice); others ignore it."""
         self._totals: dict[str, Tensor] | None = None
+        if self.materialized is not None:
+            self.materialized.set_std(group_std)
         if self.tangent is not None:
             self.tangent.begin()
 
@@ -444,6 +454,14 @@ class Router:
                     calls[name] = (module_calls, leaf)
         for name, held in sources.items():
             calls[name] = (persample.Shared(held), "")
+        # -- the noise families: L1 clipping or quantisation, from materialized per-sample gradients ----------
+        if self.materialized is not None:
+            if self._canaries is not None:
+                raise RuntimeError("audit canaries are not injected on the materialized path")
+            totals, norms, clipped = self.materialized.clipped_sum(calls, self.masks, rows, clip, batch,
+                                                                   self.generator, dtype)
+            return totals, StepReport(batch, clipped, float(norms.max()) if batch else 0.0)
+        # -- end of the noise families' hook ---------------------------------------------------------------
 
         squares: dict[str, Tensor] = {}  # clipping unit (a parameter) -> [B]
         for data_class, index in rows.items():
