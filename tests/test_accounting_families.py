@@ -161,3 +161,55 @@ def test_the_quantised_sensitivity_follows_the_recorded_multiplier():
 def test_malformed_charges_are_refused(bad):
     with pytest.raises(ValueError):
         families.epsilon_u("rdp", 10**7, [bad])
+
+
+@pytest.mark.parametrize("eps0", [1e-6, 0.3, 1.0, 1.5, 40.0, 709.0, 800.0, 5000.0])
+@pytest.mark.parametrize("q", [1e-6, 0.01, 0.5, 1.0])
+def test_the_subsampled_pure_epsilon_is_stable_at_any_epsilon(eps0, q):
+    """log(1 + q(e^ε₀ − 1)) against mpmath at 200 bits: no overflow past ε₀ = 709, and no cancellation."""
+    import mpmath
+
+    with mpmath.workprec(200):
+        exact = float(mpmath.log(1 + mpmath.mpf(q) * (mpmath.exp(mpmath.mpf(eps0)) - 1)))
+    assert families.subsampled_pure_epsilon(eps0, q) == pytest.approx(exact, rel=1e-13)
+
+
+def test_a_huge_laplace_epsilon_is_charged_not_raised():
+    params = (16, 40, 1000)
+    charge = _charge("laplace", 10_000, 1_000, 3, params)
+    eps0 = families.laplace_pure_epsilon(params, 1_000)
+    assert eps0 > 709
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp
+
+    pure = 3 * families.subsampled_pure_epsilon(eps0, 0.01)
+    via_rdp = rdp.compute_epsilon(ORDERS, 3 * families.step_rdp("laplace", 10_000, 1_000, params), 1e-5)[0]
+    assert families.epsilon([charge], 1e-5) == pytest.approx(min(pure, via_rdp), rel=1e-12)
+    # one step sampled (probability q = 0.01 ≫ δ) leaks about ε₀ + ln q
+    assert families.epsilon_u("rdp", 10**7, [charge]) >= (eps0 + math.log(0.01) - 1) * 1e6
+
+
+@pytest.mark.parametrize("call", [
+    lambda: families.discrete_gaussian_rdp(ORDERS, 1.0, 0.0),
+    lambda: families.discrete_gaussian_rdp(ORDERS, 1.0, -1.0),
+    lambda: families.discrete_gaussian_rdp(ORDERS, 1.0, math.nan),
+    lambda: families.discrete_gaussian_rdp(ORDERS, -1.0, 1.0),
+    lambda: families.skellam_rdp(ORDERS, 1.0, 1.0, 0.0),
+    lambda: families.skellam_rdp(ORDERS, 1.0, 1.0, -4.0),
+    lambda: families.pure_rdp(ORDERS, -0.5),
+    lambda: families.pure_rdp(ORDERS, math.inf),
+    lambda: families.poisson_subsampled_rdp(ORDERS, 0.0, lambda a: a / 2),
+    lambda: families.poisson_subsampled_rdp(ORDERS, -0.1, lambda a: a / 2),
+    lambda: families.poisson_subsampled_rdp(ORDERS, 1.5, lambda a: a / 2),
+    lambda: families.poisson_subsampled_rdp(ORDERS, math.nan, lambda a: a / 2),
+    lambda: families.subsampled_pure_epsilon(1.0, 0.0),
+    lambda: families.subsampled_pure_epsilon(1.0, 1.01),
+    lambda: families.subsampled_pure_epsilon(-1.0, 0.5),
+    lambda: families.step_rdp("discrete-gaussian", 0, 1_000_000, (8, 40, 5)),
+    lambda: families.step_rdp("laplace", 1_000_001, 1_000_000, (8, 40, 5)),
+    lambda: families.step_rdp("skellam", 10_000, 0, (8, 40, 5)),
+    lambda: families.step_rdp("gaussian", 10_000, -1, ()),
+    lambda: families.step_rdp("skellam", 10_000, 1_000_000, (families.SKELLAM_MAX_BITS + 1, 40, 5)),
+])
+def test_every_family_curve_refuses_a_non_positive_noise_or_a_rate_outside_0_1(call):
+    with pytest.raises(ValueError):
+        call()

@@ -14,7 +14,9 @@ orders and converted once at δ by dp-accounting's own `compute_epsilon`:
   takes the next integer order (RDP does not decrease with the order).
 
 A history of laplace charges alone also has a pure-ε bound: each step is ε₀-DP, Poisson sampling at rate q makes
-it log(1 + q(e^ε₀ − 1))-DP, and pure ε composes by summing. It charges the smaller of the two.
+it log(1 + q(e^ε₀ − 1))-DP (computed as ε₀ + log(q + (1 − q)e^-ε₀) for ε₀ > 1: no overflow at large ε₀), and
+pure ε composes by summing. It charges the smaller of the two. Every curve refuses a non-positive σ (or noise)
+and a sampling rate outside (0, 1] with a ValueError; a charge at rate 0 is free and never reaches them.
 
 **The lattice.** The integer families (and the Laplace privatizer, which adds a discrete Laplace: a floating-point
 Laplace leaks through its low bits, Mironov 2012) quantise each clipping unit's clipped gradient to a lattice
@@ -53,13 +55,32 @@ if TYPE_CHECKING:
 
     from govtrain.privatizers.base import Charge
 
-__all__ = ["FAMILIES", "LATTICE_FAMILIES", "l2_bound", "l1_bound", "integer_l1_bound", "Lattice",
-           "gaussian_step_rdp", "discrete_gaussian_rdp", "skellam_rdp", "pure_rdp", "poisson_subsampled_rdp",
-           "laplace_pure_epsilon", "step_rdp", "epsilon", "epsilon_u"]
+__all__ = ["FAMILIES", "LATTICE_FAMILIES", "SKELLAM_MAX_BITS", "check_skellam_bits", "l2_bound", "l1_bound",
+           "integer_l1_bound", "Lattice", "gaussian_step_rdp", "discrete_gaussian_rdp", "skellam_rdp", "pure_rdp",
+           "poisson_subsampled_rdp", "laplace_pure_epsilon", "subsampled_pure_epsilon", "step_rdp", "epsilon",
+           "epsilon_u"]
 
 FAMILIES = ("gaussian", "laplace", "discrete-gaussian", "skellam")
 LATTICE_FAMILIES = ("laplace", "discrete-gaussian", "skellam")  # their Charge.params: (bits, beta_exp, dimension)
+# Skellam's Poisson draws are numpy's (Hörmann's PTRS), whose acceptance test is computed in double: its log-pmf
+# terms, of size λ ln λ (λ = 4^b / 2), carry an absolute error of a few ulps, which distorts the noise's pmf. At
+# b ≤ 8 (λ ≤ 2^15) that error is below 4.7e-10 (8 ulps of λ(ln λ + 1) < 2^19), so every probability is within a
+# factor e^(±1e-9) of the exact Skellam's; at b = 24 it is ~1.5 and the noise is not Skellam. No exact integer
+# Poisson sampler at λ ~ 2^47 here: Skellam refuses b above this bound (docs/privatizers.md, "Noise families").
+SKELLAM_MAX_BITS = 8
 _MARGIN = 1 + 1e-9
+
+
+def _positive(**values: float) -> None:
+    for name, value in values.items():
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be positive and finite: got {value}")
+
+
+def _non_negative(**values: float) -> None:
+    for name, value in values.items():
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be non-negative and finite: got {value}")
 
 
 # -- the quantised sensitivities -------------------------------------------------------------------------------
@@ -110,10 +131,21 @@ class Lattice:
         return float(math.floor(l1_bound(self.span(noise_multiplier_u), self.dimension, self.beta_exp) * _MARGIN))
 
 
+def check_skellam_bits(bits: int) -> None:
+    """Refuse a Skellam granularity above `SKELLAM_MAX_BITS`, where numpy's Poisson is not the exact pmf that the
+    Skellam accountant assumes."""
+    if bits > SKELLAM_MAX_BITS:
+        raise ValueError(f"skellam with granularity_bits {bits}: numpy's Poisson sampler matches the exact pmf (to "
+                         f"1e-9) only up to granularity_bits {SKELLAM_MAX_BITS}; use at most that, or the "
+                         "discrete-gaussian family (exact at any granularity)")
+
+
 # -- per-step RDP curves ---------------------------------------------------------------------------------------
 
 def discrete_gaussian_rdp(orders: "np.ndarray", l2: float, sigma: float) -> "np.ndarray":
     """N_Z(0, σ²) per coordinate under an integer shift of L2 norm ≤ l2: α l2² / (2σ²) (CKS 2020)."""
+    _positive(sigma=sigma)
+    _non_negative(l2=l2)
     return orders * (l2 * l2) / (2 * sigma * sigma)
 
 
@@ -121,6 +153,8 @@ def skellam_rdp(orders: "np.ndarray", l1: float, l2: float, variance: float) -> 
     """Skellam noise of variance V per coordinate under an integer shift of norms ≤ (l1, l2) (AKL 2021)."""
     import numpy as np
 
+    _positive(variance=variance)
+    _non_negative(l1=l1, l2=l2)
     head = orders * (l2 * l2) / (2 * variance)
     return head + np.minimum(((2 * orders - 1) * l2 * l2 + 6 * l1) / (4 * variance * variance),
                              3 * l1 / (2 * variance))
@@ -130,6 +164,7 @@ def pure_rdp(orders: "np.ndarray", epsilon0: float) -> "np.ndarray":
     """An ε₀-DP mechanism's RDP: at most ε₀ (the max divergence) and α ε₀²/2 (Bun & Steinke, Prop. 3.3)."""
     import numpy as np
 
+    _non_negative(epsilon0=epsilon0)
     return np.minimum(epsilon0, orders * epsilon0 * epsilon0 / 2)
 
 
@@ -145,11 +180,11 @@ def poisson_subsampled_rdp(orders: "np.ndarray", q: float, base) -> "np.ndarray"
     top = int(integer.max())
     ells = np.arange(2, top + 1)
     eps = np.asarray(base(ells.astype(np.float64)), dtype=np.float64)  # ε(l), l = 2..top
+    if not 0 < q <= 1:  # also NaN
+        raise ValueError(f"a sampling rate is in (0, 1]: got {q}")
     unsampled = np.asarray(base(orders), dtype=np.float64)
-    if q >= 1:
+    if q == 1:
         return unsampled
-    if q <= 0:
-        return np.zeros_like(orders)
     log_q, log_1q = math.log(q), math.log1p(-q)
     out = np.empty(len(orders))
     cache: dict[int, float] = {}
@@ -163,6 +198,17 @@ def poisson_subsampled_rdp(orders: "np.ndarray", q: float, base) -> "np.ndarray"
             cache[alpha] = float(logsumexp(np.concatenate(([first], terms)))) / (alpha - 1)
         out[i] = min(cache[alpha], unsampled[i])
     return out
+
+
+def subsampled_pure_epsilon(epsilon0: float, q: float) -> float:
+    """An ε₀-DP step on a Poisson sample at rate q is log(1 + q(e^ε₀ − 1))-DP; for ε₀ > 1 computed as
+    ε₀ + log(q + (1 − q) e^-ε₀), which neither overflows nor cancels."""
+    _non_negative(epsilon0=epsilon0)
+    if not 0 < q <= 1:
+        raise ValueError(f"a sampling rate is in (0, 1]: got {q}")
+    if epsilon0 <= 1:
+        return math.log1p(q * math.expm1(epsilon0))
+    return epsilon0 + math.log(q + (1 - q) * math.exp(-epsilon0))
 
 
 def laplace_pure_epsilon(params: Sequence[int], noise_multiplier_u: int) -> float:
@@ -188,6 +234,9 @@ def gaussian_step_rdp(sampling_rate_u: int, noise_multiplier_u: int) -> "np.ndar
 def step_rdp(family: str, sampling_rate_u: int, noise_multiplier_u: int, params: tuple[int, ...]) -> "np.ndarray":
     """One step's RDP at dp-accounting's default orders (read-only; cached per charge parameters)."""
     q = sampling_rate_u / units.MICRO
+    if not (0 < sampling_rate_u <= units.MICRO and noise_multiplier_u > 0):
+        raise ValueError(f"a {family} charge needs a sampling rate in (0, 1] and a positive noise multiplier: got "
+                         f"q = {q}, σ = {noise_multiplier_u / units.MICRO}")
     if family == "gaussian":
         if params:
             raise ValueError("a gaussian charge carries no params")
@@ -195,6 +244,8 @@ def step_rdp(family: str, sampling_rate_u: int, noise_multiplier_u: int, params:
     if family not in LATTICE_FAMILIES:
         raise ValueError(f"unknown noise family {family!r}: one of {', '.join(FAMILIES)}")
     lattice = Lattice(params)
+    if family == "skellam":
+        check_skellam_bits(lattice.bits)
     noise = float(1 << lattice.bits)  # 2^b: the noise's standard deviation (discrete Laplace: scale) in steps
     if family == "discrete-gaussian":
         l2 = lattice.l2(noise_multiplier_u)
@@ -239,8 +290,7 @@ def epsilon(charges: Sequence["Charge"], delta: float) -> float:
         pure = 0.0
         for charge in paying:
             eps0 = laplace_pure_epsilon(charge.params, charge.noise_multiplier_u)
-            q = charge.sampling_rate_u / units.MICRO
-            pure += charge.rounds * math.log1p(q * math.expm1(eps0))
+            pure += charge.rounds * subsampled_pure_epsilon(eps0, charge.sampling_rate_u / units.MICRO)
         eps = min(eps, pure)
     return float(eps)
 
