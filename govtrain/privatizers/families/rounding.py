@@ -42,13 +42,19 @@ def _norms(q: Tensor, norm: str) -> Tensor:
 def conditional_round(y: Tensor, span: Tensor, *, norm: str, dimension: int, beta_exp: int,
                       generator: torch.Generator) -> Tensor:
     """The rows of `y` ([units, d], row i of norm ≤ span[i]) rounded to integer vectors (float64) of norm ≤
-    Δ(span[i]), each row re-rounded until it is."""
+    Δ(span[i]), each row re-rounded until it is. A non-finite row, or a non-finite or negative span, is refused
+    (ValueError) before anything is drawn."""
     if norm not in ("l1", "l2"):
         raise ValueError(f"unknown norm {norm!r}: l1 or l2")
     if y.dim() != 2 or span.shape != (y.shape[0],):
         raise ValueError("need y as [units, d] and one span per unit")
     if y.shape[1] > dimension:
         raise ValueError(f"a unit of {y.shape[1]} coordinates is more than the {dimension} the accountant charges for")
+    # a NaN compares False against any bound (never re-drawn), and a negative span reads as a positive bound
+    if not bool(torch.isfinite(y).all()):
+        raise ValueError("a row holds NaN or infinity (a non-finite loss or gradient): it has no bound to round within")
+    if not bool((torch.isfinite(span) & (span >= 0)).all()):
+        raise ValueError("each unit's span is a finite, non-negative number of lattice steps")
     limit = bounds(span.to(torch.float64), norm, dimension, beta_exp)
     limit = limit * limit if norm == "l2" else limit  # L2 compared squared: integer sums of squares are exact
     q = randomized_round(y, generator)
