@@ -143,19 +143,22 @@ def test_bernoulli_exp_is_exact_in_expectation():
         assert abs(hits - p) < 5 * math.sqrt(p * (1 - p) / n) + 1e-12, (num, den, hits, p)
 
 
-def test_generators_are_seeded_from_the_os_or_the_run():
+def test_generators_are_seeded_from_the_os_or_an_insecure_seed_never_a_torch_generator():
     import torch
 
     a, b = samplers.generator(), samplers.generator()
     assert a.integers(0, 1 << 62) != b.integers(0, 1 << 62)
-    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    assert samplers.generator(g1).integers(0, 1 << 62) == samplers.generator(g2).integers(0, 1 << 62)
+    assert samplers.generator(5).integers(0, 1 << 62) == samplers.generator(5).integers(0, 1 << 62)
+    assert samplers.generator((5, 0)).integers(0, 1 << 62) != samplers.generator((5, 1)).integers(0, 1 << 62)
+    with pytest.raises(TypeError):  # the router's torch generator keeps 32 bits of its seed
+        samplers.generator(torch.Generator().manual_seed(5))
 
 
 def test_samplers_refuse_bad_parameters():
     rng = _rng(8)
     for call in (lambda: samplers.discrete_gaussian(rng, 3, 0), lambda: samplers.discrete_laplace(rng, 3, 0),
                  lambda: samplers.discrete_laplace(rng, 3, 1.5), lambda: samplers.skellam(rng, 3, 0),
+                 lambda: samplers.skellam(rng, 3, samplers.SKELLAM_MAX_MU + 1),
                  lambda: samplers.laplace(rng, 3, 0.0), lambda: samplers.bernoulli_exp(rng, np.array([-1]), 1)):
         with pytest.raises(ValueError):
             call()
@@ -233,3 +236,18 @@ def test_rounding_refuses_rows_longer_than_the_charged_dimension():
     with pytest.raises(ValueError, match="more than"):
         conditional_round(torch.zeros(2, 9, dtype=torch.float64), torch.ones(2, dtype=torch.float64), norm="l2",
                           dimension=8, beta_exp=40, generator=torch.Generator())
+
+
+@pytest.mark.parametrize("row, span", [(math.inf, 80.0), (-math.inf, 80.0), (1.0, math.inf), (1.0, -0.5)])
+def test_conditional_rounding_refuses_infinite_rows_and_bad_spans(row, span):
+    import torch
+
+    from govtrain.privatizers.families.rounding import conditional_round
+
+    y = torch.tensor([[row, 2.0], [3.0, 4.0]], dtype=torch.float64)
+    spans = torch.tensor([span, 5.0], dtype=torch.float64)
+    generator = torch.Generator().manual_seed(0)
+    before = generator.get_state()
+    with pytest.raises(ValueError):
+        conditional_round(y, spans, norm="l1", dimension=2, beta_exp=40, generator=generator)
+    assert torch.equal(generator.get_state(), before)  # refused before anything was drawn

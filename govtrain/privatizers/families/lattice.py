@@ -13,9 +13,10 @@ noise shifted off its lattice has a different support: infinite privacy loss), a
 (each contribution signs its own). With γ_g ∝ s_g, a unit's span c = C_i / min_g γ_g = 2^b / σ_eff,i depends only on
 the effective multiplier its spend records, so the accountant charges each unit its own sensitivity.
 
-The noise is drawn from a numpy PCG64 seeded afresh every step with 256 bits from the privatizer's torch
-generator (the router's: OS-seeded unless the run's insecure seed). It depends on nothing earlier, so there is no
-state to keep (`state_dict` is empty), as for the i.i.d. Gaussian.
+The noise is drawn from a numpy PCG64 seeded afresh every step with 256 bits from `os.urandom`
+(`samplers.generator`), never from the router's torch generator (whose CPU seed keeps 32 bits: 2^32 streams, which
+can be enumerated). Tests may give an `insecure_seed`; each `update` then seeds from (seed, its call count). The
+noise depends on nothing earlier, so there is no state to keep (`state_dict` is empty), as for the i.i.d. Gaussian.
 
 This module imports neither torch nor numpy at import time: the verifier rebuilds privatizers from records.
 """
@@ -53,17 +54,21 @@ def dimension_of(slots: Sequence[Slot]) -> int:
 class LatticePrivatizer(Privatizer):
     """Base of Laplace, DiscreteGaussian and Skellam: `granularity_bits` b (the noise is 2^b lattice steps
     wide), `beta_exp` (β = 2^-beta_exp, the rounding's failure probability before re-drawing), and `dimension`
-    (the coordinates a unit may reach: bound at `init` from the slots, or given)."""
+    (the coordinates a unit may reach: bound at `init` from the slots, or given). `insecure_seed`: tests only
+    (not recorded); without it the noise is seeded from the operating system."""
 
     quantized: ClassVar[bool] = True
     parameters: ClassVar[tuple[str, ...]] = _FIELDS  # RUN.toml [noise] fields
 
     def __init__(self, *, granularity_bits: int = DEFAULT_BITS, beta_exp: int = DEFAULT_BETA_EXP,
-                 dimension: int | None = None) -> None:
+                 dimension: int | None = None, insecure_seed: int | None = None) -> None:
         from govtrain.accounting.families import Lattice
 
         Lattice((granularity_bits, beta_exp, dimension if dimension is not None else 1))  # raises out of range
+        if insecure_seed is not None and (type(insecure_seed) is not int or insecure_seed < 0):
+            raise ValueError(f"an insecure seed is a non-negative integer: got {insecure_seed!r}")
         self.granularity_bits, self.beta_exp, self.dimension = granularity_bits, beta_exp, dimension
+        self.insecure_seed, self._updates = insecure_seed, 0
 
     # -- the public record and the charge -------------------------------------------------------------------
 
@@ -139,7 +144,8 @@ class LatticePrivatizer(Privatizer):
         unknown = sorted(set(sums) - set(state))
         if unknown:
             raise ValueError(f"slot {unknown[0]!r} was not among the slots the privatizer was initialised with")
-        rng = samplers.generator(getattr(self, "generator", None))
+        rng = samplers.generator(None if self.insecure_seed is None else (self.insecure_seed, self._updates))
+        self._updates += 1
         for key in state:
             if key not in sums:
                 continue

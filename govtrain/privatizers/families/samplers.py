@@ -6,15 +6,17 @@
   10⁶ draws take a few hundred milliseconds; an element whose integers would leave int64 (σ so large, or a tail
   so far out, that it never happens in practice) finishes the same algorithm in Python integers.
 - `discrete_laplace(rng, n, t)`: P(x) ∝ exp(-|x|/t) on the integers, exact (CKS Algorithm 2).
-- `skellam(rng, n, mu)`: Poisson(μ) − Poisson(μ) (variance 2μ), numpy's Poisson samplers.
+- `skellam(rng, n, mu)`: Poisson(μ) − Poisson(μ) (variance 2μ), numpy's Poisson samplers, which compute their
+  acceptance test in double: within a factor e^(±1e-9) of the exact pmf only for μ ≤ 2^15 (b ≤ 8,
+  `accounting.families.SKELLAM_MAX_BITS`), refused above.
 - `laplace(rng, n, b)`: the continuous Laplace(b), floating point. **Not used to release anything**: Mironov
   (2012) showed that a floating-point Laplace leaks the exact value through the low bits of the noisy output. The
   Laplace privatizer quantises each clipped gradient to an integer lattice instead and adds `discrete_laplace`
   there (`laplace.py`), so every output is an integer multiple of one public spacing and its low bits carry
   nothing. This one is kept for comparisons and tests.
 
-The generator is numpy's PCG64 (`generator`), seeded with 256 bits: from the operating system, or drawn from
-the run's torch generator (itself OS-seeded unless the run sets its loudly named insecure seed).
+The generator is numpy's PCG64 (`generator`), seeded with 256 bits from the operating system, or in tests from
+an insecure seed; never from a torch generator (torch's CPU generator keeps 32 bits of its seed).
 """
 
 from __future__ import annotations
@@ -25,23 +27,26 @@ from fractions import Fraction
 
 import numpy as np
 
+from govtrain.accounting.families import SKELLAM_MAX_BITS
+
 __all__ = ["generator", "bernoulli_exp", "discrete_laplace", "discrete_gaussian", "skellam", "laplace"]
 
+SKELLAM_MAX_MU = 1 << (2 * SKELLAM_MAX_BITS - 1)  # μ = 4^b / 2 at the largest b Skellam accepts
 _SAFE = 1 << 55  # a denominator below this times a K below 2^7 stays below 2^62: int64 throughout
 _K_LIMIT = 1 << 7
 
 
-def generator(torch_generator=None) -> np.random.Generator:  # type: ignore[no-untyped-def]
-    """A PCG64 generator seeded with 256 bits from `torch_generator` (the run's noise generator), or from the
-    operating system when it is None."""
-    if torch_generator is None:
+def generator(insecure_seed: int | tuple[int, ...] | None = None) -> np.random.Generator:
+    """A PCG64 generator seeded with 256 bits from the operating system (`os.urandom`), or, for tests only, from
+    `insecure_seed` (a non-negative integer or a sequence of them). Never from a torch generator: torch's CPU
+    generator keeps 32 bits of its seed, and noise from one of 2^32 streams can be enumerated and subtracted."""
+    if insecure_seed is None:
         seed = int.from_bytes(os.urandom(32), "big")
+    elif isinstance(insecure_seed, (int, tuple, list)) and not isinstance(insecure_seed, bool):
+        seed = insecure_seed
     else:
-        import torch
-
-        words = torch.randint(0, 1 << 62, (4,), generator=torch_generator, dtype=torch.int64,
-                              device=torch_generator.device).tolist()
-        seed = sum(int(w) << (62 * i) for i, w in enumerate(words))
+        raise TypeError(f"the noise generator is seeded from the OS, or from an integer insecure seed in tests: "
+                        f"got {type(insecure_seed).__name__}")
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed)))
 
 
@@ -64,10 +69,19 @@ def _bernoulli_exp_scalar(rng: np.random.Generator, gamma: Fraction, k: int = 1)
     """Bern(exp(-γ)) in Python integers (the slow path): `k` resumes the fractional loop at that K."""
     whole = gamma.numerator // gamma.denominator
     for _ in range(whole if k == 1 else 0):
-        if not _bernoulli_exp_scalar(rng, Fraction(1)):
+        if not _bernoulli_exp_one_scalar(rng):
             return False
     frac = gamma - whole if k == 1 else gamma
     while _uniform_below(rng, frac.denominator * k) < frac.numerator:
+        k += 1
+    return k % 2 == 1
+
+
+def _bernoulli_exp_one_scalar(rng: np.random.Generator) -> bool:
+    """Bern(exp(-1)) in Python integers: the K loop at γ = 1 (Bern(1/K) is a uniform integer below K being 0),
+    whose first Bern(1/1) always succeeds."""
+    k = 2
+    while _uniform_below(rng, k) == 0:
         k += 1
     return k % 2 == 1
 
@@ -207,8 +221,9 @@ def discrete_gaussian(rng: np.random.Generator, n: int, sigma2) -> np.ndarray:  
 def skellam(rng: np.random.Generator, n: int, mu: int) -> np.ndarray:
     """n draws of Skellam(μ, μ) = Poisson(μ) − Poisson(μ): mean 0, variance 2μ (numpy's Poisson samplers:
     inversion below λ = 10, Hörmann's PTRS rejection above)."""
-    if mu <= 0:
-        raise ValueError(f"the Skellam mean must be positive: got {mu}")
+    if not 0 < mu <= SKELLAM_MAX_MU:
+        raise ValueError(f"the Skellam mean must be positive and at most 2^{2 * SKELLAM_MAX_BITS - 1} (where numpy's "
+                         f"Poisson matches the exact pmf): got {mu}")
     return rng.poisson(mu, size=n).astype(np.int64) - rng.poisson(mu, size=n).astype(np.int64)
 
 
