@@ -378,6 +378,11 @@ class Router:
 
     def finish(self, group_std: Mapping[frozenset, float], expected_batch_size: float) -> None:
         """Noise the step's clipped sum once per group, divide by the expected batch size, write `.grad`."""
+        if self.materialized is not None and materialized.needs_materialized(self.materialized.privatizer) \
+                and any(std > 0 for std in group_std.values()):  # nothing released: the noise is not the family's
+            raise RuntimeError(f"privatizer {self.materialized.privatizer.name!r} quantises or clips in L1: its sum is "
+                               "released by its own update (integer noise on the lattice), not by the router's "
+                               "float Gaussian; finish does not release it")
         totals = self._totals if self._totals is not None else {
             name: torch.zeros_like(p, dtype=_accumulator(p.dtype)) for name, p in self.params.items()}
         self._totals = None
