@@ -167,9 +167,9 @@ def test_a_quantised_step_releases_integer_multiples_of_the_spacing():
     net = model()
     resolution = resolve(CLASSES, describe(net))
     ids, attention, labels, classes, clip = batch()
-    for privatizer in (DiscreteGaussian(granularity_bits=8), Laplace(granularity_bits=8)):
+    for privatizer in (DiscreteGaussian(granularity_bits=8, insecure_seed=3), Laplace(granularity_bits=8,
+                                                                                        insecure_seed=3)):
         privatizer.bind(sum(p.numel() for p in net.parameters() if p.requires_grad))
-        privatizer.generator = torch.Generator().manual_seed(3)
         group_std = {group.classes: 0.2 for group in resolution.groups if group.classes}
         router = Router(net, resolution, insecure_seed=0)
         router.materialize(privatizer)
@@ -221,3 +221,38 @@ def test_the_materialized_path_refuses_what_it_cannot_serve():
     with pytest.raises(RuntimeError, match="group noise"):
         router.accumulate(losses, classes, clip)
     assert router._totals is None  # nothing summed
+
+
+def test_a_chunk_over_the_size_limit_is_refused_before_anything_is_formed(monkeypatch):
+    """A class whose [units, D_class] would exceed the path's limit (here a fake limit of one unit's width less
+    one, so no large tensor is ever needed) is refused with materialized_too_large before any per-sample gradient
+    is formed or summed; at the limit itself the same chunk goes through."""
+    from govtrain.routing import persample
+
+    net = model()
+    resolution = resolve(CLASSES, describe(net))
+    ids, attention, labels, classes, clip = batch()
+    formed = []
+    own = persample.Calls.per_sample
+    monkeypatch.setattr(persample.Calls, "per_sample", lambda self, *a, **k: formed.append(1) or own(self, *a, **k))
+    privatizer = Laplace(granularity_bits=8, insecure_seed=0)
+    privatizer.bind(sum(p.numel() for p in net.parameters() if p.requires_grad))
+    group_std = {group.classes: 0.2 for group in resolution.groups if group.classes}
+    widest = max(sum(net.get_parameter(part.name).numel() for part in parts) * classes.count(c)
+                 for c, parts in resolution.reach.items() if c in classes)
+    for limit, refused in ((widest - 1, True), (widest, False)):
+        router = Router(net, resolution, insecure_seed=0)
+        router.materialize(privatizer)
+        router.materialized.max_elements = limit
+        router.begin(group_std)
+        with router.capture():
+            losses = losses_of(net, ids, attention, labels)
+        if refused:
+            with pytest.raises(ConfigError) as error:
+                router.accumulate(losses, classes, clip)
+            assert error.value.code is Code.MATERIALIZED_TOO_LARGE and str(limit) in str(error.value)
+            assert formed == [] and router._totals is None and all(p.grad is None for p in router.params.values())
+        else:
+            router.accumulate(losses, classes, clip)
+            assert formed and router._totals is not None
+        router.close()

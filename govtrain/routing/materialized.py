@@ -14,9 +14,11 @@ Per class, for the units of that class (docs/design.md §5):
    smallest spacing the class reaches), which rounds them to integer vectors of norm ≤ Δ(c_i);
 4. sum over the units, per parameter.
 
-The sums are the router's totals (float64 integers when quantized: exact to 2^53), noised by the privatizer in
-`finish`. Nothing per-sample outlives the call. It costs a [units, D_class] tensor per class per chunk, which is
-why the router keeps its ghost path for the Gaussian.
+The sums are the router's totals (float64 integers when quantized: exact to 2^53), noised by the privatizer's
+`update`. Nothing per-sample outlives the call. It costs a [units, D_class] tensor per class per chunk (and a few
+float64 copies of it when quantising), which is why the router keeps its ghost path for the Gaussian. A chunk whose
+[units, D_class] would exceed `MAX_ELEMENTS` (2^28 elements: 2 GiB in float64 per copy) is refused before
+anything is formed (`materialized_too_large`): split the batch into smaller physical chunks.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from torch import Tensor
 from govtrain.errors import Code, ConfigError
 from govtrain.resolver.profile import Resolution
 
-__all__ = ["Path", "needs_materialized"]
+__all__ = ["Path", "needs_materialized", "MAX_ELEMENTS"]
+
+MAX_ELEMENTS = 1 << 28  # the most elements one class's [units, D_class] rows may hold in one chunk
 
 
 def needs_materialized(privatizer: Any) -> bool:
@@ -63,6 +67,7 @@ class Path:
         self.resolution = resolution
         self.params = params
         self.spacing: dict[str, Tensor] | None = None  # quantized: parameter -> per-coordinate lattice spacing
+        self.max_elements = MAX_ELEMENTS
 
     def set_std(self, group_std: Mapping[frozenset, float] | None) -> None:
         """The step's noise per group (s_g, fixed before the step from public information): each coordinate's
@@ -96,6 +101,14 @@ class Path:
         if quantized and self.spacing is None:
             raise RuntimeError("a quantising privatizer needs the step's group noise before the sum: "
                                "router.begin(group_std)")
+        for data_class, index in rows.items():  # every class's size, before any per-sample gradient is formed
+            width = sum(self.params[name].numel() for name in masks[data_class] if name in calls)
+            if index.numel() * width > self.max_elements:
+                raise ConfigError(Code.MATERIALIZED_TOO_LARGE,
+                                  f"class {data_class!r}: {index.numel()} clipping units × {width} coordinates is "
+                                  f"{index.numel() * width} per-sample elements, over the materialized path's limit "
+                                  f"of {self.max_elements}: run smaller physical chunks (at most "
+                                  f"{max(1, self.max_elements // max(width, 1))} units of this class each)")
         out_dtype = torch.float64 if quantized else dtype
         totals = {name: torch.zeros_like(p, dtype=out_dtype) for name, p in self.params.items()}
         norms = torch.zeros(batch, dtype=dtype, device=clip.device)
