@@ -32,7 +32,7 @@ from govtrain.privatizers.families.skellam import Skellam  # noqa: E402
 
 
 def _tiny_router(privatizer):  # type: ignore[no-untyped-def]
-    """The tiny BERT of tests/test_routing through the router, materialized for `privatizer`."""
+    """The tiny BERT of tests/test_routing.py through the router, materialized for `privatizer`."""
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
     from govtrain.resolver.model import describe
@@ -86,7 +86,12 @@ def test_finding_skellam_noise_at_high_granularity_is_not_skellam():
     integer scale, like the true Poisson, shows no such bias). The Agarwal–Kairouz–Liu RDP the accountant
     charges assumes the exact Skellam pmf; with a distorted pmf the per-coordinate divergence is no longer
     ~q²/V but carries a d-fold sum of O(1e-3) terms. SHOULD: draw Skellam noise with an exact integer sampler
-    (or refuse the granularities at which numpy's Poisson is not exact to the accountant's precision)."""
+    (or refuse the granularities at which numpy's Poisson is not exact to the accountant's precision).
+
+    FIXED BY REFUSAL (the test's second option; no exact Poisson sampler at λ ~ 2^47 was written): Skellam, its
+    record and its charge refuse granularity_bits above SKELLAM_MAX_BITS = 8, where PTRS's log-pmf error is
+    below 4.7e-10 (accounting/families.py). The attack itself is then run at the largest accepted b, through the
+    privatizer's own `_draw`, and must find no bias."""
 
     class Recording:
         def __init__(self, rng: np.random.Generator) -> None:
@@ -97,16 +102,30 @@ def test_finding_skellam_noise_at_high_granularity_is_not_skellam():
             self.draws.append((lam, out))
             return out
 
+    for bits in (24, families.SKELLAM_MAX_BITS + 1):
+        with pytest.raises(ValueError, match="granularity_bits"):
+            Skellam(granularity_bits=bits)
+        with pytest.raises(ValueError, match="granularity_bits"):
+            Skellam.from_record({"name": "skellam", "granularity_bits": bits, "beta_exp": 40, "dimension": 10})
+        charge = Charge(family="skellam", sampling_rate_u=10_000, noise_multiplier_u=1_000_000, rounds=1,
+                        params=(bits, 40, 10))
+        with pytest.raises(ValueError, match="granularity_bits"):
+            epsilon_u("rdp", 10 ** 7, [charge])
     rng = np.random.Generator(np.random.PCG64(2024))
     recording = Recording(rng)
-    Skellam(granularity_bits=24)._draw(recording, 1_000_000)  # type: ignore[arg-type]
+    Skellam(granularity_bits=families.SKELLAM_MAX_BITS)._draw(recording, 1_000_000)  # type: ignore[arg-type]
     lam = float(recording.draws[0][0])
-    assert lam == 2.0 ** 47
+    assert lam == 2.0 ** (2 * families.SKELLAM_MAX_BITS - 1)
     # the control: a law smooth at the integer scale, with the same mean and spread, shows no bias
     smooth = np.round(lam + math.sqrt(lam) * rng.standard_normal(2_000_000))
     assert abs(_rounding_bias(smooth, lam) - 1) < 0.015
     poisson = np.concatenate([draws for _, draws in recording.draws])
     assert abs(_rounding_bias(poisson, lam) - 1) < 0.015, "the Skellam noise's pmf is distorted at the integer level"
+    low, high = int(lam - 3 * math.sqrt(lam)), int(lam + 3 * math.sqrt(lam))  # ≥ 10 expected per integer
+    inside = poisson[(poisson >= low) & (poisson < high)] - low
+    counts = np.bincount(inside, minlength=high - low)
+    expected = stats.poisson.pmf(np.arange(low, high), lam)
+    assert stats.chisquare(counts, expected * inside.size / expected.sum()).pvalue > 1e-4
 
 
 @pytest.mark.parametrize("sigma2", [0.1, 2 ** 60], ids=["tiny-float", "huge"])
