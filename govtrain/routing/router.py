@@ -64,7 +64,7 @@ from govtrain.privatizers.base import Privatizer
 from govtrain.privatizers.gaussian import IIDGaussian
 from govtrain.resolver.profile import Resolution
 from govtrain.routing import compiled as compiled_routing
-from govtrain.routing import coverage, layout, moe, persample, slots
+from govtrain.routing import coverage, layout, materialized, moe, persample, slots
 from govtrain.routing.adapters import AdapterRoutes
 from govtrain.routing.tangent import TangentStacks
 
@@ -209,6 +209,9 @@ class Router:
         # what the privatizer noises, in the order the noise is drawn; its state (secret: `Run` saves it 0600)
         self.noise_slots = slots.NoiseSlots(self.params, resolution, self._paired, self.tangent)
         self.noise_state = self.privatizer.init(self.noise_slots.slots)
+        self.materialized: materialized.Path | None = None  # the noise families' per-sample path (`materialize`)
+        if materialized.needs_materialized(self.privatizer):  # L1 clipping or quantisation: per-sample gradients
+            self.materialize(self.privatizer)
         self._dtype = torch.float32
         # each example of a captured forward runs through the default adapter and its own class's adapters only;
         # built before any hook of the router, so that a class adapter it refuses leaves the model without hooks
@@ -240,6 +243,12 @@ class Router:
                 raise ValueError(f"{name}: a canary coordinate must be in a parameter the audit class "
                                  f"{canaries.data_class!r} alone reaches whole, outside any LoRA pair under prism")
         self._canaries = canaries
+
+    def materialize(self, privatizer) -> None:  # type: ignore[no-untyped-def]
+        """Form the clipped sum from materialized per-sample gradients (`routing/materialized.py`): for a
+        privatizer that clips in L1 or quantises (the noise families). `begin(group_std)` then gives each step's
+        group noise, from which a quantising privatizer's lattice follows."""
+        self.materialized = materialized.Path(privatizer, self.resolution, self.params, self.mechanism)
 
     def close(self) -> None:
         for handle in self._handles:
@@ -348,7 +357,7 @@ class Router:
                   units: Tensor | Sequence[int] | None = None) -> StepReport:
         """Replace every reachable parameter's `.grad` with the privatized gradient of sum(losses): one logical
         step on one physical batch (`begin`, `accumulate` (with `units`: per contribution), `finish`)."""
-        self.begin()
+        self.begin(group_std)
         report = self.accumulate(losses, classes, clip_norms, units)
         self.finish(group_std, expected_batch_size)
         return report
@@ -364,10 +373,13 @@ class Router:
     # it is in, so the sum of the chunks' clipped sums is the batch's clipped sum; the noise is drawn once,
     # in `finish`. Nothing per-sample outlives the `accumulate` that made it.
 
-    def begin(self) -> None:
-        """Start a logical step: no clipped gradient summed yet."""
+    def begin(self, group_std: Mapping[frozenset, float] | None = None) -> None:
+        """Start a logical step: no clipped gradient summed yet. `group_std`: the step's noise per group, which
+        the materialized path needs before the sum (a quantising privatizer's lattice); others ignore it."""
         self._totals: dict[str, Tensor] | None = None
         self._parts: dict[int, dict[str, Tensor]] = {}  # microbatch m >= 1 -> its clipped sum (per-microbatch noise)
+        if self.materialized is not None:
+            self.materialized.set_std(group_std)
         if self.tangent is not None:
             self.tangent.begin()
 
@@ -407,6 +419,8 @@ class Router:
 
     def finish(self, group_std: Mapping[frozenset, float], expected_batch_size: float) -> None:
         """Noise the step's clipped sum once per group, divide by the expected batch size, write `.grad`."""
+        if self.materialized is not None and self.materialized.privatizer is not self.privatizer:
+            raise RuntimeError("the materialized path quantises for another privatizer than the one that releases")
         totals = self._totals if self._totals is not None else self._zeros()
         self._totals = None
         if self.microbatches == 1:
@@ -503,6 +517,14 @@ class Router:
                     calls[name] = (module_calls, leaf)
         for name, held in sources.items():
             calls[name] = (persample.Shared(held), "")
+        # -- the noise families: L1 clipping or quantisation, from materialized per-sample gradients ----------
+        if self.materialized is not None:
+            if self._canaries is not None:
+                raise RuntimeError("audit canaries are not injected on the materialized path")
+            totals, norms, clipped = self.materialized.clipped_sum(calls, self.masks, rows, clip, batch,
+                                                                   self.generator, dtype)
+            return totals, StepReport(batch, clipped, float(norms.max()) if batch else 0.0)
+        # -- end of the noise families' hook ---------------------------------------------------------------
 
         if self.tangent is not None:  # the step's factor geometry (an eigh), formed once, outside any compiled graph
             self.tangent.geometry()

@@ -197,6 +197,7 @@ class Run:
         self._lock = None  # the run state's lock, held from prepare to release
         self._owner: str | None = None  # this process's claim on the run in the ledger store, set by prepare
         self.pending: dict | None = None  # the epoch in progress and its plan, as the run state saves it
+        self._group_std: dict[frozenset, float] = {}  # the epoch's noise per group, from its written plan
         self._retired_here: set[str] = set()  # retired by this run's written plans (affording no step leaves no spend)
         self._written = False  # the pending epoch's spend is in the ledger: its steps may run
         self._charged_rates: set[int] | None = None  # the sampling rates the pending epoch's spend charged
@@ -543,7 +544,7 @@ class Run:
             else:  # each contribution's examples are averaged, then clipped together
                 who = [owners[i] for i in range(len(part)) if i == 0 or unit[i] != unit[i - 1]]
             chunks.append(Chunk(part, unit, owners, [self.classes[c] for c in who], [self.signed_clip[c] for c in who]))
-        self.router.begin()
+        self.router.begin(self._group_std)  # a quantising privatizer's lattice follows the step's group noise
         self._loss_sum, self._drawn = 0.0, 0
         return chunks
 
