@@ -419,8 +419,10 @@ class Router:
 
     def finish(self, group_std: Mapping[frozenset, float], expected_batch_size: float) -> None:
         """Noise the step's clipped sum once per group, divide by the expected batch size, write `.grad`."""
-        if self.materialized is not None and self.materialized.privatizer is not self.privatizer:
-            raise RuntimeError("the materialized path quantises for another privatizer than the one that releases")
+        if self.materialized is not None and self.materialized.privatizer is not self.privatizer \
+                and any(std > 0 for std in group_std.values()):  # its sums are another privatizer's to release
+            raise RuntimeError(f"the materialized path clips or quantises for {self.materialized.privatizer.name!r}, "
+                               f"but {self.privatizer.name!r} releases: build the router with that privatizer")
         totals = self._totals if self._totals is not None else self._zeros()
         self._totals = None
         if self.microbatches == 1:
