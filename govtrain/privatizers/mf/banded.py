@@ -1,0 +1,114 @@
+"""Banded matrix factorization ("banded-mf"): correlated noise from a b-banded Toeplitz strategy, amplified by
+cyclic Poisson sampling (Choquette-Choo et al., arXiv 2306.08153; jax_privacy's `amplified_bandmf_event`).
+
+Strategy: C[i, j] = c_{i-j} for 0 ≤ i-j < b, else 0, with c optimised for the run's horizon T to minimise the mean
+squared error of the T prefix sums at unit sensitivity (`optimize.banded_column`), and scaled so that ‖c‖ ≤ 1
+exactly in the recorded integers (Σ c_p² ≤ 10²⁴): every column of C, hence the sensitivity of one participation,
+has norm ≤ 1. The noise w = C⁻¹z̃ is streamed by forward substitution, w_t = (z̃_t - Σ_{k=1}^{b-1} c_k w_{t-k}) / c_0,
+with the last b-1 values per slot in a ring buffer (`stream.py` for the keys, the scale s_t and resume).
+
+Participation and charge. The sampler is cyclic with cycle b (`CyclicPoissonSampler`): units are split into b parts
+by a public rule, step t draws from part t mod b only, each unit at rate min(1, b·q). A unit's participations are
+then ≥ b steps apart, so they touch disjoint row blocks of C (column t of a b-banded C lives on rows t..t+b-1), and
+the release is, for that unit, a composition of independent Poisson-subsampled Gaussians, one per step its part is
+drawn, each at rate min(1, b·q) and that step's σ_eff: DP-SGD over ⌈T/b⌉ rounds.
+
+`charge(q, σ, steps)` charges a ledger epoch of `steps` steps as ⌈steps/b⌉ such rounds. Over-count, never under:
+the sampler's step index is the run's global step, so in any window of n consecutive steps a given part is drawn at
+⌊n/b⌋ or ⌈n/b⌉ of them (never more), whatever the window's offset; a unit's rounds in the whole run are the sum over
+its epochs of its part's draws in each, ≤ Σ_epochs ⌈n_e/b⌉. When epochs are not multiples of b the sum can exceed the
+true count (e.g. two epochs of 3 steps at b = 4: 2 charged, at most 2 real), and composing an extra Poisson-subsampled
+Gaussian only ever adds privacy loss, so the ledger over-counts, as a crash does.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Callable, ClassVar, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from govtrain import units
+from govtrain.privatizers.base import Charge, Participation
+from govtrain.privatizers.mf.optimize import banded_column
+from govtrain.privatizers.mf.stream import StreamingPrivatizer
+
+_FIELDS = ("name", "bands", "horizon", "coefficients_p")
+
+
+def round_coefficients(column: Sequence[float]) -> tuple[int, ...]:
+    """The column in pico-units, rounded toward zero and then trimmed until Σ c_p² ≤ 10²⁴ holds in integers, so the
+    recorded strategy's column norm is ≤ 1 exactly (rounding favours privacy)."""
+    ints = [int(math.copysign(math.floor(abs(v) * units.PICO), v)) for v in column]
+    while sum(v * v for v in ints) > units.PICO ** 2:
+        i = max(range(len(ints)), key=lambda j: abs(ints[j]))
+        ints[i] -= 1 if ints[i] > 0 else -1
+    return tuple(ints)
+
+
+def _int(value: Any) -> bool:
+    return type(value) is int
+
+
+class BandedMF(StreamingPrivatizer):
+    name: ClassVar[str] = "banded-mf"
+
+    def __init__(self, *, bands: int, horizon: int, coefficients_p: Sequence[int] | None = None,
+                 insecure_seed: int | None = None, entropy: Callable[[int], bytes] = os.urandom) -> None:
+        """`bands` b and the run's `horizon` T (its total steps); `coefficients_p` the column in pico-units (as
+        recorded), or None to optimise it for (b, T). `insecure_seed`: a fixed noise key, for tests only."""
+        super().__init__(insecure_seed=insecure_seed, entropy=entropy)
+        if not (_int(bands) and _int(horizon) and 1 <= bands <= horizon):
+            raise ValueError(f"bands must be an int in [1, horizon], got bands={bands!r}, horizon={horizon!r}")
+        if coefficients_p is None:
+            coefficients_p = round_coefficients(banded_column(bands, horizon))
+        coefficients_p = tuple(coefficients_p)
+        if len(coefficients_p) != bands or not all(_int(v) for v in coefficients_p):
+            raise ValueError(f"expected {bands} integer coefficients")
+        if coefficients_p[0] <= 0:
+            raise ValueError("the leading coefficient must be positive")
+        if sum(v * v for v in coefficients_p) > units.PICO ** 2:
+            raise ValueError("the coefficients' norm exceeds 1: the sensitivity would exceed the charge's")
+        self.bands, self.horizon, self.coefficients_p = bands, horizon, coefficients_p
+        self.column = torch.tensor(coefficients_p, dtype=torch.float64) / units.PICO
+
+    @property
+    def depth(self) -> int:
+        return self.bands - 1
+
+    def record(self) -> dict[str, Any]:
+        return {"name": self.name, "bands": self.bands, "horizon": self.horizon,
+                "coefficients_p": list(self.coefficients_p)}
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> "BandedMF":
+        if set(record) != set(_FIELDS) or record["name"] != cls.name:
+            raise ValueError(f"not a {cls.name} record: expected the fields {', '.join(_FIELDS)}")
+        coefficients = record["coefficients_p"]
+        if not isinstance(coefficients, (list, tuple)):
+            raise ValueError("coefficients_p must be a list of ints")
+        return cls(bands=record["bands"], horizon=record["horizon"], coefficients_p=coefficients)
+
+    def participation(self) -> Participation:
+        return Participation(scheme="cyclic", cycle=self.bands)
+
+    def charge(self, *, sampling_rate_u: int, noise_multiplier_u: int, steps: int) -> Charge:
+        """DP-SGD at rate min(1, b·q) over ⌈steps/b⌉ rounds, at the epoch's σ_eff (the module docstring says
+        why per-epoch ceilings over-count)."""
+        return Charge(family=self.family, sampling_rate_u=min(units.MICRO, self.bands * sampling_rate_u),
+                      noise_multiplier_u=noise_multiplier_u, rounds=-(-steps // self.bands))
+
+    def _advance(self, buffer: Tensor, z: Tensor, step: int) -> Tensor:
+        c = self.column.to(device=z.device, dtype=z.dtype)
+        if self.bands == 1:
+            return z / c[0]
+        ring = self.bands - 1
+        # the weight of ring position (step-k) mod ring is c_k, k = 1..b-1
+        weights = torch.empty(ring, dtype=z.dtype, device=z.device)
+        for k in range(1, self.bands):
+            weights[(step - k) % ring] = c[k]
+        w = (z - torch.tensordot(weights, buffer, dims=1)) / c[0]
+        buffer[step % ring] = w
+        return w
