@@ -96,7 +96,8 @@ def equal_epsilon_table(horizon: int, q_u: int) -> None:
         error = banded_error(bands, horizon)
         cells = []
         for e in epsilons:
-            sigma = noise_multiplier_for(e, DELTA, min(1.0, bands * q), math.ceil(horizon / bands), "pld").noise_multiplier
+            rounds = math.ceil(horizon / bands)
+            sigma = noise_multiplier_for(e, DELTA, min(1.0, bands * q), rounds, "pld").noise_multiplier
             cells.append(f"{sigma:7.3f} {sigma * math.sqrt(error) / base[e]:7.3f}")
         print(f"{'banded b=' + str(bands):<22}" + "".join(f"{c:>16}" for c in cells))
     for buffers in BUFFERS:

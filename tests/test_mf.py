@@ -141,7 +141,8 @@ def test_blt_participation_factor_bounds_every_pattern(separation):
 
 def test_prefix_error_against_dense():
     horizon = 64
-    for column in (np.array(banded_column(8, horizon)), BLT(buffers=2, horizon=horizon, min_separation=8).column(horizon)):
+    blt = BLT(buffers=2, horizon=horizon, min_separation=8)
+    for column in (np.array(banded_column(8, horizon)), blt.column(horizon)):
         padded = np.pad(column, (0, horizon - column.shape[0]))
         dense = np.array([[padded[i - j] if i >= j else 0.0 for j in range(horizon)] for i in range(horizon)])
         a = np.tril(np.ones((horizon, horizon)))
@@ -307,3 +308,24 @@ def test_a_training_loop_over_fake_clipped_sums():
         # float32 state and sums: the released noise is the dense 0.5·C⁻¹z to float32 precision
         np.testing.assert_allclose(noise, 0.5 * np.linalg.solve(dense, z), atol=1e-4)
     assert math.isclose(float(np.linalg.norm(dense, axis=0).max()), 1.0, abs_tol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_stream_is_keyed_and_resumes_exactly():
+    cuda = torch.device("cuda")
+    slot = Slot(key="w", shape=torch.Size([64, 32]), dtype=torch.float32, device=cuda)
+    for privatizer in _privatizers():
+        def run(state, steps):
+            out = []
+            for _ in range(steps):
+                noisy, state = privatizer.update({"w": torch.zeros(64, 32, device=cuda)}, state, std={"w": 1.0})
+                out.append(noisy["w"].clone())
+            return out, state
+
+        whole, _ = run(privatizer.init([slot]), 10)
+        first, state = run(privatizer.init([slot]), 4)
+        saved = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in privatizer.state_dict(state).items()}
+        saved["buffers"] = {k: v.cpu() for k, v in saved["buffers"].items()}
+        rest, _ = run(privatizer.load_state([slot], saved), 6)
+        assert all(torch.equal(a, b) for a, b in zip(whole, first + rest))
+        assert all(t.device.type == "cuda" for t in whole)

@@ -19,6 +19,8 @@ the sampler's step index is the run's global step, so in any window of n consecu
 its epochs of its part's draws in each, ≤ Σ_epochs ⌈n_e/b⌉. When epochs are not multiples of b the sum can exceed the
 true count (e.g. two epochs of 3 steps at b = 4: 2 charged, at most 2 real), and composing an extra Poisson-subsampled
 Gaussian only ever adds privacy loss, so the ledger over-counts, as a crash does.
+
+The horizon only tunes the coefficients: a run longer than T keeps every column's norm ≤ 1 and the same charge.
 """
 
 from __future__ import annotations
@@ -101,14 +103,14 @@ class BandedMF(StreamingPrivatizer):
                       noise_multiplier_u=noise_multiplier_u, rounds=-(-steps // self.bands))
 
     def _advance(self, buffer: Tensor, z: Tensor, step: int) -> Tensor:
-        c = self.column.to(device=z.device, dtype=z.dtype)
+        c = self.column.to(dtype=z.dtype)
+        lead = c[0].to(z.device)
         if self.bands == 1:
-            return z / c[0]
+            return z / lead
         ring = self.bands - 1
-        # the weight of ring position (step-k) mod ring is c_k, k = 1..b-1
-        weights = torch.empty(ring, dtype=z.dtype, device=z.device)
-        for k in range(1, self.bands):
-            weights[(step - k) % ring] = c[k]
-        w = (z - torch.tensordot(weights, buffer, dims=1)) / c[0]
+        # ring position (step-k) mod ring holds w_{step-k}, whose weight is c_k (k = 1..b-1); built on the CPU, one copy
+        order = torch.tensor([(step - k) % ring for k in range(1, self.bands)])
+        weights = torch.empty(ring, dtype=z.dtype).index_copy_(0, order, c[1:]).to(z.device)
+        w = (z - torch.tensordot(weights, buffer, dims=1)) / lead
         buffer[step % ring] = w
         return w

@@ -15,7 +15,8 @@ in closed form). For participations u at b-separated steps with weights v_t = C_
 `stream.py`), G = (C/n)ᵀ(C/n) is entrywise ≥ 0 with G_{st} ≤ r(|s-t|) and r non-increasing (c ≥ 0, non-increasing),
 so by 2·v_s·v_t ≤ v_s² + v_t²:
 
-    ‖(C/n)·v‖² = Σ_{s,t} v_s v_t G_{st} ≤ Σ_t v_t² · Σ_{s∈u} G_{st} ≤ Σ_t v_t² · (r(0) + 2·Σ_{i≥1} r(i·b)) = m · Σ_t 1/σ_t²,
+    ‖(C/n)·v‖² = Σ_{s,t} v_s v_t G_{st} ≤ Σ_t v_t² · Σ_{s∈u} G_{st}
+               ≤ Σ_t v_t² · (r(0) + 2·Σ_{i≥1} r(i·b)) = m · Σ_t 1/σ_t²,
 
 whatever the steps' σ_t = s_t / C_i. The whole release is one Gaussian mechanism with that squared sensitivity,
 which is exactly the composition of one unsampled Gaussian per participation at multiplier σ_t / √m. So `charge`
@@ -152,8 +153,8 @@ class BLT(StreamingPrivatizer):
         return np.concatenate([[1.0], tail]) / self.scale
 
     def _advance(self, buffer: Tensor, z: Tensor, step: int) -> Tensor:
-        omega = torch.tensor(self.omega, dtype=z.dtype, device=z.device)
-        theta = torch.tensor(self.theta, dtype=z.dtype, device=z.device).reshape(-1, *([1] * z.dim()))
+        omega = torch.tensor(self.omega, dtype=z.dtype).to(z.device)
+        theta = torch.tensor(self.theta, dtype=z.dtype).to(z.device).reshape(-1, *([1] * z.dim()))
         u = z - torch.tensordot(omega, buffer, dims=1)
         buffer.mul_(theta).add_(u)
         return u * self.scale
