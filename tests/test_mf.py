@@ -15,7 +15,8 @@ from govtrain import units
 from govtrain.privatizers.base import Slot
 from govtrain.privatizers.mf import toeplitz
 from govtrain.privatizers.mf.banded import BandedMF, round_coefficients
-from govtrain.privatizers.mf.blt import BLT, participation_factor
+from govtrain.privatizers.mf.blt import BLT
+from govtrain.privatizers.mf.charge import participation_factor
 from govtrain.privatizers.mf.optimize import banded_column, sqrt_column
 from govtrain.privatizers.mf.stream import standard_normal
 

@@ -4,7 +4,10 @@ prv-accountant; BLT's unamplified charge against a single Gaussian at the dense 
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from decimal import Decimal, getcontext
 
 import dp_accounting
@@ -16,7 +19,8 @@ from govtrain import units
 from govtrain.accounting.accountants import Bucket, PLDAccountant, PRVAccountant, RDPAccountant
 from govtrain.privatizers.mf import toeplitz
 from govtrain.privatizers.mf.banded import BandedMF
-from govtrain.privatizers.mf.blt import BLT, participation_factor, unamplified_multiplier_u
+from govtrain.privatizers.mf.blt import BLT
+from govtrain.privatizers.mf.charge import banded_charge, blt_charge, participation_factor, unamplified_multiplier_u
 
 DELTA = 1e-5
 CASES = [  # (q, σ, T, b)
@@ -119,3 +123,23 @@ def test_blt_charge_against_a_single_gaussian_at_the_dense_sensitivity(buffers, 
     # rebuilt from its record (the verifier's path), it charges the same
     assert BLT.from_record(blt.record()).charge(sampling_rate_u=1_000, noise_multiplier_u=sigma_u,
                                                 steps=horizon) == charge
+
+
+def test_the_charge_is_computed_from_the_record_without_torch():
+    banded = BandedMF(bands=16, horizon=400)
+    blt = BLT(buffers=2, horizon=400, min_separation=40)
+    program = (
+        "import sys, json\n"
+        "from govtrain.privatizers.mf.charge import banded_charge, blt_charge\n"
+        "records = json.loads(sys.argv[1])\n"
+        "print(json.dumps([banded_charge(records[0], sampling_rate_u=4000, noise_multiplier_u=900000, steps=130),\n"
+        "                  blt_charge(records[1], sampling_rate_u=4000, noise_multiplier_u=900000, steps=130)]))\n"
+        "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, sorted(sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", program, json.dumps([banded.record(), blt.record()])],
+                          capture_output=True, text=True, check=True)
+    verifier = [tuple(c) for c in json.loads(done.stdout)]
+    for got, privatizer in zip(verifier, (banded, blt)):
+        charge = privatizer.charge(sampling_rate_u=4000, noise_multiplier_u=900000, steps=130)
+        assert got == (charge.sampling_rate_u, charge.noise_multiplier_u, charge.rounds)
+    assert verifier[0] == banded_charge(banded.record(), sampling_rate_u=4000, noise_multiplier_u=900000, steps=130)
+    assert verifier[1] == blt_charge(blt.record(), sampling_rate_u=4000, noise_multiplier_u=900000, steps=130)

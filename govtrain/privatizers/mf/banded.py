@@ -34,10 +34,9 @@ from torch import Tensor
 
 from govtrain import units
 from govtrain.privatizers.base import Charge, Participation
+from govtrain.privatizers.mf.charge import banded_charge, check_banded
 from govtrain.privatizers.mf.optimize import banded_column
 from govtrain.privatizers.mf.stream import StreamingPrivatizer
-
-_FIELDS = ("name", "bands", "horizon", "coefficients_p")
 
 
 def round_coefficients(column: Sequence[float]) -> tuple[int, ...]:
@@ -50,10 +49,6 @@ def round_coefficients(column: Sequence[float]) -> tuple[int, ...]:
     return tuple(ints)
 
 
-def _int(value: Any) -> bool:
-    return type(value) is int
-
-
 class BandedMF(StreamingPrivatizer):
     name: ClassVar[str] = "banded-mf"
 
@@ -62,18 +57,11 @@ class BandedMF(StreamingPrivatizer):
         """`bands` b and the run's `horizon` T (its total steps); `coefficients_p` the column in pico-units (as
         recorded), or None to optimise it for (b, T). `insecure_seed`: a fixed noise key, for tests only."""
         super().__init__(insecure_seed=insecure_seed, entropy=entropy)
-        if not (_int(bands) and _int(horizon) and 1 <= bands <= horizon):
-            raise ValueError(f"bands must be an int in [1, horizon], got bands={bands!r}, horizon={horizon!r}")
         if coefficients_p is None:
+            check_banded({"name": self.name, "bands": bands, "horizon": horizon, "coefficients_p": [1] * bands})
             coefficients_p = round_coefficients(banded_column(bands, horizon))
-        coefficients_p = tuple(coefficients_p)
-        if len(coefficients_p) != bands or not all(_int(v) for v in coefficients_p):
-            raise ValueError(f"expected {bands} integer coefficients")
-        if coefficients_p[0] <= 0:
-            raise ValueError("the leading coefficient must be positive")
-        if sum(v * v for v in coefficients_p) > units.PICO ** 2:
-            raise ValueError("the coefficients' norm exceeds 1: the sensitivity would exceed the charge's")
-        self.bands, self.horizon, self.coefficients_p = bands, horizon, coefficients_p
+        self.bands, self.horizon, self.coefficients_p = check_banded(
+            {"name": self.name, "bands": bands, "horizon": horizon, "coefficients_p": list(coefficients_p)})
         self.column = torch.tensor(coefficients_p, dtype=torch.float64) / units.PICO
 
     @property
@@ -86,12 +74,8 @@ class BandedMF(StreamingPrivatizer):
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> "BandedMF":
-        if set(record) != set(_FIELDS) or record["name"] != cls.name:
-            raise ValueError(f"not a {cls.name} record: expected the fields {', '.join(_FIELDS)}")
-        coefficients = record["coefficients_p"]
-        if not isinstance(coefficients, (list, tuple)):
-            raise ValueError("coefficients_p must be a list of ints")
-        return cls(bands=record["bands"], horizon=record["horizon"], coefficients_p=coefficients)
+        bands, horizon, coefficients = check_banded(record)
+        return cls(bands=bands, horizon=horizon, coefficients_p=coefficients)
 
     def participation(self) -> Participation:
         return Participation(scheme="cyclic", cycle=self.bands)
@@ -99,8 +83,9 @@ class BandedMF(StreamingPrivatizer):
     def charge(self, *, sampling_rate_u: int, noise_multiplier_u: int, steps: int) -> Charge:
         """DP-SGD at rate min(1, b·q) over ⌈steps/b⌉ rounds, at the epoch's σ_eff (the module docstring says
         why per-epoch ceilings over-count)."""
-        return Charge(family=self.family, sampling_rate_u=min(units.MICRO, self.bands * sampling_rate_u),
-                      noise_multiplier_u=noise_multiplier_u, rounds=-(-steps // self.bands))
+        rate_u, multiplier_u, rounds = banded_charge(self.record(), sampling_rate_u=sampling_rate_u,
+                                                     noise_multiplier_u=noise_multiplier_u, steps=steps)
+        return Charge(family=self.family, sampling_rate_u=rate_u, noise_multiplier_u=multiplier_u, rounds=rounds)
 
     def _advance(self, buffer: Tensor, z: Tensor, step: int) -> Tensor:
         c = self.column.to(dtype=z.dtype)

@@ -37,54 +37,9 @@ from torch import Tensor
 
 from govtrain import units
 from govtrain.privatizers.base import Charge, Participation
+from govtrain.privatizers.mf.charge import blt_charge, check_blt, column_norm_sq, factor_p
 from govtrain.privatizers.mf.optimize import blt_parameters
 from govtrain.privatizers.mf.stream import StreamingPrivatizer
-
-_FIELDS = ("name", "buffers", "horizon", "min_separation", "theta_p", "omega_p")
-_MARGIN = 1e-9  # relative slack on m over float64 rounding in its closed form
-
-
-def _power(x: float, n: int) -> float:
-    """x**n by squaring: IEEE multiplications only, the same on every platform (libm's pow need not be)."""
-    out = 1.0
-    while n:
-        if n & 1:
-            out *= x
-        x *= x
-        n >>= 1
-    return out
-
-
-def column_norm_sq(theta: Sequence[float], omega: Sequence[float]) -> float:
-    """r(0) = 1 + Σ_{j,l} ω_j ω_l / (1 - θ_j θ_l) of the raw column (c_0 = 1)."""
-    return 1.0 + math.fsum(wj * wl / (1.0 - tj * tl) for tj, wj in zip(theta, omega) for tl, wl in zip(theta, omega))
-
-
-def participation_factor(theta: Sequence[float], omega: Sequence[float], separation: int) -> float:
-    """m of the normalised strategy C/n at min separation b: (r(0) + 2·Σ_{i≥1} r(i·b)) / r(0), with, for L ≥ 1,
-    r(L) = Σ_j ω_j θ_j^{L-1} + Σ_{j,l} ω_j ω_l θ_l^L / (1 - θ_j θ_l), summed over L = i·b as geometric series."""
-    tb = [_power(t, separation) for t in theta]
-    lagged = math.fsum(
-        [w * _power(t, separation - 1) / (1.0 - p) for t, w, p in zip(theta, omega, tb)]
-        + [wj * wl * pl / ((1.0 - tj * tl) * (1.0 - pl))
-           for tj, wj in zip(theta, omega) for tl, wl, pl in zip(theta, omega, tb)])
-    r0 = column_norm_sq(theta, omega)
-    return (r0 + 2.0 * lagged) / r0
-
-
-def factor_p(theta: Sequence[float], omega: Sequence[float], separation: int) -> int:
-    """m in pico-units, rounded up after a relative margin for float64 error: the charge's sensitivity factor."""
-    return math.ceil(participation_factor(theta, omega, separation) * (1 + _MARGIN) * units.PICO)
-
-
-def unamplified_multiplier_u(noise_multiplier_u: int, m_p: int) -> int:
-    """⌊σ / √m⌋ in micro-units, exactly in integers: the largest y with y² · m ≤ σ² (rounding favours privacy)."""
-    return math.isqrt(noise_multiplier_u * noise_multiplier_u * units.PICO // m_p)
-
-
-def _int(value: Any) -> bool:
-    return type(value) is int
-
 
 class BLT(StreamingPrivatizer):
     name: ClassVar[str] = "blt"
@@ -95,30 +50,27 @@ class BLT(StreamingPrivatizer):
         """d = `buffers`, the run's `horizon` T, the sampler's cycle `min_separation` b; (θ, ω) in pico-units as
         recorded, or None to optimise them for (d, T, b). `insecure_seed`: a fixed noise key, for tests only."""
         super().__init__(insecure_seed=insecure_seed, entropy=entropy)
-        if not (_int(buffers) and _int(horizon) and _int(min_separation) and buffers >= 1
-                and 1 <= min_separation <= horizon):
-            raise ValueError("a BLT needs int buffers ≥ 1 and a min_separation in [1, horizon]")
         if (theta_p is None) != (omega_p is None):
             raise ValueError("give both theta_p and omega_p, or neither")
+
+        def record(theta, omega):
+            return {"name": self.name, "buffers": buffers, "horizon": horizon, "min_separation": min_separation,
+                    "theta_p": list(theta), "omega_p": list(omega)}
+
         if theta_p is None:
+            check_blt(record([units.PICO // 2] * buffers, [0] * buffers))  # the shape, before optimising
             theta, omega = blt_parameters(buffers, horizon, min_separation)
-            theta_p = [math.floor(t * units.PICO) for t in theta]  # down: a smaller decay, a smaller column
+            theta_p = [math.floor(t * units.PICO) for t in theta]  # down: Σω ≤ 1 stays true
             omega_p = [math.floor(w * units.PICO) for w in omega]
-        theta_p, omega_p = tuple(theta_p), tuple(omega_p)
-        if len(theta_p) != buffers or len(omega_p) != buffers or not all(_int(v) for v in theta_p + omega_p):
-            raise ValueError(f"expected {buffers} integer decays and {buffers} integer weights")
-        if not all(0 < t < units.PICO for t in theta_p) or not all(w >= 0 for w in omega_p) \
-                or sum(omega_p) > units.PICO:
-            raise ValueError("a BLT needs 0 < θ < 1, ω ≥ 0 and Σω ≤ 1 (a positive, non-increasing column)")
-        self.buffers, self.horizon, self.min_separation = buffers, horizon, min_separation
-        self.theta_p, self.omega_p = theta_p, omega_p
+        self.buffers, self.horizon, self.min_separation, self.theta_p, self.omega_p = check_blt(
+            record(theta_p, omega_p))
         self.theta = [t / units.PICO for t in theta_p]
         self.omega = [w / units.PICO for w in omega_p]
         system = np.diag(self.theta) - np.outer(np.ones(buffers), self.omega)
         if float(np.max(np.abs(np.linalg.eigvals(system)))) >= 1:
             raise ValueError("this BLT's inverse is unstable: its noise would grow without bound")
         self.scale = math.sqrt(column_norm_sq(self.theta, self.omega))
-        self.factor_p = factor_p(self.theta, self.omega, min_separation)
+        self.factor_p = factor_p(self.theta_p, self.omega_p, min_separation)
 
     @property
     def depth(self) -> int:
@@ -130,21 +82,17 @@ class BLT(StreamingPrivatizer):
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> "BLT":
-        if set(record) != set(_FIELDS) or record["name"] != cls.name:
-            raise ValueError(f"not a {cls.name} record: expected the fields {', '.join(_FIELDS)}")
-        if not all(isinstance(record[f], (list, tuple)) for f in ("theta_p", "omega_p")):
-            raise ValueError("theta_p and omega_p must be lists of ints")
-        return cls(buffers=record["buffers"], horizon=record["horizon"], min_separation=record["min_separation"],
-                   theta_p=record["theta_p"], omega_p=record["omega_p"])
+        buffers, horizon, separation, theta_p, omega_p = check_blt(record)
+        return cls(buffers=buffers, horizon=horizon, min_separation=separation, theta_p=theta_p, omega_p=omega_p)
 
     def participation(self) -> Participation:
         return Participation(scheme="cyclic", cycle=self.min_separation)
 
     def charge(self, *, sampling_rate_u: int, noise_multiplier_u: int, steps: int) -> Charge:
         """An unsampled Gaussian per participation at ⌊σ/√m⌋, ⌈steps/b⌉ participations (module docstring)."""
-        return Charge(family=self.family, sampling_rate_u=units.MICRO,
-                      noise_multiplier_u=unamplified_multiplier_u(noise_multiplier_u, self.factor_p),
-                      rounds=-(-steps // self.min_separation))
+        rate_u, multiplier_u, rounds = blt_charge(self.record(), sampling_rate_u=sampling_rate_u,
+                                                  noise_multiplier_u=noise_multiplier_u, steps=steps)
+        return Charge(family=self.family, sampling_rate_u=rate_u, noise_multiplier_u=multiplier_u, rounds=rounds)
 
     def column(self, horizon: int) -> np.ndarray:
         """The first `horizon` coefficients of the normalised C/n (float64), for checks and reports."""
