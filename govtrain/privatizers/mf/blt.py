@@ -10,8 +10,8 @@ C/n has every column of norm ≤ 1.
 
 Sensitivity and charge (unamplified: no amplification theorem covers BLT under Poisson sampling). Participation is
 cyclic with the public cycle b = `min_separation` (the sampler keeps a unit's participations ≥ b steps apart).
-Let r(L) = Σ_{k≥0} c_k c_{k+L} (infinite horizon, c of C/n) and m = r(0) + 2·Σ_{i≥1} r(i·b) (`participation_factor`,
-in closed form). For participations u at b-separated steps with weights v_t = C_i / s_t (the query C·S⁻¹·x of
+Let r(L) = Σ_{k≥0} c_k c_{k+L} (infinite horizon, c of C/n) and m = r(0) + 2·Σ_{i≥1} r(i·b)
+(`charge.participation_factor`, in closed form). For participations u at b-separated steps with weights v_t = C_i / s_t (the query C·S⁻¹·x of
 `stream.py`), G = (C/n)ᵀ(C/n) is entrywise ≥ 0 with G_{st} ≤ r(|s-t|) and r non-increasing (c ≥ 0, non-increasing),
 so by 2·v_s·v_t ≤ v_s² + v_t²:
 

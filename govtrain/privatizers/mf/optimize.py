@@ -5,7 +5,7 @@ so that they are invariant to the strategy's scale and compare directly with DP-
 
 - banded (`banded_column`): err(C) · max column norm², the per-participation sensitivity of amplified banded MF
   (b-separated participations touch disjoint rows of a b-banded C). c_0 is fixed at 1 and c_1..c_{b-1} are free.
-- BLT (`blt_parameters`): err(C) · m(C), m the per-participation factor of `blt.participation_factor` at the
+- BLT (`blt_parameters`): err(C) · m(C), m the per-participation factor of `charge.participation_factor` at the
   strategy's min separation (its unamplified multi-participation charge), with θ ∈ (0, 1), ω > 0, Σω < 1 by
   construction (θ = sigmoid(a), ω = sigmoid(g)·softmax(β)), so C's column is positive and non-increasing.
 
@@ -79,7 +79,7 @@ def blt_column_t(theta: torch.Tensor, omega: torch.Tensor, horizon: int) -> torc
 
 def blt_factor_t(theta: torch.Tensor, omega: torch.Tensor, separation: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(r(0), r(0) + 2·Σ_{i≥1} r(i·sep)) of the raw column, r(L) = Σ_k c_k c_{k+L} over the infinite horizon, in
-    closed form (see blt.participation_factor, the float64 twin the charge uses)."""
+    closed form (see charge.participation_factor, the float64 twin the charge uses)."""
     cross = omega[:, None] * omega[None, :] / (1 - theta[:, None] * theta[None, :])
     r0 = 1 + cross.sum()
     tb = theta ** separation
