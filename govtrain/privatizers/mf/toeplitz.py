@@ -16,16 +16,24 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from scipy.signal import lfilter
 from torch import Tensor
 
 
 def inverse_column(numerator: np.ndarray, denominator: np.ndarray, horizon: int) -> np.ndarray:
     """The first `horizon` coefficients of the power series numerator(x) / denominator(x) (float64): the first
-    column of C⁻¹ for C = denominator / numerator, by the linear recurrence (an IIR filter's impulse response)."""
-    impulse = np.zeros(horizon)
-    impulse[0] = 1.0
-    return lfilter(np.asarray(numerator, dtype=np.float64), np.asarray(denominator, dtype=np.float64), impulse)
+    column of C⁻¹ for C = denominator / numerator, by forward substitution: D·r = N, so
+    r_k = (N_k - Σ_{i=1}^{min(k, deg D)} D_i r_{k-i}) / D_0 (O(T·deg D))."""
+    numerator = np.asarray(numerator, dtype=np.float64)
+    denominator = np.asarray(denominator, dtype=np.float64)[:horizon]
+    out = np.zeros(horizon)
+    out[: min(horizon, numerator.shape[0])] = numerator[:horizon]
+    reversed_tail = denominator[1:][::-1]  # D_{deg}, …, D_1
+    for k in range(horizon):
+        width = min(k, reversed_tail.shape[0])
+        if width:
+            out[k] -= np.dot(reversed_tail[reversed_tail.shape[0] - width:], out[k - width:k])
+        out[k] /= denominator[0]
+    return out
 
 
 def prefix_error(inverse: np.ndarray) -> float:
