@@ -202,6 +202,19 @@ def test_a_banded_record_with_an_unstable_inverse_is_refused():
     assert torch.isfinite(noisy[slot.key]).all(), "the accepted record's noise overflowed within 100 steps"
 
 
+def _float32_release_is_the_float64_one_cast(privatizer, steps: int = 12) -> None:
+    """The float32 slot's released noise, step by step, is bitwise the float64 slot's cast to float32, and its buffers
+    are float64: the float32 stream applies the very strategy the float64 one does (the held tests pin that one to
+    the record), rounding only what it releases."""
+    wide, narrow = _slot(shape=(16,)), _slot(shape=(16,), dtype=torch.float32)
+    wide_state, narrow_state = privatizer.init([wide]), privatizer.init([narrow])
+    for _ in range(steps):
+        released, wide_state = privatizer.update({"w": _zeros(wide)}, wide_state, std={"w": 1.7})
+        cast, narrow_state = privatizer.update({"w": _zeros(narrow)}, narrow_state, std={"w": 1.7})
+        assert cast["w"].dtype == torch.float32 and narrow_state.buffers["w"].dtype == torch.float64
+        assert torch.equal(cast["w"], released["w"].to(torch.float32))
+
+
 def test_the_float32_banded_stream_keeps_column_norm_at_most_one():
     """Attack: rounding in the stream's dtype. Adversary: a pinned auditor who takes `round_coefficients`' promise
     (Σ c² ≤ 1 "exactly in the recorded integers", rounded toward zero and trimmed). Defect: `_advance` casts the
@@ -209,12 +222,19 @@ def test_the_float32_banded_stream_keeps_column_norm_at_most_one():
     b = 16, T = 1000 strategy the float32 coefficients have Σ c² = 1 + 1.2·10⁻⁸ exactly, so the strategy the stream
     applies has a sensitivity above the charge's 1 (small, but the rounding the record was trimmed for is undone).
     Should: run the recurrence on the float64 coefficients (float64 buffers, the noise cast at the end), or round
-    the coefficients toward zero in the slot's dtype."""
-    privatizer = BandedMF(bands=16, horizon=1000)
-    applied = privatizer.column.to(torch.float32)  # what BandedMF._advance multiplies and divides by on a fp32 slot
+    the coefficients toward zero in the slot's dtype.
+
+    Fixed by the first remedy, so this test now measures what the fixed stream applies (it first measured
+    `privatizer.column.to(torch.float32)`, what the old `_advance` multiplied by on a float32 slot, and no longer
+    what any stream applies): a float32 slot's stream is the float64 stream cast at the output, and the float64
+    coefficients it recurs on (`privatizer.column`, rounded toward zero from the record) have Σ c² ≤ 1 exactly."""
+    privatizer = BandedMF(bands=16, horizon=1000, insecure_seed=4)
+    _float32_release_is_the_float64_one_cast(privatizer)
+    applied = privatizer.column  # what BandedMF._advance multiplies and divides by, on every slot
+    assert applied.dtype == torch.float64
     norm_sq = sum(Fraction(float(v)) ** 2 for v in applied.tolist())
     at_most_one = norm_sq <= 1
-    assert at_most_one, f"float32 coefficients: Σc² - 1 = {float(norm_sq - 1):.3g}"
+    assert at_most_one, f"float64 coefficients: Σc² - 1 = {float(norm_sq - 1):.3g}"
 
 
 def test_the_float32_blt_stream_is_charged_for_the_strategy_it_applies():
@@ -224,21 +244,23 @@ def test_the_float32_blt_stream_is_charged_for_the_strategy_it_applies():
     configuration (d = 2, T = 1000, min separation 250: θ_2 = 0.989…) the exact m of the strategy the stream applies
     exceeds the charged m by 1.6·10⁻⁶ relative, 1600 times the margin, and at σ = 10 the charged multiplier ⌊σ/√m⌋ is
     above σ/√m_real by several micro-units. Should: recur in float64 (θ, ω, n and the buffers), or charge m of the
-    dtype-rounded parameters (θ rounded up, n down)."""
-    blt = BLT(buffers=2, horizon=1000, min_separation=250)
+    dtype-rounded parameters (θ rounded up, n down).
 
-    def f32(x: float) -> Fraction:
-        return Fraction(float(np.float32(x)))
-
-    theta, omega = [f32(t) for t in blt.theta], [f32(w) for w in blt.omega]
-    scale_sq = max(f32(blt.scale), Fraction(blt.scale)) ** 2  # the larger n: the most favourable to the code
-    realised = _exact_blt_factor(theta, omega, blt.min_separation, scale_sq)
+    Fixed by the first remedy, so this test now measures what the fixed stream applies (it first rounded θ, ω and n
+    to float32, what the old `_advance` multiplied by on a float32 slot, and no longer what any stream applies): a
+    float32 slot's stream is the float64 stream cast at the output, and the exact m of the float64 θ, ω, n it
+    recurs on is ≤ the charged m."""
+    blt = BLT(buffers=2, horizon=1000, min_separation=250, insecure_seed=4)
+    _float32_release_is_the_float64_one_cast(blt)
+    theta, omega = [Fraction(t) for t in blt.theta], [Fraction(w) for w in blt.omega]
+    realised = _exact_blt_factor(theta, omega, blt.min_separation, Fraction(blt.scale) ** 2)
     sigma_u = 10 * units.MICRO
     charged_u = unamplified_multiplier_u(sigma_u, blt.factor_p)
     rounded_up = Fraction(blt.factor_p, units.PICO) >= realised
     assert rounded_up, (
         f"m of the float32 stream exceeds the charged m by {float(realised * units.PICO / blt.factor_p - 1):.3g} "
         f"relative; charged multiplier {charged_u} µ, real σ/√m = {sigma_u / math.sqrt(realised):.1f} µ")
+    assert charged_u <= sigma_u / math.sqrt(realised)
 
 
 def test_blt_factor_is_rounded_up_even_with_theta_next_to_one():
@@ -438,8 +460,13 @@ def test_held_records_past_the_bounds_are_refused():
 def test_held_a_rate_past_one_is_capped_alike_in_the_sampler_and_the_charge():
     """b·q > 1: the sampler draws each part member at min(1, b·q) and the banded charge composes at that same
     rate, so nothing is under-charged (the expected batch silently falls below q·N: a utility surprise, not a
-    privacy one)."""
-    sampler = CyclicPoissonSampler(0.3, cycle=4, partition_key=b"run")
+    privacy one).
+
+    After the review the sampler refuses b·q > 1 unless it is explicitly allowed (`allow_rate_cap=True`), so the
+    surprise is no longer silent; the capped sampler, once allowed, still draws at the rate the charge composes."""
+    with pytest.raises(ValueError, match="expected batch would drop"):
+        CyclicPoissonSampler(0.3, cycle=4, partition_key=b"run")
+    sampler = CyclicPoissonSampler(0.3, cycle=4, partition_key=b"run", allow_rate_cap=True)
     rate_u, _, rounds = banded_charge(BandedMF(bands=4, horizon=20).record(), sampling_rate_u=300_000,
                                       noise_multiplier_u=1_000_000, steps=20)
     assert sampler.part_rate == 1.0 and rate_u == units.MICRO and rounds == 5
