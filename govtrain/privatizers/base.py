@@ -3,7 +3,7 @@ gradient, with state that may carry noise from one step to the next.
 
     privatizer = build(noise_section)                  # RUN.toml [noise]: which privatizer, and its parameters
     state = privatizer.init(slots)                     # once per run: one Slot per tensor the step noises
-    noisy, state = privatizer.update(sums, state, std=std, keep=keep)   # once per logical step
+    noisy, state = privatizer.update(sums, state, std=std, keep=keep, step=t)   # once per logical step
 
 `sums` maps a slot key to the step's clipped sum (the router's accumulator dtype, fp32 or wider); `std` maps it to
 the group's noise scale s_g (an absolute standard deviation, not a multiplier; a key with no std, or std 0, gets no
@@ -127,7 +127,10 @@ class Privatizer(ABC):
 
     @abstractmethod
     def update(self, sums: Mapping[str, Tensor], state: State, *, std: Mapping[str, float],
-               keep: Mapping[str, Tensor | None] | None = None) -> tuple[dict[str, Tensor], State]: ...
+               keep: Mapping[str, Tensor | None] | None = None,
+               step: int | None = None) -> tuple[dict[str, Tensor], State]:
+        """`step`: the run's global step (the sampler's), when the caller knows it; a privatizer whose state counts
+        steps raises ValueError if its state is at another one. A std < 0 or not finite raises ValueError."""
 
     def state_dict(self, state: State) -> dict[str, Any]:
         """What the run state must keep to resume the noise stream exactly (tensors and ints). Secret."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from fractions import Fraction
 from typing import Sequence
 
 import numpy as np
@@ -99,13 +100,21 @@ class CyclicPoissonSampler(PoissonSampler):
     else's participation pattern, so neighbouring datasets would no longer differ in one unit's rows alone.
 
     The step must be set (`at_step`) before each `sample`: the step decides the part, and, with the run's secret
-    `key`, the draw (as for `PoissonSampler`, a re-run of a step draws the same batch)."""
+    `key`, the draw (as for `PoissonSampler`, a re-run of a step draws the same batch).
+
+    cycle·q > 1 is refused unless `allow_rate_cap=True`: the part rate is then capped at 1, so the expected batch
+    falls to N/cycle, below q·N. Privacy is not at stake (the banded charge composes at min(1, cycle·q), the rate
+    drawn), but the run would train on smaller batches than its configuration says."""
 
     def __init__(self, sampling_rate: float, *, cycle: int, partition_key: bytes,
-                 insecure_seed: int | None = None) -> None:
+                 insecure_seed: int | None = None, allow_rate_cap: bool = False) -> None:
         super().__init__(sampling_rate, insecure_seed=insecure_seed)
         if type(cycle) is not int or cycle < 1:
             raise ValueError("the cycle must be a positive int")
+        if cycle * Fraction(sampling_rate) > 1 and not allow_rate_cap:
+            raise ValueError(f"cycle·q = {cycle}·{sampling_rate} > 1: each part would be drawn whole and the expected "
+                             f"batch would drop from q·N to N/{cycle}; lower q or the cycle (bands), or pass "
+                             "allow_rate_cap=True")
         self.cycle = cycle
         self.part_rate = min(1.0, cycle * sampling_rate)
         self.partition_key = bytes(partition_key)
