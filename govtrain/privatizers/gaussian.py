@@ -47,12 +47,11 @@ class IIDGaussian(Privatizer):
         unknown = sorted(set(sums) - set(state))
         if unknown:
             raise ValueError(f"slot {unknown[0]!r} was not among the slots the privatizer was initialised with")
-        if self.generator is None:  # the OS's entropy, on the sums' device, once
-            import os
+        if self.generator is None:  # the OS's entropy, on the sums' device, once: its whole state (routing.entropy)
+            from govtrain.routing import entropy
 
             device = next(iter(sums.values())).device if sums else torch.device("cpu")
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(int.from_bytes(os.urandom(8), "big"))
+            self.generator = entropy.generator(device)
         for key in state:
             if key not in sums:
                 continue
