@@ -333,12 +333,9 @@ class Run:
         self.privatizer = _privatizer(config, (state or {}).get("noise"), self.insecure_seed)
         self.router = Router(self.model, resolution, mechanism=training.mechanism, insecure_seed=self.insecure_seed,
                              privatizer=self.privatizer)
-        # the family's floor, before any spend, at each contribution's signed multiplier as its privatizer charges it
-        # (the router bound a noise family's dimension: its record and charge are whole from here on)
-        check_family_floor(policy, self.privatizer.family, [
-            (m.contribution_id, self.privatizer.charge(sampling_rate_u=q_u, noise_multiplier_u=m.noise_multiplier_u,
-                                                       steps=1).noise_multiplier_u)
-            for m in (admitted[c].member for c in sorted(present))])
+        # the family's floor, before any spend: a spend records σ_eff at least the contribution's signed multiplier
+        check_family_floor(policy, self.privatizer.family,
+                           [(c, admitted[c].member.noise_multiplier_u) for c in sorted(present)])
         self.router.probe(probe_batches(self.tokenizer, config.file.model.max_length))  # batch-first calls only
         check_batch_independence(self.model, self.task, self.tokenizer, config.file.model.max_length, self.device)
         self.update = Update.build(self.model, config.file)
