@@ -98,7 +98,7 @@ class Path:
                     ) -> tuple[dict[str, Tensor], Tensor, int]:
         """(totals per parameter, each unit's norm before clipping, how many were clipped). `calls`, `masks`,
         `rows`, `clip` are the router's own (`Router._clipped_sum`). `diracs`: AUDIT ONLY, the white-box canaries'
-        (unit row, coordinate, value) (`audit.canaries.DiracCanaries.diracs`), each added to its unit's vector
+        (unit row, coordinate, value), as the router hands them, each added to its unit's vector
         before the norm, in a parameter its class reaches whole (the router checked it when they were injected)."""
         quantized = self.privatizer.quantized
         if quantized and self.spacing is None:
