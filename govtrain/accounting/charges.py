@@ -47,7 +47,12 @@ def _check(charge: Charge, name: str) -> Charge:
 def _rebuilt(frozen: tuple[tuple[str, Any], ...]) -> "Privatizer":
     from govtrain.privatizers import from_record
 
-    return from_record(dict(frozen))
+    return from_record({k: list(v) if type(v) is tuple else v for k, v in frozen})
+
+
+def _frozen(record: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A record as a cache key: its lists (a strategy's integers) as tuples, which `_rebuilt` turns back."""
+    return tuple(sorted((k, tuple(v) if type(v) is list else v) for k, v in record.items()))
 
 
 def charge_item(record: Mapping[str, Any] | None, sampling_rate_u: int, noise_multiplier_u: int, steps: int) -> Item:
@@ -55,7 +60,7 @@ def charge_item(record: Mapping[str, Any] | None, sampling_rate_u: int, noise_mu
     charges. Raises `ConfigError` (`privatizer_unknown`, `privatizer_invalid`) for a record it cannot rebuild."""
     if record is None or dict(record) == {"name": "gaussian"}:  # today's bucket, without importing a class
         return (sampling_rate_u, noise_multiplier_u, steps)
-    privatizer = _rebuilt(tuple(sorted(record.items())))
+    privatizer = _rebuilt(_frozen(record))
     return bucketer(privatizer)(sampling_rate_u, noise_multiplier_u, steps)
 
 

@@ -31,6 +31,9 @@ if TYPE_CHECKING:  # the verifier rebuilds privatizers from records (`from_recor
 
     from govtrain.train.config import NoiseSection
 
+# The RUN.toml [noise] fields that parametrise a privatizer; any other field of the section configures the router.
+FIELDS = ("bands", "buffers", "min_separation", "granularity_bits", "beta_exp")
+
 State = Any  # a privatizer's own state: secret; persisted only through `state_dict` / `load_state`
 
 
@@ -87,16 +90,24 @@ class Privatizer(ABC):
     generator: "torch.Generator | None" = None
 
     @classmethod
-    def from_config(cls, noise: "NoiseSection") -> "Privatizer":
-        """From RUN.toml [noise] (`privatizer` names this class): refuses (ValueError, one line saying what to
+    def from_config(cls, noise: "NoiseSection", *, horizon: int | None = None,
+                    insecure_seed: int | None = None) -> "Privatizer":
+        """From RUN.toml [noise] (`privatizer` names this class) and what the run knows: its `horizon` (total
+        steps), and `insecure_seed` (tests only; never recorded). Refuses (ValueError, one line saying what to
         change) a field set that it does not take, then rebuilds from the record those fields make. A privatizer
         whose record is not its config fields one to one overrides it."""
-        given = {k: v for k, v in noise.model_dump().items() if k != "privatizer" and v is not None}
+        return cls.from_record({"name": cls.name, **cls.config_fields(noise)})
+
+    @classmethod
+    def config_fields(cls, noise: "NoiseSection") -> dict[str, Any]:
+        """The [noise] fields set that parametrise a privatizer (`FIELDS`; the others configure the router), after
+        refusing (ValueError) any this class does not take."""
+        given = {k: v for k, v in noise.model_dump().items() if k in FIELDS and v is not None}
         other = sorted(set(given) - set(cls.parameters))
         if other:
             takes = f"it takes {', '.join(cls.parameters)}" if cls.parameters else "it takes none"
             raise ValueError(f"noise.{other[0]} does not apply to privatizer {cls.name!r} ({takes}): remove it")
-        return cls.from_record({"name": cls.name, **given})
+        return given
 
     def quantize(self, clipped: Tensor, clip: Tensor, generator: torch.Generator) -> Tensor:
         """Integer families: each row of `clipped` ([units, d], already clipped to its `clip`) as an integer

@@ -521,10 +521,9 @@ class Router:
             calls[name] = (persample.Shared(held), "")
         # -- the noise families: L1 clipping or quantisation, from materialized per-sample gradients ----------
         if self.materialized is not None:
-            if self._canaries is not None:
-                raise RuntimeError("audit canaries are not injected on the materialized path")
+            diracs = None if self._canaries is None else self._canaries.diracs(classes)  # audit only
             totals, norms, clipped = self.materialized.clipped_sum(calls, self.masks, rows, clip, batch,
-                                                                   self.generator, dtype)
+                                                                   self.generator, dtype, diracs=diracs)
             return totals, StepReport(batch, clipped, float(norms.max()) if batch else 0.0)
         # -- end of the noise families' hook ---------------------------------------------------------------
 

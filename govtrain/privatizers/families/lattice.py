@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
+    from govtrain.train.config import NoiseSection
+
 __all__ = ["LatticePrivatizer", "dimension_of"]
 
 DEFAULT_BITS = 16
@@ -69,6 +71,12 @@ class LatticePrivatizer(Privatizer):
             raise ValueError(f"an insecure seed is a non-negative integer: got {insecure_seed!r}")
         self.granularity_bits, self.beta_exp, self.dimension = granularity_bits, beta_exp, dimension
         self.insecure_seed, self._updates = insecure_seed, 0
+
+    @classmethod
+    def from_config(cls, noise: "NoiseSection", *, horizon: int | None = None,
+                    insecure_seed: int | None = None) -> "LatticePrivatizer":
+        """RUN.toml [noise]'s granularity_bits and beta_exp (defaults otherwise); the dimension is bound at init."""
+        return cls(**cls.config_fields(noise), insecure_seed=insecure_seed)
 
     # -- the public record and the charge -------------------------------------------------------------------
 
