@@ -120,11 +120,12 @@ def from_record(record: Mapping[str, Any] | None) -> "Privatizer":
     if not isinstance(record, Mapping) or not isinstance(record.get("name"), str):
         raise ConfigError(Code.PRIVATIZER_INVALID, "a privatizer record is a map with a text \"name\"")
     cls = privatizer_class(record["name"])
-    try:
+    try:  # whatever a record makes its class raise is that record's fault: coded, never a traceback
         privatizer = cls.from_record(record)
-    except (ValueError, TypeError, KeyError) as e:
+        rewritten = privatizer.record()
+    except (ValueError, TypeError, KeyError, RuntimeError, ArithmeticError) as e:
         raise ConfigError(Code.PRIVATIZER_INVALID, f"privatizer record {dict(record)!r}: {e}") from e
-    if privatizer.record() != dict(record):  # a record its class would not write: what else did it mean?
+    if rewritten != dict(record):  # a record its class would not write: what else did it mean?
         raise ConfigError(Code.PRIVATIZER_INVALID, f"privatizer record {dict(record)!r} is not what privatizer "
                                                    f"{cls.name!r} records ({privatizer.record()!r})")
     return privatizer
