@@ -63,12 +63,19 @@ def privatizer_class(name: str) -> "type[Privatizer]":
 def build(noise: "NoiseSection | None" = None, *, generator: "torch.Generator | None" = None) -> "Privatizer":
     """The privatizer RUN.toml [noise] describes (None: the i.i.d. Gaussian), drawing from `generator`.
     ConfigError `privatizer_unknown` for a privatizer not available, `privatizer_invalid` for parameters it
-    refuses."""
+    refuses, `privatizer_unsupported` for microbatches > 1 with a privatizer that does not take them."""
     if noise is None:
         from govtrain.train.config import NoiseSection
 
         noise = NoiseSection()
     cls = privatizer_class(noise.privatizer)
+    if noise.microbatches > 1 and "microbatches" not in cls.parameters:
+        why = ("its noise is correlated across steps and its state advances once per step" if cls.correlated else
+               "it does not add per-microbatch noise")
+        raise ConfigError(Code.PRIVATIZER_UNSUPPORTED, f"RUN.toml [noise]: microbatches = {noise.microbatches} with "
+                                                       f"privatizer {cls.name!r}: {why}; per-microbatch noise takes "
+                                                       "the i.i.d. gaussian: set microbatches = 1 or privatizer = "
+                                                       "\"gaussian\"")
     try:
         privatizer = cls.from_config(noise)
     except ValueError as e:

@@ -80,7 +80,9 @@ class Privatizer(ABC):
     # (`quantize`) before the sum, so that integer noise is added in the quantised domain.
     norm: ClassVar[str] = "l2"
     quantized: ClassVar[bool] = False
-    # The RUN.toml [noise] fields it takes besides `privatizer` (`from_config` refuses any other that is set).
+    # The RUN.toml [noise] fields it takes besides `privatizer` (`from_config` refuses any other that is set). One
+    # that adds per-microbatch noise lists "microbatches" and records it where it is more than 1 (`build` refuses
+    # microbatches > 1 for the others: `privatizer_unsupported`).
     parameters: ClassVar[tuple[str, ...]] = ()
     # Where its noise is drawn from: the run's generator (`build` sets it: OS entropy unless insecure_seed). None: a
     # privatizer that draws seeds its own from the OS when it first needs one.
@@ -92,6 +94,8 @@ class Privatizer(ABC):
         change) a field set that it does not take, then rebuilds from the record those fields make. A privatizer
         whose record is not its config fields one to one overrides it."""
         given = {k: v for k, v in noise.model_dump().items() if k != "privatizer" and v is not None}
+        if given.get("microbatches") == 1:  # the ordinary step, the default: no privatizer records it
+            del given["microbatches"]
         other = sorted(set(given) - set(cls.parameters))
         if other:
             takes = f"it takes {', '.join(cls.parameters)}" if cls.parameters else "it takes none"

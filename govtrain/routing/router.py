@@ -25,8 +25,8 @@ own class's adapters only, never another class's (`adapters.py`): `capture` take
 *outputs* (`torch.autograd.grad`), so no parameter's `.grad` is written by anyone else. When it
 returns, each reachable parameter's `.grad` holds the privatized gradient and nothing per-sample is
 kept. A parameter that no class reaches gets `.grad = None`, so SGD, Adam and AdamW leave it and its
-optimizer state untouched. Noise is drawn from a generator seeded from the operating system's
-entropy; a fixed seed exists only as `insecure_seed`.
+optimizer state untouched. Noise is drawn from a generator whose whole state is drawn from the operating
+system's entropy (`privatizers.entropy`); a fixed seed exists only as `insecure_seed`.
 
 The mechanism (RUN.toml `training.mechanism`) changes what a sample's gradient is measured and noised in,
 never who reaches what or how much noise a group gets (so the accounting is DP-SGD's for all three):
@@ -48,7 +48,6 @@ never who reaches what or how much noise a group gets (so the accounting is DP-S
 from __future__ import annotations
 
 import math
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -61,6 +60,7 @@ from govtrain.errors import Code, ConfigError
 from govtrain.mechanisms import MECHANISMS
 from govtrain.mechanisms.reach import check_reach, lora_pairs
 from govtrain.privatizers.base import Privatizer
+from govtrain.privatizers.entropy import os_generator
 from govtrain.privatizers.gaussian import IIDGaussian
 from govtrain.resolver.profile import Resolution
 from govtrain.routing import compiled as compiled_routing
@@ -193,8 +193,12 @@ class Router:
         # dp-muon: each parameter a class reaches is clipped on its own to C_i / sqrt(units)
         self.units = {data_class: len(masks) for data_class, masks in self.masks.items()}
         self.noise_std: dict[str, float] = {}  # per reached parameter: the last step's noise std / batch size
-        self.generator = torch.Generator(device=next(iter(self.params.values())).device if self.params else "cpu")
-        self.generator.manual_seed(insecure_seed if insecure_seed is not None else int.from_bytes(os.urandom(8), "big"))
+        device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
+        if insecure_seed is None:  # the whole generator state from the OS: manual_seed would keep 32 bits on the CPU
+            self.generator = os_generator(device)
+        else:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(insecure_seed)
         self.privatizer = IIDGaussian() if privatizer is None else privatizer
         slots.check_privatizer(mechanism, self.privatizer)
         if self.privatizer.generator is None:
