@@ -543,14 +543,13 @@ class Run:
         gone = self._withdrawn.read()  # from the entries, never the `withdrawals` index table (withdrawals.py)
         live = np.array([self._allowed[i] > step and self.ids[i] not in gone for i in range(len(self.ids))], dtype=bool)
         chunks = []
-        for part, unit, microbatch in self._draw(live):
+        for part, unit, m in self._draw(live):
             owners = [examples.owner[i] for i in part]
             if unit is None:  # each example is clipped on its own
                 who = owners
             else:  # each contribution's examples are averaged, then clipped together
                 who = [owners[i] for i in range(len(part)) if i == 0 or unit[i] != unit[i - 1]]
-            chunks.append(Chunk(part, unit, owners, [self.classes[c] for c in who], [self.signed_clip[c] for c in who],
-                                microbatch))
+            chunks.append(Chunk(part, unit, owners, [self.classes[c] for c in who], [self.signed_clip[c] for c in who], m))
         self.router.begin()
         self._loss_sum, self._drawn = 0.0, 0
         return chunks
@@ -624,16 +623,19 @@ class Run:
             chosen = self.sampler.sample(np.flatnonzero(live[self.owner]) if len(self.owner) else np.zeros(0, int),
                                          units=len(self.owner))
             chunks: list[tuple[list[int], list[int] | None, int]] = []
-            names = [microbatch.example_id(self.ids[self.owner[i]], int(self.rank[i])) for i in chosen]
-            for m, positions in enumerate(self._microbatches(step, names)):
-                part = chosen[positions]
-                size = chunk or max(len(part), 1)
-                chunks += [(part[i:i + size].tolist(), None, m) for i in range(0, len(part), size)]
+
+            def names() -> list[str]:  # an example's id: its contribution's and its index there, never its position
+                return [microbatch.example_id(self.ids[self.owner[i]], int(self.rank[i])) for i in chosen]
+
+            for m, positions in enumerate(self._microbatches(step, len(chosen), names)):
+                picked = chosen[positions]
+                size = chunk or max(len(picked), 1)
+                chunks += [(picked[i:i + size].tolist(), None, m) for i in range(0, len(picked), size)]
             return chunks
         drawn = [(k, self.sampler.take(self.members[k], self.per_contribution, unit=k).tolist())
                  for k in self.sampler.sample(np.flatnonzero(live), units=len(self.ids))]
         chunks = []
-        for m, positions in enumerate(self._microbatches(step, [self.ids[k] for k, _ in drawn])):
+        for m, positions in enumerate(self._microbatches(step, len(drawn), lambda: [self.ids[k] for k, _ in drawn])):
             part: list[int] = []
             units: list[int] = []
             for position in positions:
@@ -647,12 +649,13 @@ class Run:
                 chunks.append((part, units, m))
         return chunks
 
-    def _microbatches(self, step: int, names: list[str]) -> list[list[int]]:
-        """The positions in `names` (a step's drawn units, by id) of each microbatch's units: `routing.microbatch`'s
-        public rule under the run's sampling key; one microbatch of every position when microbatches = 1."""
+    def _microbatches(self, step: int, count: int, names: Callable[[], list[str]]) -> list[list[int]]:
+        """The positions among a step's `count` drawn units of each microbatch's units: `routing.microbatch`'s public
+        rule on their ids (`names()`) under the run's sampling key; one microbatch of every position when
+        microbatches = 1 (no id formed)."""
         if self.microbatches == 1:
-            return [list(range(len(names)))]
-        return microbatch.split(self.sampler.key, step, names, self.microbatches)
+            return [list(range(count))]
+        return microbatch.split(self.sampler.key, step, names(), self.microbatches)
 
     def close_epoch(self) -> None:
         """Close the ledger epoch (unless another run already did), record each class's epsilon and save."""
