@@ -115,12 +115,12 @@ class Governed:
     default) privatized by the routing layer (the samples' classes cycled over `classes`, each clipped to `clip`,
     noise σ·C per group, divided by `expected_batch`, or by the batch's own size when None), then the mechanism's
     `Update`. An empty batch releases noise alone. `compiled`: the router's clipping stage as a graph
-    (`routing.compiled`)."""
+    (`routing.compiled`). `privatizer`: the router's noise (`govtrain.privatizers`; None: the i.i.d. Gaussian)."""
 
     def __init__(self, model, classes: dict[str, DataClass], run: RunFile, *, noise_multiplier: float = 1.0,
                  clip: float = 1.0, expected_batch: float | None = None, name: str | None = None,
                  autocast: Autocast = contextlib.nullcontext, seed: int = 0,
-                 losses: Losses = classification_losses, compiled: bool = False) -> None:
+                 losses: Losses = classification_losses, compiled: bool = False, privatizer=None) -> None:
         self.model, self.autocast, self.losses = model, autocast, losses
         self.name = name or run.training.mechanism
         if run.noise.microbatches != 1:  # `step` privatizes each batch whole, with one noise per group
@@ -129,7 +129,7 @@ class Governed:
                                                            "govtrain train or GovernedRun for per-microbatch noise")
         resolution = resolve(classes, describe(model))
         self.router = Router(model, resolution, mechanism=run.training.mechanism, insecure_seed=seed,
-                             compiled=compiled)
+                             compiled=compiled, privatizer=privatizer)
         self.classes, self.clip, self.expected_batch = list(classes), clip, expected_batch
         self.std = {g.classes: noise_multiplier * clip for g in resolution.groups if g.classes}
         self.update = Update.build(model, run)

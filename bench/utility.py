@@ -23,6 +23,11 @@ those steps, on the same Poisson draws, so every row gets the same charge:
 - opacus: Opacus's GradSampleModule and DPOptimizer on the same trainable parameters: flat clipping to C,
   noise σ·C, division by the expected batch size, AdamW. σ is ours; Opacus's accountant is not used.
 - non-private: plain AdamW on the mean loss of uniformly drawn batches of the expected batch size.
+- banded-mf: dpsgd's step with correlated noise (`privatizers.mf.BandedMF`, b bands optimised for the run's
+  steps) and the cyclic Poisson draws its accounting assumes (`CyclicPoissonSampler`, cycle b, rate b·q). Its σ
+  is calibrated to the same ε for its own charge, DP-SGD at rate min(1, b·q) over ⌈steps/b⌉ rounds, so its row
+  has its own σ. b is chosen per ε before training, from public numbers alone (`choose_bands`): the b whose
+  prefix-sum noise at that ε (σ_b times the strategy's error) is smallest; the rows print it.
 
 Privacy unit (--unit). By default a snippet: q is over the training snippets and ε protects one snippet.
 With --unit contribution each training movie is one contributor's contribution (most movies have one
@@ -57,6 +62,7 @@ import argparse
 import gc
 import importlib.util
 import json
+import math
 import os
 import random
 import statistics
@@ -77,14 +83,17 @@ from govtrain.accounting.calibrate import noise_multiplier_for  # noqa: E402
 from govtrain.resolver.model import describe  # noqa: E402
 from govtrain.resolver.profile import resolve  # noqa: E402
 from govtrain.routing.layout import probe_batches  # noqa: E402
-from govtrain.routing.sampler import PoissonSampler  # noqa: E402
+from govtrain.privatizers.mf import toeplitz  # noqa: E402
+from govtrain.privatizers.mf.banded import BandedMF  # noqa: E402
+from govtrain.routing.sampler import CyclicPoissonSampler, PoissonSampler  # noqa: E402
 from govtrain.tasks import Classification  # noqa: E402
 from govtrain.tasks.classification import Labelled  # noqa: E402
 from govtrain.train.evaluate import evaluate  # noqa: E402
 from harness import (Governed, NonPrivate, OpacusStep, autocast, data_class, machine,  # noqa: E402
                      report_rss_growth, rss_growth_in_child, run_file, sync)
 
-METHODS = ("non-private", "dpsgd", "prism", "dp-muon", "opacus")
+METHODS = ("non-private", "dpsgd", "prism", "dp-muon", "opacus", "banded-mf")
+BANDS = (2, 3, 4, 6, 8, 16)  # the bands banded-mf may take; `choose_bands` picks one per ε from public numbers
 CLIP = 0.5
 DELTA = 1e-5
 HEAD_LR = 0.02  # the classifier head's AdamW learning rate in every row (`optimizer.head_lr`, as the demo)
@@ -160,6 +169,7 @@ class Row:
     chosen: Trial
     heldout: float
     memory_mb: float | None  # on the CPU, the method's peak RSS growth measured in a process of its own
+    bands: int | None = None  # banded-mf: the strategy's bands
 
 
 def accuracy(model, tokenizer, texts: list[str], labels: list[int], max_length: int) -> float:
@@ -218,7 +228,7 @@ def freeze_unreached(model, classes) -> None:
             param.requires_grad_(False)
 
 
-def start(method: str, lr: float, sigma: float, setup: Setup, performance: Performance):
+def start(method: str, lr: float, sigma: float, setup: Setup, performance: Performance, bands: int | None = None):
     """(model, tokenizer, step) for one run of `method` at `lr`, on its device: a fresh model each time."""
     model, tokenizer = setup.load(setup.seed)
     classes = {"sensitive": data_class("sensitive", band=setup.band, head=True)}
@@ -236,41 +246,49 @@ def start(method: str, lr: float, sigma: float, setup: Setup, performance: Perfo
         return model, tokenizer, OpacusStep(model, expected_batch=setup.batch, lr=lr, head_lr=HEAD_LR,
                                             noise_multiplier=sigma,
                                             clip=CLIP, autocast=cast, generator=generator)
-    run = run_file(method, lr=lr if method == "dpsgd" else HEAD_LR, head_lr=HEAD_LR,
-                   mechanism_lr=None if method == "dpsgd" else lr, max_length=setup.max_length, pooling=POOLING)
+    correlated = method == "banded-mf"
+    mechanism = "dpsgd" if correlated else method
+    run = run_file(mechanism, lr=lr if mechanism == "dpsgd" else HEAD_LR, head_lr=HEAD_LR,
+                   mechanism_lr=None if mechanism == "dpsgd" else lr, max_length=setup.max_length, pooling=POOLING)
+    privatizer = BandedMF(bands=bands, horizon=setup.steps, insecure_seed=setup.seed) if correlated else None
     step = Governed(model, classes, run, noise_multiplier=sigma, clip=CLIP, expected_batch=setup.batch,
-                    autocast=cast, seed=setup.seed)
+                    autocast=cast, seed=setup.seed, privatizer=privatizer, name=method)
     step.router.probe(probe_batches(tokenizer, setup.max_length))  # batch-first calls only, as `govtrain train`
     return model, tokenizer, step
 
 
-def draws(method: str, setup: Setup):
+def draws(method: str, setup: Setup, bands: int | None = None):
     """Each step's (training indices, the contribution of each or None): Poisson at q for the private rows (the
     same draws for every one of them) over the examples, or over the movies with at most `per_contribution`
     snippets of each drawn one (as `govtrain train` draws under privacy_unit = "contribution"); a uniform batch
     of the expected size for the non-private row."""
     size = len(setup.task.train[0])
-    sampler = PoissonSampler(setup.sampling_rate, insecure_seed=setup.seed)
+    sampler = CyclicPoissonSampler(setup.sampling_rate, cycle=bands, partition_key=b"utility-bench-run",
+                                   insecure_seed=setup.seed) if method == "banded-mf" else \
+        PoissonSampler(setup.sampling_rate, insecure_seed=setup.seed)
     uniform = random.Random(setup.seed)
     everyone = np.arange(size)
     members = setup.task.contributions() if setup.unit == "contribution" else []
-    for _ in range(setup.steps):
+    for t in range(setup.steps):
+        sampler.at_step(t)  # no key: draws stay sequential from the seed; the cyclic sampler reads its part from t
         if method == "non-private":
             yield np.array(uniform.sample(range(size), min(setup.batch, size))), None
         elif setup.unit == "contribution":
-            taken = [sampler.take(members[k], setup.per_contribution) for k in sampler.sample(np.arange(len(members)))]
+            taken = [sampler.take(members[k], setup.per_contribution)
+                     for k in sampler.sample(np.arange(len(members)), units=len(members))]
             yield (np.concatenate(taken) if taken else np.zeros(0, np.int64),
                    [u for u, part in enumerate(taken) for _ in part])
         else:
-            yield sampler.sample(everyone), None
+            yield sampler.sample(everyone, units=size), None
 
 
-def train(method: str, step, tokenizer, setup: Setup, performance: Performance) -> list[float]:
+def train(method: str, step, tokenizer, setup: Setup, performance: Performance, bands: int | None = None
+          ) -> list[float]:
     """Run the steps; wall seconds of each (synchronized on CUDA)."""
     texts, labels = setup.task.train
     device = torch.device(performance.device)
     seconds = []
-    for chosen, units in draws(method, setup):
+    for chosen, units in draws(method, setup, bands):
         sync(performance.device)
         started = time.perf_counter()
         if len(chosen):
@@ -285,7 +303,7 @@ def train(method: str, step, tokenizer, setup: Setup, performance: Performance) 
     return seconds
 
 
-def trial(method: str, lr: float, sigma: float, setup: Setup, performance: Performance):
+def trial(method: str, lr: float, sigma: float, setup: Setup, performance: Performance, bands: int | None = None):
     """Train `method` at `lr` and measure it on the validation set: (Trial, model, tokenizer)."""
     cuda = torch.device(performance.device).type == "cuda"
     if cuda:
@@ -293,8 +311,8 @@ def trial(method: str, lr: float, sigma: float, setup: Setup, performance: Perfo
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-    model, tokenizer, step = start(method, lr, sigma, setup, performance)
-    seconds = train(method, step, tokenizer, setup, performance)
+    model, tokenizer, step = start(method, lr, sigma, setup, performance, bands)
+    seconds = train(method, step, tokenizer, setup, performance, bands)
     memory = (torch.cuda.max_memory_allocated() - before) / 2**20 if cuda else None
     if isinstance(step, Governed):
         step.router.close()
@@ -304,13 +322,13 @@ def trial(method: str, lr: float, sigma: float, setup: Setup, performance: Perfo
 
 
 def tune(method: str, grid, epsilon: float | None, sigma: float | None, setup: Setup, performance: Performance,
-         log=print) -> Row:
+         log=print, bands: int | None = None) -> Row:
     """One row: every learning rate of `grid`, the best by validation accuracy (the first of equals), and the
     held-out accuracy of that one run alone."""
     trials, best = [], None
     for lr in grid:
         started = time.perf_counter()
-        result, model, tokenizer = trial(method, lr, sigma or 0.0, setup, performance)
+        result, model, tokenizer = trial(method, lr, sigma or 0.0, setup, performance, bands)
         trials.append(result)
         log(f"  {method:<11} ε {'-' if epsilon is None else f'{epsilon:g}':<3} lr {lr:<7g} validation "
             f"{result.validation:.3f}  {result.seconds_per_step:.3f} s/step  ({time.perf_counter() - started:.0f} s)")
@@ -320,7 +338,24 @@ def tune(method: str, grid, epsilon: float | None, sigma: float | None, setup: S
     chosen, model, tokenizer = best
     heldout = accuracy(model, tokenizer, *setup.task.heldout, setup.max_length)
     return Row(method=method, epsilon=epsilon, sigma=sigma, trials=tuple(trials), chosen=chosen, heldout=heldout,
-               memory_mb=chosen.memory_mb)
+               memory_mb=chosen.memory_mb, bands=bands)
+
+
+def choose_bands(epsilon: float, sampling_rate: float, steps: int, accountant: str = "pld") -> tuple[int, float]:
+    """(b, σ_b) for banded-mf at ε: among `BANDS` (those with b·q ≤ 1), the b whose noisy prefix sums err least
+    at that ε, σ_b·sqrt(err_b) with σ_b calibrated for the charge (rate b·q, ⌈steps/b⌉ rounds) and err_b the
+    optimised strategy's mean squared prefix-sum error at unit noise. Public numbers only: no data, no training."""
+    best = None
+    for bands in (b for b in BANDS if b * sampling_rate <= 1 and b <= steps):
+        sigma = noise_multiplier_for(epsilon, DELTA, min(1.0, bands * sampling_rate), math.ceil(steps / bands),
+                                     accountant).noise_multiplier
+        column = np.array(BandedMF(bands=bands, horizon=steps).coefficients_p, dtype=np.float64) / 1e12
+        error = sigma * math.sqrt(toeplitz.prefix_error(toeplitz.inverse_column([1.0], column, steps)))
+        if best is None or error < best[0]:
+            best = (error, bands, sigma)
+    if best is None:
+        raise ValueError(f"no band count in {BANDS} keeps b·q <= 1 at q = {sampling_rate:g}")
+    return best[1], best[2]
 
 
 def run_rows(setup: Setup, performance: Performance, methods, epsilons, grids: dict[str, tuple[float, ...]],
@@ -341,8 +376,14 @@ def run_rows(setup: Setup, performance: Performance, methods, epsilons, grids: d
         sigma = noise_multiplier_for(epsilon, DELTA, setup.sampling_rate, setup.steps, accountant).noise_multiplier
         log(f"ε = {epsilon:g}: σ = {sigma:.4f} ({accountant.upper()}, δ = {DELTA:g}, q = {setup.sampling_rate:.5f}, "
             f"{setup.steps} steps)")
-        for method in (m for m in METHODS if m in methods and m != "non-private"):
+        for method in (m for m in METHODS if m in methods and m not in ("non-private", "banded-mf")):
             rows.append(tune(method, grids[method], epsilon, sigma, setup, performance, log))
+            done(rows[-1])
+        if "banded-mf" in methods:
+            bands, banded_sigma = choose_bands(epsilon, setup.sampling_rate, setup.steps, accountant)
+            log(f"ε = {epsilon:g}: banded-mf with b = {bands}: σ = {banded_sigma:.4f} (rate {bands}·q, "
+                f"{math.ceil(setup.steps / bands)} rounds)")
+            rows.append(tune("banded-mf", grids["banded-mf"], epsilon, banded_sigma, setup, performance, log, bands))
             done(rows[-1])
     return rows
 
@@ -353,7 +394,8 @@ def table(rows: list[Row], memory_label: str) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         grid = ", ".join(f"{t.lr:g}" for t in row.trials)
-        lines.append(f"| {row.method} | {'∞' if row.epsilon is None else f'{row.epsilon:g}'} | "
+        method = row.method if row.bands is None else f"{row.method} (b = {row.bands})"
+        lines.append(f"| {method} | {'∞' if row.epsilon is None else f'{row.epsilon:g}'} | "
                      f"{'-' if row.sigma is None else f'{row.sigma:.3f}'} | {grid} | {row.chosen.lr:g} | "
                      f"{row.chosen.validation:.3f} | {row.heldout:.3f} | {row.chosen.seconds_per_step:.3f} | "
                      f"{'-' if row.memory_mb is None else f'{row.memory_mb:,.0f}'} |")
@@ -362,10 +404,10 @@ def table(rows: list[Row], memory_label: str) -> str:
 
 SIZES = {  # (band, max_length, batch, steps, grids, validation_max) for the CPU and for CUDA
     "cpu": ((4, 5), 32, 128, 40, {"non-private": (1e-3, 2e-3), "dpsgd": (1e-3, 2e-3), "opacus": (1e-3, 2e-3),
-                                  "prism": (1e-3, 2e-3), "dp-muon": (0.005, 0.01)}, 400),
+                                  "prism": (1e-3, 2e-3), "dp-muon": (0.005, 0.01), "banded-mf": (1e-3, 2e-3)}, 400),
     "cuda": ((0, 5), 48, 512, 150, {"non-private": (5e-4, 1e-3, 2e-3), "dpsgd": (5e-4, 1e-3, 2e-3),
                                     "opacus": (5e-4, 1e-3, 2e-3), "prism": (5e-4, 1e-3, 2e-3),
-                                    "dp-muon": (0.005, 0.01, 0.02)}, None),
+                                    "dp-muon": (0.005, 0.01, 0.02), "banded-mf": (5e-4, 1e-3, 2e-3)}, None),
 }
 
 
@@ -435,8 +477,10 @@ def main(argv=None) -> None:
                   batch=args.batch, seed=args.seed, unit=args.unit, per_contribution=args.per_contribution)
     performance = Performance(device=args.device, precision=args.precision)
     if args.memory_of:
-        _, tokenizer, step = start(args.memory_of, args.grids[args.memory_of][0], 1.0, setup, performance)
-        return report_rss_growth(lambda: train(args.memory_of, step, tokenizer, setup, performance))
+        bands = choose_bands(args.epsilons[0], setup.sampling_rate, args.steps)[0] \
+            if args.memory_of == "banded-mf" else None
+        _, tokenizer, step = start(args.memory_of, args.grids[args.memory_of][0], 1.0, setup, performance, bands)
+        return report_rss_growth(lambda: train(args.memory_of, step, tokenizer, setup, performance, bands))
 
     cuda = torch.device(args.device).type == "cuda"
     where = machine(args.device)

@@ -39,6 +39,9 @@ class Code(str, Enum):
     PROFILE_UNMATCHED = "profile_unmatched"  # a class whose profile reaches no trainable parameter
     ROUTING_UNCOVERED = "routing_uncovered"  # a trainable parameter no routing hook can privatize
     MECHANISM_UNSUPPORTED = "mechanism_unsupported"  # the training mechanism cannot run this policy's profiles
+    FAMILY_NOT_ALLOWED = "family_not_allowed"  # the policy's [floor.families] does not name the privatizer's family
+    BELOW_FAMILY_FLOOR = "below_family_floor"  # a run would charge someone below its noise family's floor
+    MATERIALIZED_TOO_LARGE = "materialized_too_large"  # a chunk's per-sample gradients over the materialized limit
     UNGOVERNED_BATCH = "ungoverned_batch"  # a batch, loader or training forward govtrain's sampler did not draw
     SAMPLING_MISMATCH = "sampling_mismatch"  # the sampler's rate is not the rate the ledger's spend charged
     BATCH_COUPLED = "batch_coupled"  # an example's gradient depends on the other examples in its batch

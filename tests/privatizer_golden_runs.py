@@ -4,7 +4,6 @@ values tests/test_privatizers_core.py holds a run with no RUN.toml [noise] (the 
 tests/vectors/privatizer-golden-runs.json was written by this script run on main at 1382b01 (before the router
 delegated its noise to a privatizer), with `python -m tests.privatizer_golden_runs --write`; never regenerate it
 from code that routes noise through a privatizer. Without `--write` it prints what the current code gives.
-It records the machine it was written on, as tests/privatizer_golden.py does, and is compared only on a match.
 """
 
 from __future__ import annotations
@@ -62,7 +61,8 @@ def compute() -> dict[str, str]:
 if __name__ == "__main__":
     found = compute()
     if "--write" in sys.argv[1:]:
-        from tests.privatizer_golden import write
+        import torch
 
-        write(GOLDEN, found)
+        found["_machine"] = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__}
+        GOLDEN.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
     print(json.dumps(found, indent=1, sort_keys=True))

@@ -55,19 +55,23 @@ def one_thread():
 
 
 def test_every_row_trains_and_is_tuned_on_validation_alone(tiny, one_thread):
-    grids = {"non-private": (1e-3, 1e-2), "dpsgd": (1e-2,), "prism": (1e-2,), "dp-muon": (0.02,), "opacus": (1e-2,)}
+    grids = {"non-private": (1e-3, 1e-2), "dpsgd": (1e-2,), "prism": (1e-2,), "dp-muon": (0.02,), "opacus": (1e-2,),
+             "banded-mf": (1e-2,)}
     finished = []
     rows = utility.run_rows(tiny, utility.Performance(), utility.METHODS, [8.0], grids, log=lambda line: None,
                             done=finished.append, accountant="rdp")  # PLD takes seconds at such a small sigma
     methods = [m for m in utility.METHODS if m != "opacus" or importlib.util.find_spec("opacus") is not None]
     assert [row.method for row in rows] == methods and finished == rows
-    private = [row for row in rows if row.epsilon is not None]
+    private = [row for row in rows if row.epsilon is not None and row.method != "banded-mf"]
     assert {row.epsilon for row in private} == {8.0} and len({row.sigma for row in private}) == 1
     assert private[0].sigma > 0
+    banded = next(row for row in rows if row.method == "banded-mf")  # its own σ, for its own charge
+    assert banded.bands == 2 and (banded.bands, banded.sigma) == utility.choose_bands(8.0, 0.25, 2, "rdp")
     for row in rows:
         assert [t.lr for t in row.trials] == list(grids[row.method])
         assert row.chosen == max(row.trials, key=lambda t: t.validation)  # the first of equals: max keeps it
         assert 0 <= row.heldout <= 1 and row.chosen.seconds_per_step > 0
+    assert all(row.bands is None for row in rows if row.method != "banded-mf")
     text = utility.table(rows, "memory")
     assert text.count("\n") == len(rows) + 1 and "| non-private | ∞ | - | 0.001, 0.01 |" in text
 

@@ -4,6 +4,8 @@ slots, and a correlated privatizer's state through a checkpoint and a resume."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -24,28 +26,32 @@ from tests.test_routing import CLASSES, model  # noqa: E402
 
 # -- byte-identity with the router before privatizers ----------------------------------------------------
 
-def _explicit(net, resolution, **options):
-    return Router(net, resolution, privatizer=build(NoiseSection(privatizer="gaussian")), **options)
-
-
 @pytest.mark.parametrize("case", sorted(privatizer_golden.CASES))
 def test_the_iid_gaussian_privatizer_releases_the_bytes_the_router_released_before(case: str):
     """tests/vectors/privatizer-golden.json holds the SHA-256 of every `.grad` after each of three steps (a batch,
     an empty batch's noise alone, a second batch) that the router gave before it delegated its noise (written by
     `python -m tests.privatizer_golden --write` on main at 1382b01): dpsgd, prism and dp-muon, example and
     contribution unit, a heads profile that splits parameters between noise groups, fp32 and fp64. The default
-    router and one given the i.i.d. Gaussian explicitly both give them. Float bytes depend on the CPU's vector
-    instructions and torch's kernels: compared only on the machine the file records (else skipped, saying why)."""
-    golden = privatizer_golden.golden()[case]
-    assert privatizer_golden.run_case(case) == golden
-    assert privatizer_golden.run_case(case, _explicit) == golden
+    router and one given the i.i.d. Gaussian explicitly both give them."""
+    recorded = json.loads(privatizer_golden.GOLDEN.read_text())
+
+    def explicit(net, resolution, **options):
+        return Router(net, resolution, privatizer=build(NoiseSection(privatizer="gaussian")), **options)
+
+    released = privatizer_golden.run_case(case)
+    assert privatizer_golden.run_case(case, explicit) == released  # on any machine
+    _same_machine(recorded)
+    assert released == recorded[case]
 
 
-@pytest.mark.parametrize("case", ["dpsgd-example-heads-f64", "prism-example-f32"])
-def test_the_default_router_and_an_explicit_iid_gaussian_release_the_same_bytes_on_any_machine(case: str):
-    """What needs no recorded bytes: the default router and one given the i.i.d. Gaussian built from RUN.toml
-    [noise] release the same `.grad` bytes at every step, on whatever CPU runs the test."""
-    assert privatizer_golden.run_case(case, _explicit) == privatizer_golden.run_case(case)
+def _same_machine(recorded: dict) -> None:
+    """The goldens are bytes of matmuls and eighs: another CPU's SIMD kernels, or another torch, may round them
+    otherwise without anything being wrong. They are compared where they were written (the machine is recorded);
+    elsewhere the machine-independent checks (the default and the explicit gaussian agree; the draws equal a direct
+    loop of torch.normal calls in the old order) still run."""
+    machine = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__}
+    if recorded.get("_machine") != machine:
+        pytest.skip(f"goldens written on {recorded.get('_machine')}, this is {machine}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -98,7 +104,8 @@ def test_whole_runs_with_no_noise_section_train_the_adapter_they_trained_before(
     from tests import privatizer_golden_runs as runs
     from tests.test_train import save_tiny_bert
 
-    golden = privatizer_golden.golden(runs.GOLDEN)
+    golden = json.loads(runs.GOLDEN.read_text())
+    _same_machine(golden)
     (tmp_path / "model").mkdir()
     tiny = save_tiny_bert(tmp_path / "model")
     for name in ("dpsgd-example", "prism-example"):

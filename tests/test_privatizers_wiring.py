@@ -87,37 +87,23 @@ def test_the_iid_gaussian_records_microbatches_only_above_one_and_charges_the_sa
         assert info.value.code.value == "privatizer_invalid", bad
 
 
-class _Correlated(IIDGaussian):
-    """Stands in for banded-mf (a correlated privatizer), whose module this branch may not have."""
+@pytest.mark.parametrize("privatizer, fields", [("banded-mf", "bands = 4"), ("laplace", "")])
+def test_a_privatizer_other_than_the_iid_gaussian_refuses_microbatches(privatizer, fields):
+    """banded-mf's state advances once per step (correlated); a noise family's record does not carry k: both refuse
+    microbatches = 2 (`privatizer_unsupported`) before anything is built, and take microbatches = 1."""
+    import tomllib
 
-    name = "banded-mf"
-    correlated = True
-    parameters = ("bands",)
-
-    def __init__(self, *, bands: int = 1) -> None:
-        super().__init__()
-        self.bands = bands
-
-    def record(self):
-        return {"name": self.name, "bands": self.bands}
-
-    @classmethod
-    def from_record(cls, record):
-        return cls(bands=record["bands"])
-
-
-def test_a_correlated_privatizer_refuses_microbatches_in_one_line_and_nothing_changes(tmp_path, tiny_model,
-                                                                                       monkeypatch):
-    """`govtrain train` with [noise] microbatches = 2 and a correlated privatizer: one line
-    `error[privatizer_unsupported]`, exit 2, the ledger and the output folder as they were."""
-    from govtrain import privatizers
-
-    monkeypatch.setitem(privatizers.REGISTRY, "banded-mf", f"{__name__}:_Correlated")
+    noise = NoiseSection.model_validate(tomllib.loads(f'privatizer = "{privatizer}"\n{fields}'))
     with pytest.raises(ConfigError) as info:
-        build(NoiseSection(privatizer="banded-mf", bands=4, microbatches=2))
-    assert info.value.code.value == "privatizer_unsupported" and "correlated" in info.value.detail
-    assert build(NoiseSection(privatizer="banded-mf", bands=4)).record() == {"name": "banded-mf", "bands": 4}
+        build(noise.model_copy(update={"microbatches": 2}), horizon=8)
+    assert info.value.code.value == "privatizer_unsupported" and "microbatches = 2" in info.value.detail
+    assert ("correlated" in info.value.detail) == (privatizer == "banded-mf")
+    assert "microbatches" not in build(noise, horizon=8).record()
 
+
+def test_a_correlated_privatizer_refuses_microbatches_in_one_line_and_nothing_changes(tmp_path, tiny_model):
+    """`govtrain train` with [noise] microbatches = 2 and banded-mf: one line `error[privatizer_unsupported]`, exit
+    2, the ledger and the output folder as they were."""
     corpus = _corpus(tmp_path, "refused")
     before = snapshot(corpus.url)
     config = _config(corpus, tiny_model, 3, extra='\n[noise]\nprivatizer = "banded-mf"\nbands = 4\nmicrobatches = 2')

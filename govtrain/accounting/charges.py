@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 Item = Union[tuple[int, int, int], Charge]  # one spend's charge in a history
 Bucketer = Callable[[int, int, int], Item]  # (q_u, sigma_u, steps) -> the item a spend of them charges
 
-__all__ = ["Item", "Bucketer", "as_item", "charge_item", "spend_item", "bucketer", "family_charges"]
+__all__ = ["Item", "Bucketer", "as_item", "charge_item", "check_record", "spend_item", "bucketer", "family_charges"]
 
 
 def as_item(charge: Charge) -> Item:
@@ -47,7 +47,12 @@ def _check(charge: Charge, name: str) -> Charge:
 def _rebuilt(frozen: tuple[tuple[str, Any], ...]) -> "Privatizer":
     from govtrain.privatizers import from_record
 
-    return from_record(dict(frozen))
+    return from_record({k: list(v) if type(v) is tuple else v for k, v in frozen})
+
+
+def _frozen(record: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A record as a cache key: its lists (a strategy's integers) as tuples, which `_rebuilt` turns back."""
+    return tuple(sorted((k, tuple(v) if type(v) is list else v) for k, v in record.items()))
 
 
 def charge_item(record: Mapping[str, Any] | None, sampling_rate_u: int, noise_multiplier_u: int, steps: int) -> Item:
@@ -55,8 +60,50 @@ def charge_item(record: Mapping[str, Any] | None, sampling_rate_u: int, noise_mu
     charges. Raises `ConfigError` (`privatizer_unknown`, `privatizer_invalid`) for a record it cannot rebuild."""
     if record is None or dict(record) == {"name": "gaussian"}:  # today's bucket, without importing a class
         return (sampling_rate_u, noise_multiplier_u, steps)
-    privatizer = _rebuilt(tuple(sorted(record.items())))
-    return bucketer(privatizer)(sampling_rate_u, noise_multiplier_u, steps)
+    from govtrain.errors import Code, ConfigError
+
+    try:  # anything a record makes the charge raise is the record's fault: coded (the verifier's bad_privatizer)
+        torch_free = _TORCH_FREE.get(record.get("name")) if isinstance(record, Mapping) else None
+        if torch_free is not None:  # matrix factorization: the charge from the record alone, without torch
+            from govtrain.privatizers.mf import charge as mf_charge
+
+            rate_u, sigma_u, rounds = getattr(mf_charge, torch_free)(
+                record, sampling_rate_u=sampling_rate_u, noise_multiplier_u=noise_multiplier_u, steps=steps)
+            if sigma_u <= 0:
+                raise ValueError("the charge leaves no noise (its multiplier rounds to 0)")
+            return (rate_u, sigma_u, rounds)
+        privatizer = _rebuilt(_frozen(record))
+        return bucketer(privatizer)(sampling_rate_u, noise_multiplier_u, steps)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, KeyError, RuntimeError, ArithmeticError) as e:
+        raise ConfigError(Code.PRIVATIZER_INVALID, f"privatizer record {record!r}: {e}") from e
+
+
+def check_record(record: Mapping[str, Any] | None) -> None:
+    """Raise `ConfigError` for a privatizer record its privatizer would not have written (the verifier's check of a
+    run entry's record), torch-free: a matrix factorization's through `mf.charge`, any other through its class."""
+    from govtrain.errors import Code, ConfigError
+
+    name = record.get("name") if isinstance(record, Mapping) else None
+    if name not in _TORCH_FREE:
+        from govtrain.privatizers import from_record
+
+        from_record(record)
+        return
+    from govtrain.privatizers.mf import charge as mf_charge
+
+    try:
+        checked = mf_charge.check_banded(record) if name == "banded-mf" else mf_charge.check_blt(record)
+    except (ValueError, TypeError, KeyError, ArithmeticError) as e:
+        raise ConfigError(Code.PRIVATIZER_INVALID, f"privatizer record {record!r}: {e}") from e
+    if not checked:
+        raise ConfigError(Code.PRIVATIZER_INVALID, f"privatizer record {record!r} is empty")
+
+
+# Privatizers whose charge follows from their record by torch-free functions (the verifier never imports torch):
+# name -> the function of govtrain.privatizers.mf.charge. Their classes' `charge` calls the same functions.
+_TORCH_FREE = {"banded-mf": "banded_charge", "blt": "blt_charge"}
 
 
 def spend_item(entry: Mapping[str, Any]) -> Item:
@@ -70,8 +117,13 @@ def bucketer(privatizer: "Privatizer | None") -> Bucketer:
         return lambda q_u, sigma_u, steps: (q_u, sigma_u, steps)
 
     def bucket(q_u: int, sigma_u: int, steps: int) -> Item:
-        return as_item(_check(privatizer.charge(sampling_rate_u=q_u, noise_multiplier_u=sigma_u, steps=steps),
-                              privatizer.name))
+        from govtrain.errors import Code, ConfigError
+
+        try:  # a charge the accountant cannot compose (no noise left, a rate out of range) is the record's fault
+            return as_item(_check(privatizer.charge(sampling_rate_u=q_u, noise_multiplier_u=sigma_u, steps=steps),
+                                  privatizer.name))
+        except (ValueError, ArithmeticError) as e:
+            raise ConfigError(Code.PRIVATIZER_INVALID, f"privatizer {privatizer.name!r}: {e}") from e
 
     return bucket
 

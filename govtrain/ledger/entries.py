@@ -256,9 +256,13 @@ def decode_stored(stored: "ledger_store.StoredEntry") -> dict:
     return decode_entry(stored.body, seq=stored.seq, kind=stored.kind)
 
 
+PRIVATIZER_LIST_MAX = 1024  # the most integers one parameter of a privatizer record may list (a strategy's column)
+
+
 def check_privatizer_record(record: dict, *, what: str) -> None:
     """A privatizer record's shape: a text "name" and at most 16 parameters, each a lower-case key to an unsigned
-    integer or text (whether its privatizer takes them is the verifier's question: `privatizers.from_record`)."""
+    integer, text, or a list of at most `PRIVATIZER_LIST_MAX` 63-bit integers, signed (a matrix factorization's
+    strategy); whether its privatizer takes them is the verifier's question: `privatizers.from_record`."""
     if type(record.get("name")) is not str or not record["name"]:
         raise IntegrityError(Code.MISSING_FIELD, f"{what} must name its privatizer (a text \"name\")")
     if len(record) > 17:
@@ -269,8 +273,14 @@ def check_privatizer_record(record: dict, *, what: str) -> None:
         if type(value) is str:
             if len(value) > 64:
                 raise IntegrityError(Code.BAD_VALUE, f"{what}.{key} is longer than 64 characters")
+        elif type(value) is list:
+            if len(value) > PRIVATIZER_LIST_MAX:
+                raise IntegrityError(Code.BAD_VALUE, f"{what}.{key} lists more than {PRIVATIZER_LIST_MAX} integers")
+            if any(type(v) is not int or not -INT63_MAX <= v <= INT63_MAX for v in value):
+                raise IntegrityError(Code.WRONG_TYPE, f"{what}.{key} must list 63-bit integers")
         elif type(value) is not int or not 0 <= value <= INT63_MAX:
-            raise IntegrityError(Code.WRONG_TYPE, f"{what}.{key} must be an unsigned integer or text")
+            raise IntegrityError(Code.WRONG_TYPE, f"{what}.{key} must be an unsigned integer, text or a list of "
+                                                  "integers")
 
 
 def _check_noise_groups(groups: list, *, what: str) -> None:

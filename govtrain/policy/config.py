@@ -58,6 +58,9 @@ class FloorFile(_Strict):
 
     min_noise_multiplier: PositiveReal
     max_clip_norm: PositiveReal
+    families: dict[Literal["gaussian", "laplace", "discrete-gaussian", "skellam"], PositiveReal] | None = Field(
+        None, description="noise family -> its own minimum noise multiplier (for laplace: the Laplace scale over the "
+                          "L1 clip norm); when given, only the families named (and gaussian) may train")
 
 
 class ClassFile(_Strict):
@@ -235,6 +238,7 @@ def policy_from_file(model: PolicyFile, base: Path) -> Policy:
             LedgerKey(name=k.name, public_key=_key_bytes(k, base, f"release_keys[{i}]"))
             for i, k in enumerate(model.release_keys or ())
         ),
+        family_floors={family: units.noise_multiplier_u(floor) for family, floor in (model.floor.families or {}).items()},
     )
     return policy.validate(ConfigError)
 

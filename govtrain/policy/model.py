@@ -20,6 +20,7 @@ from govtrain.encoding.fields import check_shape
 from govtrain.errors import Code, GovtrainError, IntegrityError
 
 ACCOUNTANTS = ("prv", "rdp", "pld")
+NOISE_FAMILIES = ("gaussian", "laplace", "discrete-gaussian", "skellam")  # accounting/families.py FAMILIES
 PRIVACY_UNITS = ("example", "contribution")
 PROFILE_KINDS = ("band", "fraction", "layers", "adapter")
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -181,10 +182,15 @@ class Policy:
     # The keys that may sign a release manifest of this ledger's runs (govtrain/release/manifest.py). Recorded only
     # when the policy names some, so that every policy without them keeps its canonical bytes (and header hash).
     release_keys: tuple[LedgerKey, ...] = ()
+    # [floor.families]: noise family -> its own minimum noise multiplier (micro). When the table is there, only the
+    # families it names may train (gaussian always, at the corpus floor unless named). Recorded only when set, so
+    # that every policy without it keeps its canonical bytes (and header hash). `privatizers/families/floors.py`.
+    family_floors: Mapping[str, int] = field(default_factory=dict)
     _digest: bytes = field(default=b"", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "classes", MappingProxyType(dict(self.classes)))
+        object.__setattr__(self, "family_floors", MappingProxyType(dict(self.family_floors)))
 
     def validate(self, error: type[GovtrainError]) -> "Policy":
         """Check every relation docs/design.md §4 requires; `error` is ConfigError at init, IntegrityError on audit."""
@@ -215,6 +221,10 @@ class Policy:
                 raise bad(f"{name} must be at least 1")
         if self.floor_min_noise_multiplier_u <= 0 or self.floor_max_clip_norm_u <= 0:
             raise bad("floor.min_noise_multiplier and floor.max_clip_norm must be greater than 0")
+        for family, floor in self.family_floors.items():
+            if family not in NOISE_FAMILIES or type(floor) is not int or floor <= 0:
+                raise bad(f"floor.families: {family!r} must be one of {', '.join(NOISE_FAMILIES)} with a minimum "
+                          "noise multiplier greater than 0")
         if not self.classes:
             raise bad("the policy needs at least one class")
         for name, cls in self.classes.items():
@@ -272,6 +282,7 @@ class Policy:
             "floor": {
                 "min_noise_multiplier_u": self.floor_min_noise_multiplier_u,
                 "max_clip_norm_u": self.floor_max_clip_norm_u,
+                **({"families": dict(sorted(self.family_floors.items()))} if self.family_floors else {}),
             },
             "classes": {name: cls.to_record() for name, cls in self.classes.items()},
             "attesters": [a.to_record() for a in self.attesters],
@@ -300,7 +311,7 @@ class Policy:
     def from_record(cls, record: Any, *, error: type[GovtrainError] = IntegrityError) -> "Policy":
         shape = _RecordShape(error)
         top = shape.map(record, _POLICY_SPEC, "policy", optional=_POLICY_OPTIONAL)
-        floor = shape.map(top["floor"], _FLOOR_SPEC, "policy.floor")
+        floor = shape.map(top["floor"], _FLOOR_SPEC, "policy.floor", optional=_FLOOR_OPTIONAL)
         classes = {}
         for name, raw in shape.typed(top["classes"], dict, "policy.classes").items():
             cls_map = shape.map(raw, _CLASS_SPEC, f"policy.classes.{name}")
@@ -357,6 +368,7 @@ class Policy:
             attesters=tuple(attesters),
             ledger_keys=tuple(ledger_keys),
             release_keys=tuple(release_keys),
+            family_floors=shape.typed(floor.get("families", {}), dict, "policy.floor.families"),
         )
         policy.validate(error)
         if policy.to_record() != record:
@@ -380,7 +392,8 @@ _POLICY_SPEC = {
     "ledger_keys": list, "release_keys": list,
 }
 _POLICY_OPTIONAL = frozenset({"release_keys"})  # absent unless the policy names release keys (`Policy.to_record`)
-_FLOOR_SPEC = {"min_noise_multiplier_u": int, "max_clip_norm_u": int}
+_FLOOR_SPEC = {"min_noise_multiplier_u": int, "max_clip_norm_u": int, "families": dict}
+_FLOOR_OPTIONAL = frozenset({"families"})  # absent unless the policy sets [floor.families]
 _CLASS_SPEC = {"clip_norm_u": int, "min_noise_multiplier_u": int, "eps_budget_u": int,
                "max_eps_budget_u": int, "profile": dict}
 _PROFILE_SPEC = {"kind": str, "band": (list, type(None)), "fraction_u": (list, type(None)),

@@ -28,7 +28,7 @@ class IIDGaussian(Privatizer):
 
     name = "gaussian"
     family = "gaussian"
-    parameters = ("microbatches",)
+    per_microbatch = True
 
     def __init__(self, *, microbatches: int = 1) -> None:
         if type(microbatches) is not int or microbatches < 1:
@@ -62,10 +62,11 @@ class IIDGaussian(Privatizer):
         unknown = sorted(set(sums) - set(state))
         if unknown:
             raise ValueError(f"slot {unknown[0]!r} was not among the slots the privatizer was initialised with")
-        if self.generator is None:  # the OS's entropy, its whole state, on the sums' device, once
-            from govtrain.privatizers.entropy import os_generator
+        if self.generator is None:  # the OS's entropy, on the sums' device, once: its whole state (routing.entropy)
+            from govtrain.routing import entropy
 
-            self.generator = os_generator(next(iter(sums.values())).device if sums else torch.device("cpu"))
+            device = next(iter(sums.values())).device if sums else torch.device("cpu")
+            self.generator = entropy.generator(device)
         for key in state:
             if key not in sums:
                 continue

@@ -25,8 +25,8 @@ own class's adapters only, never another class's (`adapters.py`): `capture` take
 *outputs* (`torch.autograd.grad`), so no parameter's `.grad` is written by anyone else. When it
 returns, each reachable parameter's `.grad` holds the privatized gradient and nothing per-sample is
 kept. A parameter that no class reaches gets `.grad = None`, so SGD, Adam and AdamW leave it and its
-optimizer state untouched. Noise is drawn from a generator whose whole state is drawn from the operating
-system's entropy (`privatizers.entropy`); a fixed seed exists only as `insecure_seed`.
+optimizer state untouched. Noise is drawn from a generator seeded from the operating system's
+entropy; a fixed seed exists only as `insecure_seed`.
 
 The mechanism (RUN.toml `training.mechanism`) changes what a sample's gradient is measured and noised in,
 never who reaches what or how much noise a group gets (so the accounting is DP-SGD's for all three):
@@ -60,11 +60,10 @@ from govtrain.errors import Code, ConfigError
 from govtrain.mechanisms import MECHANISMS
 from govtrain.mechanisms.reach import check_reach, lora_pairs
 from govtrain.privatizers.base import Privatizer
-from govtrain.privatizers.entropy import os_generator
 from govtrain.privatizers.gaussian import IIDGaussian
 from govtrain.resolver.profile import Resolution
 from govtrain.routing import compiled as compiled_routing
-from govtrain.routing import coverage, layout, moe, persample, slots
+from govtrain.routing import coverage, entropy, layout, materialized, moe, persample, slots
 from govtrain.routing.adapters import AdapterRoutes
 from govtrain.routing.tangent import TangentStacks
 
@@ -193,12 +192,9 @@ class Router:
         # dp-muon: each parameter a class reaches is clipped on its own to C_i / sqrt(units)
         self.units = {data_class: len(masks) for data_class, masks in self.masks.items()}
         self.noise_std: dict[str, float] = {}  # per reached parameter: the last step's noise std / batch size
-        device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
-        if insecure_seed is None:  # the whole generator state from the OS: manual_seed would keep 32 bits on the CPU
-            self.generator = os_generator(device)
-        else:
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(insecure_seed)
+        # its whole state from the OS (`routing.entropy`: manual_seed keeps 32 bits on the CPU); tests seed it
+        self.generator = entropy.generator(next(iter(self.params.values())).device if self.params else "cpu",
+                                           insecure_seed)
         self.privatizer = IIDGaussian() if privatizer is None else privatizer
         slots.check_privatizer(mechanism, self.privatizer)
         if self.privatizer.generator is None:
@@ -213,6 +209,9 @@ class Router:
         # what the privatizer noises, in the order the noise is drawn; its state (secret: `Run` saves it 0600)
         self.noise_slots = slots.NoiseSlots(self.params, resolution, self._paired, self.tangent)
         self.noise_state = self.privatizer.init(self.noise_slots.slots)
+        self.materialized: materialized.Path | None = None  # the noise families' per-sample path (`materialize`)
+        if materialized.needs_materialized(self.privatizer):  # L1 clipping or quantisation: per-sample gradients
+            self.materialize(self.privatizer)
         self._dtype = torch.float32
         # each example of a captured forward runs through the default adapter and its own class's adapters only;
         # built before any hook of the router, so that a class adapter it refuses leaves the model without hooks
@@ -244,6 +243,12 @@ class Router:
                 raise ValueError(f"{name}: a canary coordinate must be in a parameter the audit class "
                                  f"{canaries.data_class!r} alone reaches whole, outside any LoRA pair under prism")
         self._canaries = canaries
+
+    def materialize(self, privatizer) -> None:  # type: ignore[no-untyped-def]
+        """Form the clipped sum from materialized per-sample gradients (`routing/materialized.py`): for a
+        privatizer that clips in L1 or quantises (the noise families). `begin(group_std)` then gives each step's
+        group noise, from which a quantising privatizer's lattice follows."""
+        self.materialized = materialized.Path(privatizer, self.resolution, self.params, self.mechanism)
 
     def close(self) -> None:
         for handle in self._handles:
@@ -352,7 +357,7 @@ class Router:
                   units: Tensor | Sequence[int] | None = None) -> StepReport:
         """Replace every reachable parameter's `.grad` with the privatized gradient of sum(losses): one logical
         step on one physical batch (`begin`, `accumulate` (with `units`: per contribution), `finish`)."""
-        self.begin()
+        self.begin(group_std)
         report = self.accumulate(losses, classes, clip_norms, units)
         self.finish(group_std, expected_batch_size)
         return report
@@ -368,10 +373,13 @@ class Router:
     # it is in, so the sum of the chunks' clipped sums is the batch's clipped sum; the noise is drawn once,
     # in `finish`. Nothing per-sample outlives the `accumulate` that made it.
 
-    def begin(self) -> None:
-        """Start a logical step: no clipped gradient summed yet."""
+    def begin(self, group_std: Mapping[frozenset, float] | None = None) -> None:
+        """Start a logical step: no clipped gradient summed yet. `group_std`: the step's noise per group, which
+        the materialized path needs before the sum (a quantising privatizer's lattice); others ignore it."""
         self._totals: dict[str, Tensor] | None = None
         self._parts: dict[int, dict[str, Tensor]] = {}  # microbatch m >= 1 -> its clipped sum (per-microbatch noise)
+        if self.materialized is not None:
+            self.materialized.set_std(group_std)
         if self.tangent is not None:
             self.tangent.begin()
 
@@ -411,6 +419,10 @@ class Router:
 
     def finish(self, group_std: Mapping[frozenset, float], expected_batch_size: float) -> None:
         """Noise the step's clipped sum once per group, divide by the expected batch size, write `.grad`."""
+        if self.materialized is not None and self.materialized.privatizer is not self.privatizer \
+                and any(std > 0 for std in group_std.values()):  # its sums are another privatizer's to release
+            raise RuntimeError(f"the materialized path clips or quantises for {self.materialized.privatizer.name!r}, "
+                               f"but {self.privatizer.name!r} releases: build the router with that privatizer")
         totals = self._totals if self._totals is not None else self._zeros()
         self._totals = None
         if self.microbatches == 1:
@@ -507,6 +519,13 @@ class Router:
                     calls[name] = (module_calls, leaf)
         for name, held in sources.items():
             calls[name] = (persample.Shared(held), "")
+        # -- the noise families: L1 clipping or quantisation, from materialized per-sample gradients ----------
+        if self.materialized is not None:
+            diracs = None if self._canaries is None else self._canaries.diracs(classes)  # audit only
+            totals, norms, clipped = self.materialized.clipped_sum(calls, self.masks, rows, clip, batch,
+                                                                   self.generator, dtype, diracs=diracs)
+            return totals, StepReport(batch, clipped, float(norms.max()) if batch else 0.0)
+        # -- end of the noise families' hook ---------------------------------------------------------------
 
         if self.tangent is not None:  # the step's factor geometry (an eigh), formed once, outside any compiled graph
             self.tangent.geometry()

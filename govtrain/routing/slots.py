@@ -38,11 +38,6 @@ def check_privatizer(mechanism: str, privatizer: Privatizer) -> None:
                           "its tangent space, whose basis changes every step: correlated noise in it is not a "
                           "matrix mechanism, and the tangent Gaussian is an L2 Gaussian. Use the gaussian "
                           "privatizer with prism, or dpsgd or dp-muon with this one")
-    if privatizer.quantized or privatizer.norm != "l2":
-        raise ConfigError(Code.PRIVATIZER_UNSUPPORTED,
-                          f"privatizer {privatizer.name!r} needs each per-sample gradient "
-                          f"{'quantised' if privatizer.quantized else 'clipped in the ' + privatizer.norm + ' norm'}, "
-                          "and this router clips in the L2 norm only: use a Gaussian privatizer")
 
 
 class NoiseSlots:

@@ -46,6 +46,7 @@ and a test keeps the two identical. Paths are relative to the config file. The c
     [noise]                      # the privatizer (docs/privatizers.md); absent: the i.i.d. Gaussian
     privatizer = "gaussian"      # gaussian | banded-mf | blt | laplace | discrete-gaussian | skellam
     bands = 16                   # banded-mf only
+    # buffers = 2, min_separation = 50   blt only: its buffers, and the sampler's cycle
     microbatches = 1             # per-microbatch noise (k > 1: the i.i.d. gaussian only)
 
 With prism or dp-muon, `[optimizer]` moves what those do not: the classifier head, norms, embeddings.
@@ -188,6 +189,9 @@ class NoiseSection(_Strict):
                                 "laplace, discrete-gaussian, skellam (noise families)")
     bands: PositiveInt | None = Field(None, description="banded-mf: the number of bands b of the strategy matrix")
     buffers: PositiveInt | None = Field(None, description="blt: the number of buffers of the strategy")
+    min_separation: PositiveInt | None = Field(
+        None, description="blt: the sampler's cycle b; a unit takes part at most once in any b consecutive steps "
+                          "(at most training.steps)")
     granularity_bits: Annotated[int, Field(ge=1, le=32, strict=True)] | None = Field(
         None, description="discrete-gaussian, skellam: the quantisation step is 2^-granularity_bits of the clip norm")
     beta_exp: Annotated[int, Field(ge=1, le=64, strict=True)] | None = Field(

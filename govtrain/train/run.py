@@ -143,8 +143,34 @@ def _sampler(privatizer, q_u: int, insecure_seed: int | None):  # type: ignore[n
         if cyclic is None:
             raise ConfigError(Code.PRIVATIZER_UNKNOWN, f"privatizer {privatizer.name!r} needs cyclic Poisson sampling, "
                                                        "which this installation of govtrain lacks: upgrade it")
-        return cyclic(q_u / units.MICRO, participation.cycle, insecure_seed=insecure_seed)
+        # its partition key is the run's public id, set once the id is known (`Run._prepare`)
+        return cyclic(q_u / units.MICRO, cycle=participation.cycle, partition_key=None, insecure_seed=insecure_seed)
     raise RuntimeError(f"privatizer {privatizer.name!r} asks for unknown participation {participation.scheme!r}")
+
+
+def _partition(sampler, run_id: str) -> None:  # type: ignore[no-untyped-def]
+    """A cyclic sampler's parts follow the run's public id: the same on resume, so no unit changes part."""
+    if hasattr(sampler, "partition_key"):
+        sampler.partition_key = run_id.encode()
+
+
+def _privatizer(config: RunConfig, saved: dict | None, insecure_seed: int | None):  # type: ignore[no-untyped-def]
+    """RUN.toml [noise]'s privatizer for the run's horizon (training.steps). A resumed correlated run takes the
+    strategy its run state recorded (the one its spend charged), if it has the parameters [noise] gives: an
+    optimiser run again elsewhere need not give the same last bits."""
+    from govtrain.privatizers import build, from_record
+
+    built = build(config.file.noise, horizon=config.file.training.steps, insecure_seed=insecure_seed)
+    record = (saved or {}).get("privatizer")
+    if not built.correlated or record is None or record == built.record():
+        return built
+
+    def given(r: dict) -> dict:  # the parameters [noise] and the horizon set, not the optimised strategy
+        return {k: v for k, v in r.items() if not isinstance(v, list)}
+
+    if not isinstance(record, dict) or given(record) != given(built.record()):
+        return built  # another privatizer's state: `_load_noise_state` refuses it
+    return from_record(record)  # its noise key comes from the run state
 
 
 class Run:
@@ -199,6 +225,7 @@ class Run:
         self._lock = None  # the run state's lock, held from prepare to release
         self._owner: str | None = None  # this process's claim on the run in the ledger store, set by prepare
         self.pending: dict | None = None  # the epoch in progress and its plan, as the run state saves it
+        self._group_std: dict[frozenset, float] = {}  # the epoch's noise per group, from its written plan
         self._retired_here: set[str] = set()  # retired by this run's written plans (affording no step leaves no spend)
         self._written = False  # the pending epoch's spend is in the ledger: its steps may run
         self._charged_rates: set[int] | None = None  # the sampling rates the pending epoch's spend charged
@@ -246,7 +273,8 @@ class Run:
         from govtrain.resolver.schedule import Scheduler
         from govtrain.routing.independence import check_batch_independence
         from govtrain.routing.layout import probe_batches
-        from govtrain.privatizers import build as build_privatizer
+        from govtrain.privatizers import check_microbatches
+        from govtrain.privatizers.families.floors import check_family_floor
         from govtrain.routing.router import Router
         from govtrain.tasks import task_for
         from govtrain.train.data import load_examples
@@ -254,8 +282,7 @@ class Run:
 
         config, ledger, log = self.config, self.ledger, self.log
         training = config.file.training
-        # before anything is made: a [noise] the privatizer refuses changes nothing
-        self.privatizer = build_privatizer(config.file.noise)  # draws from the router's generator
+        check_microbatches(config.file.noise)  # before anything is made: a refusal changes nothing
         if not self.check:  # a check writes nothing, the lock file and the output folder included
             self._lock = lock_state(config.output_dir)
         if not self.state_path.exists():  # a fresh run starts in an empty folder (`preflight.check_output`)
@@ -306,9 +333,14 @@ class Run:
         self.model.to(self.device)  # before the router: its noise generator lives on the parameters' device
         resolution = resolve(policy.classes, describe(self.model, name=config.model_spec))
         check_weight_decay(resolution, config.file.optimizer.weight_decay)
+        state = _load_state(self.state_path, config)
+        self.privatizer = _privatizer(config, (state or {}).get("noise"), self.insecure_seed)
         self.microbatches = config.file.noise.microbatches  # a privacy parameter: the privatizer records it
         self.router = Router(self.model, resolution, mechanism=training.mechanism, insecure_seed=self.insecure_seed,
                              privatizer=self.privatizer, microbatches=self.microbatches, compiled=training.compiled)
+        # the family's floor, before any spend: a spend records σ_eff at least the contribution's signed multiplier
+        check_family_floor(policy, self.privatizer.family,
+                           [(c, admitted[c].member.noise_multiplier_u) for c in sorted(present)])
         self.router.probe(probe_batches(self.tokenizer, config.file.model.max_length))  # batch-first calls only
         check_batch_independence(self.model, self.task, self.tokenizer, config.file.model.max_length, self.device)
         self.update = Update.build(self.model, config.file)
@@ -334,12 +366,12 @@ class Run:
 
         run_id = training.run_id or f"run-{self.now()}-{os.urandom(4).hex()}"
         self.result = result = RunResult(run_id, 0)
-        state = _load_state(self.state_path, config)
         book = ledger.spend_book()
         self.resumed = state is not None
         if state is not None:
             run_id = result.run_id = state["run_id"]
             self.run_nonce, self.sampler.key = state.get("run_nonce"), state.get("sampling_key")
+            _partition(self.sampler, run_id)
             self._check_ledger(state, book)
             if self.sampler.key is None:
                 raise ConfigError(Code.RUN_CONFIG_INVALID, f"{self.state_path} was written by an earlier govtrain (no "
@@ -383,6 +415,7 @@ class Run:
             # The sampling key fixes each step's draw (`PoissonSampler.at_step`): secret, in the run state only.
             self.sampler.key = (os.urandom(32) if self.insecure_seed is None
                                 else hashlib.sha256(b"govtrain insecure sampling key %d" % self.insecure_seed).digest())
+            _partition(self.sampler, run_id)
         # Consent: contributions runs other than this one (and its siblings) charged. A run that started confirmed
         # keeps its consent in its state; an unconfirmed one is asked again here, and at each write-ahead (under the
         # ledger's write lock: another run may charge them between this read and that write).
@@ -550,9 +583,17 @@ class Run:
             else:  # each contribution's examples are averaged, then clipped together
                 who = [owners[i] for i in range(len(part)) if i == 0 or unit[i] != unit[i - 1]]
             chunks.append(Chunk(part, unit, owners, [self.classes[c] for c in who], [self.signed_clip[c] for c in who], m))
-        self.router.begin()
+        self.router.begin(self._group_std)  # a quantising privatizer's lattice follows the step's group noise
         self._loss_sum, self._drawn = 0.0, 0
         return chunks
+
+    def rehearsal_std(self) -> dict[frozenset, float]:
+        """The group noise the rehearsal's steps begin with: the pending epoch's if one is written, else a unit
+        scale per group. Its clipped sums are dropped, so the scale only sets the lattice a quantising
+        privatizer rounds to (`routing/materialized.py`), which the rehearsal must exercise like a step."""
+        if self._group_std:
+            return dict(self._group_std)
+        return {group.classes: 1.0 for group in self.router.resolution.groups if group.classes}
 
     def encode(self, chunk: Chunk):  # type: ignore[no-untyped-def]
         """The task's batch of `chunk`'s examples, on the run's device."""

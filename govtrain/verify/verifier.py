@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import ledger_store
-from govtrain.accounting.charges import spend_item
+from govtrain.accounting.charges import check_record, spend_item
 from govtrain.errors import Code, ConfigError, GovtrainError, IntegrityError
 from govtrain.gate.gate import Gate
 from govtrain.ledger import availability
@@ -56,7 +56,6 @@ from govtrain.ledger.spend_rules import SpendBook, SpendRuleError, min_sampling_
 from govtrain.ledger.tuning import TuneBook, TuneRuleError
 from govtrain.mechanisms import MECHANISMS
 from govtrain.policy.model import Policy
-from govtrain.privatizers import from_record
 from govtrain.ledger.merkle import CompactRange, root_of
 from govtrain.verify.integrity import NOT_CHECKED, _Failure, _integrity, fork_detail, tampered
 from govtrain.verify.retention import RetentionAudit
@@ -470,7 +469,7 @@ class _Audit:
                            f"and precision {entry['precision']!r}: cpu or cuda:N, and one of {', '.join(PRECISIONS)}",
                            seq=seq)
         try:
-            from_record(entry.get("privatizer"))
+            check_record(entry.get("privatizer"))
         except ConfigError as e:
             raise _Failure(Code.BAD_PRIVATIZER, f"entry {seq}: run {entry['run_id']!r}: {e.detail}", seq=seq) from e
         try:  # a run id is a one-time lease: one run entry, under the nonce its spend carries
