@@ -54,6 +54,48 @@ def _same_machine(recorded: dict) -> None:
         pytest.skip(f"goldens written on {recorded.get('_machine')}, this is {machine}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_routers_noise_is_a_direct_loop_of_torch_normal_in_the_old_order(dtype):
+    """On any machine: an empty batch's step releases noise alone, and its `.grad` bytes are those of a direct loop
+    written as the router drew before privatizers (1382b01's `_finish`): one generator seeded with insecure_seed,
+    noise group after noise group, each part's N(0, s_g²) in the accumulator dtype, masked to the part's heads,
+    added to the zero sum, divided by the expected batch size."""
+    from govtrain.resolver.model import describe
+    from govtrain.resolver.profile import resolve
+
+    net = model(dtype)
+    resolution = resolve(CLASSES, describe(net))
+    router = Router(net, resolution, insecure_seed=13)
+    groups = [group for group in resolution.groups if group.classes]
+    stds = {group.classes: 0.25 + 0.5 * i for i, group in enumerate(groups)}
+    router.noise_only(stds, expected_batch_size=3.0)
+    generator = torch.Generator().manual_seed(13)
+    params = dict(net.named_parameters())
+    totals = {name: torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
+              for name, p in params.items() if p.requires_grad}
+    split = 0
+    for group in groups:
+        for part in group.parts:
+            total = totals[part.name]
+            noise = torch.normal(0.0, stds[group.classes], size=total.shape, generator=generator, dtype=total.dtype)
+            if part.dim is not None:
+                split += 1
+                keep = torch.zeros(total.shape[part.dim], dtype=total.dtype)
+                keep[list(part.index)] = 1
+                noise = noise * keep.reshape([-1 if d == part.dim else 1 for d in range(total.dim())])
+            total += noise
+    assert split  # the heads profile splits parameters between groups: the masks are exercised
+    reached = {part.name for group in groups for part in group.parts}
+    for name, p in params.items():
+        if not p.requires_grad:
+            continue
+        if name not in reached:
+            assert p.grad is None, name
+            continue
+        assert torch.equal(p.grad, (totals[name] / 3.0).to(p.dtype)), name
+    router.close()
+
+
 @pytest.mark.slow
 def test_whole_runs_with_no_noise_section_train_the_adapter_they_trained_before(tmp_path):
     """tests/vectors/privatizer-golden-runs.json: the adapter weights' SHA-256 of four 8-step runs under

@@ -69,21 +69,39 @@ def build(noise: "NoiseSection | None" = None, *, horizon: int | None = None,
     """The privatizer RUN.toml [noise] describes (None: the i.i.d. Gaussian) for a run of `horizon` steps (its
     `training.steps`: a correlated privatizer's strategy is optimised for it), drawing from `generator`;
     `insecure_seed` fixes its own noise (tests only, never recorded). ConfigError `privatizer_unknown` for a
-    privatizer not available, `privatizer_invalid` for parameters it refuses."""
+    privatizer not available, `privatizer_invalid` for parameters it refuses, `privatizer_unsupported` for
+    `microbatches` > 1 with a privatizer that does not add per-microbatch noise."""
     if noise is None:
         from govtrain.train.config import NoiseSection
 
         noise = NoiseSection()
-    cls = privatizer_class(noise.privatizer)
+    cls = check_microbatches(noise)
     try:
         if cls.name in CORRELATED_FIELDS:
             privatizer = _correlated(cls, noise, horizon, insecure_seed)
         else:
             privatizer = cls.from_config(noise, horizon=horizon, insecure_seed=insecure_seed)
+        if noise.microbatches > 1:  # recorded by the privatizer: the ledger says how each step was noised
+            privatizer = cls.from_record({**privatizer.record(), "microbatches": noise.microbatches})
     except ValueError as e:
         raise ConfigError(Code.PRIVATIZER_INVALID, f"RUN.toml [noise]: {e}") from e
     privatizer.generator = generator
     return privatizer
+
+
+def check_microbatches(noise: "NoiseSection") -> "type[Privatizer]":
+    """The class [noise] names, once its `microbatches` is checked: more than 1 only with a privatizer that adds
+    per-microbatch noise (ConfigError `privatizer_unsupported`; `privatizer_unknown` for a name not available).
+    Cheap: a run checks it before it makes anything."""
+    cls = privatizer_class(noise.privatizer)
+    if noise.microbatches > 1 and not cls.per_microbatch:
+        why = ("its noise is correlated across steps and its state advances once per step" if cls.correlated else
+               "it does not add per-microbatch noise")
+        raise ConfigError(Code.PRIVATIZER_UNSUPPORTED, f"RUN.toml [noise]: microbatches = {noise.microbatches} with "
+                                                       f"privatizer {cls.name!r}: {why}; per-microbatch noise takes "
+                                                       "the i.i.d. gaussian: set microbatches = 1 or privatizer = "
+                                                       "\"gaussian\"")
+    return cls
 
 
 def _correlated(cls: "type[Privatizer]", noise: "NoiseSection", horizon: int | None,

@@ -85,6 +85,9 @@ class Privatizer(ABC):
     quantized: ClassVar[bool] = False
     # The RUN.toml [noise] fields it takes besides `privatizer` (`from_config` refuses any other that is set).
     parameters: ClassVar[tuple[str, ...]] = ()
+    # Whether it adds per-microbatch noise (RUN.toml [noise] microbatches > 1, the router's mode): then its record
+    # holds "microbatches" where it is more than 1 (`build` refuses microbatches > 1 for the others).
+    per_microbatch: ClassVar[bool] = False
     # Where its noise is drawn from: the run's generator (`build` sets it: OS entropy unless insecure_seed). None: a
     # privatizer that draws seeds its own from the OS when it first needs one.
     generator: "torch.Generator | None" = None

@@ -21,17 +21,32 @@ __all__ = ["IIDGaussian"]
 
 
 class IIDGaussian(Privatizer):
+    """`microbatches`: RUN.toml [noise] microbatches, the router's per-microbatch noise (docs/privatizers.md). The
+    noise of each draw is the same; k > 1 is recorded ("microbatches": k) so that the ledger says how the step was
+    noised, and k = 1, the ordinary step, is not: its record stays {"name": "gaussian"}, byte for byte. The charge
+    is the same for every k (parallel composition over the microbatches)."""
+
     name = "gaussian"
     family = "gaussian"
+    per_microbatch = True
+
+    def __init__(self, *, microbatches: int = 1) -> None:
+        if type(microbatches) is not int or microbatches < 1:
+            raise ValueError(f"microbatches is a positive integer: got {microbatches!r}")
+        self.microbatches = microbatches
 
     def record(self) -> dict[str, Any]:
-        return {"name": self.name}
+        return {"name": self.name, **({"microbatches": self.microbatches} if self.microbatches > 1 else {})}
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> "IIDGaussian":
-        if dict(record) != {"name": cls.name}:
-            raise ValueError(f"the i.i.d. Gaussian records its name alone, not {sorted(record)}")
-        return cls()
+        other = sorted(set(record) - {"name", "microbatches"})
+        if other or record.get("name") != cls.name:
+            raise ValueError(f"the i.i.d. Gaussian records its name and microbatches (k > 1) alone, not {sorted(record)}")
+        microbatches = record.get("microbatches", 1)
+        if "microbatches" in record and (type(microbatches) is not int or microbatches < 2):
+            raise ValueError(f"microbatches is recorded only when it is 2 or more: got {microbatches!r}")
+        return cls(microbatches=microbatches)
 
     def init(self, slots: Sequence[Slot]) -> tuple[str, ...]:
         """The state: the slots' keys in order (public: what the noise is drawn in the order of)."""

@@ -439,7 +439,7 @@ class GovernedRun:
         values = [float(v) for v in losses.detach().float().cpu()]  # read before anything is summed
         with self._in_step():
             chunk = waiting.chunk
-            run.router.accumulate(losses, chunk.classes, chunk.clips, units=chunk.units)
+            run.router.accumulate(losses, chunk.classes, chunk.clips, units=chunk.units, microbatch=chunk.microbatch)
             self._rehearsal.losses[drawn.next] = values
             guard.waiting = None
             drawn.next += 1

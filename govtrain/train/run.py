@@ -24,6 +24,7 @@ from govtrain import units
 from govtrain.errors import Code, ConfigError, GovtrainError, RejectedError
 from govtrain.ledger.ledger import Ledger
 from govtrain.ledger.spend_rules import noise_groups_record
+from govtrain.routing import microbatch
 from govtrain.train.config import RunConfig
 from govtrain.train.preflight import Plan, check_output, consent_error, project
 from govtrain.train.resume import TEMPORARY, check_recorded_entry, read_recorded_adapter, recorded_entry, write_whole
@@ -54,13 +55,14 @@ class BudgetExhausted(GovtrainError):
 class Chunk:
     """One physical chunk of a logical step: its examples (indices into the run's examples), the unit of
     each (None: each example is its own unit), each example's contribution, and per unit its class and
-    signed clipping norm."""
+    signed clipping norm; `microbatch`: the microbatch its units are in (RUN.toml [noise] microbatches; 0 when 1)."""
 
     indices: list[int]
     units: list[int] | None
     owners: list[str]
     classes: list[str]
     clips: list[float]
+    microbatch: int = 0
 
 
 @dataclass
@@ -271,6 +273,7 @@ class Run:
         from govtrain.resolver.schedule import Scheduler
         from govtrain.routing.independence import check_batch_independence
         from govtrain.routing.layout import probe_batches
+        from govtrain.privatizers import check_microbatches
         from govtrain.privatizers.families.floors import check_family_floor
         from govtrain.routing.router import Router
         from govtrain.tasks import task_for
@@ -279,6 +282,7 @@ class Run:
 
         config, ledger, log = self.config, self.ledger, self.log
         training = config.file.training
+        check_microbatches(config.file.noise)  # before anything is made: a refusal changes nothing
         if not self.check:  # a check writes nothing, the lock file and the output folder included
             self._lock = lock_state(config.output_dir)
         if not self.state_path.exists():  # a fresh run starts in an empty folder (`preflight.check_output`)
@@ -331,8 +335,9 @@ class Run:
         check_weight_decay(resolution, config.file.optimizer.weight_decay)
         state = _load_state(self.state_path, config)
         self.privatizer = _privatizer(config, (state or {}).get("noise"), self.insecure_seed)
+        self.microbatches = config.file.noise.microbatches  # a privacy parameter: the privatizer records it
         self.router = Router(self.model, resolution, mechanism=training.mechanism, insecure_seed=self.insecure_seed,
-                             privatizer=self.privatizer)
+                             privatizer=self.privatizer, microbatches=self.microbatches, compiled=training.compiled)
         # the family's floor, before any spend: a spend records σ_eff at least the contribution's signed multiplier
         check_family_floor(policy, self.privatizer.family,
                            [(c, admitted[c].member.noise_multiplier_u) for c in sorted(present)])
@@ -353,6 +358,9 @@ class Run:
         members = [admitted[c].member for c in ids]
         self.owner = np.array([position[c] for c in examples.owner], dtype=np.int64)
         self.members = [np.flatnonzero(self.owner == k) for k in range(len(ids))]  # each contribution's examples
+        self.rank = np.zeros(len(self.owner), dtype=np.int64)  # each example's index within its contribution
+        for member in self.members:
+            self.rank[member] = np.arange(len(member))
         self.signed_clip = {m.contribution_id: m.clip_norm_u / units.MICRO for m in members}
         self.classes = {m.contribution_id: m.data_class for m in members}
 
@@ -568,13 +576,13 @@ class Run:
         gone = self._withdrawn.read()  # from the entries, never the `withdrawals` index table (withdrawals.py)
         live = np.array([self._allowed[i] > step and self.ids[i] not in gone for i in range(len(self.ids))], dtype=bool)
         chunks = []
-        for part, unit in self._draw(live):
+        for part, unit, m in self._draw(live):
             owners = [examples.owner[i] for i in part]
             if unit is None:  # each example is clipped on its own
                 who = owners
             else:  # each contribution's examples are averaged, then clipped together
                 who = [owners[i] for i in range(len(part)) if i == 0 or unit[i] != unit[i - 1]]
-            chunks.append(Chunk(part, unit, owners, [self.classes[c] for c in who], [self.signed_clip[c] for c in who]))
+            chunks.append(Chunk(part, unit, owners, [self.classes[c] for c in who], [self.signed_clip[c] for c in who], m))
         self.router.begin(self._group_std)  # a quantising privatizer's lattice follows the step's group noise
         self._loss_sum, self._drawn = 0.0, 0
         return chunks
@@ -604,7 +612,7 @@ class Run:
         `losses`, computed from the forward just run under `forward()`; `total` is their sum, for the log
         (`GovernedRun` reads it before anything is summed)."""
         total = float(losses.detach().sum()) if total is None else total
-        self.router.accumulate(losses, chunk.classes, chunk.clips, units=chunk.units)
+        self.router.accumulate(losses, chunk.classes, chunk.clips, units=chunk.units, microbatch=chunk.microbatch)
         self._loss_sum += total
         self._drawn += len(chunk.indices)
 
@@ -641,33 +649,54 @@ class Run:
                                                       f"{', '.join(f'{q / units.MICRO:g}' for q in sorted(charged))}: "
                                                       "the sampling rate is the run's, never set it by hand")
 
-    def _draw(self, live) -> list[tuple[list[int], list[int] | None]]:  # type: ignore[no-untyped-def]
+    def _draw(self, live) -> list[tuple[list[int], list[int] | None, int]]:  # type: ignore[no-untyped-def]
         """One step's Poisson draw over the live units, as physical chunks of (example indices, the unit of
-        each example or None). Example unit: q over the live examples, chunks of at most physical_batch.
-        Contribution unit: q over the live contributions, each drawn one using at most examples_per_contribution
-        of its examples (uniformly); chunks hold whole contributions."""
+        each example or None, the microbatch). Example unit: q over the live examples, chunks of at most
+        physical_batch. Contribution unit: q over the live contributions, each drawn one using at most
+        examples_per_contribution of its examples (uniformly); chunks hold whole contributions. With
+        microbatches > 1 the drawn units are split first (`_microbatches`), and each chunk holds one microbatch's."""
         import numpy as np
 
         chunk = self.chunk
-        self.sampler.at_step(self.result.steps)  # the step's draw is fixed by the run's key and the step
+        step = self.result.steps
+        self.sampler.at_step(step)  # the step's draw is fixed by the run's key and the step
         if self.per_contribution is None:
             chosen = self.sampler.sample(np.flatnonzero(live[self.owner]) if len(self.owner) else np.zeros(0, int),
                                          units=len(self.owner))
-            size = chunk or max(len(chosen), 1)
-            return [(chosen[i:i + size].tolist(), None) for i in range(0, len(chosen), size)]
-        chunks: list[tuple[list[int], list[int] | None]] = []
-        part: list[int] = []
-        units: list[int] = []
-        for k in self.sampler.sample(np.flatnonzero(live), units=len(self.ids)):
-            taken = self.sampler.take(self.members[k], self.per_contribution, unit=k).tolist()
-            if part and chunk is not None and len(part) + len(taken) > chunk:
-                chunks.append((part, units))
-                part, units = [], []
-            units += [units[-1] + 1 if units else 0] * len(taken)
-            part += taken
-        if part:
-            chunks.append((part, units))
+            chunks: list[tuple[list[int], list[int] | None, int]] = []
+
+            def names() -> list[str]:  # an example's id: its contribution's and its index there, never its position
+                return [microbatch.example_id(self.ids[self.owner[i]], int(self.rank[i])) for i in chosen]
+
+            for m, positions in enumerate(self._microbatches(step, len(chosen), names)):
+                picked = chosen[positions]
+                size = chunk or max(len(picked), 1)
+                chunks += [(picked[i:i + size].tolist(), None, m) for i in range(0, len(picked), size)]
+            return chunks
+        drawn = [(k, self.sampler.take(self.members[k], self.per_contribution, unit=k).tolist())
+                 for k in self.sampler.sample(np.flatnonzero(live), units=len(self.ids))]
+        chunks = []
+        for m, positions in enumerate(self._microbatches(step, len(drawn), lambda: [self.ids[k] for k, _ in drawn])):
+            part: list[int] = []
+            units: list[int] = []
+            for position in positions:
+                taken = drawn[position][1]
+                if part and chunk is not None and len(part) + len(taken) > chunk:
+                    chunks.append((part, units, m))
+                    part, units = [], []
+                units += [units[-1] + 1 if units else 0] * len(taken)
+                part += taken
+            if part:
+                chunks.append((part, units, m))
         return chunks
+
+    def _microbatches(self, step: int, count: int, names: Callable[[], list[str]]) -> list[list[int]]:
+        """The positions among a step's `count` drawn units of each microbatch's units: `routing.microbatch`'s public
+        rule on their ids (`names()`) under the run's sampling key; one microbatch of every position when
+        microbatches = 1 (no id formed)."""
+        if self.microbatches == 1:
+            return [list(range(count))]
+        return microbatch.split(self.sampler.key, step, names(), self.microbatches)
 
     def close_epoch(self) -> None:
         """Close the ledger epoch (unless another run already did), record each class's epsilon and save."""
