@@ -50,6 +50,7 @@ class World:
     size: int = 1
     device: str = "cpu"  # where collectives' tensors live: "cpu" (gloo) or "cuda" (nccl)
     owned: bool = field(default=False, compare=False)  # this World initialised the process group (closes it)
+    grouped: bool = False  # a process group is joined: collectives run, even among 1 rank (a bench of their cost)
 
     @classmethod
     def single(cls) -> "World":
@@ -83,7 +84,7 @@ class World:
             raise ConfigError(Code.RUN_CONFIG_INVALID, "the process group already initialised is not the one RANK and "
                                                        "WORLD_SIZE describe")
         backend = dist.get_backend()
-        return cls(rank=rank, size=size, device="cuda" if backend == "nccl" else "cpu", owned=owned)
+        return cls(rank=rank, size=size, device="cuda" if backend == "nccl" else "cpu", owned=owned, grouped=True)
 
     @property
     def lead(self) -> bool:
@@ -91,7 +92,8 @@ class World:
 
     @property
     def many(self) -> bool:
-        return self.size > 1
+        """Collectives run: several ranks, or a process group joined on purpose by one."""
+        return self.size > 1 or self.grouped
 
     def close(self) -> None:
         """Leave the process group this World joined (not one the caller set up)."""
