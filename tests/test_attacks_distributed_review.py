@@ -1,0 +1,92 @@
+"""Adversarial review of training as several processes (issue 25, data parallelism): each test is an attack on the
+guarantee that N ranks keep exactly the single process's, and fails while the attack works.
+
+Ranks are real processes (gloo on the CPU, `tests/distributed_review_worker.py` through the library API) against a
+real ledger, built with tests/test_distributed.py's helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from govtrain.distributed.launch import free_port  # noqa: E402
+from tests.test_distributed import make_world, spends  # noqa: E402
+from tests.test_train import save_tiny_bert  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
+
+
+def start(specs: list[dict], out: Path, *, env: dict | None = None) -> list[subprocess.Popen]:
+    """One rank of tests/distributed_review_worker.py per spec (rank r runs specs[r]), all in one process group."""
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    base = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        base.pop(k, None)
+    ranks = []
+    for rank, spec in enumerate(specs):
+        path = out / f"spec-{rank}.json"
+        path.write_text(json.dumps({"seed": 7, "out": str(out), **spec}))
+        e = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(len(specs)), MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port), GOVTRAIN_DIST_TIMEOUT_S="60")
+        e.update((env or {}).get(rank, {}))
+        ranks.append(subprocess.Popen([sys.executable, "-m", "tests.distributed_review_worker", str(path)], cwd=ROOT,
+                                      env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return ranks
+
+
+def finish(ranks: list[subprocess.Popen], timeout: float = 180) -> list[tuple[int, str]]:
+    return [(p.wait(timeout=timeout), p.communicate()[1]) for p in ranks]
+
+
+def records(out: Path, size: int) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(size)]
+
+
+# -- a follower that differs subtly --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_follower_whose_data_files_are_named_otherwise_trains_only_what_the_lead_drew(tmp_path, tiny):
+    """A follower on another node holds the same RUN.toml (byte for byte) and the same admitted data files (same
+    digests), only named otherwise: its data folder sorts them in another order, so its example indices are not
+    the lead's. The fingerprint compares per-contribution counts only, so it agrees; the lead then broadcasts example
+    *indices*, and the follower trains on examples the lead never drew (another contribution's, another class's,
+    with that class's clip norm): Poisson sampling and each contribution's charged steps no longer describe what is
+    trained. Either the follower is refused before any spend, or every rank trains exactly the lead's draw."""
+    corpus, config = make_world(tmp_path / "lead", tiny, steps=3)
+    node = tmp_path / "node2"
+    (node / "data").mkdir(parents=True)
+    shutil.copyfile(config, node / "run.toml")  # the same bytes: the same config hash
+    # lead: pub.jsonl, sens.jsonl (in that order); follower: the same bytes as a.jsonl (sens) and b.jsonl (pub)
+    shutil.copyfile(corpus.dir / "data" / "sens.jsonl", node / "data" / "a.jsonl")
+    shutil.copyfile(corpus.dir / "data" / "pub.jsonl", node / "data" / "b.jsonl")
+    out = tmp_path / "out"
+    done = finish(start([{"config": str(config), "ledger": corpus.url},
+                         {"config": str(node / "run.toml"), "ledger": corpus.url}], out))
+    if any(code for code, _ in done):  # refused: on every rank, before any spend
+        assert all("rank_mismatch" in err for _, err in done), "\n".join(err[-2000:] for _, err in done)
+        assert spends(corpus.url) == []
+        return
+    lead, follower = records(out, 2)
+    assert lead["steps"] == 3 and len(lead["drawn"]) == len(lead["took"]) == len(follower["took"]) == 3
+    for step, drawn in enumerate(lead["drawn"]):
+        trained = sorted(lead["took"][step] + follower["took"][step])
+        assert trained == drawn, (f"step {step}: the ranks trained on {trained}, the lead drew {drawn} (the "
+                                  f"follower's share: {follower['took'][step]})")
