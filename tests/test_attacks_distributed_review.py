@@ -90,3 +90,22 @@ def test_follower_whose_data_files_are_named_otherwise_trains_only_what_the_lead
         trained = sorted(lead["took"][step] + follower["took"][step])
         assert trained == drawn, (f"step {step}: the ranks trained on {trained}, the lead drew {drawn} (the "
                                   f"follower's share: {follower['took'][step]})")
+
+
+@pytest.mark.slow
+def test_follower_on_a_copy_of_the_ledger_is_refused_before_any_spend(tmp_path, tiny):
+    """A follower whose ledger URL names a copy of the ledger (a node's own replica, a restored backup): the copy has
+    the same header, so the fingerprint's ledger identity agrees; the lead then writes the epoch's spend to the real
+    ledger, and the follower, reading its copy, never finds it. The rank must be refused before any spend is
+    written (the issue: "a rank that joins with a different ... is refused before any spend is written"), with a
+    one-line error, not a traceback."""
+    corpus, config = make_world(tmp_path / "lead", tiny, steps=2)
+    copy = tmp_path / "replica.db"
+    shutil.copyfile(corpus.url.removeprefix("sqlite:///"), copy)
+    out = tmp_path / "out"
+    done = finish(start([{"config": str(config), "ledger": corpus.url},
+                         {"config": str(config), "ledger": f"sqlite:///{copy}"}], out))
+    detail = "\n".join(err[-2000:] for _, err in done)
+    assert any(code for code, _ in done), "a follower on another ledger trained: " + detail
+    assert spends(corpus.url) == [], "the lead wrote spend for a run a rank of which could never step:\n" + detail
+    assert "Traceback" not in done[1][1], "the follower failed with a traceback, not a refusal:\n" + done[1][1][-2000:]
