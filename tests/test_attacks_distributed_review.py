@@ -109,3 +109,60 @@ def test_follower_on_a_copy_of_the_ledger_is_refused_before_any_spend(tmp_path, 
     assert any(code for code, _ in done), "a follower on another ledger trained: " + detail
     assert spends(corpus.url) == [], "the lead wrote spend for a run a rank of which could never step:\n" + detail
     assert "Traceback" not in done[1][1], "the follower failed with a traceback, not a refusal:\n" + done[1][1][-2000:]
+
+
+# -- noise ---------------------------------------------------------------------------------------------------------
+
+
+def family_world(folder: Path, model: Path, noise: str, *, steps: int) -> tuple:
+    """Two contributions admitted at σ = 2 (the noise families' floor), sampled at the policy's q = 0.01 over 48
+    examples: most steps draw 0 or 1 example, so one rank's share is often empty while the other's is not."""
+    from tests.conftest import make_corpus
+    from tests.test_train import _admit
+
+    folder.mkdir(parents=True, exist_ok=True)
+    corpus = make_corpus(folder, f"sqlite:///{folder / 'ledger.db'}")
+    _admit(corpus, "pub", 24, noise_multiplier_u=2_000_000, eps_budget_u=8_000_000)
+    _admit(corpus, "sens", 24, data_class="sensitive", clip_norm_u=500_000, noise_multiplier_u=2_000_000,
+           eps_budget_u=3_000_000)
+    config = corpus.dir / "run.toml"
+    config.write_text(f"""
+[model]
+base = "{model}"
+max_length = 16
+[lora]
+r = 2
+target_modules = ["query", "value", "attention.output.dense"]
+[optimizer]
+name = "adamw"
+lr = 0.01
+[training]
+mechanism = "dpsgd"
+steps = {steps}
+data = "data"
+output = "adapter"
+run_id = "family-run"
+physical_batch = 4
+[noise]
+{noise}
+""")
+    return corpus, config
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("noise", ['privatizer = "discrete-gaussian"\ngranularity_bits = 12',
+                                   'privatizer = "skellam"'])
+def test_a_quantising_privatizer_survives_a_step_where_one_rank_has_no_examples(tmp_path, tiny, noise):
+    """A quantising privatizer's clipped sums are float64 integers (`materialized.clipped_sum`), but a rank whose
+    share of the step is empty holds the router's `_zeros()`, float32. `World.sum_` flattens per dtype, so the two
+    ranks enter the all-reduce with buffers of different dtypes and sizes: the step fails (or sums bytes of
+    another type) as soon as one rank draws nothing and the other something, which at a small q is most steps.
+    A 2-rank run must complete as the single process does."""
+    corpus, config = family_world(tmp_path / "w", tiny, noise, steps=6)
+    out = tmp_path / "out"
+    done = finish(start([{"config": str(config), "ledger": corpus.url}] * 2, out))
+    assert [code for code, _ in done] == [0, 0], "\n".join(err[-1500:] for _, err in done)
+    lead, follower = records(out, 2)
+    uneven = [s for s, (a, b) in enumerate(zip(lead["took"], follower["took"])) if bool(a) != bool(b)]
+    assert uneven, "no step gave one rank examples and the other none: the proof needs another seed"
+    assert lead["steps"] == 6
