@@ -60,4 +60,10 @@ def main(spec_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    from govtrain.errors import GovtrainError
+
+    try:
+        main(sys.argv[1])
+    except GovtrainError as error:  # as the command line reports it: one line, the documented exit code
+        print(error.line(), file=sys.stderr)
+        raise SystemExit(error.exit_code) from None
