@@ -16,7 +16,6 @@ from govtrain import units
 
 BANDED_FIELDS = ("name", "bands", "horizon", "coefficients_p")
 BLT_FIELDS = ("name", "buffers", "horizon", "min_separation", "theta_p", "omega_p")
-_MARGIN = 1e-9  # relative slack on m over float64 rounding in its closed form
 
 
 def _int(value: Any) -> bool:
@@ -89,10 +88,28 @@ def participation_factor(theta: Sequence[float], omega: Sequence[float], separat
 
 
 def factor_p(theta_p: Sequence[int], omega_p: Sequence[int], separation: int) -> int:
-    """m in pico-units from the recorded integers, rounded up after a relative margin for float64 error."""
-    theta = [t / units.PICO for t in theta_p]
-    omega = [w / units.PICO for w in omega_p]
-    return math.ceil(participation_factor(theta, omega, separation) * (1 + _MARGIN) * units.PICO)
+    """m in pico-units from the recorded integers, rounded up: `participation_factor`'s closed form in integers, at
+    a fixed point of 2^-256 with every rounding toward a larger m (float64 cancels in 1 - θ_j·θ_l near θ = 1)."""
+    one, pico = 1 << 256, units.PICO
+
+    def power_up(t_p: int, n: int) -> int:  # ≥ (t_p / pico)^n · one, by squaring; every value stays ≤ one
+        out, x = one, -(-t_p * one // pico)
+        while n:
+            if n & 1:
+                out = -(-out * x // one)
+            x = -(-x * x // one)
+            n >>= 1
+        return out
+
+    lead = [power_up(t, separation - 1) for t in theta_p]  # θ^(b-1), θ^b: upper bounds (b ≥ 1; 1 - θ^b > 2^-200)
+    tail = [power_up(t, separation) for t in theta_p]
+    pairs = [(wj * wl, pico * pico - tj * tl) for tj, wj in zip(theta_p, omega_p) for tl, wl in zip(theta_p, omega_p)]
+    # r(0) - 1 = Σ ω_j ω_l / (1 - θ_j θ_l), rounded down (m falls as r(0) grows); Σ_{i≥1} r(i·b) rounded up:
+    # ω θ^(b-1) / (1 - θ^b) = W·Y / (pico·(one - X)), ω_j ω_l θ_l^b / ((1 - θ_j θ_l)(1 - θ_l^b)) = WW·X / (D·(one - X))
+    r0 = one + sum(ww * one // d for ww, d in pairs)
+    lagged = sum(-(-w * y * one // (pico * (one - x))) for w, y, x in zip(omega_p, lead, tail)) + sum(
+        -(-ww * x * one // (d * (one - x))) for (ww, d), x in zip(pairs, tail * len(theta_p)))
+    return -(-(r0 + 2 * lagged) * pico // r0)
 
 
 def unamplified_multiplier_u(noise_multiplier_u: int, m_p: int) -> int:
