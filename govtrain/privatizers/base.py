@@ -91,12 +91,17 @@ class Privatizer(ABC):
         """From RUN.toml [noise] (`privatizer` names this class): refuses (ValueError, one line saying what to
         change) a field set that it does not take, then rebuilds from the record those fields make. A privatizer
         whose record is not its config fields one to one overrides it."""
+        return cls.from_record({"name": cls.name, **cls.config_fields(noise)})
+
+    @classmethod
+    def config_fields(cls, noise: "NoiseSection") -> dict[str, Any]:
+        """The RUN.toml [noise] fields set besides `privatizer`; ValueError for one this class does not take."""
         given = {k: v for k, v in noise.model_dump().items() if k != "privatizer" and v is not None}
         other = sorted(set(given) - set(cls.parameters))
         if other:
             takes = f"it takes {', '.join(cls.parameters)}" if cls.parameters else "it takes none"
             raise ValueError(f"noise.{other[0]} does not apply to privatizer {cls.name!r} ({takes}): remove it")
-        return cls.from_record({"name": cls.name, **given})
+        return given
 
     def quantize(self, clipped: Tensor, clip: Tensor, generator: torch.Generator) -> Tensor:
         """Integer families: each row of `clipped` ([units, d], already clipped to its `clip`) as an integer
