@@ -1,9 +1,10 @@
-"""What a spend charges, through the privatizer it records (docs/privatizers.md; no torch).
+"""What a spend charges, through the privatizer it records (docs/privatizers.md; no torch, no numpy).
 
-A spend entry records (q, sigma_eff, steps) and the record of its privatizer. The privatizer, rebuilt from that
-record (`privatizers.from_record`), says what the accountant composes (`Privatizer.charge`): a `Charge` of a
-family at a rate, a multiplier and a number of rounds. A contribution's history is the sequence of its spends'
-charges, in epoch order, each one *item*:
+A spend entry records (q, sigma_eff, steps) and the record of its privatizer. The record's rule
+(`govtrain.privatizers.rules`, torch-free) says what the accountant composes: a `Charge` of a family at a rate, a
+multiplier and a number of rounds. The writer's scheduler charges the record of the privatizer it runs through the
+same rule, so what it writes is what the verifier recomputes. A contribution's history is the sequence of its
+spends' charges, in epoch order, each one *item*:
 
 - a Gaussian-family charge with no family parameters is the bucket (rate_u, sigma_u, rounds), exactly what a
   history held before privatizers: the i.i.d. Gaussian's is (q_u, sigma_u, steps), so its ε, cache keys and
@@ -11,14 +12,17 @@ charges, in epoch order, each one *item*:
   the same kind of bucket, (min(1, b·q), sigma, ceil(steps / b));
 - any other charge stays a `Charge`, and a history holding one is accounted by
   `govtrain.accounting.families.epsilon_u(accountant, delta_p, charges)` (`SpendCalculator`).
+
+Every exception a record causes is a `ConfigError` (`privatizer_unknown`, `privatizer_invalid`): the verifier
+flags the entry (`bad_privatizer`), the writer refuses it.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Union
 
 from govtrain.privatizers.base import Charge
+from govtrain.privatizers.rules import record_charge
 
 if TYPE_CHECKING:
     from govtrain.privatizers.base import Privatizer
@@ -36,27 +40,14 @@ def as_item(charge: Charge) -> Item:
     return charge
 
 
-def _check(charge: Charge, name: str) -> Charge:
-    if type(charge) is not Charge or not 0 <= charge.sampling_rate_u <= 1_000_000 or charge.noise_multiplier_u <= 0 \
-            or charge.rounds < 0 or any(type(p) is not int for p in charge.params):
-        raise ValueError(f"privatizer {name!r} charged an invalid {charge!r}")
-    return charge
-
-
-@functools.lru_cache(maxsize=64)
-def _rebuilt(frozen: tuple[tuple[str, Any], ...]) -> "Privatizer":
-    from govtrain.privatizers import from_record
-
-    return from_record(dict(frozen))
-
-
 def charge_item(record: Mapping[str, Any] | None, sampling_rate_u: int, noise_multiplier_u: int, steps: int) -> Item:
     """The item a spend of `steps` steps at (q, sigma) under the privatizer `record` (None: the i.i.d. Gaussian)
-    charges. Raises `ConfigError` (`privatizer_unknown`, `privatizer_invalid`) for a record it cannot rebuild."""
-    if record is None or dict(record) == {"name": "gaussian"}:  # today's bucket, without importing a class
-        return (sampling_rate_u, noise_multiplier_u, steps)
-    privatizer = _rebuilt(tuple(sorted(record.items())))
-    return bucketer(privatizer)(sampling_rate_u, noise_multiplier_u, steps)
+    charges. Raises `ConfigError` (`privatizer_unknown`, `privatizer_invalid`) for a record its rule refuses or a
+    charge no accountant composes."""
+    if record is None or (isinstance(record, Mapping) and dict(record) == {"name": "gaussian"}):
+        return (sampling_rate_u, noise_multiplier_u, steps)  # today's bucket, as before privatizers
+    return as_item(record_charge(record, sampling_rate_u=sampling_rate_u, noise_multiplier_u=noise_multiplier_u,
+                                 steps=steps))
 
 
 def spend_item(entry: Mapping[str, Any]) -> Item:
@@ -65,13 +56,13 @@ def spend_item(entry: Mapping[str, Any]) -> Item:
 
 
 def bucketer(privatizer: "Privatizer | None") -> Bucketer:
-    """(q_u, sigma_u, steps) -> item, through `privatizer.charge` (None: the i.i.d. Gaussian's buckets)."""
+    """(q_u, sigma_u, steps) -> item, through the rule of `privatizer`'s record (None: the i.i.d. Gaussian's
+    buckets): the charge the verifier will recompute from the record the spend carries."""
     if privatizer is None:
         return lambda q_u, sigma_u, steps: (q_u, sigma_u, steps)
 
     def bucket(q_u: int, sigma_u: int, steps: int) -> Item:
-        return as_item(_check(privatizer.charge(sampling_rate_u=q_u, noise_multiplier_u=sigma_u, steps=steps),
-                              privatizer.name))
+        return charge_item(privatizer.record(), q_u, sigma_u, steps)
 
     return bucket
 

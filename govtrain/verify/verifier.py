@@ -56,7 +56,7 @@ from govtrain.ledger.spend_rules import SpendBook, SpendRuleError, min_sampling_
 from govtrain.ledger.tuning import TuneBook, TuneRuleError
 from govtrain.mechanisms import MECHANISMS
 from govtrain.policy.model import Policy
-from govtrain.privatizers import from_record
+from govtrain.privatizers.rules import check_record
 from govtrain.ledger.merkle import CompactRange, root_of
 from govtrain.verify.integrity import NOT_CHECKED, _Failure, _integrity, fork_detail, tampered
 from govtrain.verify.retention import RetentionAudit
@@ -469,8 +469,9 @@ class _Audit:
             raise _Failure(Code.BAD_ENTRY, f"entry {seq}: run {entry['run_id']!r} records device {entry['device']!r} "
                            f"and precision {entry['precision']!r}: cpu or cuda:N, and one of {', '.join(PRECISIONS)}",
                            seq=seq)
-        try:
-            from_record(entry.get("privatizer"))
+        try:  # the record's rule, torch-free (privatizers/rules.py); an entry without one is the i.i.d. Gaussian's
+            if "privatizer" in entry:
+                check_record(entry["privatizer"])
         except ConfigError as e:
             raise _Failure(Code.BAD_PRIVATIZER, f"entry {seq}: run {entry['run_id']!r}: {e.detail}", seq=seq) from e
         try:  # a run id is a one-time lease: one run entry, under the nonce its spend carries
