@@ -19,6 +19,7 @@ from typing import Callable, ContextManager
 import torch
 import torch.nn.functional as F
 
+from govtrain.errors import Code, ConfigError
 from govtrain.mechanisms.update import Update
 from govtrain.policy.model import DataClass, DepthProfile
 from govtrain.resolver.model import describe
@@ -122,6 +123,10 @@ class Governed:
                  losses: Losses = classification_losses, compiled: bool = False, privatizer=None) -> None:
         self.model, self.autocast, self.losses = model, autocast, losses
         self.name = name or run.training.mechanism
+        if run.noise.microbatches != 1:  # `step` privatizes each batch whole, with one noise per group
+            raise ConfigError(Code.PRIVATIZER_UNSUPPORTED, f"the bench harness takes one noise per step, not "
+                                                           f"[noise] microbatches = {run.noise.microbatches}: use "
+                                                           "govtrain train or GovernedRun for per-microbatch noise")
         resolution = resolve(classes, describe(model))
         self.router = Router(model, resolution, mechanism=run.training.mechanism, insecure_seed=seed,
                              compiled=compiled, privatizer=privatizer)

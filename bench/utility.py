@@ -263,7 +263,7 @@ def draws(method: str, setup: Setup, bands: int | None = None):
     snippets of each drawn one (as `govtrain train` draws under privacy_unit = "contribution"); a uniform batch
     of the expected size for the non-private row."""
     size = len(setup.task.train[0])
-    sampler = CyclicPoissonSampler(setup.sampling_rate, cycle=bands, partition_key=b"bench/utility",
+    sampler = CyclicPoissonSampler(setup.sampling_rate, cycle=bands, partition_key=b"utility-bench-run",
                                    insecure_seed=setup.seed) if method == "banded-mf" else \
         PoissonSampler(setup.sampling_rate, insecure_seed=setup.seed)
     uniform = random.Random(setup.seed)

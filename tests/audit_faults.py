@@ -55,9 +55,9 @@ def noise_off() -> Iterator[None]:
 def noise_over_realised_batch() -> Iterator[None]:
     accumulate, finish, begin = Router.accumulate, Router.finish, Router.begin
 
-    def counting_begin(self):  # type: ignore[no-untyped-def]
+    def counting_begin(self, group_std=None):  # type: ignore[no-untyped-def]
         self._realised = 0
-        return begin(self)
+        return begin(self, group_std)
 
     def counting(self, losses, classes, clip_norms, units=None):  # type: ignore[no-untyped-def]
         self._realised = getattr(self, "_realised", 0) + len(classes)

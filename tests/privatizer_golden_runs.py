@@ -61,5 +61,8 @@ def compute() -> dict[str, str]:
 if __name__ == "__main__":
     found = compute()
     if "--write" in sys.argv[1:]:
+        import torch
+
+        found["_machine"] = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__}
         GOLDEN.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
     print(json.dumps(found, indent=1, sort_keys=True))

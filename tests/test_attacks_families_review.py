@@ -31,7 +31,7 @@ from govtrain.privatizers.families.rounding import conditional_round  # noqa: E4
 from govtrain.privatizers.families.skellam import Skellam  # noqa: E402
 
 
-def _tiny_router(privatizer):  # type: ignore[no-untyped-def]
+def _tiny_router(privatizer, insecure_seed: int | None = 0):  # type: ignore[no-untyped-def]
     """The tiny BERT of tests/test_routing.py through the router, materialized for `privatizer`."""
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
@@ -42,7 +42,7 @@ def _tiny_router(privatizer):  # type: ignore[no-untyped-def]
 
     net = model()
     resolution = resolve(CLASSES, describe(net))
-    router = Router(net, resolution, insecure_seed=0)
+    router = Router(net, resolution, insecure_seed=insecure_seed)
     if privatizer is not None:
         privatizer.bind(sum(p.numel() for p in net.parameters() if p.requires_grad))
         router.materialize(privatizer)
@@ -189,7 +189,7 @@ def test_finding_run_noise_generator_has_32_bits_of_entropy():
     generator. So every run's noise is one of 2^32 streams: enumerable in hours, after which the noise is
     subtracted exactly. SHOULD: noise seeded with ≥ 128 bits of OS entropy (samplers.generator() from
     os.urandom, or the mt19937 state filled from os.urandom), so two distinct OS seeds never share noise."""
-    _, _, router = _tiny_router(None)
+    _, _, router = _tiny_router(None, insecure_seed=None)  # as a run builds it (a seeded router is a test's)
     try:
         seed = router.generator.initial_seed()
         twin = torch.Generator().manual_seed(seed ^ (0x5EED << 40))  # another 64-bit seed, same low 32 bits

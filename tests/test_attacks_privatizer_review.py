@@ -24,7 +24,6 @@ import pytest
 from govtrain import units
 from govtrain.accounting.accountants import spend_epsilon_u
 from govtrain.errors import ConfigError, GovtrainError, IntegrityError
-from govtrain.ledger.ledger import Ledger
 from govtrain.verify.verifier import verify_ledger
 from tests.conftest import Corpus, lease, noise_groups_for, record_spend, snapshot
 from tests.test_attacks_privatizer_record import DELTA_P, Q_U, _entries, _flagged, _forged_spend
@@ -137,8 +136,11 @@ def test_finding_3_the_verifier_imports_torch_to_rebuild_an_mf_record(corpus: Co
         ledger.record_run("run-a", "dpsgd", bytes(32), bytes(32), None, corpus.now, run_nonce=lease("run-a"),
                           privatizer=record)
     code = ("import sys\nfrom govtrain.privatizers.rules import check_record, record_charge\n"
+            "from govtrain.accounting import charges\n"
             f"check_record({record!r})\n"
             f"record_charge({record!r}, sampling_rate_u=10_000, noise_multiplier_u=1_000_000, steps=10)\n"
+            f"charges.check_record({record!r})\n"
+            f"charges.charge_item({record!r}, 10_000, 1_000_000, 10)\n"
             "assert not {'torch', 'numpy'} & set(sys.modules), 'charging the record imported torch or numpy'\n"
             "from govtrain.verify.verifier import verify_ledger\n"
             f"assert verify_ledger({corpus.url!r}).spend_recomputed\n"
@@ -332,7 +334,7 @@ def test_held_a_run_state_from_another_strategy_is_refused_on_resume():
     from govtrain.train.run import Run
 
     slots = [Slot(key="w", shape=torch.Size([2]), dtype=torch.float64, device=torch.device("cpu"))]
-    other = from_record({**BANDED, "coefficients_p": [600_000_000_000, 800_000_000_000]})
+    other = from_record({**BANDED, "coefficients_p": [900_000_000_000, 400_000_000_000]})  # another stable strategy
     saved = {"privatizer": other.record(), "state": other.state_dict(other.init(slots))}
     ours = from_record(BANDED)
     fake = SimpleNamespace(privatizer=ours, state_path="out/run-state.pt",
@@ -340,7 +342,8 @@ def test_held_a_run_state_from_another_strategy_is_refused_on_resume():
     with pytest.raises(ConfigError) as refused:
         Run._load_noise_state(fake, saved)
     assert refused.value.code.value == "output_taken" and fake.router.noise_state is None
-    Run._load_noise_state(fake, {"privatizer": ours.record(), "state": saved["state"]})  # its own: resumes
+    own = ours.state_dict(ours.init(slots))  # a noise state is bound to the record that saved it (rev-mf fix 3)
+    Run._load_noise_state(fake, {"privatizer": ours.record(), "state": own})  # its own: resumes
     assert fake.router.noise_state.step == 0
 
 

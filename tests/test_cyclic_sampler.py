@@ -97,5 +97,8 @@ def test_misuse_is_refused():
         CyclicPoissonSampler(0.01, cycle=0, partition_key=RUN_ID)
     with pytest.raises(RuntimeError):
         CyclicPoissonSampler(0.01, cycle=4, partition_key=RUN_ID).sample(np.arange(10), units=10)
-    sampler = CyclicPoissonSampler(0.5, cycle=4, partition_key=RUN_ID)
-    assert sampler.part_rate == 1.0  # min(1, cycle·q)
+    with pytest.raises(ValueError, match="expected batch would drop"):  # cycle·q > 1: a smaller batch than asked
+        CyclicPoissonSampler(0.5, cycle=4, partition_key=RUN_ID)
+    assert CyclicPoissonSampler(0.25, cycle=4, partition_key=RUN_ID).part_rate == 1.0  # cycle·q = 1 exactly
+    sampler = CyclicPoissonSampler(0.5, cycle=4, partition_key=RUN_ID, allow_rate_cap=True)
+    assert sampler.part_rate == 1.0  # min(1, cycle·q), when allowed

@@ -15,8 +15,8 @@ from govtrain import units
 from govtrain.privatizers.base import Slot
 from govtrain.privatizers.mf import toeplitz
 from govtrain.privatizers.mf.banded import BandedMF, round_coefficients
-from govtrain.privatizers.mf.blt import BLT
-from govtrain.privatizers.mf.charge import participation_factor
+from govtrain.privatizers.mf.blt import BLT, inverse_is_stable
+from govtrain.privatizers.mf.charge import banded_charge, blt_charge, participation_factor
 from govtrain.privatizers.mf.optimize import banded_column, sqrt_column
 from govtrain.privatizers.mf.stream import standard_normal
 
@@ -330,3 +330,85 @@ def test_on_cuda_the_stream_is_keyed_and_resumes_exactly():
         rest, _ = run(privatizer.load_state([slot], saved), 6)
         assert all(torch.equal(a, b) for a, b in zip(whole, first + rest))
         assert all(t.device.type == "cuda" for t in whole)
+
+
+def test_update_checks_the_run_step_and_the_std_and_changes_nothing_when_it_refuses():
+    privatizer = BandedMF(bands=4, horizon=T, insecure_seed=5)
+    slot = _slot()
+    state = privatizer.init([slot])
+    for step in range(3):
+        _, state = privatizer.update({"w": torch.zeros(6, dtype=torch.float64)}, state, std={"w": 1.0}, step=step)
+    before = {k: v.clone() for k, v in state.buffers.items()}
+    sums = torch.ones(6, dtype=torch.float64)
+    refused = [dict(std={"w": 1.0}, step=2), dict(std={"w": 1.0}, step=4), dict(std={"w": 1.0}, step=True),
+               dict(std={"w": -0.5}), dict(std={"w": float("nan")}), dict(std={"w": float("inf")})]
+    for kwargs in refused:
+        with pytest.raises(ValueError):
+            privatizer.update({"w": sums}, state, **kwargs)
+    with pytest.raises(ValueError):  # a sum of another dtype than the slot's
+        privatizer.update({"w": torch.ones(6, dtype=torch.float32)}, state, std={"w": 1.0})
+    assert state.step == 3 and torch.equal(sums, torch.ones(6, dtype=torch.float64))
+    assert all(torch.equal(before[k], state.buffers[k]) for k in before)
+    _, after = privatizer.update({"w": sums}, state, std={"w": 1.0}, step=3)
+    assert after.step == 4 and all(torch.equal(before[k], state.buffers[k]) for k in before)  # a new state
+
+
+def test_charges_refuse_a_rate_or_multiplier_out_of_range():
+    banded = BandedMF(bands=4, horizon=T).record()
+    blt = BLT(buffers=2, horizon=T, min_separation=3).record()
+    for charge, record in ((banded_charge, banded), (blt_charge, blt)):
+        for rate_u, multiplier_u in ((0, 1_000_000), (units.MICRO + 1, 1_000_000), (1_000, 0), (1_000, -1),
+                                     (1_000, 1.5), (True, 1_000_000)):
+            with pytest.raises(ValueError):
+                charge(record, sampling_rate_u=rate_u, noise_multiplier_u=multiplier_u, steps=10)
+        assert charge(record, sampling_rate_u=units.MICRO, noise_multiplier_u=1, steps=10)[2] > 0
+
+
+def test_the_root_test_against_numpy():
+    """`no_root_in_closed_unit_disc` (exact integers) against numpy's roots on random integer polynomials, both of its
+    paths (decreasing positive coefficients, Schur–Cohn), away from roots on the circle where floats cannot decide;
+    and the BLT eigenvalue test against numpy's eigenvalues of diag(θ) - 1ωᵀ."""
+    generator = np.random.default_rng(4)
+    decided = 0
+    for _ in range(2000):
+        degree = int(generator.integers(1, 8))
+        coefficients = [int(v) for v in generator.integers(-30, 31, degree + 1)]
+        coefficients[-1] = coefficients[-1] or 1
+        if generator.random() < 0.2:
+            coefficients = sorted((abs(v) + 1 for v in coefficients), reverse=True)
+        moduli = np.abs(np.roots(coefficients[::-1]))
+        if np.any(np.abs(moduli - 1) < 1e-6):
+            continue
+        decided += 1
+        assert toeplitz.no_root_in_closed_unit_disc(coefficients) == bool(np.all(moduli > 1)), coefficients
+    assert decided > 1500
+    assert not toeplitz.no_root_in_closed_unit_disc([1, 0, 1])  # roots ±i, on the circle
+    assert not toeplitz.no_root_in_closed_unit_disc([2, 2, 2])  # not strictly decreasing: roots on the circle
+    for _ in range(300):
+        buffers = int(generator.integers(1, 5))
+        theta = [int(v) for v in generator.integers(1, units.PICO, buffers)]
+        omega = [int(v) for v in generator.integers(0, units.PICO // buffers, buffers)]
+        system = np.diag(np.array(theta) / units.PICO) - np.outer(np.ones(buffers), np.array(omega) / units.PICO)
+        radius = float(np.max(np.abs(np.linalg.eigvals(system))))
+        if abs(radius - 1) > 1e-6:
+            assert inverse_is_stable(theta, omega) == (radius < 1)
+
+
+def test_unstable_banded_records_are_refused_and_optimised_ones_accepted():
+    pico = units.PICO
+    for coefficients in ([pico // 2, pico // 2], [300_000_000_000, 950_000_000_000], [pico // 4, 0, pico // 2]):
+        record = {"name": "banded-mf", "bands": len(coefficients), "horizon": 100, "coefficients_p": coefficients}
+        with pytest.raises(ValueError, match="unstable"):
+            BandedMF.from_record(record)
+    # a stable record that is not decreasing (c(x) = 0.5 - 0.3x + 0.2x²) goes through the Schur–Cohn path
+    BandedMF.from_record({"name": "banded-mf", "bands": 3, "horizon": 100,
+                          "coefficients_p": [pico // 2, -3 * pico // 10, pico // 5]})
+    for bands in (2, 16, 64):
+        BandedMF.from_record(BandedMF(bands=bands, horizon=500).record())
+
+
+@pytest.mark.parametrize("buffers, separation", [(1, 1), (2, 3), (2, 250), (4, 16)])
+def test_the_exact_participation_factor_is_the_float_one_rounded_up(buffers, separation):
+    blt = BLT(buffers=buffers, horizon=1000, min_separation=separation)
+    m = participation_factor(blt.theta, blt.omega, separation)
+    assert m <= blt.factor_p / units.PICO <= m * (1 + 1e-9)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Union
 
 from govtrain.privatizers.base import Charge
-from govtrain.privatizers.rules import record_charge
+from govtrain.privatizers.rules import check_record, record_charge
 
 if TYPE_CHECKING:
     from govtrain.privatizers.base import Privatizer
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 Item = Union[tuple[int, int, int], Charge]  # one spend's charge in a history
 Bucketer = Callable[[int, int, int], Item]  # (q_u, sigma_u, steps) -> the item a spend of them charges
 
-__all__ = ["Item", "Bucketer", "as_item", "charge_item", "spend_item", "bucketer", "family_charges"]
+__all__ = ["Item", "Bucketer", "as_item", "charge_item", "check_record", "spend_item", "bucketer", "family_charges"]
 
 
 def as_item(charge: Charge) -> Item:

@@ -34,6 +34,7 @@ from govtrain.audit import world as worlds
 from govtrain.audit.bounds import AuditBound, audit_scores
 from govtrain.audit.canaries import Canaries, DiracCanaries, admit, coordinates_for, draw_canaries, units_of
 from govtrain.audit.tradeoff import SubsampledGaussian
+from govtrain.privatizers.base import FIELDS
 
 REAL_CONTRIBUTIONS, REAL_RECORDS = 4, 5  # the real data: a few small contributions of the real class
 
@@ -55,9 +56,24 @@ class AuditConfig:
     scale: float = 10.0  # a white-box canary's gradient norm, in units of C
     lr: float = 0.1
     seed: int = 0
+    # the run's RUN.toml [noise] (docs/privatizers.md): the privatizer and its fields, None where unset
+    privatizer: str = "gaussian"
+    bands: int | None = None
+    buffers: int | None = None
+    min_separation: int | None = None
+    granularity_bits: int | None = None
+    beta_exp: int | None = None
 
     def describe(self) -> str:
-        return f"{self.mechanism} {self.kind} {self.unit} unit, {self.profile} profile"
+        noise = "" if self.privatizer == "gaussian" else f", {self.privatizer} noise"
+        return f"{self.mechanism} {self.kind} {self.unit} unit, {self.profile} profile{noise}"
+
+    def noise(self):  # type: ignore[no-untyped-def]
+        """Its RUN.toml [noise] section (`train.config.NoiseSection`)."""
+        from govtrain.train.config import NoiseSection
+
+        return NoiseSection(privatizer=self.privatizer, **{k: getattr(self, k) for k in FIELDS
+                                                            if getattr(self, k) is not None})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,8 +81,11 @@ class AuditResult:
     config: AuditConfig
     claimed: float  # the canaries' largest cumulative ε in the ledger, at `delta`
     delta: float
-    mechanism: SubsampledGaussian  # each canary's mechanism, as the run claims it
-    bound: AuditBound  # its `fdp` is the f-DP test against `mechanism`
+    # each canary's mechanism, as the ledger's charge claims it: a subsampled Gaussian (the i.i.d. Gaussian's at
+    # (q, σ, steps); banded MF's at (min(1, b·q), σ, ⌈T/b⌉); BLT's unamplified at (1, σ/√m, ⌈T/b⌉)), or None for a
+    # noise family, whose mechanism has no such curve: then only the one-run bound, valid for any mechanism
+    mechanism: SubsampledGaussian | None
+    bound: AuditBound  # its `fdp` is the f-DP test against `mechanism` (None without one)
     seconds: float
     scores: np.ndarray = field(repr=False)
     included: np.ndarray = field(repr=False)
@@ -75,9 +94,12 @@ class AuditResult:
     def failed(self) -> bool:
         """The audit shows the claim wrong: the one-run bound (any mechanism) exceeds the ledger's ε, or the f-DP
         test rejects the claimed curve. `bound.fdp.epsilon` above the claim says the same for a mechanism of the
-        claimed family (a subsampled Gaussian), which the rejection already covers."""
-        assert self.bound.fdp is not None
-        return self.bound.epsilon_one_run > self.claimed or self.bound.fdp.claim_rejected
+        claimed family (a subsampled Gaussian), which the rejection already covers. A noise family's audit has no
+        claimed curve: the one-run bound alone."""
+        if self.mechanism is not None:
+            assert self.bound.fdp is not None
+        rejected = self.bound.fdp is not None and self.bound.fdp.claim_rejected
+        return self.bound.epsilon_one_run > self.claimed or rejected
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,7 +121,7 @@ def run_audit(config: AuditConfig, folder: Path, *, log: Callable[[str], None] =
         f"σ = {setup.sigma:g}")
     scores = _train(config, setup, now, log)
     claimed = _claimed(setup.world, setup.canaries)
-    mechanism = SubsampledGaussian(noise_multiplier=setup.sigma, sampling_rate=config.q, steps=config.steps)
+    mechanism = _claimed_mechanism(setup.world, setup.canaries)
     bound = audit_scores(scores, setup.canaries.included, delta=config.delta, claim=mechanism)
     return AuditResult(config=config, claimed=claimed, delta=config.delta, mechanism=mechanism, bound=bound,
                        seconds=time.perf_counter() - started, scores=scores, included=setup.canaries.included)
@@ -116,15 +138,16 @@ def prepare(config: AuditConfig, folder: Path, *, now: Callable[[], int] = lambd
     rng = np.random.default_rng(config.seed)
     canaries = draw_canaries(config.m, rng)
     # RDP is cheap and never tighter than the ledger's PRV: the claim the ledger then charges is at most the target
-    sigma = noise_multiplier_for(config.epsilon, config.delta, config.q, config.steps, "rdp").noise_multiplier
+    sigma, budget = _calibrate(config)
     white = config.kind == "white-box"
     labels = max(2, -(-config.m // worlds.HIDDEN)) if white and config.profile == "head" else 16
     model = worlds.save_tiny_bert(folder / "model", labels, seed=config.seed)
     world = worlds.build(folder, policy=worlds.policy_text(
         profile=config.profile, unit=config.unit, q=config.q, delta=config.delta, epoch_steps=config.steps,
-        audit_sigma=sigma, audit_budget=config.epsilon * 1.5, real_sigma=1.0 if white else sigma),
+        audit_sigma=sigma, audit_budget=budget, real_sigma=1.0 if white else sigma),
         model=model, run=worlds.run_toml(model=model, profile=config.profile, mechanism=config.mechanism,
-                                         steps=config.steps, lr=config.lr, lora_r=8 if config.profile == "adapter" else 2))
+                                         steps=config.steps, lr=config.lr, lora_r=8 if config.profile == "adapter" else 2,
+                                         noise=config.noise()))
     clock = now()
     real = {f"real-{k}": [{"text": f"{worlds.WORDS[(k + i) % 9]} movie {worlds.WORDS[9 + (i % 8)]}", "label": i % 2}
                           for i in range(REAL_RECORDS)] for k in range(REAL_CONTRIBUTIONS)}
@@ -133,8 +156,47 @@ def prepare(config: AuditConfig, folder: Path, *, now: Callable[[], int] = lambd
           now=clock)
     rows = _canary_rows(canaries, labels, rng, white)
     admit(world, {cid: [rows[i]] for i, cid in enumerate(canaries.ids) if canaries.included[i]},
-          data_class=canary_class, clip_norm=1.0, sigma=sigma, budget=config.epsilon * 1.5, now=clock)
+          data_class=canary_class, clip_norm=1.0, sigma=sigma, budget=budget, now=clock)
     return Setup(world=world, canaries=canaries, rows=rows, sigma=sigma)
+
+
+def _calibrate(config: AuditConfig) -> tuple[float, float]:
+    """(the canaries' signed σ, their ε budget). A Gaussian-family charge (the i.i.d. Gaussian, banded MF, BLT) is
+    (rate, σ·k, rounds) with rate, rounds and k = charged multiplier over σ fixed by the privatizer: σ is the
+    multiplier calibrated to `epsilon` at that rate and rounds, over k. A noise family's accountant has no such
+    inverse here: σ is the i.i.d. Gaussian's at (q, steps), and the ledger charges what that family's accountant
+    says (the claim is read back), with the budget wide enough for every step."""
+    from govtrain.accounting.calibrate import noise_multiplier_for
+    from govtrain.privatizers import build
+
+    privatizer = build(config.noise(), horizon=config.steps)
+    if privatizer.quantized or privatizer.family != "gaussian":
+        sigma = noise_multiplier_for(config.epsilon, config.delta, config.q, config.steps, "rdp").noise_multiplier
+        return sigma, config.epsilon * 10
+    charge = privatizer.charge(sampling_rate_u=round(config.q * units.MICRO), noise_multiplier_u=units.MICRO,
+                               steps=config.steps)
+    calibrated = noise_multiplier_for(config.epsilon, config.delta, charge.sampling_rate_u / units.MICRO, charge.rounds,
+                                      "rdp").noise_multiplier
+    # k ≤ 1 (BLT: 1/√m); a hair more noise so that the charged multiplier, rounded down, still meets the calibration
+    return calibrated * units.MICRO / charge.noise_multiplier_u * (1 + 1e-5), config.epsilon * 1.5
+
+
+def _claimed_mechanism(world: worlds.World, canaries: Canaries) -> SubsampledGaussian | None:
+    """The mechanism the ledger charges a canary for, from its spend entries' records (`charges.spend_item`): one
+    subsampled Gaussian where every spend is a Gaussian bucket of one (rate, σ), None for another family."""
+    from govtrain.accounting.charges import spend_item
+    from govtrain.ledger.entries import decode_entry
+    from govtrain.ledger.ledger import Ledger
+
+    charged = [cid for cid, inside in zip(canaries.ids, canaries.included) if inside]
+    with Ledger.open(world.url) as ledger:
+        spends = [decode_entry(e.body, seq=e.seq, kind=e.kind) for e in ledger.store.entries(kinds=("spend",))]
+    items = [spend_item(s) for s in spends if s["contribution_id"] == charged[0]]
+    if not items or any(not isinstance(item, tuple) for item in items) or len({i[:2] for i in items}) != 1:
+        return None
+    rate_u, sigma_u, _ = items[0]
+    return SubsampledGaussian(noise_multiplier=sigma_u / units.MICRO, sampling_rate=rate_u / units.MICRO,
+                              steps=sum(item[2] for item in items))
 
 
 def open_run(config: AuditConfig, world: worlds.World, *, now: Callable[[], int] = lambda: int(time.time()),

@@ -8,7 +8,8 @@ move it are canary i's gradient and the mechanism's noise. Its per-sample gradie
 own gradient for it is zero (its loss is weighted by zero). `DiracCanaries` hands the Dirac to the router's
 per-sample clipping (`Router.inject_audit_canaries`): the router adds its square to the canary's squared norm,
 clips it with the canary's own coefficient, sums it, noises the group and divides by the expected batch size,
-exactly as it does a real example's gradient.
+exactly as it does a real example's gradient. On the materialized path (the noise families) the Dirac joins the
+unit's per-sample vector itself (`diracs`), before its L1 or L2 norm, clipping and quantisation.
 
 Only `govtrain.audit` builds a `DiracCanaries`, and the router accepts no other object: no RUN.toml field,
 policy entry or command-line option reaches it.
@@ -142,6 +143,15 @@ class DiracCanaries:
             square = squares.setdefault(name, torch.zeros(batch, dtype=dtype, device=device))
             square.index_add_(0, index, values * values)
             self._pending[name] = (index, torch.tensor(flat, dtype=torch.long, device=device), values)
+
+    def diracs(self, classes: Sequence[str]) -> list[tuple[int, Coordinate, float]]:
+        """The materialized path's form (the noise families: `routing/materialized.py`): each selected canary's
+        (clipping unit's row, coordinate, value), which the path adds to that unit's per-sample vector before its
+        norm (L1 or L2), clipping and quantisation, exactly as a real unit's gradient. Consumes the selection."""
+        self.check(classes)
+        owners, self._selected = self._selected, None
+        return [(row, self.coordinates[owner], self.value) for row, owner in enumerate(owners)
+                if owner in self.coordinates]
 
     def add_clipped(self, totals: dict[str, Tensor], coefficients: Mapping[str, Tensor]) -> None:
         """Add each injected Dirac, times its unit's clipping coefficient for that parameter, to the sums."""

@@ -124,10 +124,16 @@ public_key_file = "ledger.pub"
 """
 
 
-def run_toml(*, model: Path, profile: Profile, mechanism: str, steps: int, lr: float, lora_r: int) -> str:
+def run_toml(*, model: Path, profile: Profile, mechanism: str, steps: int, lr: float, lora_r: int,
+             noise=None) -> str:  # type: ignore[no-untyped-def]
     """RUN.toml of the audited run: plain SGD (no momentum, no weight decay), so that a coordinate only the
-    canaries' class reaches moves by exactly -lr times its noised, clipped sum divided by the expected batch."""
+    canaries' class reaches moves by exactly -lr times its noised, clipped sum divided by the expected batch.
+    `noise`: its [noise] section (a `train.config.NoiseSection`; None: the i.i.d. Gaussian, no section)."""
     layers = f"layers = {list(range(LAYERS - 1))}\n" if profile == "head" else ""
+    section = ""
+    if noise is not None:
+        fields = {k: v for k, v in noise.model_dump().items() if v is not None}
+        section = "[noise]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items())
     return f"""
 [model]
 base = "{model}"
@@ -145,7 +151,7 @@ steps = {steps}
 data = "data"
 output = "run"
 run_id = "audit"
-"""
+{section}"""
 
 
 def _labels_of(model: Path) -> int:

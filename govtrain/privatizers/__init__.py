@@ -1,9 +1,9 @@
 """Privatizers: what turns the router's clipped sums into the released gradient (docs/privatizers.md; the
 interface is `base.py`). RUN.toml `[noise] privatizer` names one of `REGISTRY`; the `run` and `spend` entries
-record its `record()`, from which the verifier rebuilds it (`from_record`) and recomputes every charge.
+record its `record()`, from which the verifier recomputes every charge (`rules.py`) and the writer rebuilds it.
 
-    privatizer = build(config.file.noise, generator=generator)   # RUN.toml [noise]; None: the i.i.d. Gaussian
-    privatizer = from_record(spend["privatizer"])                # what a ledger entry recorded
+    privatizer = build(config.file.noise, horizon=steps)   # RUN.toml [noise]; None: the i.i.d. Gaussian
+    privatizer = from_record(spend["privatizer"])          # what a ledger entry recorded
 
 Each name maps to "module:Class", imported only when asked for. The classes are the writer's (they draw the
 noise, and the matrix factorizations import torch): the verifier, the planner and the scheduler check records
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from govtrain.privatizers.base import Privatizer
     from govtrain.train.config import NoiseSection
 
-__all__ = ["REGISTRY", "GAUSSIAN_RECORD", "privatizer_class", "build", "from_record"]
+__all__ = ["REGISTRY", "GAUSSIAN_RECORD", "CORRELATED_FIELDS", "privatizer_class", "build", "from_record"]
 
 REGISTRY: dict[str, str] = {
     "gaussian": "govtrain.privatizers.gaussian:IIDGaussian",
@@ -62,21 +62,73 @@ def privatizer_class(name: str) -> "type[Privatizer]":
     return found
 
 
-def build(noise: "NoiseSection | None" = None, *, generator: "torch.Generator | None" = None) -> "Privatizer":
-    """The privatizer RUN.toml [noise] describes (None: the i.i.d. Gaussian), drawing from `generator`.
-    ConfigError `privatizer_unknown` for a privatizer not available, `privatizer_invalid` for parameters it
-    refuses."""
+# What a correlated privatizer takes from RUN.toml [noise], every field required; the run gives its horizon.
+CORRELATED_FIELDS: Mapping[str, tuple[str, ...]] = {"banded-mf": ("bands",), "blt": ("buffers", "min_separation")}
+
+
+def build(noise: "NoiseSection | None" = None, *, horizon: int | None = None,
+          generator: "torch.Generator | None" = None, insecure_seed: int | None = None) -> "Privatizer":
+    """The privatizer RUN.toml [noise] describes (None: the i.i.d. Gaussian) for a run of `horizon` steps (its
+    `training.steps`: a correlated privatizer's strategy is optimised for it), drawing from `generator`;
+    `insecure_seed` fixes its own noise (tests only, never recorded). ConfigError `privatizer_unknown` for a
+    privatizer not available, `privatizer_invalid` for parameters it refuses, `privatizer_unsupported` for
+    `microbatches` > 1 with a privatizer that does not add per-microbatch noise."""
     if noise is None:
         from govtrain.train.config import NoiseSection
 
         noise = NoiseSection()
-    cls = privatizer_class(noise.privatizer)
+    cls = check_microbatches(noise)
     try:
-        privatizer = cls.from_config(noise)
+        if cls.name in CORRELATED_FIELDS:
+            privatizer = _correlated(cls, noise, horizon, insecure_seed)
+        else:
+            privatizer = cls.from_config(noise, horizon=horizon, insecure_seed=insecure_seed)
+        if noise.microbatches > 1:  # recorded by the privatizer: the ledger says how each step was noised
+            privatizer = cls.from_record({**privatizer.record(), "microbatches": noise.microbatches})
     except ValueError as e:
         raise ConfigError(Code.PRIVATIZER_INVALID, f"RUN.toml [noise]: {e}") from e
     privatizer.generator = generator
     return privatizer
+
+
+def check_microbatches(noise: "NoiseSection") -> "type[Privatizer]":
+    """The class [noise] names, once its `microbatches` is checked: more than 1 only with a privatizer that adds
+    per-microbatch noise (ConfigError `privatizer_unsupported`; `privatizer_unknown` for a name not available).
+    Cheap: a run checks it before it makes anything."""
+    cls = privatizer_class(noise.privatizer)
+    if noise.microbatches > 1 and not cls.per_microbatch:
+        why = ("its noise is correlated across steps and its state advances once per step" if cls.correlated else
+               "it does not add per-microbatch noise")
+        raise ConfigError(Code.PRIVATIZER_UNSUPPORTED, f"RUN.toml [noise]: microbatches = {noise.microbatches} with "
+                                                       f"privatizer {cls.name!r}: {why}; per-microbatch noise takes "
+                                                       "the i.i.d. gaussian: set microbatches = 1 or privatizer = "
+                                                       "\"gaussian\"")
+    return cls
+
+
+def _correlated(cls: "type[Privatizer]", noise: "NoiseSection", horizon: int | None,
+                insecure_seed: int | None) -> "Privatizer":
+    """A matrix-factorization privatizer from its [noise] fields and the run's horizon (ValueError: a field
+    missing, one it does not take, or values its strategy refuses)."""
+    from govtrain.privatizers.base import FIELDS
+
+    takes = CORRELATED_FIELDS[cls.name]
+    given = {k: v for k, v in noise.model_dump().items() if k in FIELDS and v is not None}
+    other = sorted(set(given) - set(takes))
+    if other:
+        raise ValueError(f"noise.{other[0]} does not apply to privatizer {cls.name!r} (it takes "
+                         f"{', '.join(takes)}): remove it")
+    missing = [k for k in takes if k not in given]
+    if missing:
+        raise ValueError(f"privatizer {cls.name!r} needs noise.{missing[0]}: set it")
+    if type(horizon) is not int or horizon < 1:
+        raise ValueError(f"privatizer {cls.name!r} is optimised for the run's horizon (training.steps): build it "
+                         "with the run's steps")
+    for k in ("bands", "min_separation"):
+        if k in given and given[k] > horizon:
+            raise ValueError(f"noise.{k} = {given[k]} is more than the run's {horizon} steps "
+                             "(training.steps): lower it")
+    return cls(**given, horizon=horizon, insecure_seed=insecure_seed)
 
 
 def from_record(record: Mapping[str, Any] | None) -> "Privatizer":
@@ -90,7 +142,7 @@ def from_record(record: Mapping[str, Any] | None) -> "Privatizer":
         record = GAUSSIAN_RECORD
     check_record(record)  # what the verifier checks (rules.py): the writer refuses no less
     cls = privatizer_class(record["name"])
-    try:
+    try:  # whatever a record makes its class raise is that record's fault: coded, never a traceback
         privatizer = cls.from_record(record)
         written = privatizer.record()
     except GovtrainError:

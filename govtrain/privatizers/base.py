@@ -3,7 +3,7 @@ gradient, with state that may carry noise from one step to the next.
 
     privatizer = build(noise_section)                  # RUN.toml [noise]: which privatizer, and its parameters
     state = privatizer.init(slots)                     # once per run: one Slot per tensor the step noises
-    noisy, state = privatizer.update(sums, state, std=std, keep=keep)   # once per logical step
+    noisy, state = privatizer.update(sums, state, std=std, keep=keep, step=t)   # once per logical step
 
 `sums` maps a slot key to the step's clipped sum (the router's accumulator dtype, fp32 or wider); `std` maps it to
 the group's noise scale s_g (an absolute standard deviation, not a multiplier; a key with no std, or std 0, gets no
@@ -25,11 +25,14 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
 
-if TYPE_CHECKING:  # the verifier rebuilds privatizers from records (`from_record`, `charge`) and never imports torch
+if TYPE_CHECKING:  # the verifier charges records through `rules.py` and never imports torch; nor does this module
     import torch
     from torch import Tensor
 
     from govtrain.train.config import NoiseSection
+
+# The RUN.toml [noise] fields that parametrise a privatizer; any other field of the section configures the router.
+FIELDS = ("bands", "buffers", "min_separation", "granularity_bits", "beta_exp")
 
 State = Any  # a privatizer's own state: secret; persisted only through `state_dict` / `load_state`
 
@@ -82,21 +85,27 @@ class Privatizer(ABC):
     quantized: ClassVar[bool] = False
     # The RUN.toml [noise] fields it takes besides `privatizer` (`from_config` refuses any other that is set).
     parameters: ClassVar[tuple[str, ...]] = ()
+    # Whether it adds per-microbatch noise (RUN.toml [noise] microbatches > 1, the router's mode): then its record
+    # holds "microbatches" where it is more than 1 (`build` refuses microbatches > 1 for the others).
+    per_microbatch: ClassVar[bool] = False
     # Where its noise is drawn from: the run's generator (`build` sets it: OS entropy unless insecure_seed). None: a
     # privatizer that draws seeds its own from the OS when it first needs one.
     generator: "torch.Generator | None" = None
 
     @classmethod
-    def from_config(cls, noise: "NoiseSection") -> "Privatizer":
-        """From RUN.toml [noise] (`privatizer` names this class): refuses (ValueError, one line saying what to
+    def from_config(cls, noise: "NoiseSection", *, horizon: int | None = None,
+                    insecure_seed: int | None = None) -> "Privatizer":
+        """From RUN.toml [noise] (`privatizer` names this class) and what the run knows: its `horizon` (total
+        steps), and `insecure_seed` (tests only; never recorded). Refuses (ValueError, one line saying what to
         change) a field set that it does not take, then rebuilds from the record those fields make. A privatizer
         whose record is not its config fields one to one overrides it."""
         return cls.from_record({"name": cls.name, **cls.config_fields(noise)})
 
     @classmethod
     def config_fields(cls, noise: "NoiseSection") -> dict[str, Any]:
-        """The RUN.toml [noise] fields set besides `privatizer`; ValueError for one this class does not take."""
-        given = {k: v for k, v in noise.model_dump().items() if k != "privatizer" and v is not None}
+        """The [noise] fields set that parametrise a privatizer (`FIELDS`; the others configure the router), after
+        refusing (ValueError) any this class does not take."""
+        given = {k: v for k, v in noise.model_dump().items() if k in FIELDS and v is not None}
         other = sorted(set(given) - set(cls.parameters))
         if other:
             takes = f"it takes {', '.join(cls.parameters)}" if cls.parameters else "it takes none"
@@ -132,7 +141,10 @@ class Privatizer(ABC):
 
     @abstractmethod
     def update(self, sums: Mapping[str, Tensor], state: State, *, std: Mapping[str, float],
-               keep: Mapping[str, Tensor | None] | None = None) -> tuple[dict[str, Tensor], State]: ...
+               keep: Mapping[str, Tensor | None] | None = None,
+               step: int | None = None) -> tuple[dict[str, Tensor], State]:
+        """`step`: the run's global step (the sampler's), when the caller knows it; a privatizer whose state counts
+        steps raises ValueError if its state is at another one. A std < 0 or not finite raises ValueError."""
 
     def state_dict(self, state: State) -> dict[str, Any]:
         """What the run state must keep to resume the noise stream exactly (tensors and ints). Secret."""

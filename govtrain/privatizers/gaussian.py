@@ -17,21 +17,42 @@ from govtrain.privatizers.base import Privatizer, Slot
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["IIDGaussian"]
+__all__ = ["IIDGaussian", "check_gaussian"]
+
+
+def check_gaussian(record: Mapping[str, Any]) -> int:
+    """The microbatches k of an i.i.d. Gaussian record, or ValueError: the record holds its name and, only when k
+    is 2 or more, "microbatches" (torch-free: `govtrain.privatizers.rules`, the verifier's path)."""
+    other = sorted(set(record) - {"name", "microbatches"})
+    if other or record.get("name") != IIDGaussian.name:
+        raise ValueError(f"the i.i.d. Gaussian records its name and microbatches (k > 1) alone, not {sorted(record)}")
+    microbatches = record.get("microbatches", 1)
+    if "microbatches" in record and (type(microbatches) is not int or microbatches < 2):
+        raise ValueError(f"microbatches is recorded only when it is 2 or more: got {microbatches!r}")
+    return microbatches
 
 
 class IIDGaussian(Privatizer):
+    """`microbatches`: RUN.toml [noise] microbatches, the router's per-microbatch noise (docs/privatizers.md). The
+    noise of each draw is the same; k > 1 is recorded ("microbatches": k) so that the ledger says how the step was
+    noised, and k = 1, the ordinary step, is not: its record stays {"name": "gaussian"}, byte for byte. The charge
+    is the same for every k (parallel composition over the microbatches)."""
+
     name = "gaussian"
     family = "gaussian"
+    per_microbatch = True
+
+    def __init__(self, *, microbatches: int = 1) -> None:
+        if type(microbatches) is not int or microbatches < 1:
+            raise ValueError(f"microbatches is a positive integer: got {microbatches!r}")
+        self.microbatches = microbatches
 
     def record(self) -> dict[str, Any]:
-        return {"name": self.name}
+        return {"name": self.name, **({"microbatches": self.microbatches} if self.microbatches > 1 else {})}
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> "IIDGaussian":
-        if dict(record) != {"name": cls.name}:
-            raise ValueError(f"the i.i.d. Gaussian records its name alone, not {sorted(record)}")
-        return cls()
+        return cls(microbatches=check_gaussian(record))
 
     def init(self, slots: Sequence[Slot]) -> tuple[str, ...]:
         """The state: the slots' keys in order (public: what the noise is drawn in the order of)."""
@@ -47,12 +68,11 @@ class IIDGaussian(Privatizer):
         unknown = sorted(set(sums) - set(state))
         if unknown:
             raise ValueError(f"slot {unknown[0]!r} was not among the slots the privatizer was initialised with")
-        if self.generator is None:  # the OS's entropy, on the sums' device, once
-            import os
+        if self.generator is None:  # the OS's entropy, on the sums' device, once: its whole state (routing.entropy)
+            from govtrain.routing import entropy
 
             device = next(iter(sums.values())).device if sums else torch.device("cpu")
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(int.from_bytes(os.urandom(8), "big"))
+            self.generator = entropy.generator(device)
         for key in state:
             if key not in sums:
                 continue

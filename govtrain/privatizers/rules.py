@@ -25,8 +25,10 @@ from typing import Any, Callable, Hashable, Mapping
 from govtrain import units
 from govtrain.errors import Code, ConfigError, GovtrainError
 from govtrain.privatizers.base import Charge
+from govtrain.privatizers.mf.charge import BLT_MAX_BUFFERS  # check_blt's bound (the class refuses no less)
 
-__all__ = ["RULES", "BLT_MAX_BUFFERS", "MIN_CHARGED_MULTIPLIER_U", "Charger", "check_record", "record_charge", "checked", "cache_clear"]
+__all__ = ["RULES", "BLT_MAX_BUFFERS", "MIN_CHARGED_MULTIPLIER_U", "Charger", "check_record", "record_charge",
+           "checked", "cache_clear"]
 
 Charger = Callable[..., Charge]  # (*, sampling_rate_u, noise_multiplier_u, steps) -> Charge
 
@@ -39,9 +41,6 @@ RULES: dict[str, str] = {
     "skellam": "govtrain.privatizers.rules:skellam",
 }
 
-# BLT's m costs O(buffers²) exact big-integer terms per charge; strategies in use have a handful of buffers. A
-# bound keeps a forged record from making the auditor's verifier spend minutes per spend.
-BLT_MAX_BUFFERS = 64
 # The least multiplier a record may bring a charge down to (micro-units: 0.1), unless the spend's own σ is lower.
 # Below it there is next to no noise (an unsampled step at 0.1 already costs ε in the tens), and the accountants'
 # cost grows as 1/σ² (the PLD of one unsampled Gaussian at 0.1 takes a gigabyte; at 10⁻⁶, petabytes): a forged BLT
@@ -58,9 +57,11 @@ def _gaussian_charge(*, sampling_rate_u: int, noise_multiplier_u: int, steps: in
 
 
 def gaussian(record: Mapping[str, Any]) -> Charger:
-    """The i.i.d. Gaussian records its name alone; DP-SGD: one round a step at (q, σ)."""
-    if dict(record) != {"name": "gaussian"}:
-        raise ValueError(f"the i.i.d. Gaussian records its name alone, not {sorted(record)}")
+    """The i.i.d. Gaussian records its name (and microbatches k > 1, `gaussian.check_gaussian`); DP-SGD: one round a
+    step at (q, σ), whatever k (parallel composition over the microbatches)."""
+    from govtrain.privatizers.gaussian import check_gaussian
+
+    check_gaussian(record)
     return _gaussian_charge
 
 
@@ -82,9 +83,7 @@ def blt(record: Mapping[str, Any]) -> Charger:
     """Unsampled Gaussians at ⌊σ/√m⌋, one per possible participation (`mf.charge.blt_charge`)."""
     from govtrain.privatizers.mf.charge import blt_charge, check_blt
 
-    buffers = check_blt(record)[0]
-    if buffers > BLT_MAX_BUFFERS:
-        raise ValueError(f"a BLT of {buffers} buffers: at most {BLT_MAX_BUFFERS} are charged")
+    check_blt(record)  # at most BLT_MAX_BUFFERS
 
     def charge(*, sampling_rate_u: int, noise_multiplier_u: int, steps: int) -> Charge:
         rate_u, multiplier_u, rounds = blt_charge(record, sampling_rate_u=sampling_rate_u,

@@ -94,9 +94,12 @@ class Path:
 
     def clipped_sum(self, calls: Mapping[str, tuple[Any, str]], masks: Mapping[str, Mapping[str, Any]],
                     rows: Mapping[str, Tensor], clip: Tensor, batch: int, generator: torch.Generator,
-                    dtype: torch.dtype) -> tuple[dict[str, Tensor], Tensor, int]:
+                    dtype: torch.dtype, *, diracs: Sequence[tuple[int, Any, float]] | None = None
+                    ) -> tuple[dict[str, Tensor], Tensor, int]:
         """(totals per parameter, each unit's norm before clipping, how many were clipped). `calls`, `masks`,
-        `rows`, `clip` are the router's own (`Router._clipped_sum`)."""
+        `rows`, `clip` are the router's own (`Router._clipped_sum`). `diracs`: AUDIT ONLY, the white-box canaries'
+        (unit row, coordinate, value), as the router hands them, each added to its unit's vector
+        before the norm, in a parameter its class reaches whole (the router checked it when they were injected)."""
         quantized = self.privatizer.quantized
         if quantized and self.spacing is None:
             raise RuntimeError("a quantising privatizer needs the step's group noise before the sum: "
@@ -123,6 +126,8 @@ class Path:
                 per = _masked(source.per_sample(leaf, take).to(dtype), mask)
                 pieces.append(per.reshape(per.shape[0], -1))
             flat = torch.cat(pieces, 1)
+            if diracs:
+                self._add_diracs(flat, index, reached, diracs)
             norm = flat.pow(2).sum(1).sqrt() if self.privatizer.norm == "l2" else flat.abs().sum(1)
             bound = clip.index_select(0, index)
             coefficient = torch.where(norm > bound, bound / norm.clamp(min=torch.finfo(norm.dtype).tiny),
@@ -137,6 +142,21 @@ class Path:
                 totals[name] += flat[:, offset:offset + size].sum(0).reshape(self.params[name].shape).to(out_dtype)
                 offset += size
         return totals, norms, int((norms > clip).sum())
+
+    def _add_diracs(self, flat: Tensor, index: Tensor, reached: Sequence[tuple[str, Any]],
+                    diracs: Sequence[tuple[int, Any, float]]) -> None:
+        """Add each canary Dirac whose unit is among this class's rows to its row of `flat`, in place."""
+        local = {int(row): k for k, row in enumerate(index.tolist())}
+        offsets, offset = {}, 0
+        for name, mask in reached:
+            offsets[name] = (offset, mask)
+            offset += self.params[name].numel()
+        for row, coordinate, value in diracs:
+            if row not in local:
+                continue
+            if coordinate.name not in offsets or offsets[coordinate.name][1] is not None:
+                raise RuntimeError(f"{coordinate.name}: a canary's coordinate outside what its class reaches whole")
+            flat[local[row], offsets[coordinate.name][0] + coordinate.index] += value
 
     def _quantize(self, reached: Sequence[tuple[str, Any]], flat: Tensor, bound: Tensor,
                   generator: torch.Generator) -> Tensor:

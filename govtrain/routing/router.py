@@ -48,7 +48,6 @@ never who reaches what or how much noise a group gets (so the accounting is DP-S
 from __future__ import annotations
 
 import math
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -64,7 +63,7 @@ from govtrain.privatizers.base import Privatizer
 from govtrain.privatizers.gaussian import IIDGaussian
 from govtrain.resolver.profile import Resolution
 from govtrain.routing import compiled as compiled_routing
-from govtrain.routing import coverage, layout, materialized, moe, persample, slots
+from govtrain.routing import coverage, entropy, layout, materialized, moe, persample, slots
 from govtrain.routing.adapters import AdapterRoutes
 from govtrain.routing.tangent import TangentStacks
 
@@ -193,8 +192,9 @@ class Router:
         # dp-muon: each parameter a class reaches is clipped on its own to C_i / sqrt(units)
         self.units = {data_class: len(masks) for data_class, masks in self.masks.items()}
         self.noise_std: dict[str, float] = {}  # per reached parameter: the last step's noise std / batch size
-        self.generator = torch.Generator(device=next(iter(self.params.values())).device if self.params else "cpu")
-        self.generator.manual_seed(insecure_seed if insecure_seed is not None else int.from_bytes(os.urandom(8), "big"))
+        # its whole state from the OS (`routing.entropy`: manual_seed keeps 32 bits on the CPU); tests seed it
+        self.generator = entropy.generator(next(iter(self.params.values())).device if self.params else "cpu",
+                                           insecure_seed)
         self.privatizer = IIDGaussian() if privatizer is None else privatizer
         slots.check_privatizer(mechanism, self.privatizer)
         if self.privatizer.generator is None:
@@ -521,10 +521,9 @@ class Router:
             calls[name] = (persample.Shared(held), "")
         # -- the noise families: L1 clipping or quantisation, from materialized per-sample gradients ----------
         if self.materialized is not None:
-            if self._canaries is not None:
-                raise RuntimeError("audit canaries are not injected on the materialized path")
+            diracs = None if self._canaries is None else self._canaries.diracs(classes)  # audit only
             totals, norms, clipped = self.materialized.clipped_sum(calls, self.masks, rows, clip, batch,
-                                                                   self.generator, dtype)
+                                                                   self.generator, dtype, diracs=diracs)
             return totals, StepReport(batch, clipped, float(norms.max()) if batch else 0.0)
         # -- end of the noise families' hook ---------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from fractions import Fraction
 from typing import Sequence
 
 import numpy as np
@@ -99,17 +100,31 @@ class CyclicPoissonSampler(PoissonSampler):
     else's participation pattern, so neighbouring datasets would no longer differ in one unit's rows alone.
 
     The step must be set (`at_step`) before each `sample`: the step decides the part, and, with the run's secret
-    `key`, the draw (as for `PoissonSampler`, a re-run of a step draws the same batch)."""
+    `key`, the draw (as for `PoissonSampler`, a re-run of a step draws the same batch).
 
-    def __init__(self, sampling_rate: float, *, cycle: int, partition_key: bytes,
-                 insecure_seed: int | None = None) -> None:
+    cycle·q > 1 is refused unless `allow_rate_cap=True`: the part rate is then capped at 1, so the expected batch
+    falls to N/cycle, below q·N. Privacy is not at stake (the banded charge composes at min(1, cycle·q), the rate
+    drawn), but the run would train on smaller batches than its configuration says."""
+
+    def __init__(self, sampling_rate: float, *, cycle: int, partition_key: bytes | None,
+                 insecure_seed: int | None = None, allow_rate_cap: bool = False) -> None:
+        """`partition_key` None: set it (`partition_key = ...`) before the first `sample`, as a run does once its
+        run id is known (a resumed run sets the same id, so its units stay in their parts)."""
         super().__init__(sampling_rate, insecure_seed=insecure_seed)
         if type(cycle) is not int or cycle < 1:
             raise ValueError("the cycle must be a positive int")
+        if cycle * Fraction(sampling_rate) > 1 and not allow_rate_cap:
+            raise ValueError(f"cycle·q = {cycle}·{sampling_rate} > 1: each part would be drawn whole and the expected "
+                             f"batch would drop from q·N to N/{cycle}; lower q or the cycle (bands), or pass "
+                             "allow_rate_cap=True")
         self.cycle = cycle
-        self.part_rate = min(1.0, cycle * sampling_rate)
-        self.partition_key = bytes(partition_key)
+        self.partition_key = None if partition_key is None else bytes(partition_key)
         self._step: int | None = None
+
+    @property
+    def part_rate(self) -> float:
+        """Each part member's rate, min(1, cycle·q), at the rate the sampler draws at now (a run sets q per epoch)."""
+        return min(1.0, self.cycle * self.sampling_rate)
 
     def at_step(self, step: int) -> None:
         self._step = step
@@ -120,6 +135,8 @@ class CyclicPoissonSampler(PoissonSampler):
         `units`, each unit of the corpus gets its own uniform, as in `PoissonSampler.sample`."""
         if self._step is None:
             raise RuntimeError("call at_step(step) before sample: the step decides which part is drawn")
+        if self.partition_key is None:
+            raise RuntimeError("set the partition key (the run's id) before sample: it decides each unit's part")
         eligible = np.asarray(eligible, dtype=np.int64)
         uniforms = self._rng.random(eligible.shape[0]) if units is None else self._rng.random(units)[eligible]
         in_part = cyclic_parts(eligible, self.cycle, self.partition_key) == self._step % self.cycle

@@ -33,6 +33,7 @@ and a test keeps the two identical. Paths are relative to the config file. The c
     epoch_steps = 50             # ledger epoch length; at most (and by default) the policy's steps_per_epoch
     data = "data"                # folder of contribution files (JSONL {"text", "label"})
     output = "adapter"           # where the peft adapter is saved
+    compiled = false             # performance flag: the clipping stage as a compiled graph (same bits)
 
     [prism]                      # only with mechanism = "prism": the LoRA pairs' update
     lr = 0.002
@@ -45,6 +46,8 @@ and a test keeps the two identical. Paths are relative to the config file. The c
     [noise]                      # the privatizer (docs/privatizers.md); absent: the i.i.d. Gaussian
     privatizer = "gaussian"      # gaussian | banded-mf | blt | laplace | discrete-gaussian | skellam
     bands = 16                   # banded-mf only
+    # buffers = 2, min_separation = 50   blt only: its buffers, and the sampler's cycle
+    microbatches = 1             # per-microbatch noise (k > 1: the i.i.d. gaussian only)
 
 With prism or dp-muon, `[optimizer]` moves what those do not: the classifier head, norms, embeddings.
 """
@@ -59,7 +62,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, model_validator
 
 from govtrain.errors import Code, ConfigError
 from govtrain.policy.config import format_errors, read_toml_file, schema_of
@@ -186,11 +189,18 @@ class NoiseSection(_Strict):
                                 "laplace, discrete-gaussian, skellam (noise families)")
     bands: PositiveInt | None = Field(None, description="banded-mf: the number of bands b of the strategy matrix")
     buffers: PositiveInt | None = Field(None, description="blt: the number of buffers of the strategy")
+    min_separation: PositiveInt | None = Field(
+        None, description="blt: the sampler's cycle b; a unit takes part at most once in any b consecutive steps "
+                          "(at most training.steps)")
     granularity_bits: Annotated[int, Field(ge=1, le=32, strict=True)] | None = Field(
         None, description="discrete-gaussian, skellam: the quantisation step is 2^-granularity_bits of the clip norm")
     beta_exp: Annotated[int, Field(ge=1, le=64, strict=True)] | None = Field(
         None, description="discrete-gaussian, skellam: randomised rounding is conditioned to fail with "
                           "probability at most 2^-beta_exp")
+    microbatches: PositiveInt = Field(
+        1, description="per-microbatch noise: each step's units are split into this many microbatches by a public "
+                       "rule on their ids, and each microbatch's clipped sum is noised on its own (the same charge; "
+                       "k times the noise variance). 1: one noise per step. More than 1 takes the i.i.d. gaussian")
 
 
 class TrainingSection(_Strict):
@@ -213,6 +223,10 @@ class TrainingSection(_Strict):
     physical_batch: PositiveInt | None = Field(
         None, description="largest number of examples per forward/backward pass: a Poisson batch is split into "
                           "chunks of at most this many, their clipped gradients summed, and noise added once per step")
+    compiled: StrictBool = Field(
+        False, description="run the router's clipping stage as a compiled graph (torch.compile, aot_eager): the "
+                           "same released bits as the hooks', computed without walking the router's structure per "
+                           "step; the first steps pay for tracing")
 
 
 class RunFile(_Strict):

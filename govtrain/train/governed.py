@@ -410,7 +410,7 @@ class GovernedRun:
                 rehearsal = self._rehearsal = self._rehearsal or self._new_rehearsal()
                 rehearsal.losses.clear()
                 self._random = _random_state(run.device)
-                run.router.begin(run._group_std)
+                run.router.begin(run.rehearsal_std())  # a lattice for a quantising privatizer's rounding
                 guard.drawn = Drawn(run.result.steps, copy.deepcopy(rehearsal.chunks), rehearsal=True)
             batch = self._encode(guard.drawn)
             guard.wait(batch)
@@ -439,14 +439,14 @@ class GovernedRun:
         values = [float(v) for v in losses.detach().float().cpu()]  # read before anything is summed
         with self._in_step():
             chunk = waiting.chunk
-            run.router.accumulate(losses, chunk.classes, chunk.clips, units=chunk.units)
+            run.router.accumulate(losses, chunk.classes, chunk.clips, units=chunk.units, microbatch=chunk.microbatch)
             self._rehearsal.losses[drawn.next] = values
             guard.waiting = None
             drawn.next += 1
             if not waiting.last:
                 return None
             guard.drawn = None
-            run.router.begin(run._group_std)  # the rehearsal's clipped sums are dropped: nothing of it reaches an update
+            run.router.begin(run.rehearsal_std())  # the rehearsal's clipped sums are dropped: nothing of it reaches an update
             _restore_random(self._random, run.device)
             self._check_governed("after the rehearsal")
             self._rehearsal.check_alone(run.precision)

@@ -24,6 +24,7 @@ from govtrain import units
 from govtrain.errors import Code, ConfigError, GovtrainError, RejectedError
 from govtrain.ledger.ledger import Ledger
 from govtrain.ledger.spend_rules import noise_groups_record
+from govtrain.routing import microbatch
 from govtrain.train.config import RunConfig
 from govtrain.train.preflight import Plan, check_output, consent_error, project
 from govtrain.train.resume import TEMPORARY, check_recorded_entry, read_recorded_adapter, recorded_entry, write_whole
@@ -54,13 +55,14 @@ class BudgetExhausted(GovtrainError):
 class Chunk:
     """One physical chunk of a logical step: its examples (indices into the run's examples), the unit of
     each (None: each example is its own unit), each example's contribution, and per unit its class and
-    signed clipping norm."""
+    signed clipping norm; `microbatch`: the microbatch its units are in (RUN.toml [noise] microbatches; 0 when 1)."""
 
     indices: list[int]
     units: list[int] | None
     owners: list[str]
     classes: list[str]
     clips: list[float]
+    microbatch: int = 0
 
 
 @dataclass
@@ -141,8 +143,34 @@ def _sampler(privatizer, q_u: int, insecure_seed: int | None):  # type: ignore[n
         if cyclic is None:
             raise ConfigError(Code.PRIVATIZER_UNKNOWN, f"privatizer {privatizer.name!r} needs cyclic Poisson sampling, "
                                                        "which this installation of govtrain lacks: upgrade it")
-        return cyclic(q_u / units.MICRO, participation.cycle, insecure_seed=insecure_seed)
+        # its partition key is the run's public id, set once the id is known (`Run._prepare`)
+        return cyclic(q_u / units.MICRO, cycle=participation.cycle, partition_key=None, insecure_seed=insecure_seed)
     raise RuntimeError(f"privatizer {privatizer.name!r} asks for unknown participation {participation.scheme!r}")
+
+
+def _partition(sampler, run_id: str) -> None:  # type: ignore[no-untyped-def]
+    """A cyclic sampler's parts follow the run's public id: the same on resume, so no unit changes part."""
+    if hasattr(sampler, "partition_key"):
+        sampler.partition_key = run_id.encode()
+
+
+def _privatizer(config: RunConfig, saved: dict | None, insecure_seed: int | None):  # type: ignore[no-untyped-def]
+    """RUN.toml [noise]'s privatizer for the run's horizon (training.steps). A resumed correlated run takes the
+    strategy its run state recorded (the one its spend charged), if it has the parameters [noise] gives: an
+    optimiser run again elsewhere need not give the same last bits."""
+    from govtrain.privatizers import build, from_record
+
+    built = build(config.file.noise, horizon=config.file.training.steps, insecure_seed=insecure_seed)
+    record = (saved or {}).get("privatizer")
+    if not built.correlated or record is None or record == built.record():
+        return built
+
+    def given(r: dict) -> dict:  # the parameters [noise] and the horizon set, not the optimised strategy
+        return {k: v for k, v in r.items() if not isinstance(v, list)}
+
+    if not isinstance(record, dict) or given(record) != given(built.record()):
+        return built  # another privatizer's state: `_load_noise_state` refuses it
+    return from_record(record)  # its noise key comes from the run state
 
 
 class Run:
@@ -245,7 +273,8 @@ class Run:
         from govtrain.resolver.schedule import Scheduler
         from govtrain.routing.independence import check_batch_independence
         from govtrain.routing.layout import probe_batches
-        from govtrain.privatizers import build as build_privatizer
+        from govtrain.privatizers import check_microbatches
+        from govtrain.privatizers.families.floors import check_family_floor
         from govtrain.routing.router import Router
         from govtrain.tasks import task_for
         from govtrain.train.data import load_examples
@@ -253,6 +282,7 @@ class Run:
 
         config, ledger, log = self.config, self.ledger, self.log
         training = config.file.training
+        check_microbatches(config.file.noise)  # before anything is made: a refusal changes nothing
         if not self.check:  # a check writes nothing, the lock file and the output folder included
             self._lock = lock_state(config.output_dir)
         if not self.state_path.exists():  # a fresh run starts in an empty folder (`preflight.check_output`)
@@ -303,9 +333,14 @@ class Run:
         self.model.to(self.device)  # before the router: its noise generator lives on the parameters' device
         resolution = resolve(policy.classes, describe(self.model, name=config.model_spec))
         check_weight_decay(resolution, config.file.optimizer.weight_decay)
-        self.privatizer = build_privatizer(config.file.noise)  # draws from the router's generator
+        state = _load_state(self.state_path, config)
+        self.privatizer = _privatizer(config, (state or {}).get("noise"), self.insecure_seed)
+        self.microbatches = config.file.noise.microbatches  # a privacy parameter: the privatizer records it
         self.router = Router(self.model, resolution, mechanism=training.mechanism, insecure_seed=self.insecure_seed,
-                             privatizer=self.privatizer)
+                             privatizer=self.privatizer, microbatches=self.microbatches, compiled=training.compiled)
+        # the family's floor, before any spend: a spend records σ_eff at least the contribution's signed multiplier
+        check_family_floor(policy, self.privatizer.family,
+                           [(c, admitted[c].member.noise_multiplier_u) for c in sorted(present)])
         self.router.probe(probe_batches(self.tokenizer, config.file.model.max_length))  # batch-first calls only
         check_batch_independence(self.model, self.task, self.tokenizer, config.file.model.max_length, self.device)
         self.update = Update.build(self.model, config.file)
@@ -323,17 +358,20 @@ class Run:
         members = [admitted[c].member for c in ids]
         self.owner = np.array([position[c] for c in examples.owner], dtype=np.int64)
         self.members = [np.flatnonzero(self.owner == k) for k in range(len(ids))]  # each contribution's examples
+        self.rank = np.zeros(len(self.owner), dtype=np.int64)  # each example's index within its contribution
+        for member in self.members:
+            self.rank[member] = np.arange(len(member))
         self.signed_clip = {m.contribution_id: m.clip_norm_u / units.MICRO for m in members}
         self.classes = {m.contribution_id: m.data_class for m in members}
 
         run_id = training.run_id or f"run-{self.now()}-{os.urandom(4).hex()}"
         self.result = result = RunResult(run_id, 0)
-        state = _load_state(self.state_path, config)
         book = ledger.spend_book()
         self.resumed = state is not None
         if state is not None:
             run_id = result.run_id = state["run_id"]
             self.run_nonce, self.sampler.key = state.get("run_nonce"), state.get("sampling_key")
+            _partition(self.sampler, run_id)
             self._check_ledger(state, book)
             if self.sampler.key is None:
                 raise ConfigError(Code.RUN_CONFIG_INVALID, f"{self.state_path} was written by an earlier govtrain (no "
@@ -377,6 +415,7 @@ class Run:
             # The sampling key fixes each step's draw (`PoissonSampler.at_step`): secret, in the run state only.
             self.sampler.key = (os.urandom(32) if self.insecure_seed is None
                                 else hashlib.sha256(b"govtrain insecure sampling key %d" % self.insecure_seed).digest())
+            _partition(self.sampler, run_id)
         # Consent: contributions runs other than this one (and its siblings) charged. A run that started confirmed
         # keeps its consent in its state; an unconfirmed one is asked again here, and at each write-ahead (under the
         # ledger's write lock: another run may charge them between this read and that write).
@@ -537,16 +576,24 @@ class Run:
         gone = self._withdrawn.read()  # from the entries, never the `withdrawals` index table (withdrawals.py)
         live = np.array([self._allowed[i] > step and self.ids[i] not in gone for i in range(len(self.ids))], dtype=bool)
         chunks = []
-        for part, unit in self._draw(live):
+        for part, unit, m in self._draw(live):
             owners = [examples.owner[i] for i in part]
             if unit is None:  # each example is clipped on its own
                 who = owners
             else:  # each contribution's examples are averaged, then clipped together
                 who = [owners[i] for i in range(len(part)) if i == 0 or unit[i] != unit[i - 1]]
-            chunks.append(Chunk(part, unit, owners, [self.classes[c] for c in who], [self.signed_clip[c] for c in who]))
+            chunks.append(Chunk(part, unit, owners, [self.classes[c] for c in who], [self.signed_clip[c] for c in who], m))
         self.router.begin(self._group_std)  # a quantising privatizer's lattice follows the step's group noise
         self._loss_sum, self._drawn = 0.0, 0
         return chunks
+
+    def rehearsal_std(self) -> dict[frozenset, float]:
+        """The group noise the rehearsal's steps begin with: the pending epoch's if one is written, else a unit
+        scale per group. Its clipped sums are dropped, so the scale only sets the lattice a quantising
+        privatizer rounds to (`routing/materialized.py`), which the rehearsal must exercise like a step."""
+        if self._group_std:
+            return dict(self._group_std)
+        return {group.classes: 1.0 for group in self.router.resolution.groups if group.classes}
 
     def encode(self, chunk: Chunk):  # type: ignore[no-untyped-def]
         """The task's batch of `chunk`'s examples, on the run's device."""
@@ -565,7 +612,7 @@ class Run:
         `losses`, computed from the forward just run under `forward()`; `total` is their sum, for the log
         (`GovernedRun` reads it before anything is summed)."""
         total = float(losses.detach().sum()) if total is None else total
-        self.router.accumulate(losses, chunk.classes, chunk.clips, units=chunk.units)
+        self.router.accumulate(losses, chunk.classes, chunk.clips, units=chunk.units, microbatch=chunk.microbatch)
         self._loss_sum += total
         self._drawn += len(chunk.indices)
 
@@ -602,33 +649,54 @@ class Run:
                                                       f"{', '.join(f'{q / units.MICRO:g}' for q in sorted(charged))}: "
                                                       "the sampling rate is the run's, never set it by hand")
 
-    def _draw(self, live) -> list[tuple[list[int], list[int] | None]]:  # type: ignore[no-untyped-def]
+    def _draw(self, live) -> list[tuple[list[int], list[int] | None, int]]:  # type: ignore[no-untyped-def]
         """One step's Poisson draw over the live units, as physical chunks of (example indices, the unit of
-        each example or None). Example unit: q over the live examples, chunks of at most physical_batch.
-        Contribution unit: q over the live contributions, each drawn one using at most examples_per_contribution
-        of its examples (uniformly); chunks hold whole contributions."""
+        each example or None, the microbatch). Example unit: q over the live examples, chunks of at most
+        physical_batch. Contribution unit: q over the live contributions, each drawn one using at most
+        examples_per_contribution of its examples (uniformly); chunks hold whole contributions. With
+        microbatches > 1 the drawn units are split first (`_microbatches`), and each chunk holds one microbatch's."""
         import numpy as np
 
         chunk = self.chunk
-        self.sampler.at_step(self.result.steps)  # the step's draw is fixed by the run's key and the step
+        step = self.result.steps
+        self.sampler.at_step(step)  # the step's draw is fixed by the run's key and the step
         if self.per_contribution is None:
             chosen = self.sampler.sample(np.flatnonzero(live[self.owner]) if len(self.owner) else np.zeros(0, int),
                                          units=len(self.owner))
-            size = chunk or max(len(chosen), 1)
-            return [(chosen[i:i + size].tolist(), None) for i in range(0, len(chosen), size)]
-        chunks: list[tuple[list[int], list[int] | None]] = []
-        part: list[int] = []
-        units: list[int] = []
-        for k in self.sampler.sample(np.flatnonzero(live), units=len(self.ids)):
-            taken = self.sampler.take(self.members[k], self.per_contribution, unit=k).tolist()
-            if part and chunk is not None and len(part) + len(taken) > chunk:
-                chunks.append((part, units))
-                part, units = [], []
-            units += [units[-1] + 1 if units else 0] * len(taken)
-            part += taken
-        if part:
-            chunks.append((part, units))
+            chunks: list[tuple[list[int], list[int] | None, int]] = []
+
+            def names() -> list[str]:  # an example's id: its contribution's and its index there, never its position
+                return [microbatch.example_id(self.ids[self.owner[i]], int(self.rank[i])) for i in chosen]
+
+            for m, positions in enumerate(self._microbatches(step, len(chosen), names)):
+                picked = chosen[positions]
+                size = chunk or max(len(picked), 1)
+                chunks += [(picked[i:i + size].tolist(), None, m) for i in range(0, len(picked), size)]
+            return chunks
+        drawn = [(k, self.sampler.take(self.members[k], self.per_contribution, unit=k).tolist())
+                 for k in self.sampler.sample(np.flatnonzero(live), units=len(self.ids))]
+        chunks = []
+        for m, positions in enumerate(self._microbatches(step, len(drawn), lambda: [self.ids[k] for k, _ in drawn])):
+            part: list[int] = []
+            units: list[int] = []
+            for position in positions:
+                taken = drawn[position][1]
+                if part and chunk is not None and len(part) + len(taken) > chunk:
+                    chunks.append((part, units, m))
+                    part, units = [], []
+                units += [units[-1] + 1 if units else 0] * len(taken)
+                part += taken
+            if part:
+                chunks.append((part, units, m))
         return chunks
+
+    def _microbatches(self, step: int, count: int, names: Callable[[], list[str]]) -> list[list[int]]:
+        """The positions among a step's `count` drawn units of each microbatch's units: `routing.microbatch`'s public
+        rule on their ids (`names()`) under the run's sampling key; one microbatch of every position when
+        microbatches = 1 (no id formed)."""
+        if self.microbatches == 1:
+            return [list(range(count))]
+        return microbatch.split(self.sampler.key, step, names(), self.microbatches)
 
     def close_epoch(self) -> None:
         """Close the ledger epoch (unless another run already did), record each class's epsilon and save."""

@@ -75,6 +75,7 @@ REFUSED = {
     "training.device": "a performance flag, not a hyperparameter: it never changes the mechanism",
     "training.precision": "a performance flag, not a hyperparameter: it never changes the mechanism",
     "training.physical_batch": "a performance flag, not a hyperparameter: it never changes the mechanism",
+    "training.compiled": "a performance flag, not a hyperparameter: it never changes the mechanism",
 }
 TRIAL_CONFIG = "trial-{k}.json"  # beside the trial folders: the derived config each trial's hash is over
 

@@ -106,12 +106,14 @@ class LatticePrivatizer(Privatizer):
                 "dimension": self.dimension}
 
     @classmethod
-    def from_config(cls, noise: "NoiseSection") -> "LatticePrivatizer":
-        """From RUN.toml [noise]: its dimension is not a setting (`init` binds it from the slots)."""
+    def from_config(cls, noise: "NoiseSection", *, horizon: int | None = None,
+                    insecure_seed: int | None = None) -> "LatticePrivatizer":
+        """RUN.toml [noise]'s granularity_bits and beta_exp (defaults otherwise): its dimension is not a setting
+        (`init` binds it from the slots)."""
         given = cls.config_fields(noise)
         if any(type(v) is not int for v in given.values()):
             raise ValueError(f"{cls.name}: granularity_bits and beta_exp are integers")
-        return cls(**given)
+        return cls(**given, insecure_seed=insecure_seed)
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> "LatticePrivatizer":

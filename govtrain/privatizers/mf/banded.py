@@ -5,7 +5,11 @@ Strategy: C[i, j] = c_{i-j} for 0 ≤ i-j < b, else 0, with c optimised for the 
 squared error of the T prefix sums at unit sensitivity (`optimize.banded_column`), and scaled so that ‖c‖ ≤ 1
 exactly in the recorded integers (Σ c_p² ≤ 10²⁴): every column of C, hence the sensitivity of one participation,
 has norm ≤ 1. The noise w = C⁻¹z̃ is streamed by forward substitution, w_t = (z̃_t - Σ_{k=1}^{b-1} c_k w_{t-k}) / c_0,
-with the last b-1 values per slot in a ring buffer (`stream.py` for the keys, the scale s_t and resume).
+with the last b-1 values per slot in a float64 ring buffer (`stream.py` for the keys, the scale s_t and resume). The
+recurrence multiplies by float64 coefficients rounded toward zero from the recorded integers, so the strategy it
+applies keeps Σ c² ≤ 1 exactly too, whatever the slot's dtype (only the released noise is cast to it). A record
+whose c(x) = Σ c_k x^k has a root with |x| ≤ 1 is refused: C⁻¹'s column is the power series of 1/c(x), which then
+grows without bound (decided in exact integers, `toeplitz.no_root_in_closed_unit_disc`).
 
 Participation and charge. The sampler is cyclic with cycle b (`CyclicPoissonSampler`): units are split into b parts
 by a public rule, step t draws from part t mod b only, each unit at rate min(1, b·q). A unit's participations are
@@ -25,8 +29,10 @@ The horizon only tunes the coefficients: a run longer than T keeps every column'
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from fractions import Fraction
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
@@ -37,6 +43,7 @@ from govtrain.privatizers.base import Charge, Participation
 from govtrain.privatizers.mf.charge import banded_charge, check_banded
 from govtrain.privatizers.mf.optimize import banded_column
 from govtrain.privatizers.mf.stream import StreamingPrivatizer
+from govtrain.privatizers.mf.toeplitz import no_root_in_closed_unit_disc
 
 
 def round_coefficients(column: Sequence[float]) -> tuple[int, ...]:
@@ -47,6 +54,19 @@ def round_coefficients(column: Sequence[float]) -> tuple[int, ...]:
         i = max(range(len(ints)), key=lambda j: abs(ints[j]))
         ints[i] -= 1 if ints[i] > 0 else -1
     return tuple(ints)
+
+
+def toward_zero(value_p: int) -> float:
+    """value_p / 10¹² as the float64 nearest to it on the side of zero (so that |float| ≤ |exact|)."""
+    out = value_p / units.PICO  # correctly rounded
+    if abs(Fraction(out)) > abs(Fraction(value_p, units.PICO)):
+        out = math.nextafter(out, 0.0)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _stable(coefficients_p: tuple[int, ...]) -> bool:
+    return no_root_in_closed_unit_disc(coefficients_p)
 
 
 class BandedMF(StreamingPrivatizer):
@@ -62,7 +82,10 @@ class BandedMF(StreamingPrivatizer):
             coefficients_p = round_coefficients(banded_column(bands, horizon))
         self.bands, self.horizon, self.coefficients_p = check_banded(
             {"name": self.name, "bands": bands, "horizon": horizon, "coefficients_p": list(coefficients_p)})
-        self.column = torch.tensor(coefficients_p, dtype=torch.float64) / units.PICO
+        if not _stable(self.coefficients_p):
+            raise ValueError("this banded strategy's inverse is unstable (c(x) has a root with |x| ≤ 1): its noise "
+                             "would grow without bound; use optimised coefficients")
+        self.column = torch.tensor([toward_zero(v) for v in self.coefficients_p], dtype=torch.float64)
 
     @property
     def depth(self) -> int:
@@ -87,15 +110,16 @@ class BandedMF(StreamingPrivatizer):
                                                      noise_multiplier_u=noise_multiplier_u, steps=steps)
         return Charge(family=self.family, sampling_rate_u=rate_u, noise_multiplier_u=multiplier_u, rounds=rounds)
 
-    def _advance(self, buffer: Tensor, z: Tensor, step: int) -> Tensor:
-        c = self.column.to(dtype=z.dtype)
+    def _advance(self, buffer: Tensor, z: Tensor, step: int) -> tuple[Tensor, Tensor]:
+        c = self.column
         lead = c[0].to(z.device)
         if self.bands == 1:
-            return z / lead
+            return z / lead, buffer
         ring = self.bands - 1
         # ring position (step-k) mod ring holds w_{step-k}, whose weight is c_k (k = 1..b-1); built on the CPU, one copy
         order = torch.tensor([(step - k) % ring for k in range(1, self.bands)])
-        weights = torch.empty(ring, dtype=z.dtype).index_copy_(0, order, c[1:]).to(z.device)
+        weights = torch.empty(ring, dtype=torch.float64).index_copy_(0, order, c[1:]).to(z.device)
         w = (z - torch.tensordot(weights, buffer, dims=1)) / lead
-        buffer[step % ring] = w
-        return w
+        advanced = buffer.clone()
+        advanced[step % ring] = w
+        return w, advanced

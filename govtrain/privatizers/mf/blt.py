@@ -20,8 +20,8 @@ so by 2·v_s·v_t ≤ v_s² + v_t²:
 
 whatever the steps' σ_t = s_t / C_i. The whole release is one Gaussian mechanism with that squared sensitivity,
 which is exactly the composition of one unsampled Gaussian per participation at multiplier σ_t / √m. So `charge`
-is family gaussian, rate 1, multiplier ⌊σ/√m⌋ (m rounded up), ⌈steps/b⌉ rounds per epoch (the banded module's
-argument for the ceiling). For many participations it is tight: the largest ‖(C/n)·u‖² over k participations
+is family gaussian, rate 1, multiplier ⌊σ/√m⌋ (m computed exactly and rounded up, `charge.factor_p`), ⌈steps/b⌉
+rounds per epoch (the banded module's argument for the ceiling). For many participations it is tight: the largest ‖(C/n)·u‖² over k participations
 (`toeplitz.min_sep_sensitivity`, the earliest pattern for a non-increasing column) is ≤ k·m and tends to k·m.
 """
 
@@ -37,9 +37,32 @@ from torch import Tensor
 
 from govtrain import units
 from govtrain.privatizers.base import Charge, Participation
-from govtrain.privatizers.mf.charge import blt_charge, check_blt, column_norm_sq, factor_p
+from govtrain.privatizers.mf.charge import applied_parameters, blt_charge, check_blt, factor_p
 from govtrain.privatizers.mf.optimize import blt_parameters
 from govtrain.privatizers.mf.stream import StreamingPrivatizer
+from govtrain.privatizers.mf.toeplitz import no_root_in_closed_unit_disc
+
+
+def _product(polynomials: Sequence[Sequence[int]]) -> list[int]:
+    out = [1]
+    for p in polynomials:
+        out = [sum(out[i] * p[k - i] for i in range(len(out)) if 0 <= k - i < len(p))
+               for k in range(len(out) + len(p) - 1)]
+    return out
+
+
+def inverse_is_stable(theta_p: Sequence[int], omega_p: Sequence[int]) -> bool:
+    """Whether the inverse recurrence s_{t+1} = (diag(θ) - 1ωᵀ)·s_t + z̃_t is stable (every eigenvalue |λ| < 1), in
+    exact integers. With μ = 10¹²·λ, the characteristic polynomial is, by the matrix determinant lemma,
+    Q(μ) = Π_j (μ - θ_p_j) + Σ_j ω_p_j·Π_{l≠j} (μ - θ_p_l); its roots lie in |μ| < 10¹² exactly when
+    y^d·Q(10¹²/y) = Σ_k q_k·10¹²ᵏ·y^{d-k} has none in |y| ≤ 1."""
+    factors = [[-t, 1] for t in theta_p]
+    q = _product(factors)
+    for j, w in enumerate(omega_p):
+        others = _product(factors[:j] + factors[j + 1:])
+        q = [a + w * (others[k] if k < len(others) else 0) for k, a in enumerate(q)]
+    degree = len(q) - 1
+    return no_root_in_closed_unit_disc([q[degree - i] * units.PICO ** (degree - i) for i in range(degree + 1)])
 
 class BLT(StreamingPrivatizer):
     name: ClassVar[str] = "blt"
@@ -64,12 +87,10 @@ class BLT(StreamingPrivatizer):
             omega_p = [math.floor(w * units.PICO) for w in omega]
         self.buffers, self.horizon, self.min_separation, self.theta_p, self.omega_p = check_blt(
             record(theta_p, omega_p))
-        self.theta = [t / units.PICO for t in theta_p]
-        self.omega = [w / units.PICO for w in omega_p]
-        system = np.diag(self.theta) - np.outer(np.ones(buffers), self.omega)
-        if float(np.max(np.abs(np.linalg.eigvals(system)))) >= 1:
+        if not inverse_is_stable(self.theta_p, self.omega_p):
             raise ValueError("this BLT's inverse is unstable: its noise would grow without bound")
-        self.scale = math.sqrt(column_norm_sq(self.theta, self.omega))
+        # what the float64 stream multiplies by, exactly as the charge (factor_p) reads them from the record
+        self.theta, self.omega, self.scale = applied_parameters(self.theta_p, self.omega_p)
         self.factor_p = factor_p(self.theta_p, self.omega_p, min_separation)
 
     @property
@@ -100,9 +121,8 @@ class BLT(StreamingPrivatizer):
         tail = sum(w * np.power(t, k) for t, w in zip(self.theta, self.omega))
         return np.concatenate([[1.0], tail]) / self.scale
 
-    def _advance(self, buffer: Tensor, z: Tensor, step: int) -> Tensor:
-        omega = torch.tensor(self.omega, dtype=z.dtype).to(z.device)
-        theta = torch.tensor(self.theta, dtype=z.dtype).to(z.device).reshape(-1, *([1] * z.dim()))
+    def _advance(self, buffer: Tensor, z: Tensor, step: int) -> tuple[Tensor, Tensor]:
+        omega = torch.tensor(self.omega, dtype=torch.float64).to(z.device)
+        theta = torch.tensor(self.theta, dtype=torch.float64).to(z.device).reshape(-1, *([1] * z.dim()))
         u = z - torch.tensordot(omega, buffer, dims=1)
-        buffer.mul_(theta).add_(u)
-        return u * self.scale
+        return u * self.scale, buffer * theta + u

@@ -1,7 +1,8 @@
 """What a banded-mf or blt record charges, from the record alone, without torch or numpy: the verifier's path
 (the audit path never imports torch). `BandedMF.charge` and `BLT.charge` are these functions; the arguments are
-why in banded.py and blt.py. Every value is an int or is computed with IEEE-exact arithmetic (+, -, ×, /, fsum,
-powers by squaring), so the writer and the verifier get the same integers on any platform.
+why in banded.py and blt.py. Every value is an int, an exact rational (`fractions`), or is computed with IEEE-exact
+arithmetic (correctly rounded int division, fsum, sqrt), so the writer and the verifier get the same integers on any
+platform.
 
     banded_charge(record, sampling_rate_u=, noise_multiplier_u=, steps=)  -> (rate_u, multiplier_u, rounds)
     blt_charge(record, sampling_rate_u=, noise_multiplier_u=, steps=)     -> (rate_u, multiplier_u, rounds)
@@ -9,13 +10,19 @@ powers by squaring), so the writer and the verifier get the same integers on any
 
 from __future__ import annotations
 
+import functools
 import math
+from fractions import Fraction
 from typing import Any, Mapping, Sequence
 
 from govtrain import units
 
 BANDED_FIELDS = ("name", "bands", "horizon", "coefficients_p")
 BLT_FIELDS = ("name", "buffers", "horizon", "min_separation", "theta_p", "omega_p")
+# BLT's m costs O(buffers²) exact rational terms per charge; strategies in use have a handful of buffers. A bound
+# keeps a forged record from making the auditor's verifier spend minutes per spend (`check_blt`).
+BLT_MAX_BUFFERS = 64
+_BITS = 256  # θ^b is bounded above by a dyadic rational of this precision (exact powers have b times θ's digits)
 
 
 def _int(value: Any) -> bool:
@@ -46,12 +53,14 @@ def check_banded(record: Mapping[str, Any]) -> tuple[int, int, tuple[int, ...]]:
 
 def check_blt(record: Mapping[str, Any]) -> tuple[int, int, int, tuple[int, ...], tuple[int, ...]]:
     """(buffers, horizon, min_separation, theta_p, omega_p) of a blt record, or ValueError: the bound behind the
-    charge needs a positive, non-increasing column (0 < θ < 1, ω ≥ 0, Σω ≤ 1)."""
+    charge needs a positive, non-increasing column (0 < θ < 1, ω ≥ 0, Σω ≤ 1), of at most `BLT_MAX_BUFFERS`."""
     if set(record) != set(BLT_FIELDS) or record["name"] != "blt":
         raise ValueError(f"not a blt record: expected the fields {', '.join(BLT_FIELDS)}")
     buffers, horizon, separation = record["buffers"], record["horizon"], record["min_separation"]
     if not (_int(buffers) and _int(horizon) and _int(separation) and buffers >= 1 and 1 <= separation <= horizon):
         raise ValueError("a BLT needs int buffers ≥ 1 and a min_separation in [1, horizon]")
+    if buffers > BLT_MAX_BUFFERS:
+        raise ValueError(f"a BLT of {buffers} buffers: at most {BLT_MAX_BUFFERS} are charged")
     theta = _ints(record["theta_p"], buffers, "theta_p")
     omega = _ints(record["omega_p"], buffers, "omega_p")
     if not all(0 < t < units.PICO for t in theta) or not all(w >= 0 for w in omega) or sum(omega) > units.PICO:
@@ -87,29 +96,60 @@ def participation_factor(theta: Sequence[float], omega: Sequence[float], separat
     return (r0 + 2.0 * lagged) / r0
 
 
+def applied_parameters(theta_p: Sequence[int], omega_p: Sequence[int]) -> tuple[list[float], list[float], float]:
+    """(θ, ω, n): the float64 decays, weights and column norm n = √r(0) that the stream multiplies by (BLT._advance),
+    from the recorded integers: correctly rounded divisions, fsum and sqrt, the same on every platform."""
+    theta = [t / units.PICO for t in theta_p]
+    omega = [w / units.PICO for w in omega_p]
+    return theta, omega, math.sqrt(column_norm_sq(theta, omega))
+
+
+def _up(value: Fraction) -> Fraction:
+    """`value` rounded up to a multiple of 2^-_BITS."""
+    return Fraction(-((-value.numerator << _BITS) // value.denominator), 1 << _BITS)
+
+
+def _power_up(x: Fraction, n: int) -> Fraction:
+    """An upper bound on x^n (0 ≤ x < 1, n ≥ 0) by squaring, each product rounded up: within n·2^-_BITS of it."""
+    out = Fraction(1)
+    while n:
+        if n & 1:
+            out = _up(out * x)
+        x = _up(x * x)
+        n >>= 1
+    return out
+
+
+def _raw_factor_up(theta: Sequence[Fraction], omega: Sequence[Fraction], separation: int) -> tuple[Fraction, Fraction]:
+    """(r(0), an upper bound on r(0) + 2·Σ_{i≥1} r(i·b)) of the raw column (c_0 = 1) in exact rationals, the closed
+    form of `participation_factor`; the lagged sum increases with θ^b and θ^(b-1), so their upper bounds bound it."""
+    pairs = [(tj, wj, tl, wl) for tj, wj in zip(theta, omega) for tl, wl in zip(theta, omega)]
+    r0 = 1 + sum((wj * wl / (1 - tj * tl) for tj, wj, tl, wl in pairs), Fraction(0))
+    powers = {t: (_power_up(t, separation - 1), _power_up(t, separation)) for t in theta}
+    if any(pb >= 1 for _, pb in powers.values()):
+        raise ValueError("a BLT needs θ < 1")
+    lagged = sum((w * powers[t][0] / (1 - powers[t][1]) for t, w in zip(theta, omega)), Fraction(0))
+    lagged += sum((wj * wl * powers[tl][1] / ((1 - tj * tl) * (1 - powers[tl][1])) for tj, wj, tl, wl in pairs),
+                  Fraction(0))
+    return r0, r0 + 2 * lagged
+
+
+@functools.lru_cache(maxsize=64)
+def _factor_p(theta_p: tuple[int, ...], omega_p: tuple[int, ...], separation: int) -> int:
+    recorded = _raw_factor_up([Fraction(t, units.PICO) for t in theta_p], [Fraction(w, units.PICO) for w in omega_p],
+                              separation)
+    theta, omega, scale = applied_parameters(theta_p, omega_p)
+    applied = _raw_factor_up([Fraction(t) for t in theta], [Fraction(w) for w in omega], separation)
+    m = max(recorded[1] / recorded[0], applied[1] / Fraction(scale) ** 2)
+    return -((-m.numerator * units.PICO) // m.denominator)
+
+
 def factor_p(theta_p: Sequence[int], omega_p: Sequence[int], separation: int) -> int:
-    """m in pico-units from the recorded integers, rounded up: `participation_factor`'s closed form in integers, at
-    a fixed point of 2^-256 with every rounding toward a larger m (float64 cancels in 1 - θ_j·θ_l near θ = 1)."""
-    one, pico = 1 << 256, units.PICO
-
-    def power_up(t_p: int, n: int) -> int:  # ≥ (t_p / pico)^n · one, by squaring; every value stays ≤ one
-        out, x = one, -(-t_p * one // pico)
-        while n:
-            if n & 1:
-                out = -(-out * x // one)
-            x = -(-x * x // one)
-            n >>= 1
-        return out
-
-    lead = [power_up(t, separation - 1) for t in theta_p]  # θ^(b-1), θ^b: upper bounds (b ≥ 1; 1 - θ^b > 2^-200)
-    tail = [power_up(t, separation) for t in theta_p]
-    pairs = [(wj * wl, pico * pico - tj * tl) for tj, wj in zip(theta_p, omega_p) for tl, wl in zip(theta_p, omega_p)]
-    # r(0) - 1 = Σ ω_j ω_l / (1 - θ_j θ_l), rounded down (m falls as r(0) grows); Σ_{i≥1} r(i·b) rounded up:
-    # ω θ^(b-1) / (1 - θ^b) = W·Y / (pico·(one - X)), ω_j ω_l θ_l^b / ((1 - θ_j θ_l)(1 - θ_l^b)) = WW·X / (D·(one - X))
-    r0 = one + sum(ww * one // d for ww, d in pairs)
-    lagged = sum(-(-w * y * one // (pico * (one - x))) for w, y, x in zip(omega_p, lead, tail)) + sum(
-        -(-ww * x * one // (d * (one - x))) for (ww, d), x in zip(pairs, tail * len(theta_p)))
-    return -(-(r0 + 2 * lagged) * pico // r0)
+    """m in pico-units, rounded up, computed in exact rationals from the recorded integers: the larger of m of the
+    recorded strategy (θ_p/10¹², ω_p/10¹², normalised by its exact r(0)) and m of the one the float64 stream applies
+    (`applied_parameters`: θ, ω as float64, normalised by the float64 n). No float error margin is needed: near
+    θ → 1 (1 - θ^b ≈ b·(1-θ), as small as 10⁻¹²) a float64 closed form loses digits that no fixed margin covers."""
+    return _factor_p(tuple(theta_p), tuple(omega_p), separation)
 
 
 def unamplified_multiplier_u(noise_multiplier_u: int, m_p: int) -> int:
@@ -123,10 +163,19 @@ def _rounds(steps: int, cycle: int) -> int:
     return -(-steps // cycle)
 
 
+def _check_spend(sampling_rate_u: Any, noise_multiplier_u: Any) -> None:
+    """q in (0, 1] and σ > 0, in micro-units: a negative σ must not be charged as its magnitude (nor as no noise)."""
+    if not _int(sampling_rate_u) or not 0 < sampling_rate_u <= units.MICRO:
+        raise ValueError(f"the sampling rate must be an int in (0, {units.MICRO}] micro-units, got {sampling_rate_u!r}")
+    if not _int(noise_multiplier_u) or noise_multiplier_u <= 0:
+        raise ValueError(f"the noise multiplier must be a positive int of micro-units, got {noise_multiplier_u!r}")
+
+
 def banded_charge(record: Mapping[str, Any], *, sampling_rate_u: int, noise_multiplier_u: int,
                   steps: int) -> tuple[int, int, int]:
     """DP-SGD at rate min(1, b·q) over ⌈steps/b⌉ rounds at σ (banded.py: why the per-epoch ceiling over-counts)."""
     bands, _, _ = check_banded(record)
+    _check_spend(sampling_rate_u, noise_multiplier_u)
     return min(units.MICRO, bands * sampling_rate_u), noise_multiplier_u, _rounds(steps, bands)
 
 
@@ -134,5 +183,6 @@ def blt_charge(record: Mapping[str, Any], *, sampling_rate_u: int, noise_multipl
                steps: int) -> tuple[int, int, int]:
     """Unsampled (rate 1) Gaussians at ⌊σ/√m⌋, one per possible participation: ⌈steps/b⌉ (blt.py: the bound)."""
     _, _, separation, theta, omega = check_blt(record)
+    _check_spend(sampling_rate_u, noise_multiplier_u)
     return (units.MICRO, unamplified_multiplier_u(noise_multiplier_u, factor_p(theta, omega, separation)),
             _rounds(steps, separation))

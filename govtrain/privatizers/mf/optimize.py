@@ -79,7 +79,7 @@ def blt_column_t(theta: torch.Tensor, omega: torch.Tensor, horizon: int) -> torc
 
 def blt_factor_t(theta: torch.Tensor, omega: torch.Tensor, separation: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(r(0), r(0) + 2·Σ_{i≥1} r(i·sep)) of the raw column, r(L) = Σ_k c_k c_{k+L} over the infinite horizon, in
-    closed form (see charge.participation_factor, the float64 twin the charge uses)."""
+    closed form (see charge.participation_factor, its float64 twin; the charge computes it exactly, charge.factor_p)."""
     cross = omega[:, None] * omega[None, :] / (1 - theta[:, None] * theta[None, :])
     r0 = 1 + cross.sum()
     tb = theta ** separation

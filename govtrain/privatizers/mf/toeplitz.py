@@ -14,6 +14,9 @@ optimisers in `optimize.py`.
 
 from __future__ import annotations
 
+import math
+from typing import Sequence
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -91,3 +94,35 @@ def prefix_error_t(column: Tensor, horizon: int) -> Tensor:
     p = torch.cumsum(series_inverse(column, horizon), 0)
     weights = torch.arange(horizon, 0, -1, dtype=column.dtype)
     return torch.dot(weights, p * p) / horizon
+
+
+# Stability, exactly: whether a recurrence's noise stays bounded, decided in integers (the same on every machine).
+
+def no_root_in_closed_unit_disc(coefficients: Sequence[int]) -> bool:
+    """Whether the integer polynomial p(x) = Σ_k a_k x^k (ascending powers) has no root with |x| ≤ 1, exactly.
+
+    Positive, strictly decreasing coefficients (what the optimiser writes) settle it in O(n) (Eneström–Kakeya:
+    |(1-x)·p(x) - a_0| ≤ a_0 on |x| ≤ 1, with equality only at x = 1, where p(1) > 0). Otherwise the Schur–Cohn
+    reduction in integers: if |a_0| ≤ |a_n|, the roots' product |a_0/a_n| is ≤ 1, so one lies in the closed disc;
+    else q = a_0·p - a_n·p* (p* the reversed polynomial; degree < n) has as many roots in the closed disc as p
+    (on |x| = 1, |p*| = |p| and |a_n·p*| < |a_0·p|: Rouché's theorem, and a root of p on the circle is one of q).
+    Each q is divided by the gcd of its coefficients, which keeps the integers' growth linear."""
+    p = [int(v) for v in coefficients]
+    while p and p[-1] == 0:
+        p.pop()
+    if p and p[-1] > 0 and all(a > b for a, b in zip(p, p[1:])):
+        return True
+    while True:
+        while p and p[-1] == 0:
+            p.pop()
+        if not p:
+            raise ValueError("the zero polynomial has roots everywhere")
+        if len(p) == 1:
+            return True
+        lead, last = p[0], p[-1]
+        if abs(lead) <= abs(last):
+            return False
+        n = len(p) - 1
+        q = [lead * p[k] - last * p[n - k] for k in range(n)]
+        divisor = math.gcd(*q)
+        p = [v // divisor for v in q]
