@@ -56,6 +56,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from govtrain.distributed.world import World
 from govtrain.errors import Code, ConfigError
 from govtrain.mechanisms import MECHANISMS
 from govtrain.mechanisms.reach import check_reach, lora_pairs
@@ -218,6 +219,9 @@ class Router:
         self.routes = AdapterRoutes(model, resolution.reach)
         self._routed: tuple[str, ...] | None = None  # the captured forward's examples' classes
         self._canaries = None  # audit only: `inject_audit_canaries`; None in every run
+        # the run's processes (`govtrain.distributed`): each rank clips its share of the draw; `finish` sums the
+        # ranks' clipped sums, the lead alone noises them, and every rank writes the lead's release
+        self.world = World.single()
         self._compiled = compiled_routing.CompiledStage(self._clip) if compiled else None
         self._handles = [tap.module.register_forward_hook(self._hook(tap)) for tap in self.taps.values()
                          if reached.intersection(tap.leaves.values())]
@@ -439,13 +443,15 @@ class Router:
                              expected_batch_size: float) -> None:
         """Per-microbatch noise: each microbatch's clipped sum gets the group noise on its own, in microbatch
         order, and the step releases their sum over the expected batch size (k times the variance of one)."""
+        self.world.sum_([total for part in parts for total in part.values()])
         for part in parts:
-            self._noise(part, group_std, expected_batch_size)
+            self._noise_once(part, group_std, expected_batch_size)
         totals = parts[0]
         for part in parts[1:]:
             for name, total in part.items():
                 totals[name] += total
         self.noise_std = {name: std * math.sqrt(len(parts)) for name, std in self.noise_std.items()}
+        self.world.share_(list(totals.values()))
         self._write(totals, expected_batch_size)
 
     def _clipped_sum(self, losses: Tensor, classes: Sequence[str], clip_norms,
@@ -582,18 +588,26 @@ class Router:
         return totals, norms, clipped
 
     def _finish(self, totals: dict[str, Tensor], group_std: Mapping[frozenset, float], expected_batch_size: float) -> None:
-        self._noise(totals, group_std, expected_batch_size)
+        self.world.sum_(list(totals.values()))  # every rank's clipped sum, on every rank
+        self._noise_once(totals, group_std, expected_batch_size)
+        self.world.share_(list(totals.values()))  # the lead's release, bitwise, on every rank
         self._write(totals, expected_batch_size)
+
+    def _noise_once(self, totals: dict[str, Tensor], group_std: Mapping[frozenset, float],
+                    expected_batch_size: float) -> None:
+        """The noise, drawn once for all the ranks: by the lead, whose release `share_` then copies to the others;
+        a follower only sets `noise_std`, which the update reads (its `totals` are overwritten by the lead's)."""
+        if self.world.lead:
+            self._noise(totals, group_std, expected_batch_size)
+        else:
+            self.noise_std = self._stds(group_std, expected_batch_size)
 
     def _noise(self, totals: dict[str, Tensor], group_std: Mapping[frozenset, float], expected_batch_size: float
                ) -> None:
         """Add each group's noise to `totals` in place (prism: the pairs' sums lifted, with their tangent noise);
         `noise_std` then holds each reached parameter's noise std over the expected batch size."""
-        if not expected_batch_size > 0:
-            raise ValueError("the expected batch size must be positive")
-        groups = [(group, float(group_std.get(group.classes, 0.0)))
-                  for group in self.resolution.groups if group.classes]
-        self.noise_std = {part.name: std / expected_batch_size for group, std in groups for part in group.parts}
+        groups = self._groups(group_std)
+        self.noise_std = self._stds(group_std, expected_batch_size)
         pair_std: dict[str, float] = {}
         if self.tangent is not None:  # prism: the pairs' clipped sums lifted, each with its group's tangent noise
             for group, std in groups:
@@ -608,6 +622,15 @@ class Router:
         self.noise_slots.released(totals, noisy)
         if self.tangent is not None:
             self.tangent.release(totals, pair_std, self.noise_slots.omega(noisy))
+
+    def _groups(self, group_std: Mapping[frozenset, float]) -> list:
+        return [(group, float(group_std.get(group.classes, 0.0))) for group in self.resolution.groups if group.classes]
+
+    def _stds(self, group_std: Mapping[frozenset, float], expected_batch_size: float) -> dict[str, float]:
+        """Each reached parameter's noise std over the expected batch size."""
+        if not expected_batch_size > 0:
+            raise ValueError("the expected batch size must be positive")
+        return {part.name: std / expected_batch_size for group, std in self._groups(group_std) for part in group.parts}
 
     def _write(self, totals: dict[str, Tensor], expected_batch_size: float) -> None:
         for name, param in self.params.items():

@@ -148,20 +148,29 @@ class GovernedRun:
         passes its other trials). With `check`, the run
         writes nothing: `batches()` hands out the rehearsal only, then logs the plan (`plan`) and ends; `save()`
         saves and records nothing."""
+        from govtrain.distributed.world import World
         from govtrain.ledger.ledger import Ledger
+        from govtrain.train.model import resolve_device
 
         config = run_config(config)
-        ledger = Ledger.open(ledger_url, key=key)
+        # under torchrun or `govtrain train --nproc N`: this process is one rank of the run (docs/distributed.md)
+        world = World.from_env(resolve_device(config.file.training.device).type)
+        try:
+            ledger = Ledger.open(ledger_url, key=key)  # only the lead writes with it
+        except BaseException:
+            world.close()
+            raise
         run = None
         try:
             run = Run(config, ledger, insecure_seed=insecure_seed, log=log, now=now, checkpoint_every=checkpoint_every,
-                      observe=observe, confirm=confirm, check=check, siblings=siblings)
+                      observe=observe, confirm=confirm, check=check, siblings=siblings, world=world)
             run.prepare()
             return cls(run, ledger, on_step=on_step)
         except BaseException:
             if run is not None:
                 run.release()
             ledger.close()
+            world.close()
             raise
 
     def __enter__(self) -> "GovernedRun":
@@ -188,6 +197,7 @@ class GovernedRun:
         self._run.router.close()
         self._run.release()
         self._ledger.close()
+        self._run.world.close()
 
     # -- what the run holds ----------------------------------------------------------------------------
 

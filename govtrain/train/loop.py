@@ -15,6 +15,7 @@ with exit 5 (`BudgetExhausted`), after saving what it has.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Callable, Collection
@@ -66,6 +67,8 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
     from govtrain.train.governed import GovernedRun
 
     clock = clock or _progress.CLOCK
+    if int(os.environ.get("RANK", "0") or 0) != 0:  # one rank of several: the lead logs and shows progress
+        log, progress = (lambda line: None), False
     show = progress and sys.stderr.isatty()
     bar = tqdm(total=config.file.training.steps, disable=not show, dynamic_ncols=True, file=sys.stderr,
                bar_format="|{bar:20}| {desc}")

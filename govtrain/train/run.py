@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Collection
 
 from govtrain import units
+from govtrain.distributed.world import World
 from govtrain.errors import Code, ConfigError, GovtrainError, RejectedError
 from govtrain.ledger.ledger import Ledger
 from govtrain.ledger.spend_rules import noise_groups_record
@@ -205,8 +206,12 @@ class Run:
     def __init__(self, config: RunConfig, ledger: Ledger, *, insecure_seed: int | None = None, log: LOG = print,
                  now: Callable[[], int] = lambda: int(time.time()), checkpoint_every: int = 10,
                  observe: Callable[[int, list[str]], None] | None = None, confirm: bool = False,
-                 check: bool = False, siblings: Collection[str] = ()) -> None:
-        self.config, self.ledger, self.log, self.now = config, ledger, log, now
+                 check: bool = False, siblings: Collection[str] = (), world: World | None = None) -> None:
+        # `world`: this process's place among the run's processes (`govtrain.distributed`; one process by default).
+        # Only its lead writes (run state, ledger, adapter) and logs; the others follow it (docs/distributed.md).
+        self.world = world = world or World.single()
+        self.config, self.ledger, self.now = config, ledger, now
+        self.log: LOG = log if world.lead else (lambda line: None)
         # `confirm`: charging contributions other runs charged is consented to; `check`: everything up to the first
         # write-ahead, then stop, writing nothing (no lock, no claim, no run state, no spend); `siblings`: the runs
         # whose charges need no consent besides this one (a search's other trials)
@@ -252,7 +257,7 @@ class Run:
         from the run state, or refuse a fresh run whose id already wrote spend. A refusal leaves no lock file
         it made."""
         lock = self.config.output_dir / LOCK_FILE
-        made = not self.check and not os.path.lexists(lock)
+        made = not self.check and self.world.lead and not os.path.lexists(lock)
         try:
             self._prepare()
         except GovtrainError:
@@ -261,31 +266,41 @@ class Run:
             raise
 
     def _prepare(self) -> None:
-        import numpy as np
+        from govtrain.distributed.agree import check_agreement, fingerprint, share_weights
+        from govtrain.privatizers import check_microbatches
+
+        config = self.config
+        check_microbatches(config.file.noise)  # before anything is made: a refusal changes nothing
+        world = self.world
+        # Several processes (docs/distributed.md): each step of preparing is taken on every rank and its outcome
+        # gathered (`together`), so a refusal on one rank stops all of them, before any spend is written.
+        state = world.together(self._load)  # the lead's run state (the others read none)
+        check_agreement(world, fingerprint(self))  # every rank trains what the lead trains, or none does
+        saved = world.broadcast((state or {}).get("noise") and {"privatizer": state["noise"].get("privatizer")})
+        world.together(lambda: self._build(state.get("noise") if state is not None else saved))
+        shared = world.from_lead(lambda: self._start(state))
+        if not world.lead:
+            self._follow(shared)
+        share_weights(world, self.model, self.update, resumed=self.resumed)
+
+    def _load(self) -> dict | None:
+        """The data matched to the admitted contributions, the model on its device and its resolution; the lead's run
+        state (None on the other ranks, and for a fresh run)."""
         import torch
 
-        from govtrain.accounting.spend import SpendCalculator
-        from govtrain.mechanisms.update import Update
-        from govtrain.release.export import Release, artifact_record, tokenizer_files
+        from govtrain.release.export import tokenizer_files
         from govtrain.resolver.model import describe
         from govtrain.resolver.plan import read_corpus, sampling_rate_for
         from govtrain.resolver.profile import resolve
-        from govtrain.resolver.schedule import Scheduler
-        from govtrain.routing.independence import check_batch_independence
-        from govtrain.routing.layout import probe_batches
-        from govtrain.privatizers import check_microbatches
-        from govtrain.privatizers.families.floors import check_family_floor
-        from govtrain.routing.router import Router
         from govtrain.tasks import task_for
         from govtrain.train.data import load_examples
         from govtrain.train.model import check_weight_decay, load_model, resolve_device
 
         config, ledger, log = self.config, self.ledger, self.log
         training = config.file.training
-        check_microbatches(config.file.noise)  # before anything is made: a refusal changes nothing
-        if not self.check:  # a check writes nothing, the lock file and the output folder included
+        if not self.check and self.world.lead:  # a check writes nothing, the lock file and the output folder included
             self._lock = lock_state(config.output_dir)
-        if not self.state_path.exists():  # a fresh run starts in an empty folder (`preflight.check_output`)
+        if self.world.lead and not self.state_path.exists():  # a fresh run starts in an empty folder
             check_output(config.output_dir, (LOCK_FILE, STATE_FILE + TEMPORARY))
         if self.insecure_seed is not None:
             torch.manual_seed(self.insecure_seed)
@@ -331,13 +346,32 @@ class Run:
         self.task.check(examples.items, self.tokenizer, config.file.model.max_length)  # e.g. no target token left
         self.base_sha256 = tree_sha256(base)
         self.model.to(self.device)  # before the router: its noise generator lives on the parameters' device
-        resolution = resolve(policy.classes, describe(self.model, name=config.model_spec))
+        self._resolution = resolution = resolve(policy.classes, describe(self.model, name=config.model_spec))
         check_weight_decay(resolution, config.file.optimizer.weight_decay)
-        state = _load_state(self.state_path, config)
-        self.privatizer = _privatizer(config, (state or {}).get("noise"), self.insecure_seed)
+        self._admitted, self._base, self._tokenizer_files, self._q_u = admitted, base, tokenizer, q_u
+        self._records = records
+        return _load_state(self.state_path, config) if self.world.lead else None
+
+    def _build(self, saved: dict | None) -> None:
+        """The privatizer (a resumed run's as its state `saved` it), router, update, sampler and scheduler; the
+        contributions by index."""
+        import numpy as np
+
+        from govtrain.accounting.spend import SpendCalculator
+        from govtrain.mechanisms.update import Update
+        from govtrain.privatizers.families.floors import check_family_floor
+        from govtrain.resolver.schedule import Scheduler
+        from govtrain.routing.independence import check_batch_independence
+        from govtrain.routing.layout import probe_batches
+        from govtrain.routing.router import Router
+
+        config, policy, resolution, admitted = self.config, self.policy, self._resolution, self._admitted
+        training, present, q_u = config.file.training, self.present, self._q_u
+        self.privatizer = _privatizer(config, saved, self.insecure_seed)
         self.microbatches = config.file.noise.microbatches  # a privacy parameter: the privatizer records it
         self.router = Router(self.model, resolution, mechanism=training.mechanism, insecure_seed=self.insecure_seed,
                              privatizer=self.privatizer, microbatches=self.microbatches, compiled=training.compiled)
+        self.router.world = self.world  # the ranks' clipped sums summed, noised once by the lead
         # the family's floor, before any spend: a spend records σ_eff at least the contribution's signed multiplier
         check_family_floor(policy, self.privatizer.family,
                            [(c, admitted[c].member.noise_multiplier_u) for c in sorted(present)])
@@ -356,7 +390,7 @@ class Run:
         self.ids = ids = sorted(present)
         position = {c: i for i, c in enumerate(ids)}
         members = [admitted[c].member for c in ids]
-        self.owner = np.array([position[c] for c in examples.owner], dtype=np.int64)
+        self.owner = np.array([position[c] for c in self.examples.owner], dtype=np.int64)
         self.members = [np.flatnonzero(self.owner == k) for k in range(len(ids))]  # each contribution's examples
         self.rank = np.zeros(len(self.owner), dtype=np.int64)  # each example's index within its contribution
         for member in self.members:
@@ -364,6 +398,16 @@ class Run:
         self.signed_clip = {m.contribution_id: m.clip_norm_u / units.MICRO for m in members}
         self.classes = {m.contribution_id: m.data_class for m in members}
 
+    def _start(self, state: dict | None) -> dict:
+        """(The lead's.) The run's id and lease: resumed from its state, or new; consent; the claim. Returns what the
+        other ranks take from it (`_follow`)."""
+        import torch
+
+        from govtrain.release.export import Release, artifact_record
+
+        config, ledger, log, policy = self.config, self.ledger, self.log, self.policy
+        training, present, base, records = config.file.training, self.present, self._base, self._records
+        expected_batch, q_u = self.expected_batch, self._q_u
         run_id = training.run_id or f"run-{self.now()}-{os.urandom(4).hex()}"
         self.result = result = RunResult(run_id, 0)
         book = ledger.spend_book()
@@ -423,7 +467,7 @@ class Run:
         self.charged_before = {c for c in present if book.charged_by.get(c, set()) - mine}
         record = artifact_record(config, self.model, base=base, base_sha256=self.base_sha256, run_id=run_id,
                                  origin=policy.origin)
-        self.export = Release(self.model, record, tokenizer)  # what finish() will write
+        self.export = Release(self.model, record, self._tokenizer_files)  # what finish() will write
         if self.check or self.charged_before:
             self.plan = self.projection()
         if self.charged_before and not self.check and not self.recorded:  # a recorded run charges nothing more
@@ -437,7 +481,33 @@ class Run:
                  self.per_contribution is None else f"{expected_batch:g} of {len(present)} contributions, at most "
                  f"{self.per_contribution} examples each: ε per contribution")
         log(f"{run_id}: {self.total} {training.mechanism} steps, q = {q_u / units.MICRO:g} (expected batch {drawn}), "
-            f"{policy.accountant} at δ = {policy.delta_p / 1e12:g}")
+            f"{policy.accountant} at δ = {policy.delta_p / 1e12:g}"
+            + (f", {self.world.size} processes" if self.world.many else ""))
+        return self._shared() if self.world.many else {}
+
+    def _shared(self) -> dict:
+        """What the other ranks take from the lead's `_start`: the run's id and lease, and where it stands. Never
+        the sampling key or the noise state: only the lead draws."""
+        result = self.result
+        return {"run_id": result.run_id, "run_nonce": self.run_nonce, "resumed": self.resumed,
+                "recorded": self.recorded, "steps": result.steps, "losses": list(result.losses),
+                "epochs": list(result.epochs), "eps_by_class": result.eps_by_class, "exhausted": result.exhausted,
+                "pending": self.pending, "confirmed": self.confirmed, "charged_before": sorted(self.charged_before),
+                "plan": self.plan}
+
+    def _follow(self, shared: dict) -> None:
+        """A follower takes the lead's run id, lease and place (`_shared`)."""
+        from govtrain.release.export import Release, artifact_record
+
+        self.result = result = RunResult(shared["run_id"], shared["steps"])
+        result.losses, result.epochs, result.eps_by_class = shared["losses"], shared["epochs"], shared["eps_by_class"]
+        result.exhausted = shared["exhausted"]
+        self.run_nonce, self.resumed, self.recorded = shared["run_nonce"], shared["resumed"], shared["recorded"]
+        self.pending, self.confirmed, self.plan = shared["pending"], shared["confirmed"], shared["plan"]
+        self.charged_before = set(shared["charged_before"])
+        record = artifact_record(self.config, self.model, base=self._base, base_sha256=self.base_sha256,
+                                 run_id=result.run_id, origin=self.policy.origin)
+        self.export = Release(self.model, record, self._tokenizer_files)
 
     def _check_ledger(self, state: dict, book) -> None:  # type: ignore[no-untyped-def]
         """Refuse (`output_taken`) a run state written against another ledger, or one that took steps under a
@@ -476,7 +546,13 @@ class Run:
         """Fix the next ledger epoch's schedule from what the ledger says now (q over the live records,
         s_g, sigma_eff, retirement) and save it to the run state before any of its spend is written, so a
         kill between the two cannot lose it. False, with `result.exhausted` set, when no contribution is
-        eligible any more."""
+        eligible any more. Several processes: the lead plans, and the others take its plan."""
+        planned, pending, exhausted = self.world.from_lead(
+            lambda: (self._plan_epoch(), self.pending, self.result.exhausted))
+        self.pending, self.result.exhausted = pending, exhausted
+        return planned
+
+    def _plan_epoch(self) -> bool:
         if self.pending is not None:
             raise RuntimeError("plan_epoch() with an epoch pending: its written-ahead plan would be replaced")
         if self.check:
@@ -506,9 +582,18 @@ class Run:
     def write_ahead(self) -> bool:
         """Make sure this run's spend for the pending epoch is in the ledger (written now, or by this run
         before a kill) and set the epoch's sampling rate, steps per contribution and noise. False when
-        another run holds the epoch: the plan is dropped and the caller plans the next epoch."""
-        import numpy as np
+        another run holds the epoch: the plan is dropped and the caller plans the next epoch. Several processes: the
+        lead writes, and every other rank reads the written spend back from the ledger before it takes a step."""
+        if not self.world.many:
+            return self._write_ahead()
+        written, pending = self.world.from_lead(lambda: (self._write_ahead(), self.pending))
+        if not self.world.lead:
+            self.pending = pending
+            if written:
+                self._take_written()
+        return written
 
+    def _write_ahead(self) -> bool:
         if self.pending is None:
             raise RuntimeError("write_ahead() with no epoch planned: call plan_epoch() first")
         self._check_owner()
@@ -545,11 +630,31 @@ class Run:
             self._save()
         self._retired_here |= set(pending.get("retiring", ()))  # a plan dropped before its write retires nobody
         self.sampler.sampling_rate = pending["q_u"] / units.MICRO
+        self._epoch_written()
+        self._charged_rates = self.ledger.spend_book().rates.get(pending["epoch"]) if pending["spend"] else None
+        return True
+
+    def _epoch_written(self) -> None:
+        import numpy as np
+
+        pending = self.pending
         self._allowed = np.array([pending["allowed"].get(c, 0) for c in self.ids], dtype=np.int64)
         self._group_std = {frozenset(k): v for k, v in pending["group_std"].items()}
-        self._charged_rates = self.ledger.spend_book().rates.get(pending["epoch"]) if pending["spend"] else None
         self._written = True
-        return True
+
+    def _take_written(self) -> None:
+        """(A follower.) The lead's written-ahead epoch, once this rank has read its spend in the ledger itself: no
+        rank steps on a spend the store does not hold."""
+        pending = self.pending
+        if pending["spend"]:
+            written = written_plan(self.ledger, pending["epoch"], (self.run_id, self.run_nonce))
+            written.pop("epoch_steps")
+            if written.pop("privatizer") != pending["privatizer"] or \
+                    (written["spend"], written["q_u"]) != (pending["spend"], pending["q_u"]):
+                raise ConfigError(Code.RANK_MISMATCH, f"rank {self.world.rank} reads another spend for ledger epoch "
+                                                      f"{pending['epoch']} than the lead wrote: start every rank "
+                                                      "against the same ledger")
+        self._epoch_written()
 
     def _drop_plan(self) -> None:
         """Forget the pending plan, not written: a run that never wrote spend leaves no run state (its folder is
@@ -564,19 +669,18 @@ class Run:
         """The next logical step's Poisson draw over the units (examples, or whole contributions) still
         eligible at this step (withdrawals take effect here), as physical chunks; starts the router's step.
         The caller encodes each chunk, runs the forward under `forward()`, hands its per-example losses to
-        `accumulate`, and then calls `apply` once (also when the draw is empty: the noise is still drawn)."""
-        import numpy as np
+        `accumulate`, and then calls `apply` once (also when the draw is empty: the noise is still drawn).
+        Several processes: the lead draws, every rank takes its share of the drawn units (`distributed.shares`)."""
+        from govtrain.distributed.shares import share
 
         if not self._written or self.epoch_done:
             raise RuntimeError("a step outside a written-ahead epoch: its spend must be in the ledger first")
-        self._check_owner()
-        self._check_rate()
-        result, examples = self.result, self.examples
-        step = result.steps - self.pending["first_step"]
-        gone = self._withdrawn.read()  # from the entries, never the `withdrawals` index table (withdrawals.py)
-        live = np.array([self._allowed[i] > step and self.ids[i] not in gone for i in range(len(self.ids))], dtype=bool)
+        world, examples = self.world, self.examples
+        drawn = world.from_lead(self._lead_draw)
+        if world.many:
+            drawn = [share(units_, world.size, world.rank) for units_ in drawn]
         chunks = []
-        for part, unit, m in self._draw(live):
+        for part, unit, m in self._chunks(drawn):
             owners = [examples.owner[i] for i in part]
             if unit is None:  # each example is clipped on its own
                 who = owners
@@ -586,6 +690,17 @@ class Run:
         self.router.begin(self._group_std)  # a quantising privatizer's lattice follows the step's group noise
         self._loss_sum, self._drawn = 0.0, 0
         return chunks
+
+    def _lead_draw(self) -> list[list[list[int]]]:
+        """(The lead's.) The step's draw over the units still eligible at this step (withdrawals take effect here)."""
+        import numpy as np
+
+        self._check_owner()
+        self._check_rate()
+        step = self.result.steps - self.pending["first_step"]
+        gone = self._withdrawn.read()  # from the entries, never the `withdrawals` index table (withdrawals.py)
+        live = np.array([self._allowed[i] > step and self.ids[i] not in gone for i in range(len(self.ids))], dtype=bool)
+        return self._draw(live)
 
     def rehearsal_std(self) -> dict[frozenset, float]:
         """The group noise the rehearsal's steps begin with: the pending epoch's if one is written, else a unit
@@ -626,6 +741,12 @@ class Run:
     def move(self) -> float:
         """The router's noise once per group, then the update; the step's mean loss per example drawn."""
         self.router.finish(self._group_std, self.pending["expected_batch"])
+        if self.world.many:  # the step's loss over every rank's share
+            import torch
+
+            seen = torch.tensor([self._loss_sum, float(self._drawn)], dtype=torch.float64)
+            self.world.sum_([seen])
+            self._loss_sum, self._drawn = float(seen[0]), int(seen[1])
         loss = self._loss_sum / self._drawn if self._drawn else float("nan")
         self.update.step(self.router.noise_std)
         self.update.zero_grad()
@@ -649,45 +770,48 @@ class Run:
                                                       f"{', '.join(f'{q / units.MICRO:g}' for q in sorted(charged))}: "
                                                       "the sampling rate is the run's, never set it by hand")
 
-    def _draw(self, live) -> list[tuple[list[int], list[int] | None, int]]:  # type: ignore[no-untyped-def]
-        """One step's Poisson draw over the live units, as physical chunks of (example indices, the unit of
-        each example or None, the microbatch). Example unit: q over the live examples, chunks of at most
-        physical_batch. Contribution unit: q over the live contributions, each drawn one using at most
-        examples_per_contribution of its examples (uniformly); chunks hold whole contributions. With
-        microbatches > 1 the drawn units are split first (`_microbatches`), and each chunk holds one microbatch's."""
+    def _draw(self, live) -> list[list[list[int]]]:  # type: ignore[no-untyped-def]
+        """One step's Poisson draw over the live units, by microbatch, each drawn unit as its example indices. Example
+        unit: q over the live examples, one index each. Contribution unit: q over the live contributions, each drawn one
+        using at most examples_per_contribution of its examples (uniformly). With microbatches > 1 the drawn units are
+        split (`_microbatches`); otherwise one microbatch holds them all."""
         import numpy as np
 
-        chunk = self.chunk
         step = self.result.steps
         self.sampler.at_step(step)  # the step's draw is fixed by the run's key and the step
         if self.per_contribution is None:
             chosen = self.sampler.sample(np.flatnonzero(live[self.owner]) if len(self.owner) else np.zeros(0, int),
                                          units=len(self.owner))
-            chunks: list[tuple[list[int], list[int] | None, int]] = []
 
             def names() -> list[str]:  # an example's id: its contribution's and its index there, never its position
                 return [microbatch.example_id(self.ids[self.owner[i]], int(self.rank[i])) for i in chosen]
 
-            for m, positions in enumerate(self._microbatches(step, len(chosen), names)):
-                picked = chosen[positions]
-                size = chunk or max(len(picked), 1)
-                chunks += [(picked[i:i + size].tolist(), None, m) for i in range(0, len(picked), size)]
-            return chunks
+            return [[[int(i)] for i in chosen[positions]] for positions in self._microbatches(step, len(chosen), names)]
         drawn = [(k, self.sampler.take(self.members[k], self.per_contribution, unit=k).tolist())
                  for k in self.sampler.sample(np.flatnonzero(live), units=len(self.ids))]
-        chunks = []
-        for m, positions in enumerate(self._microbatches(step, len(drawn), lambda: [self.ids[k] for k, _ in drawn])):
+        return [[drawn[p][1] for p in positions]
+                for positions in self._microbatches(step, len(drawn), lambda: [self.ids[k] for k, _ in drawn])]
+
+    def _chunks(self, drawn: list[list[list[int]]]) -> list[tuple[list[int], list[int] | None, int]]:
+        """Drawn units (`_draw`, or a rank's share of them) as physical chunks of (example indices, the unit of each
+        example or None, the microbatch): at most physical_batch examples each, a contribution's whole."""
+        chunk, chunks = self.chunk, []
+        for m, drawn_units in enumerate(drawn):
+            if self.per_contribution is None:  # each example is its own unit
+                picked = [i for unit_ in drawn_units for i in unit_]
+                size = chunk or max(len(picked), 1)
+                chunks += [(picked[i:i + size], None, m) for i in range(0, len(picked), size)]
+                continue
             part: list[int] = []
-            units: list[int] = []
-            for position in positions:
-                taken = drawn[position][1]
+            units_: list[int] = []
+            for taken in drawn_units:
                 if part and chunk is not None and len(part) + len(taken) > chunk:
-                    chunks.append((part, units, m))
-                    part, units = [], []
-                units += [units[-1] + 1 if units else 0] * len(taken)
+                    chunks.append((part, units_, m))
+                    part, units_ = [], []
+                units_ += [units_[-1] + 1 if units_ else 0] * len(taken)
                 part += taken
             if part:
-                chunks.append((part, units, m))
+                chunks.append((part, units_, m))
         return chunks
 
     def _microbatches(self, step: int, count: int, names: Callable[[], list[str]]) -> list[list[int]]:
@@ -701,7 +825,7 @@ class Run:
     def close_epoch(self) -> None:
         """Close the ledger epoch (unless another run already did), record each class's epsilon and save."""
         epoch, steps = self.pending["epoch"], self.pending["steps"]
-        self.ledger.close_epoch(now=self.now(), epoch=epoch)
+        self.world.from_lead(lambda: self.ledger.close_epoch(now=self.now(), epoch=epoch))
         result = self.result
         result.epochs.append(epoch)
         for name, eps in self.epsilons().items():
@@ -731,11 +855,18 @@ class Run:
         recorded its entry before a kill (`recorded`: a signed entry of this config and base model, `prepare`) saves
         and records nothing again: its folder must still hash to the recorded adapter, and the card (from the
         govtrain.json that was hashed) and the state's removal are done now."""
-        from govtrain.release.artifact import adapter_sha256
-
         if self.check:
             raise RuntimeError("a check saves nothing and records no run")
         self.router.close()
+        if not self.world.many:
+            return self._finish(check)
+        adapter = self.world.from_lead(lambda: self._finish(check).adapter_sha256)  # the lead writes and records
+        self.result.adapter_sha256 = adapter
+        return self.result
+
+    def _finish(self, check: Callable[[Path], None] | None) -> RunResult:
+        from govtrain.release.artifact import adapter_sha256
+
         self._check_owner()
         output = self.config.output_dir
         result = self.result
@@ -776,7 +907,8 @@ class Run:
         self._owner = claim(self.ledger, self.run_id)
 
     def _check_owner(self) -> None:
-        check_owner(self.ledger, self.run_id, self._owner)
+        if self.world.lead:  # the lead holds the claim; the others follow it
+            check_owner(self.ledger, self.run_id, self._owner)
 
     def release(self) -> None:
         """Give up the run state's lock (the run's process stops owning it)."""
@@ -805,6 +937,8 @@ class Run:
         """The run state: trainable weights, the update's state and the pending epoch with its plan."""
         if self.check:
             raise RuntimeError("a check writes no run state")
+        if not self.world.lead:  # the lead's state is the run's: the others hold what it holds
+            return
         result = self.result
         _save_state(self.state_path, {
             "run_id": result.run_id, "run_nonce": self.run_nonce, "sampling_key": self.sampler.key,

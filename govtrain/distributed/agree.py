@@ -1,0 +1,74 @@
+"""Every rank trains what the lead trains, or none trains (docs/distributed.md, joining).
+
+Before any spend is written, each rank states a fingerprint of what it is about to train (`fingerprint`): the
+RUN.toml's hash, the ledger it opened, the base model's tree hash, the contributions its data matched and their
+example counts, the trainable parameters and their profiles, the world size, its device type, and the versions of
+govtrain and torch. `check_agreement` gathers them on every rank: a rank whose fingerprint is not the lead's is
+refused (`rank_mismatch`) on every rank, naming what differs. Then `share_weights` gives every rank the lead's
+trainable weights (a fresh LoRA's random initialisation, or a resumed run's) and, on resume, its update's state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+from govtrain.distributed.world import World
+from govtrain.errors import Code, ConfigError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from govtrain.train.run import Run
+
+__all__ = ["fingerprint", "check_agreement", "share_weights"]
+
+
+def fingerprint(run: "Run") -> dict[str, Any]:
+    """What `run` (prepared up to its model and data) is about to train, as comparable values."""
+    import torch
+
+    import govtrain
+
+    examples = run.examples
+    counts: dict[str, int] = {}
+    for owner in examples.owner:
+        counts[owner] = counts.get(owner, 0) + 1
+    data = hashlib.sha256(repr(sorted(counts.items())).encode()).hexdigest()
+    trainable = hashlib.sha256(repr([(n, tuple(p.shape), str(p.dtype)) for n, p in run.model.named_parameters()
+                                     if p.requires_grad]).encode()).hexdigest()
+    reach = hashlib.sha256(repr(sorted((c, sorted(repr(part) for part in parts))
+                                       for c, parts in run._resolution.reach.items())).encode()).hexdigest()
+    origin, header = run.ledger.identity
+    return {"config": run.config.sha256.hex(), "ledger": f"{origin} {bytes(header).hex()}",
+            "base model": run.base_sha256.hex(), "data": data, "trainable parameters": trainable,
+            "profiles": reach, "processes": run.world.size, "device": run.device.type,
+            "precision": run.precision, "insecure seed": run.insecure_seed,
+            "govtrain": govtrain.__version__, "torch": torch.__version__}
+
+
+def check_agreement(world: World, mine: dict[str, Any]) -> None:
+    """Refuse, on every rank, a run whose ranks would not train the same thing (`rank_mismatch`)."""
+    stated = world.gather(mine)
+    lead = stated[0]
+    for rank, theirs in enumerate(stated[1:], start=1):
+        differ = [key for key in lead if theirs.get(key) != lead[key]]
+        if differ:
+            raise ConfigError(Code.RANK_MISMATCH, f"rank {rank} joined with another {', '.join(differ)} than rank 0's "
+                                                  "(nothing was written): start every rank with the same RUN.toml, "
+                                                  "model, data, ledger and installation")
+
+
+def share_weights(world: World, model: "nn.Module", update: Any, *, resumed: bool) -> None:
+    """The lead's trainable weights on every rank; on resume, its update's state too (a fresh one is the same
+    everywhere)."""
+    if not world.many:
+        return
+    import torch
+
+    with torch.no_grad():
+        world.share_([p for _, p in model.named_parameters() if p.requires_grad])
+    if resumed:
+        state = world.broadcast(update.state_dict() if world.lead else None)
+        if not world.lead:
+            update.load_state_dict(state)
