@@ -1,8 +1,8 @@
 """Every rank trains what the lead trains, or none trains (docs/distributed.md, joining).
 
 Before any spend is written, each rank states a fingerprint of what it is about to train (`fingerprint`): the
-RUN.toml's hash, the ledger it opened, the base model's tree hash, the contributions its data matched and their
-example counts, the trainable parameters and their profiles, the world size, its device type, and the versions of
+RUN.toml's hash, the ledger it opened, the base model's tree hash, its examples in the order the lead's draw
+indexes them (each one's contribution and parsed record), whether it is a check, the trainable parameters and their profiles, the world size, its device type, and the versions of
 govtrain and torch. `check_agreement` gathers them on every rank: a rank whose fingerprint is not the lead's is
 refused (`rank_mismatch`) on every rank, naming what differs. Then `share_weights` gives every rank the lead's
 trainable weights (a fresh LoRA's random initialisation, or a resumed run's) and, on resume, its update's state.
@@ -31,19 +31,20 @@ def fingerprint(run: "Run") -> dict[str, Any]:
     import govtrain
 
     examples = run.examples
-    counts: dict[str, int] = {}
-    for owner in examples.owner:
-        counts[owner] = counts.get(owner, 0) + 1
-    data = hashlib.sha256(repr(sorted(counts.items())).encode()).hexdigest()
+    # the examples in the order the lead's draw indexes them: each one's contribution and its record as parsed
+    # (files of the same bytes under other names, on another node, load in another order: refused, never trained)
+    data = hashlib.sha256()
+    for owner, item in zip(examples.owner, examples.items):
+        data.update(repr((owner, item)).encode() + b"\0")
     trainable = hashlib.sha256(repr([(n, tuple(p.shape), str(p.dtype)) for n, p in run.model.named_parameters()
                                      if p.requires_grad]).encode()).hexdigest()
     reach = hashlib.sha256(repr(sorted((c, sorted(repr(part) for part in parts))
                                        for c, parts in run._resolution.reach.items())).encode()).hexdigest()
     origin, header = run.ledger.identity
     return {"config": run.config.sha256.hex(), "ledger": f"{origin} {bytes(header).hex()}",
-            "base model": run.base_sha256.hex(), "data": data, "trainable parameters": trainable,
+            "base model": run.base_sha256.hex(), "data": data.hexdigest(), "trainable parameters": trainable,
             "profiles": reach, "processes": run.world.size, "device": run.device.type,
-            "precision": run.precision, "insecure seed": run.insecure_seed,
+            "precision": run.precision, "insecure seed": run.insecure_seed, "check": run.check,
             "govtrain": govtrain.__version__, "torch": torch.__version__}
 
 

@@ -437,7 +437,11 @@ class Router:
                                   group_std, expected_batch_size)
 
     def _zeros(self) -> dict[str, Tensor]:
-        return {name: torch.zeros_like(p, dtype=_accumulator(p.dtype)) for name, p in self.params.items()}
+        """The sum of no clipped gradient, in the dtype a sum takes (float64 on the quantising path): ranks with and
+        without examples sum tensors of one layout."""
+        quantized = self.materialized is not None and self.materialized.privatizer.quantized
+        return {name: torch.zeros_like(p, dtype=torch.float64 if quantized else _accumulator(p.dtype))
+                for name, p in self.params.items()}
 
     def _finish_microbatches(self, parts: list[dict[str, Tensor]], group_std: Mapping[frozenset, float],
                              expected_batch_size: float) -> None:

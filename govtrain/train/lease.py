@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Collection
 
 from govtrain import units
-from govtrain.errors import Code, GovtrainError, RejectedError
+from govtrain.errors import Code, ConfigError, GovtrainError, RejectedError
 from govtrain.ledger.ledger import Ledger
 
 LOCK_FILE = "run-state.lock"  # held (flock) by the one process that owns the run state
@@ -113,6 +113,10 @@ def written_plan(ledger: Ledger, epoch: int, lease: tuple[str, bytes]) -> dict:
     for entry in spends:
         data_class = classes.get(entry["contribution_id"], "")
         eps[data_class] = max(eps.get(data_class, 0), entry["eps_u"])
+    if not spends:  # a process that reads another store than the one the spend was written to (a copy)
+        raise ConfigError(Code.RANK_MISMATCH, f"this ledger holds no spend for epoch {epoch} under run {lease[0]!r}'s "
+                                              "lease: this process reads another ledger than the one that run wrote "
+                                              "to; give every rank the same ledger URL")
     first = spends[0]
     return {"q_u": first["sampling_rate_u"], "epoch_steps": first["epoch_steps"],
             "allowed": {e["contribution_id"]: e["steps"] for e in spends},

@@ -32,6 +32,7 @@ from govtrain.train.resume import TEMPORARY, check_recorded_entry, read_recorded
 from govtrain.train.withdrawals import Withdrawn
 from govtrain.train.lease import (
     LOCK_FILE,
+    OWNER_SETTING,
     Replan,
     check_owner,
     claim,
@@ -279,8 +280,7 @@ class Run:
         saved = world.broadcast((state or {}).get("noise") and {"privatizer": state["noise"].get("privatizer")})
         world.together(lambda: self._build(state.get("noise") if state is not None else saved))
         shared = world.from_lead(lambda: self._start(state))
-        if not world.lead:
-            self._follow(shared)
+        world.together(lambda: None if world.lead else self._follow(shared))
         share_weights(world, self.model, self.update, resumed=self.resumed)
 
     def _load(self) -> dict | None:
@@ -493,11 +493,18 @@ class Run:
                 "recorded": self.recorded, "steps": result.steps, "losses": list(result.losses),
                 "epochs": list(result.epochs), "eps_by_class": result.eps_by_class, "exhausted": result.exhausted,
                 "pending": self.pending, "confirmed": self.confirmed, "charged_before": sorted(self.charged_before),
-                "plan": self.plan}
+                "plan": self.plan, "owner": self._owner}
 
     def _follow(self, shared: dict) -> None:
-        """A follower takes the lead's run id, lease and place (`_shared`)."""
+        """A follower takes the lead's run id, lease and place (`_shared`), once it reads the lead's claim on the run in
+        its own view of the ledger store: a rank opened on another store (a copy of the ledger file) is refused here,
+        before any spend is written."""
         from govtrain.release.export import Release, artifact_record
+
+        if not self.check and self.ledger.store.setting(OWNER_SETTING + shared["run_id"]) != shared["owner"]:
+            raise ConfigError(Code.RANK_MISMATCH, f"rank {self.world.rank} does not read the lead's claim on run "
+                                                  f"{shared['run_id']!r} in its ledger: it opened another store (a "
+                                                  "copy of the ledger?); give every rank the lead's ledger URL")
 
         self.result = result = RunResult(shared["run_id"], shared["steps"])
         result.losses, result.epochs, result.eps_by_class = shared["losses"], shared["epochs"], shared["eps_by_class"]
