@@ -13,7 +13,8 @@ from govtrain.accounting.accountants import spend_epsilon_u
 from govtrain.errors import ConfigError, IntegrityError, RejectedError
 from govtrain.ledger.entries import decode_entry
 from govtrain.ledger.ledger import Ledger
-from govtrain.privatizers import REGISTRY
+from govtrain.privatizers import REGISTRY, rules
+from govtrain.privatizers.rules import RULES
 from govtrain.privatizers.base import Charge, Participation
 from govtrain.privatizers.gaussian import IIDGaussian
 from govtrain.verify.verifier import verify_ledger
@@ -52,14 +53,18 @@ class CyclicTest(IIDGaussian):
                       noise_multiplier_u=noise_multiplier_u, rounds=math.ceil(steps / self.bands))
 
 
+def cyclic_rule(record: Mapping[str, Any]):  # type: ignore[no-untyped-def]
+    """cyclic-test's rule (what the verifier charges through): its class's own check and charge."""
+    return CyclicTest.from_record(record).charge
+
+
 @pytest.fixture
 def registered(monkeypatch):
-    from govtrain.accounting import charges
-
     monkeypatch.setitem(REGISTRY, "cyclic-test", f"{__name__}:CyclicTest")
-    charges._rebuilt.cache_clear()
+    monkeypatch.setitem(RULES, "cyclic-test", f"{__name__}:cyclic_rule")
+    rules.cache_clear()
     yield
-    charges._rebuilt.cache_clear()  # no record rebuilt under this registry outlives it
+    rules.cache_clear()  # no record resolved under these registries outlives them
 
 
 def _cyclic_eps(bands: int, steps: int = 10, sigma_u: int = 1_000_000) -> int:
@@ -160,13 +165,12 @@ def test_a_spend_whose_privatizer_record_cannot_be_rebuilt_fails_with_a_code(cor
 
 def test_a_privatizer_known_only_elsewhere_fails_here_with_a_code(corpus: Corpus, registered):
     """A ledger written where cyclic-test exists, verified where it does not: the charge cannot be recomputed."""
-    from govtrain.accounting import charges
-
     _admit(corpus, "a")
     _forged_spend(corpus, "a", eps_u=_cyclic_eps(4), privatizer={"name": "cyclic-test", "bands": 4})
     verify_ledger(corpus.url)
     del REGISTRY["cyclic-test"]
-    charges._rebuilt.cache_clear()
+    del RULES["cyclic-test"]
+    rules.cache_clear()
     assert "cyclic-test" in _flagged(corpus, "bad_privatizer").detail
 
 
@@ -261,6 +265,10 @@ class FamilyTest(CyclicTest):
                       rounds=steps, params=(self.bands,))
 
 
+def family_rule(record: Mapping[str, Any]):  # type: ignore[no-untyped-def]
+    return FamilyTest.from_record(record).charge
+
+
 def test_a_history_with_another_family_goes_to_the_families_accountant(monkeypatch):
     import sys
     import types
@@ -270,7 +278,8 @@ def test_a_history_with_another_family_goes_to_the_families_accountant(monkeypat
     from govtrain.accounting.spend import SpendCalculator
 
     monkeypatch.setitem(REGISTRY, "family-test", f"{__name__}:FamilyTest")
-    charges._rebuilt.cache_clear()
+    monkeypatch.setitem(RULES, "family-test", f"{__name__}:family_rule")
+    rules.cache_clear()
     seen = []
     fake = types.ModuleType("govtrain.accounting.families")
     fake.epsilon_u = lambda accountant, delta_p, history: seen.append((accountant, delta_p, history)) or 123
@@ -292,4 +301,4 @@ def test_a_history_with_another_family_goes_to_the_families_accountant(monkeypat
     with pytest.raises(ConfigError) as info:
         SpendCalculator("prv", DELTA_P).epsilon_u(history)
     assert info.value.code.value == "privatizer_unknown" and "test-family" in info.value.detail
-    charges._rebuilt.cache_clear()
+    rules.cache_clear()

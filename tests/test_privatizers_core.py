@@ -325,12 +325,21 @@ def _stream_run(corpus, tiny, **options) -> list[str]:
     return lines
 
 
+def stream_rule(record):
+    """Stream's rule (what the scheduler and the verifier charge its record through): its class's check and charge."""
+    return Stream.from_record(record).charge
+
+
 @pytest.fixture
 def stream(monkeypatch):
-    """The Stream privatizer registered (so the ledger can rebuild its record) and built for every run."""
+    """The Stream privatizer registered (so the ledger can rebuild its record, and charge it) and built for every
+    run."""
     import govtrain.privatizers as privatizers
+    from govtrain.privatizers import rules
 
     monkeypatch.setitem(REGISTRY, Stream.name, f"{__name__}:Stream")
+    monkeypatch.setitem(rules.RULES, Stream.name, f"{__name__}:stream_rule")
+    rules.cache_clear()
     monkeypatch.setattr(privatizers, "build", lambda noise=None, **_: Stream())
     Stream.drawn = []
 

@@ -268,7 +268,8 @@ def test_the_cyclic_sampler_draws_each_unit_at_most_once_per_cycle(corpus: Corpu
 
     def draw(self, live):  # type: ignore[no-untyped-def]
         chunks = original(self, live)
-        seen.extend((self.result.steps, i) for part, _ in chunks for i in part)
+        # by microbatch, each drawn unit as its example indices (`Run._draw`)
+        seen.extend((self.result.steps, i) for drawn in chunks for unit in drawn for i in unit)
         assert type(self.sampler).__name__ == "CyclicPoissonSampler" and self.sampler.cycle == 2
         assert self.sampler.partition_key == b"test-run"
         return chunks

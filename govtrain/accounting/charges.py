@@ -1,9 +1,10 @@
-"""What a spend charges, through the privatizer it records (docs/privatizers.md; no torch).
+"""What a spend charges, through the privatizer it records (docs/privatizers.md; no torch, no numpy).
 
-A spend entry records (q, sigma_eff, steps) and the record of its privatizer. The privatizer, rebuilt from that
-record (`privatizers.from_record`), says what the accountant composes (`Privatizer.charge`): a `Charge` of a
-family at a rate, a multiplier and a number of rounds. A contribution's history is the sequence of its spends'
-charges, in epoch order, each one *item*:
+A spend entry records (q, sigma_eff, steps) and the record of its privatizer. The record's rule
+(`govtrain.privatizers.rules`, torch-free) says what the accountant composes: a `Charge` of a family at a rate, a
+multiplier and a number of rounds. The writer's scheduler charges the record of the privatizer it runs through the
+same rule, so what it writes is what the verifier recomputes. A contribution's history is the sequence of its
+spends' charges, in epoch order, each one *item*:
 
 - a Gaussian-family charge with no family parameters is the bucket (rate_u, sigma_u, rounds), exactly what a
   history held before privatizers: the i.i.d. Gaussian's is (q_u, sigma_u, steps), so its ε, cache keys and
@@ -11,14 +12,17 @@ charges, in epoch order, each one *item*:
   the same kind of bucket, (min(1, b·q), sigma, ceil(steps / b));
 - any other charge stays a `Charge`, and a history holding one is accounted by
   `govtrain.accounting.families.epsilon_u(accountant, delta_p, charges)` (`SpendCalculator`).
+
+Every exception a record causes is a `ConfigError` (`privatizer_unknown`, `privatizer_invalid`): the verifier
+flags the entry (`bad_privatizer`), the writer refuses it.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Union
 
 from govtrain.privatizers.base import Charge
+from govtrain.privatizers.rules import check_record, record_charge
 
 if TYPE_CHECKING:
     from govtrain.privatizers.base import Privatizer
@@ -36,74 +40,14 @@ def as_item(charge: Charge) -> Item:
     return charge
 
 
-def _check(charge: Charge, name: str) -> Charge:
-    if type(charge) is not Charge or not 0 <= charge.sampling_rate_u <= 1_000_000 or charge.noise_multiplier_u <= 0 \
-            or charge.rounds < 0 or any(type(p) is not int for p in charge.params):
-        raise ValueError(f"privatizer {name!r} charged an invalid {charge!r}")
-    return charge
-
-
-@functools.lru_cache(maxsize=64)
-def _rebuilt(frozen: tuple[tuple[str, Any], ...]) -> "Privatizer":
-    from govtrain.privatizers import from_record
-
-    return from_record({k: list(v) if type(v) is tuple else v for k, v in frozen})
-
-
-def _frozen(record: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
-    """A record as a cache key: its lists (a strategy's integers) as tuples, which `_rebuilt` turns back."""
-    return tuple(sorted((k, tuple(v) if type(v) is list else v) for k, v in record.items()))
-
-
 def charge_item(record: Mapping[str, Any] | None, sampling_rate_u: int, noise_multiplier_u: int, steps: int) -> Item:
     """The item a spend of `steps` steps at (q, sigma) under the privatizer `record` (None: the i.i.d. Gaussian)
-    charges. Raises `ConfigError` (`privatizer_unknown`, `privatizer_invalid`) for a record it cannot rebuild."""
-    if record is None or dict(record) == {"name": "gaussian"}:  # today's bucket, without importing a class
-        return (sampling_rate_u, noise_multiplier_u, steps)
-    from govtrain.errors import Code, ConfigError
-
-    try:  # anything a record makes the charge raise is the record's fault: coded (the verifier's bad_privatizer)
-        torch_free = _TORCH_FREE.get(record.get("name")) if isinstance(record, Mapping) else None
-        if torch_free is not None:  # matrix factorization: the charge from the record alone, without torch
-            from govtrain.privatizers.mf import charge as mf_charge
-
-            rate_u, sigma_u, rounds = getattr(mf_charge, torch_free)(
-                record, sampling_rate_u=sampling_rate_u, noise_multiplier_u=noise_multiplier_u, steps=steps)
-            if sigma_u <= 0:
-                raise ValueError("the charge leaves no noise (its multiplier rounds to 0)")
-            return (rate_u, sigma_u, rounds)
-        privatizer = _rebuilt(_frozen(record))
-        return bucketer(privatizer)(sampling_rate_u, noise_multiplier_u, steps)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError, KeyError, RuntimeError, ArithmeticError) as e:
-        raise ConfigError(Code.PRIVATIZER_INVALID, f"privatizer record {record!r}: {e}") from e
-
-
-def check_record(record: Mapping[str, Any] | None) -> None:
-    """Raise `ConfigError` for a privatizer record its privatizer would not have written (the verifier's check of a
-    run entry's record), torch-free: a matrix factorization's through `mf.charge`, any other through its class."""
-    from govtrain.errors import Code, ConfigError
-
-    name = record.get("name") if isinstance(record, Mapping) else None
-    if name not in _TORCH_FREE:
-        from govtrain.privatizers import from_record
-
-        from_record(record)
-        return
-    from govtrain.privatizers.mf import charge as mf_charge
-
-    try:
-        checked = mf_charge.check_banded(record) if name == "banded-mf" else mf_charge.check_blt(record)
-    except (ValueError, TypeError, KeyError, ArithmeticError) as e:
-        raise ConfigError(Code.PRIVATIZER_INVALID, f"privatizer record {record!r}: {e}") from e
-    if not checked:
-        raise ConfigError(Code.PRIVATIZER_INVALID, f"privatizer record {record!r} is empty")
-
-
-# Privatizers whose charge follows from their record by torch-free functions (the verifier never imports torch):
-# name -> the function of govtrain.privatizers.mf.charge. Their classes' `charge` calls the same functions.
-_TORCH_FREE = {"banded-mf": "banded_charge", "blt": "blt_charge"}
+    charges. Raises `ConfigError` (`privatizer_unknown`, `privatizer_invalid`) for a record its rule refuses or a
+    charge no accountant composes."""
+    if record is None or (isinstance(record, Mapping) and dict(record) == {"name": "gaussian"}):
+        return (sampling_rate_u, noise_multiplier_u, steps)  # today's bucket, as before privatizers
+    return as_item(record_charge(record, sampling_rate_u=sampling_rate_u, noise_multiplier_u=noise_multiplier_u,
+                                 steps=steps))
 
 
 def spend_item(entry: Mapping[str, Any]) -> Item:
@@ -112,18 +56,13 @@ def spend_item(entry: Mapping[str, Any]) -> Item:
 
 
 def bucketer(privatizer: "Privatizer | None") -> Bucketer:
-    """(q_u, sigma_u, steps) -> item, through `privatizer.charge` (None: the i.i.d. Gaussian's buckets)."""
+    """(q_u, sigma_u, steps) -> item, through the rule of `privatizer`'s record (None: the i.i.d. Gaussian's
+    buckets): the charge the verifier will recompute from the record the spend carries."""
     if privatizer is None:
         return lambda q_u, sigma_u, steps: (q_u, sigma_u, steps)
 
     def bucket(q_u: int, sigma_u: int, steps: int) -> Item:
-        from govtrain.errors import Code, ConfigError
-
-        try:  # a charge the accountant cannot compose (no noise left, a rate out of range) is the record's fault
-            return as_item(_check(privatizer.charge(sampling_rate_u=q_u, noise_multiplier_u=sigma_u, steps=steps),
-                                  privatizer.name))
-        except (ValueError, ArithmeticError) as e:
-            raise ConfigError(Code.PRIVATIZER_INVALID, f"privatizer {privatizer.name!r}: {e}") from e
+        return charge_item(privatizer.record(), q_u, sigma_u, steps)
 
     return bucket
 

@@ -139,8 +139,10 @@ _DIGESTS = ("descriptor_sha256", "attestation_sha256", "data_sha256")
 # `privatizer` (and a SPENT map without it) was the i.i.d. Gaussian's, which is all govtrain had then.
 LATER = {"spend": frozenset({"privatizer"}), "run": frozenset({"privatizer"})}
 SPENT_LATER = frozenset({"privatizer"})
-# A privatizer's record (`Privatizer.record`): "name" and its public parameters, text keys to ints or text.
+# A privatizer's record (`Privatizer.record`): "name" and its public parameters, text keys to ints, text, or lists
+# of signed 63-bit ints (a matrix factorization's coefficients, θ and ω) of at most PRIVATIZER_LIST_MAX.
 PRIVATIZER_KEYS = re.compile(r"[a-z][a-z0-9_]{0,31}")
+PRIVATIZER_LIST_MAX = 4096
 
 _TEMPLATES = {kind: cbor.MapTemplate(spec) for kind, spec in SPECS.items()}
 # An entry as written before the LATER fields existed: what old ledgers hold (the `Ledger` writes every field).
@@ -256,13 +258,11 @@ def decode_stored(stored: "ledger_store.StoredEntry") -> dict:
     return decode_entry(stored.body, seq=stored.seq, kind=stored.kind)
 
 
-PRIVATIZER_LIST_MAX = 1024  # the most integers one parameter of a privatizer record may list (a strategy's column)
-
-
 def check_privatizer_record(record: dict, *, what: str) -> None:
     """A privatizer record's shape: a text "name" and at most 16 parameters, each a lower-case key to an unsigned
     integer, text, or a list of at most `PRIVATIZER_LIST_MAX` 63-bit integers, signed (a matrix factorization's
-    strategy); whether its privatizer takes them is the verifier's question: `privatizers.from_record`."""
+    strategy; nothing nested). Whether its privatizer takes them is the verifier's question
+    (`privatizers.rules.check_record`)."""
     if type(record.get("name")) is not str or not record["name"]:
         raise IntegrityError(Code.MISSING_FIELD, f"{what} must name its privatizer (a text \"name\")")
     if len(record) > 17:
@@ -275,12 +275,12 @@ def check_privatizer_record(record: dict, *, what: str) -> None:
                 raise IntegrityError(Code.BAD_VALUE, f"{what}.{key} is longer than 64 characters")
         elif type(value) is list:
             if len(value) > PRIVATIZER_LIST_MAX:
-                raise IntegrityError(Code.BAD_VALUE, f"{what}.{key} lists more than {PRIVATIZER_LIST_MAX} integers")
-            if any(type(v) is not int or not -INT63_MAX <= v <= INT63_MAX for v in value):
-                raise IntegrityError(Code.WRONG_TYPE, f"{what}.{key} must list 63-bit integers")
+                raise IntegrityError(Code.BAD_VALUE, f"{what}.{key} holds more than {PRIVATIZER_LIST_MAX} values")
+            if not all(type(v) is int and -INT63_MAX <= v <= INT63_MAX for v in value):
+                raise IntegrityError(Code.WRONG_TYPE, f"{what}.{key} must be a list of 63-bit integers")
         elif type(value) is not int or not 0 <= value <= INT63_MAX:
             raise IntegrityError(Code.WRONG_TYPE, f"{what}.{key} must be an unsigned integer, text or a list of "
-                                                  "integers")
+                                                  "63-bit integers")
 
 
 def _check_noise_groups(groups: list, *, what: str) -> None:

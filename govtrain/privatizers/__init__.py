@@ -1,12 +1,14 @@
 """Privatizers: what turns the router's clipped sums into the released gradient (docs/privatizers.md; the
 interface is `base.py`). RUN.toml `[noise] privatizer` names one of `REGISTRY`; the `run` and `spend` entries
-record its `record()`, from which the verifier rebuilds it (`from_record`) and recomputes every charge.
+record its `record()`, from which the verifier recomputes every charge (`rules.py`) and the writer rebuilds it.
 
     privatizer = build(config.file.noise, horizon=steps)   # RUN.toml [noise]; None: the i.i.d. Gaussian
-    privatizer = from_record(spend["privatizer"])                # what a ledger entry recorded
+    privatizer = from_record(spend["privatizer"])          # what a ledger entry recorded
 
-Each name maps to "module:Class", imported only when asked for: the verifier imports the classes of the
-records it reads and nothing else, and never torch (a privatizer module imports torch inside its methods).
+Each name maps to "module:Class", imported only when asked for. The classes are the writer's (they draw the
+noise, and the matrix factorizations import torch): the verifier, the planner and the scheduler check records
+and charge them through `govtrain.privatizers.rules` (`RULES`: name -> "module:function", torch-free), which
+names the same privatizers; `from_record` refuses whatever the rules refuse, then rebuilds the class.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, Mapping
 
-from govtrain.errors import Code, ConfigError
+from govtrain.errors import Code, ConfigError, GovtrainError
 
 if TYPE_CHECKING:
     import torch
@@ -131,19 +133,23 @@ def _correlated(cls: "type[Privatizer]", noise: "NoiseSection", horizon: int | N
 
 def from_record(record: Mapping[str, Any] | None) -> "Privatizer":
     """The privatizer a `run` or `spend` entry recorded (None, a spend written before privatizers: the i.i.d.
-    Gaussian). ConfigError `privatizer_unknown` for a name not available, `privatizer_invalid` for a record its
-    class did not write; the verifier turns both into an integrity failure of the entry."""
+    Gaussian), for the writer. ConfigError `privatizer_unknown` for a name not available, `privatizer_invalid` for
+    a record its rule refuses (`rules.check_record`, what the verifier checks) or its class did not write: any
+    exception rebuilding it raises becomes `privatizer_invalid`."""
+    from govtrain.privatizers.rules import check_record
+
     if record is None:
         record = GAUSSIAN_RECORD
-    if not isinstance(record, Mapping) or not isinstance(record.get("name"), str):
-        raise ConfigError(Code.PRIVATIZER_INVALID, "a privatizer record is a map with a text \"name\"")
+    check_record(record)  # what the verifier checks (rules.py): the writer refuses no less
     cls = privatizer_class(record["name"])
     try:  # whatever a record makes its class raise is that record's fault: coded, never a traceback
         privatizer = cls.from_record(record)
-        rewritten = privatizer.record()
-    except (ValueError, TypeError, KeyError, RuntimeError, ArithmeticError) as e:
+        written = privatizer.record()
+    except GovtrainError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a record is untrusted: whatever it makes rebuilding raise is its fault
         raise ConfigError(Code.PRIVATIZER_INVALID, f"privatizer record {dict(record)!r}: {e}") from e
-    if rewritten != dict(record):  # a record its class would not write: what else did it mean?
+    if written != dict(record):  # a record its class would not write: what else did it mean?
         raise ConfigError(Code.PRIVATIZER_INVALID, f"privatizer record {dict(record)!r} is not what privatizer "
-                                                   f"{cls.name!r} records ({privatizer.record()!r})")
+                                                   f"{cls.name!r} records ({written!r})")
     return privatizer

@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
 
-if TYPE_CHECKING:  # the verifier rebuilds privatizers from records (`from_record`, `charge`) and never imports torch
+if TYPE_CHECKING:  # the verifier charges records through `rules.py` and never imports torch; nor does this module
     import torch
     from torch import Tensor
 

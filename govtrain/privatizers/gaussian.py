@@ -17,7 +17,19 @@ from govtrain.privatizers.base import Privatizer, Slot
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["IIDGaussian"]
+__all__ = ["IIDGaussian", "check_gaussian"]
+
+
+def check_gaussian(record: Mapping[str, Any]) -> int:
+    """The microbatches k of an i.i.d. Gaussian record, or ValueError: the record holds its name and, only when k
+    is 2 or more, "microbatches" (torch-free: `govtrain.privatizers.rules`, the verifier's path)."""
+    other = sorted(set(record) - {"name", "microbatches"})
+    if other or record.get("name") != IIDGaussian.name:
+        raise ValueError(f"the i.i.d. Gaussian records its name and microbatches (k > 1) alone, not {sorted(record)}")
+    microbatches = record.get("microbatches", 1)
+    if "microbatches" in record and (type(microbatches) is not int or microbatches < 2):
+        raise ValueError(f"microbatches is recorded only when it is 2 or more: got {microbatches!r}")
+    return microbatches
 
 
 class IIDGaussian(Privatizer):
@@ -40,13 +52,7 @@ class IIDGaussian(Privatizer):
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> "IIDGaussian":
-        other = sorted(set(record) - {"name", "microbatches"})
-        if other or record.get("name") != cls.name:
-            raise ValueError(f"the i.i.d. Gaussian records its name and microbatches (k > 1) alone, not {sorted(record)}")
-        microbatches = record.get("microbatches", 1)
-        if "microbatches" in record and (type(microbatches) is not int or microbatches < 2):
-            raise ValueError(f"microbatches is recorded only when it is 2 or more: got {microbatches!r}")
-        return cls(microbatches=microbatches)
+        return cls(microbatches=check_gaussian(record))
 
     def init(self, slots: Sequence[Slot]) -> tuple[str, ...]:
         """The state: the slots' keys in order (public: what the noise is drawn in the order of)."""

@@ -409,7 +409,7 @@ class _Audit:
             raise bad("effective noise multiplier is below the one the contributor signed")
         if entry["eps_u"] > c.eps_budget_u:
             raise bad(f"cumulative ε {entry['eps_u']} exceeds the signed budget {c.eps_budget_u}")
-        try:  # the charge follows from the privatizer rebuilt from its record (accounting/charges.py)
+        try:  # the charge follows from the record, through its rule (accounting/charges.py, privatizers/rules.py)
             item = spend_item(entry)
         except ConfigError as e:
             raise _Failure(Code.BAD_PRIVATIZER, f"{where}: {e.detail}", seq=seq) from e
@@ -468,8 +468,9 @@ class _Audit:
             raise _Failure(Code.BAD_ENTRY, f"entry {seq}: run {entry['run_id']!r} records device {entry['device']!r} "
                            f"and precision {entry['precision']!r}: cpu or cuda:N, and one of {', '.join(PRECISIONS)}",
                            seq=seq)
-        try:
-            check_record(entry.get("privatizer"))
+        try:  # the record's rule, torch-free (privatizers/rules.py); an entry without one is the i.i.d. Gaussian's
+            if "privatizer" in entry:
+                check_record(entry["privatizer"])
         except ConfigError as e:
             raise _Failure(Code.BAD_PRIVATIZER, f"entry {seq}: run {entry['run_id']!r}: {e.detail}", seq=seq) from e
         try:  # a run id is a one-time lease: one run entry, under the nonce its spend carries

@@ -34,11 +34,36 @@ if TYPE_CHECKING:
 
     from govtrain.train.config import NoiseSection
 
-__all__ = ["LatticePrivatizer", "dimension_of"]
+__all__ = ["LatticePrivatizer", "dimension_of", "check_lattice", "lattice_charge"]
 
 DEFAULT_BITS = 16
 DEFAULT_BETA_EXP = 40
 _FIELDS = ("granularity_bits", "beta_exp")
+RECORD_FIELDS = ("name", *_FIELDS, "dimension")
+
+
+def check_lattice(name: str, record: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(granularity_bits, beta_exp, dimension) of a `name` record, or ValueError: a record has every field, ints in
+    the lattice's range (and Skellam's granularity at most SKELLAM_MAX_BITS), since its charge depends on all three
+    (`govtrain.privatizers.rules`, the verifier's path)."""
+    from govtrain.accounting.families import Lattice, check_skellam_bits
+
+    if set(record) != set(RECORD_FIELDS) or record["name"] != name:
+        raise ValueError(f"a {name} record has exactly {', '.join(RECORD_FIELDS)}: got {sorted(record)}")
+    params = tuple(record[k] for k in RECORD_FIELDS[1:])
+    if any(type(v) is not int for v in params):
+        raise ValueError(f"{name}: granularity_bits, beta_exp and dimension are integers")
+    Lattice(params)  # raises out of range
+    if name == "skellam":
+        check_skellam_bits(params[0])
+    return params  # type: ignore[return-value]
+
+
+def lattice_charge(family: str, params: tuple[int, int, int], *, sampling_rate_u: int, noise_multiplier_u: int,
+                   steps: int) -> Charge:
+    """`steps` rounds of the family's mechanism at (q, σ), with the lattice's parameters for its accountant."""
+    return Charge(family=family, sampling_rate_u=sampling_rate_u, noise_multiplier_u=noise_multiplier_u,
+                  rounds=steps, params=params)
 
 
 def dimension_of(slots: Sequence[Slot]) -> int:
@@ -72,12 +97,6 @@ class LatticePrivatizer(Privatizer):
         self.granularity_bits, self.beta_exp, self.dimension = granularity_bits, beta_exp, dimension
         self.insecure_seed, self._updates = insecure_seed, 0
 
-    @classmethod
-    def from_config(cls, noise: "NoiseSection", *, horizon: int | None = None,
-                    insecure_seed: int | None = None) -> "LatticePrivatizer":
-        """RUN.toml [noise]'s granularity_bits and beta_exp (defaults otherwise); the dimension is bound at init."""
-        return cls(**cls.config_fields(noise), insecure_seed=insecure_seed)
-
     # -- the public record and the charge -------------------------------------------------------------------
 
     def record(self) -> dict[str, Any]:
@@ -87,15 +106,20 @@ class LatticePrivatizer(Privatizer):
                 "dimension": self.dimension}
 
     @classmethod
+    def from_config(cls, noise: "NoiseSection", *, horizon: int | None = None,
+                    insecure_seed: int | None = None) -> "LatticePrivatizer":
+        """RUN.toml [noise]'s granularity_bits and beta_exp (defaults otherwise): its dimension is not a setting
+        (`init` binds it from the slots)."""
+        given = cls.config_fields(noise)
+        if any(type(v) is not int for v in given.values()):
+            raise ValueError(f"{cls.name}: granularity_bits and beta_exp are integers")
+        return cls(**given, insecure_seed=insecure_seed)
+
+    @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> "LatticePrivatizer":
-        keys = set(record)
-        if record.get("name") != cls.name or not {"name"} <= keys <= {"name", *_FIELDS, "dimension"}:
-            raise ValueError(f"a {cls.name} record has name, granularity_bits, beta_exp and dimension: got "
-                             f"{sorted(keys)}")
-        values = {k: v for k, v in record.items() if k != "name"}
-        if any(type(v) is not int for v in values.values()):
-            raise ValueError(f"{cls.name}: granularity_bits, beta_exp and dimension are integers")
-        return cls(**values)
+        """Every field is required (the charge depends on each): ValueError otherwise."""
+        bits, beta_exp, dimension = check_lattice(cls.name, record)
+        return cls(granularity_bits=bits, beta_exp=beta_exp, dimension=dimension)
 
     def bind(self, dimension: int) -> None:
         """Set the dimension the accountant charges for (once; a record already carrying one must agree)."""
@@ -108,9 +132,8 @@ class LatticePrivatizer(Privatizer):
             self.dimension = dimension
 
     def charge(self, *, sampling_rate_u: int, noise_multiplier_u: int, steps: int) -> Charge:
-        record = self.record()
-        return Charge(family=self.family, sampling_rate_u=sampling_rate_u, noise_multiplier_u=noise_multiplier_u,
-                      rounds=steps, params=(record["granularity_bits"], record["beta_exp"], record["dimension"]))
+        return lattice_charge(self.family, check_lattice(self.name, self.record()), sampling_rate_u=sampling_rate_u,
+                              noise_multiplier_u=noise_multiplier_u, steps=steps)
 
     # -- the per-sample side --------------------------------------------------------------------------------
 

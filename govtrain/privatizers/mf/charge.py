@@ -19,6 +19,9 @@ from govtrain import units
 
 BANDED_FIELDS = ("name", "bands", "horizon", "coefficients_p")
 BLT_FIELDS = ("name", "buffers", "horizon", "min_separation", "theta_p", "omega_p")
+# BLT's m costs O(buffers²) exact rational terms per charge; strategies in use have a handful of buffers. A bound
+# keeps a forged record from making the auditor's verifier spend minutes per spend (`check_blt`).
+BLT_MAX_BUFFERS = 64
 _BITS = 256  # θ^b is bounded above by a dyadic rational of this precision (exact powers have b times θ's digits)
 
 
@@ -50,12 +53,14 @@ def check_banded(record: Mapping[str, Any]) -> tuple[int, int, tuple[int, ...]]:
 
 def check_blt(record: Mapping[str, Any]) -> tuple[int, int, int, tuple[int, ...], tuple[int, ...]]:
     """(buffers, horizon, min_separation, theta_p, omega_p) of a blt record, or ValueError: the bound behind the
-    charge needs a positive, non-increasing column (0 < θ < 1, ω ≥ 0, Σω ≤ 1)."""
+    charge needs a positive, non-increasing column (0 < θ < 1, ω ≥ 0, Σω ≤ 1), of at most `BLT_MAX_BUFFERS`."""
     if set(record) != set(BLT_FIELDS) or record["name"] != "blt":
         raise ValueError(f"not a blt record: expected the fields {', '.join(BLT_FIELDS)}")
     buffers, horizon, separation = record["buffers"], record["horizon"], record["min_separation"]
     if not (_int(buffers) and _int(horizon) and _int(separation) and buffers >= 1 and 1 <= separation <= horizon):
         raise ValueError("a BLT needs int buffers ≥ 1 and a min_separation in [1, horizon]")
+    if buffers > BLT_MAX_BUFFERS:
+        raise ValueError(f"a BLT of {buffers} buffers: at most {BLT_MAX_BUFFERS} are charged")
     theta = _ints(record["theta_p"], buffers, "theta_p")
     omega = _ints(record["omega_p"], buffers, "omega_p")
     if not all(0 < t < units.PICO for t in theta) or not all(w >= 0 for w in omega) or sum(omega) > units.PICO:
