@@ -168,9 +168,17 @@ def run_entries(url: str) -> int:
 
 
 @pytest.mark.slow
-def test_govtrain_train_nproc_2_writes_its_spend_once_reports_once_and_verifies(tmp_path, tiny):
+@pytest.mark.parametrize("launcher", ["--nproc", "torchrun"])
+def test_govtrain_train_nproc_2_writes_its_spend_once_reports_once_and_verifies(tmp_path, tiny, launcher):
     corpus, config = make_world(tmp_path / "w", tiny, steps=12)
-    launcher = govtrain_train(corpus, config, "--nproc", "2")
+    if launcher == "torchrun":  # `torchrun ... -m govtrain train`: torch's launcher, govtrain's module
+        launcher = subprocess.Popen([str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2",
+                                     "--master-port", str(free_port()), "-m", "govtrain", "train", "--config",
+                                     str(config), "--ledger", corpus.url, "--insecure-seed", "3", "--json"],
+                                    cwd=corpus.dir, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True)
+    else:
+        launcher = govtrain_train(corpus, config, "--nproc", "2")
     stdout, stderr = launcher.communicate(timeout=300)
     assert launcher.returncode == 0, stderr[-3000:]
     reports = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
