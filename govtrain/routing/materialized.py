@@ -113,7 +113,7 @@ class Path:
                                   f"of {self.max_elements}: run smaller physical chunks (at most "
                                   f"{max(1, self.max_elements // max(width, 1))} units of this class each)")
         out_dtype = torch.float64 if quantized else dtype
-        totals = {name: torch.zeros_like(p, dtype=out_dtype) for name, p in self.params.items()}
+        totals = {name: torch.zeros(p.shape, dtype=out_dtype, device=p.device) for name, p in self.params.items()}
         norms = torch.zeros(batch, dtype=dtype, device=clip.device)
         for data_class, index in rows.items():
             take = None if len(rows) == 1 else index

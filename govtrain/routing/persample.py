@@ -150,7 +150,7 @@ def embedding_norms(module: nn.Embedding, ids: Tensor, g: Tensor) -> Tensor:
 def embedding_sum(module: nn.Embedding, ids: Tensor, g: Tensor, weights: Tensor) -> Tensor:
     """sum_i weights[i] * (per-sample gradient of sample i): [V, D]."""
     sample, token, rows = _embedding_rows(module, ids, g)
-    out = torch.zeros_like(module.weight, dtype=g.dtype)
+    out = torch.zeros(module.weight.shape, dtype=g.dtype, device=g.device)  # full-size, also if sharded
     return out.index_add_(0, token, rows * weights[sample].unsqueeze(1))
 
 

@@ -56,6 +56,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from govtrain.distributed import fsdp
 from govtrain.distributed.world import World
 from govtrain.errors import Code, ConfigError
 from govtrain.mechanisms import MECHANISMS
@@ -87,6 +88,7 @@ class _Tap:
         self.inputs: list[Tensor | None] = []
         self.shapes: list[tuple[torch.Size, torch.Size]] = []  # (input, output) of each call
         self.grads: list[Tensor | None] = []  # output gradient of each call kept for book-keeping
+        self.edges: list[Any] = []  # the gradient edge of each call's output: what `_clipped_sum` differentiates
         self.formed: dict[str, Tensor] = {}  # leaf -> per-sample gradient, summed over the calls that formed it
         self.received = False  # an output gradient came in: this chunk's forward was already differentiated
 
@@ -98,6 +100,7 @@ class _Tap:
         self.inputs.clear()
         self.shapes.clear()
         self.grads.clear()
+        self.edges.clear()
         self.formed.clear()
         self.received = False
 
@@ -274,6 +277,7 @@ class Router:
                 tap.grads.append(None)
                 if output.requires_grad:
                     output.register_hook(lambda g: self._received(tap, index, g))
+                    tap.edges.append(torch.autograd.graph.get_gradient_edge(output))
 
         return hook
 
@@ -380,12 +384,16 @@ class Router:
     def begin(self, group_std: Mapping[frozenset, float] | None = None) -> None:
         """Start a logical step: no clipped gradient summed yet. `group_std`: the step's noise per group, which
         the materialized path needs before the sum (a quantising privatizer's lattice); others ignore it."""
+        if any(self.model.get_parameter(name) is not param for name, param in self.params.items()):
+            raise RuntimeError("the model's parameters are not the ones the router was built on (fully_shard "
+                               "replaces them): build the Router, and the optimizer, after sharding the model")
         self._totals: dict[str, Tensor] | None = None
         self._parts: dict[int, dict[str, Tensor]] = {}  # microbatch m >= 1 -> its clipped sum (per-microbatch noise)
         if self.materialized is not None:
             self.materialized.set_std(group_std)
         if self.tangent is not None:
             self.tangent.begin()
+            self.tangent.geometry()  # on every rank: a sharded model's factors are all-gathered (a collective)
 
     def accumulate(self, losses: Tensor, classes: Sequence[str], clip_norms: Tensor | Sequence[float],
                    units: Tensor | Sequence[int] | None = None, *, microbatch: int = 0) -> StepReport:
@@ -437,10 +445,10 @@ class Router:
                                   group_std, expected_batch_size)
 
     def _zeros(self) -> dict[str, Tensor]:
-        """The sum of no clipped gradient, in the dtype a sum takes (float64 on the quantising path): ranks with and
-        without examples sum tensors of one layout."""
+        """The sum of no clipped gradient: full-size, also for a sharded parameter, in the dtype a sum takes (float64
+        on the quantising path), so ranks with and without examples sum tensors of one layout."""
         quantized = self.materialized is not None and self.materialized.privatizer.quantized
-        return {name: torch.zeros_like(p, dtype=torch.float64 if quantized else _accumulator(p.dtype))
+        return {name: torch.zeros(p.shape, dtype=torch.float64 if quantized else _accumulator(p.dtype), device=p.device)
                 for name, p in self.params.items()}
 
     def _finish_microbatches(self, parts: list[dict[str, Tensor]], group_std: Mapping[frozenset, float],
@@ -497,14 +505,16 @@ class Router:
             raise ConfigError(Code.UNGOVERNED_BATCH, "a backward through the governed forward ran before run.step(): "
                                                      "the step differentiates the per-example losses itself; do not "
                                                      "call backward() or autograd.grad on the model's output")
-        # Gradients flow to the reached parameters of the recorded modules (autograd stops at the deepest);
-        # the hooks on the recorded outputs see every output gradient on the way (`_received`). What autograd
-        # returns, the non-private sum, is dropped.
-        requested = list({name: self.params[name] for t in taps for name in t.leaves.values()
-                          if name in self._reached}.values())  # a shared parameter once
+        # Gradients flow to the recorded outputs (autograd stops at the deepest, and never forms a weight's
+        # gradient: the router forms its own); their hooks see every output gradient (`_received`). Outputs, not
+        # parameters: under FSDP the parameters are shards the forward never used (`distributed/fsdp.py`). What
+        # autograd returns is dropped.
+        requested = [edge for t in taps for edge in t.edges]
         self._dtype = dtype
         if requested:
             torch.autograd.grad(losses.sum(), requested, allow_unused=True)
+            if losses.requires_grad and not any(t.received for t in taps):
+                raise RuntimeError("no output gradient reached a tapped module: nothing would be clipped")
         if units is not None:  # from here on a "sample" is a unit: its examples' gradients summed
             for tap in taps:
                 _group_calls(tap, units, batch)
@@ -577,7 +587,8 @@ class Router:
             coefficients = {name: shared for name in squares}
             clipped = norms > clip
 
-        totals = {name: torch.zeros_like(p, dtype=dtype) for name, p in self.params.items() if name not in self._paired}
+        totals = {name: torch.zeros(p.shape, dtype=dtype, device=p.device) for name, p in self.params.items()
+                  if name not in self._paired}  # full-size, also for a sharded parameter
         for data_class, index in rows.items():
             take = None if len(rows) == 1 else index  # one class: every sample, in order, without a copy
             for name, mask in self.masks[data_class].items():
@@ -638,7 +649,8 @@ class Router:
 
     def _write(self, totals: dict[str, Tensor], expected_batch_size: float) -> None:
         for name, param in self.params.items():
-            param.grad = (totals[name] / expected_batch_size).to(param.dtype) if name in self.noise_std else None
+            param.grad = fsdp.local((totals[name] / expected_batch_size).to(param.dtype), param) \
+                if name in self.noise_std else None  # a sharded parameter gets its own shard
 
     def _module_of(self, name: str) -> nn.Module:
         return next(t.module for t in self.taps.values() if name in t.leaves.values())

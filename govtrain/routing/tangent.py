@@ -27,6 +27,7 @@ from typing import Collection, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from govtrain.distributed import fsdp
 from govtrain.mechanisms import prism
 from govtrain.mechanisms.stacking import shape_groups
 from govtrain.routing.persample import Calls
@@ -92,8 +93,8 @@ class TangentStacks:
         if self._geometry is not None:
             return self._geometry
         f64 = torch.float64
-        factors = [(torch.stack([self.params[b].detach() for b in stack.lora_B]).to(f64),
-                    torch.stack([self.params[a].detach() for a in stack.lora_A]).transpose(-1, -2).to(f64))
+        factors = [(torch.stack([fsdp.full(self.params[b]) for b in stack.lora_B]).to(f64),  # whole, if sharded
+                    torch.stack([fsdp.full(self.params[a]) for a in stack.lora_A]).transpose(-1, -2).to(f64))
                    for stack in self.stacks]
         kinds: dict[tuple, list[int]] = {}
         for i, ((A, _), stack) in enumerate(zip(factors, self.stacks)):
