@@ -22,8 +22,13 @@ learning-rate schedule), callbacks, `evaluate()` and `predict()`. What is the ru
   of the un-noised gradients; and each training log carries every class's ε as charged so far (`eps/<class>`,
   the epoch written ahead included), so TensorBoard and W&B plot it beside the loss;
 - the device and precision: RUN.toml's `training.device` and `training.precision`; a Trainer that would put
-  the model elsewhere, use fp16/bf16 autocast, several processes, or resume from its own checkpoint is
-  refused (a governed run resumes when the same config is opened again);
+  the model elsewhere, use fp16/bf16 autocast, several devices in one process, another number of processes than
+  the run's, or resume from its own checkpoint is refused (a governed run resumes when the same config is opened
+  again);
+- the processes: under torchrun each rank opens the run and builds its Trainer. The model is never wrapped in
+  DDP (the ranks' clipped sums meet inside the governed step, noised once by the lead), every rank's Trainer
+  takes a step for each draw that any rank had examples of (with no chunks where its own share is empty), and
+  the Trainer's checkpoints are rank 0's (docs/hf-trainer.md, "Under torchrun");
 - selection: evaluation may choose what is saved or when training stops (`load_best_model_at_end`,
   `EarlyStoppingCallback`, ...) only on held-out rows; evaluation data with admitted rows is refused while such
   a setting is on, and so is recording a run that an unchecked evaluation may have chosen (`selection_admitted`,
