@@ -4,8 +4,8 @@
 SPEC: {"config": RUN.toml path, "ledger": URL, "seed": insecure seed, "out": folder, "trainer": the Trainer's
 output_dir}. Under RANK / WORLD_SIZE (as torchrun sets them) it is one rank of several; without them, the single
 process. It writes `out/trainer-rank{r}.pt`: the trained adapter (every trainable parameter), the Trainer's
-global step, its training and evaluation logs, the count of its steps this rank took with an empty share, and the type of the
-model the Trainer trained.
+global step, its training and evaluation logs, the count of its steps this rank took with an empty share, and
+the type of the model the Trainer trained.
 """
 
 from __future__ import annotations

@@ -325,7 +325,7 @@ class GovernedRun:
                         self._observe(chunks)
                         if not chunks:
                             self._stepped(loss)
-                            if idle and run.drawn_examples:  # other ranks stepped some (move summed the ranks' counts)
+                            if idle and run.drawn_examples:  # other ranks had examples (move sums the counts)
                                 yield None
                             continue
                     batch = self._encode(guard.drawn)
