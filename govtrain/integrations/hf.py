@@ -22,8 +22,13 @@ learning-rate schedule), callbacks, `evaluate()` and `predict()`. What is the ru
   of the un-noised gradients; and each training log carries every class's ε as charged so far (`eps/<class>`,
   the epoch written ahead included), so TensorBoard and W&B plot it beside the loss;
 - the device and precision: RUN.toml's `training.device` and `training.precision`; a Trainer that would put
-  the model elsewhere, use fp16/bf16 autocast, several processes, or resume from its own checkpoint is
-  refused (a governed run resumes when the same config is opened again);
+  the model elsewhere, use fp16/bf16 autocast, several devices in one process, another number of processes than
+  the run's, or resume from its own checkpoint is refused (a governed run resumes when the same config is opened
+  again);
+- the processes: under torchrun each rank opens the run and builds its Trainer. The model is never wrapped in
+  DDP (the ranks' clipped sums meet inside the governed step, noised once by the lead), every rank's Trainer
+  takes a step for each draw that any rank had examples of (with no chunks where its own share is empty), and
+  the Trainer's checkpoints are rank 0's (docs/hf-trainer.md, "Under torchrun");
 - selection: evaluation may choose what is saved or when training stops (`load_best_model_at_end`,
   `EarlyStoppingCallback`, ...) only on held-out rows; evaluation data with admitted rows is refused while such
   a setting is on, and so is recording a run that an unchecked evaluation may have chosen (`selection_admitted`,
@@ -170,16 +175,24 @@ class GovernedOptimizer(torch.optim.Optimizer):
 
 class _LogicalStep:
     """One Trainer step's input: the chunks of one logical Poisson step, drawn one at a time as the training
-    step asks (the run hands out a chunk only once the one before is stepped)."""
+    step asks (the run hands out a chunk only once the one before is stepped). Under several processes, a step
+    this rank already took with an empty share of the draw (`first` None: `idle`) has no chunks."""
 
-    def __init__(self, first: GovernedBatch, batches: Iterator[GovernedBatch]) -> None:
+    def __init__(self, first: GovernedBatch | None, batches: Iterator[GovernedBatch | None]) -> None:
         self.first, self._batches = first, batches
+
+    @property
+    def idle(self) -> bool:
+        return self.first is None
 
     def __iter__(self) -> Iterator[GovernedBatch]:
         batch = self.first
+        if batch is None:
+            return
         yield batch
         while not batch.last:
             batch = next(self._batches)
+            assert batch is not None  # None comes only between logical steps
             yield batch
 
     def __contains__(self, key: object) -> bool:  # the Trainer looks for "labels" or "input_ids" in a batch
@@ -187,7 +200,10 @@ class _LogicalStep:
 
 
 class _GovernedLoader:
-    """The training loader: one `_LogicalStep` per remaining logical step of the run, in order."""
+    """The training loader: one `_LogicalStep` per remaining logical step of the run, in order, but for the
+    empty draws, which the run steps between two of them. Under several processes every rank yields one for
+    each draw that any rank had examples of, so each rank's Trainer takes as many steps, at the same draws, and
+    the Trainer's own collectives (the logged loss gathered across ranks) meet between the run's."""
 
     def __init__(self, run: GovernedRun) -> None:
         self.run = run
@@ -196,7 +212,7 @@ class _GovernedLoader:
         return max(self.run.total_steps - self.run.steps, 0)
 
     def __iter__(self) -> Iterator[_LogicalStep]:
-        batches = self.run.batches()
+        batches = self.run._batches(idle=True)
         for first in batches:
             yield _LogicalStep(first, batches)
 
@@ -242,6 +258,12 @@ class _Governed:
         super().__init__(model=run.model, args=args, optimizers=(GovernedOptimizer(run), None),
                          **self._sft_arguments(kwargs))
         self._evaluations = Evaluations(run, self.data_collator)
+        if run._run.world.many:
+            # Under several processes accelerate's prepare would wrap run.model in DistributedDataParallel: its
+            # all-reduce of .grad is a sum of un-noised gradients, and its first broadcast writes the weights
+            # outside a governed step. It leaves a model it has marked prepared as it is; the run already put the
+            # model on its device, and the ranks' clipped sums meet inside the governed step (govtrain.distributed).
+            run.model._is_accelerate_prepared = True
 
     def _sft_arguments(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         return kwargs
@@ -270,6 +292,8 @@ class _Governed:
         for batch in inputs:
             outputs = model(**batch.inputs)
             loss = self.run.step(self.per_example_loss(outputs, batch))
+        if inputs.idle:  # taken as drawn, with the other ranks' examples in its loss
+            loss = self.run.result.losses[-1]
         return torch.tensor(loss if loss is not None else math.nan, device=self.args.device)
 
     # -- what the Trainer logs: the privatized gradient's norm and ε per class ----------------------------------
@@ -328,8 +352,11 @@ class _Governed:
         output = super().train(**kwargs)
         run = self.run
         if run.steps >= run.total_steps or run.result.exhausted:
-            self._check_selection(named(self.eval_dataset, "eval_dataset"), self._selection_settings())
-            self._evaluations.before_release(self.state, self.args)  # whatever the settings said when read
+            def check() -> None:
+                self._check_selection(named(self.eval_dataset, "eval_dataset"), self._selection_settings())
+                self._evaluations.before_release(self.state, self.args)  # whatever the settings said when read
+
+            run._run.world.together(check)  # a refusal on one rank is every rank's: none waits in save()
             run.save()
         return output
 
@@ -389,6 +416,10 @@ class _Governed:
 
         self._evaluations.saved(f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
 
+    def _save_rng_state(self, output_dir: str) -> None:
+        if self.args.should_save:  # the lead's alone: a governed run never resumes from a Trainer checkpoint
+            super()._save_rng_state(output_dir)
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """The Trainer's save (each checkpoint, `save_model`), completed as the run's release is (`Release.write`):
         portable adapter configs that plain peft refuses where it would predict wrong, the record and the run's
@@ -430,8 +461,11 @@ def _check_arguments(args: TrainingArguments, run: GovernedRun) -> None:
     if args.gradient_checkpointing:
         problems.append("gradient_checkpointing must be False (per-sample gradients are formed from the forward the "
                         "run recorded, not a recomputed one)")
-    if args.world_size > 1 or args.n_gpu > 1:
-        problems.append("one process on one device only")
+    if args.n_gpu > 1:
+        problems.append("one device per process (several GPUs: start one process each with torchrun)")
+    if args.world_size != run._run.world.size:
+        problems.append(f"the Trainer sees {args.world_size} processes, but the run was opened in "
+                        f"{run._run.world.size}: start every process with torchrun, and open the run in each")
     if args.device.type != device.type or (device.index is not None and args.device.index not in (None, device.index)):
         problems.append(f"the Trainer would put the model on {args.device}, but the run trains on {device} "
                         "(set training.device, or use_cpu=True)")

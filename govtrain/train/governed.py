@@ -285,6 +285,12 @@ class GovernedRun:
         if loader is not None:
             raise ConfigError(Code.UNGOVERNED_BATCH, f"run.batches() got a {type(loader).__name__}: it draws its "
                                                      f"own batches, and {NOT_YOURS}")
+        yield from self._batches(idle=False)  # type: ignore[misc]
+
+    def _batches(self, *, idle: bool) -> Iterator[GovernedBatch | None]:
+        """`batches()`; with `idle`, also None after each step this rank took with an empty share of a draw that
+        other ranks had examples of, before the next draw: a Trainer (integrations/hf.py) then counts the step on
+        every rank alike, and its own collectives (the logged loss) stay in step with the run's."""
         guard = self._guard
         if guard.iterating:
             raise RuntimeError("run.batches() is already being iterated")
@@ -319,6 +325,8 @@ class GovernedRun:
                         self._observe(chunks)
                         if not chunks:
                             self._stepped(loss)
+                            if idle and run.drawn_examples:  # other ranks had examples (move sums the counts)
+                                yield None
                             continue
                     batch = self._encode(guard.drawn)
                     guard.wait(batch)

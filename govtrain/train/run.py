@@ -738,6 +738,11 @@ class Run:
         self._loss_sum += total
         self._drawn += len(chunk.indices)
 
+    @property
+    def drawn_examples(self) -> int:
+        """The examples of the logical step in progress that were stepped; once it has moved, of every rank's share."""
+        return self._drawn
+
     def apply(self) -> float:
         """Close the logical step: the router's noise once per group, then the update (`move`), then the
         step's record (`record`). Returns the mean loss per example drawn (nan: empty batch)."""
