@@ -95,7 +95,7 @@ def start_ranks(corpus: Corpus, config: Path, out: Path, size: int, *, seed: int
 
 
 def clean_env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", GOVTRAIN_DIST_TIMEOUT_S="120")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", GOVTRAIN_DIST_TIMEOUT_S="120", OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     return env
