@@ -59,9 +59,9 @@ def noise_over_realised_batch() -> Iterator[None]:
         self._realised = 0
         return begin(self, group_std)
 
-    def counting(self, losses, classes, clip_norms, units=None):  # type: ignore[no-untyped-def]
+    def counting(self, losses, classes, clip_norms, units=None, **options):  # type: ignore[no-untyped-def]
         self._realised = getattr(self, "_realised", 0) + len(classes)
-        return accumulate(self, losses, classes, clip_norms, units)
+        return accumulate(self, losses, classes, clip_norms, units, **options)
 
     def broken(self, group_std, expected_batch_size):  # type: ignore[no-untyped-def]
         realised = max(getattr(self, "_realised", 0), 1)

@@ -467,9 +467,9 @@ def test_a_batchs_record_of_its_draw_rewritten_in_the_loop_changes_no_clipping_n
                                    observe=lambda step, ids: draws.append(step), **QUIET) as run:
         router = run._run.router
         accumulate = router.accumulate  # instrumentation: what the router clips with, and what it clipped
-        router.accumulate = lambda losses, classes, clips, units=None: reports.append(  # the rehearsal's aside
-            (list(clips), accumulate(losses, classes, clips, units))) or reports[-1][1] if run.rehearsed \
-            else accumulate(losses, classes, clips, units)
+        router.accumulate = lambda losses, classes, clips, units=None, **options: reports.append(  # the rehearsal's
+            (list(clips), accumulate(losses, classes, clips, units, **options))) or reports[-1][1] if run.rehearsed \
+            else accumulate(losses, classes, clips, units, **options)
         for batch in run.batches():
             rewrite_the_batchs_record(batch)
             run.step(run.per_example_loss(run.model(**batch.inputs), batch))

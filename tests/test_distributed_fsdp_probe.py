@@ -101,23 +101,3 @@ def test_an_empty_batch_under_prism_is_noised_by_the_lead_alone_without_a_collec
     followers would not join (without it the lead waits in an all-gather until the group's timeout)."""
     for report in ranks:
         assert report["noise_only"] == 0.0 and report["noise_only_grads"] == 10  # layer 1's five pairs, noised
-
-
-def test_a_router_whose_parameters_the_model_no_longer_holds_refuses_the_step():
-    """fully_shard replaces every parameter: a Router built before it would write `.grad` to tensors no optimizer
-    steps, and the run would release noise without training. One replaced parameter is enough to refuse."""
-    import torch
-
-    from tests.fsdp_probe_worker import CLASSES, _model, _resolution
-    from govtrain.routing.router import Router
-
-    model = _model()
-    router = Router(model, _resolution(model, CLASSES), insecure_seed=0)
-    router.begin({})  # the model's own parameters: accepted
-    name = next(iter(router.params))
-    module_name, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(module_name), leaf, torch.nn.Parameter(router.params[name].detach().clone()))
-    with pytest.raises(RuntimeError, match="build the Router, and the optimizer, after sharding"):
-        router.begin({})
-    assert all(p.grad is None for p in model.parameters())
-    router.close()

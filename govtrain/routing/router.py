@@ -384,9 +384,6 @@ class Router:
     def begin(self, group_std: Mapping[frozenset, float] | None = None) -> None:
         """Start a logical step: no clipped gradient summed yet. `group_std`: the step's noise per group, which
         the materialized path needs before the sum (a quantising privatizer's lattice); others ignore it."""
-        if any(self.model.get_parameter(name) is not param for name, param in self.params.items()):
-            raise RuntimeError("the model's parameters are not the ones the router was built on (fully_shard "
-                               "replaces them): build the Router, and the optimizer, after sharding the model")
         self._totals: dict[str, Tensor] | None = None
         self._parts: dict[int, dict[str, Tensor]] = {}  # microbatch m >= 1 -> its clipped sum (per-microbatch noise)
         if self.materialized is not None:
