@@ -276,7 +276,8 @@ class Run:
         # Several processes (docs/distributed.md): each step of preparing is taken on every rank and its outcome
         # gathered (`together`), so a refusal on one rank stops all of them, before any spend is written.
         state = world.together(self._load)  # the lead's run state (the others read none)
-        check_agreement(world, fingerprint(self))  # every rank trains what the lead trains, or none does
+        if world.many:  # every rank trains what the lead trains, or none does
+            check_agreement(world, fingerprint(self))
         saved = world.broadcast((state or {}).get("noise") and {"privatizer": state["noise"].get("privatizer")})
         world.together(lambda: self._build(state.get("noise") if state is not None else saved))
         shared = world.from_lead(lambda: self._start(state))
