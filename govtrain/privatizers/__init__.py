@@ -13,7 +13,6 @@ names the same privatizers; `from_record` refuses whatever the rules refuse, the
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any, Mapping
 
 from govtrain.errors import Code, ConfigError, GovtrainError
@@ -43,20 +42,9 @@ def privatizer_class(name: str) -> "type[Privatizer]":
     """The class `name` maps to (ConfigError `privatizer_unknown`: a name not in the registry, or one whose module
     is not in this installation)."""
     from govtrain.privatizers.base import Privatizer
+    from govtrain.privatizers.rules import entry
 
-    if not isinstance(name, str) or name not in REGISTRY:
-        raise ConfigError(Code.PRIVATIZER_UNKNOWN, f"privatizer {name!r} is not one of {', '.join(REGISTRY)}: "
-                                                   "name one of them in RUN.toml [noise] privatizer")
-    module_name, _, class_name = REGISTRY[name].partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name is None or not module_name.startswith(e.name):
-            raise  # a module it imports is missing: a broken installation, not an unknown privatizer
-        raise ConfigError(Code.PRIVATIZER_UNKNOWN, f"privatizer {name!r} is not in this installation of govtrain "
-                                                   f"({module_name} is missing): upgrade govtrain, or use another "
-                                                   "privatizer") from e
-    found = getattr(module, class_name, None)
+    found = entry(REGISTRY, name, "class")
     if not (isinstance(found, type) and issubclass(found, Privatizer) and found.name == name):
         raise RuntimeError(f"{REGISTRY[name]} is not the Privatizer named {name!r}")
     return found

@@ -119,19 +119,30 @@ def skellam(record: Mapping[str, Any]) -> Charger:
 
 # -- resolving a record ----------------------------------------------------------------------------------------
 
-def _rule(name: str) -> Callable[[Mapping[str, Any]], Charger]:
-    if name not in RULES:
-        raise ConfigError(Code.PRIVATIZER_UNKNOWN, f"privatizer {name!r} is not one of {', '.join(RULES)}: name "
+def entry(table: Mapping[str, str], name: Any, what: str) -> Any:
+    """The object `table[name]` ("module:attribute") names, imported now. ConfigError `privatizer_unknown` for a name
+    not in the table, or one whose module is not in this installation; a module that fails on a missing import of
+    its own is a broken installation, and raises as it is. `what`: what the table holds, for the messages."""
+    if not isinstance(name, str) or name not in table:
+        raise ConfigError(Code.PRIVATIZER_UNKNOWN, f"privatizer {name!r} is not one of {', '.join(table)}: name "
                                                    "one of them in RUN.toml [noise] privatizer")
-    module_name, _, function = RULES[name].partition(":")
+    module_name, _, attribute = table[name].partition(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name is None or not module_name.startswith(e.name):
             raise  # a module it imports is missing: a broken installation, not an unknown privatizer
         raise ConfigError(Code.PRIVATIZER_UNKNOWN, f"privatizer {name!r} is not in this installation of govtrain "
-                                                   f"({module_name} is missing): upgrade govtrain") from e
-    found = getattr(module, function, None)
+                                                   f"({module_name} is missing): upgrade govtrain, or use another "
+                                                   "privatizer") from e
+    found = getattr(module, attribute, None)
+    if found is None:
+        raise RuntimeError(f"{table[name]} is not the {what} of privatizer {name!r}")
+    return found
+
+
+def _rule(name: str) -> Callable[[Mapping[str, Any]], Charger]:
+    found = entry(RULES, name, "rule")
     if not callable(found):
         raise RuntimeError(f"{RULES[name]} is not the rule of privatizer {name!r}")
     return found
