@@ -60,10 +60,6 @@ def main(spec_path: str) -> None:
 
 
 if __name__ == "__main__":
-    from govtrain.errors import GovtrainError
+    from tests.distributed_worker import as_command
 
-    try:
-        main(sys.argv[1])
-    except GovtrainError as error:  # as the command line reports it: one line, the documented exit code
-        print(error.line(), file=sys.stderr)
-        raise SystemExit(error.exit_code) from None
+    as_command(main, sys.argv[1])

@@ -41,11 +41,16 @@ def main(spec_path: str) -> None:
     torch.save({"grads": grads, "steps": result.steps, "run_id": result.run_id}, out / f"grads-rank{rank}.pt")
 
 
-if __name__ == "__main__":
+def as_command(main, argument: str) -> None:  # type: ignore[no-untyped-def]
+    """`main(argument)`, a refusal reported as the command line reports it: one line, the documented exit code."""
     from govtrain.errors import GovtrainError
 
     try:
-        main(sys.argv[1])
-    except GovtrainError as error:  # as the command line reports it: one line, the documented exit code
+        main(argument)
+    except GovtrainError as error:
         print(error.line(), file=sys.stderr)
         raise SystemExit(error.exit_code) from None
+
+
+if __name__ == "__main__":
+    as_command(main, sys.argv[1])

@@ -118,35 +118,14 @@ def family_world(folder: Path, model: Path, noise: str, *, steps: int) -> tuple:
     """Two contributions admitted at σ = 2 (the noise families' floor), sampled at the policy's q = 0.01 over 48
     examples: most steps draw 0 or 1 example, so one rank's share is often empty while the other's is not."""
     from tests.conftest import make_corpus
-    from tests.test_train import _admit
+    from tests.test_train import _admit, _config
 
     folder.mkdir(parents=True, exist_ok=True)
     corpus = make_corpus(folder, f"sqlite:///{folder / 'ledger.db'}")
     _admit(corpus, "pub", 24, noise_multiplier_u=2_000_000, eps_budget_u=8_000_000)
     _admit(corpus, "sens", 24, data_class="sensitive", clip_norm_u=500_000, noise_multiplier_u=2_000_000,
            eps_budget_u=3_000_000)
-    config = corpus.dir / "run.toml"
-    config.write_text(f"""
-[model]
-base = "{model}"
-max_length = 16
-[lora]
-r = 2
-target_modules = ["query", "value", "attention.output.dense"]
-[optimizer]
-name = "adamw"
-lr = 0.01
-[training]
-mechanism = "dpsgd"
-steps = {steps}
-data = "data"
-output = "adapter"
-run_id = "family-run"
-physical_batch = 4
-[noise]
-{noise}
-""")
-    return corpus, config
+    return corpus, _config(corpus, model, steps, "dpsgd", extra=f"physical_batch = 4\n[noise]\n{noise}\n")
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ from govtrain.ledger.entries import decode_entry  # noqa: E402
 from govtrain.ledger.ledger import Ledger  # noqa: E402
 from govtrain.verify.verifier import verify_ledger  # noqa: E402
 from tests.conftest import TEST_POLICY, Corpus, make_corpus  # noqa: E402
-from tests.test_train import _admit, save_tiny_bert  # noqa: E402
+from tests.test_train import _admit, _config, save_tiny_bert  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRIBUTION = 'privacy_unit = "contribution"\nexamples_per_contribution = 4\nsampling_rate = 0.5\n'
@@ -51,27 +51,7 @@ def make_world(folder: Path, model: Path, *, mechanism: str = "dpsgd", unit: str
         sensitive = (i % 2 == 1)
         _admit(corpus, name, 24 if unit == "example" else 6,
                **({"data_class": "sensitive", "clip_norm_u": 500_000, "eps_budget_u": 3_000_000} if sensitive else {}))
-    config = corpus.dir / "run.toml"
-    config.write_text(f"""
-[model]
-base = "{model}"
-max_length = 16
-[lora]
-r = 2
-target_modules = ["query", "value", "attention.output.dense"]
-[optimizer]
-name = "adamw"
-lr = 0.01
-[training]
-mechanism = "{mechanism}"
-steps = {steps}
-data = "data"
-output = "adapter"
-run_id = "dist-run"
-physical_batch = 4
-{extra}
-""")
-    return corpus, config
+    return corpus, _config(corpus, model, steps, mechanism, extra="physical_batch = 4\n" + extra)
 
 
 def start_ranks(corpus: Corpus, config: Path, out: Path, size: int, *, seed: int = 7,
