@@ -225,6 +225,37 @@ def test_1_two_cli_processes_with_one_run_id_leave_one_run(corpus: Corpus, tiny_
     _assert_one_lease(corpus, "shared")
 
 
+def test_1_a_run_opened_later_under_its_id_but_another_lease_takes_nothing_from_the_run_that_holds_it(
+        corpus: Corpus, tiny_model: Path):
+    """The interleaving CI met in the test above, made deterministic: run A opens; run B opens with A's id from
+    another folder (another lease) before A has spent, so B's open passes; A writes ahead. B used to take A's
+    ownership record (it was keyed by the id alone), so A stopped at its next step with `run_id_taken` and B was
+    refused at its write-ahead: neither trained. The owner record is now one per lease: B is refused, changes
+    nothing, and A trains on and records the run."""
+    import govtrain
+    from tests.test_api import past_rehearsal
+
+    _admit(corpus, "pub")
+    configs = [_config_file(corpus, tiny_model, 12, "shared", f"adapter-{k}") for k in (0, 1)]
+    first = govtrain.GovernedRun.open(configs[0], corpus.url, log=lambda line: None, insecure_seed=1)
+    second = govtrain.GovernedRun.open(configs[1], corpus.url, log=lambda line: None, insecure_seed=2)
+    batches = first.batches()
+    batch = past_rehearsal(first, batches)  # the first real batch: its epoch is written ahead under A's lease
+    first.step(first.per_example_loss(first.model(**batch.inputs), batch))
+    before = snapshot(corpus.url)
+    with pytest.raises(GovtrainError) as refused:
+        past_rehearsal(second)
+    assert refused.value.code.value == "run_id_taken" and "another lease" in refused.value.detail
+    second.close()
+    assert snapshot(corpus.url) == before
+    for batch in batches:  # A is not stopped: it still owns its run
+        first.step(first.per_example_loss(first.model(**batch.inputs), batch))
+    first.save()
+    first.close()
+    assert not (corpus.dir / "adapter-1" / "adapter_model.safetensors").exists()
+    _assert_one_lease(corpus, "shared")
+
+
 def test_1_a_run_killed_with_sigkill_resumes_under_its_lease(corpus: Corpus, tiny_model: Path):
     """The lock dies with its process and the lease is in the run state: the same command again resumes the run
     (its written-ahead epoch is not written twice) and records it once."""

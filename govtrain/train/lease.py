@@ -23,7 +23,15 @@ from govtrain.errors import Code, ConfigError, GovtrainError, RejectedError
 from govtrain.ledger.ledger import Ledger
 
 LOCK_FILE = "run-state.lock"  # held (flock) by the one process that owns the run state
-OWNER_SETTING = "run_owner:"  # + run id: the ledger store's record of the one process that owns the run
+OWNER_SETTING = "run_owner:"  # + run id and lease nonce: the ledger store's record of the one process that owns a run
+
+
+def owner_setting(lease: tuple[str, bytes]) -> str:
+    """The store setting that names a run's owner: one per lease, so a copy of a run state (the same lease) takes
+    the run over, and another run that merely reuses the id (another lease) takes nothing: its write-ahead is
+    refused (`run_id_taken`) while the run that holds the id trains on."""
+    run_id, nonce = lease
+    return f"{OWNER_SETTING}{run_id}:{nonce.hex()}"
 
 
 def lock_state(folder: Path):  # type: ignore[no-untyped-def]
@@ -127,7 +135,7 @@ def written_plan(ledger: Ledger, epoch: int, lease: tuple[str, bytes]) -> dict:
             "eps": eps, "privatizer": privatizer_of(first)}
 
 
-def claim(ledger: Ledger, run_id: str) -> str:
+def claim(ledger: Ledger, lease: tuple[str, bytes]) -> str:
     """Record this process as the run's one owner in the ledger store (outside the signed tree: it orders
     processes, it proves nothing) and return its token. The lock on the run state keeps two processes off one
     folder; this keeps two copies of one run state (a copied output folder, a crafted state file: the lease
@@ -135,12 +143,13 @@ def claim(ledger: Ledger, run_id: str) -> str:
     resumes a copy takes the run over, and the other stops at its next step (`check_owner`) as a kill would
     stop it."""
     token = os.urandom(16).hex()
-    ledger.store.set_setting(OWNER_SETTING + run_id, token)
+    ledger.store.set_setting(owner_setting(lease), token)
     return token
 
 
-def check_owner(ledger: Ledger, run_id: str, token: str | None) -> None:
-    if ledger.store.setting(OWNER_SETTING + run_id) != token:
+def check_owner(ledger: Ledger, lease: tuple[str, bytes], token: str | None) -> None:
+    run_id = lease[0]
+    if ledger.store.setting(owner_setting(lease)) != token:
         raise RejectedError(Code.RUN_ID_TAKEN, f"run {run_id!r} was opened by another process since this one opened "
                                                "it (a copy of its run state resumed elsewhere): this process stops, its "
                                                "steps since the last checkpoint dropped as a kill drops them; one "

@@ -32,11 +32,11 @@ from govtrain.train.resume import TEMPORARY, check_recorded_entry, read_recorded
 from govtrain.train.withdrawals import Withdrawn
 from govtrain.train.lease import (
     LOCK_FILE,
-    OWNER_SETTING,
     Replan,
     check_owner,
     claim,
     lock_state,
+    owner_setting,
     trial_of_recorded_tune,
     write_ahead,
     written_plan,
@@ -502,7 +502,8 @@ class Run:
         before any spend is written."""
         from govtrain.release.export import Release, artifact_record
 
-        if not self.check and self.ledger.store.setting(OWNER_SETTING + shared["run_id"]) != shared["owner"]:
+        lease = (shared["run_id"], shared["run_nonce"])
+        if not self.check and self.ledger.store.setting(owner_setting(lease)) != shared["owner"]:
             raise ConfigError(Code.RANK_MISMATCH, f"rank {self.world.rank} does not read the lead's claim on run "
                                                   f"{shared['run_id']!r} in its ledger: it opened another store (a "
                                                   "copy of the ledger?); give every rank the lead's ledger URL")
@@ -917,11 +918,11 @@ class Run:
                      "entry are saved")
 
     def _claim(self) -> None:
-        self._owner = claim(self.ledger, self.run_id)
+        self._owner = claim(self.ledger, (self.run_id, self.run_nonce))
 
     def _check_owner(self) -> None:
         if self.world.lead:  # the lead holds the claim; the others follow it
-            check_owner(self.ledger, self.run_id, self._owner)
+            check_owner(self.ledger, (self.run_id, self.run_nonce), self._owner)
 
     def release(self) -> None:
         """Give up the run state's lock (the run's process stops owning it)."""
