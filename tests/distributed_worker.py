@@ -17,6 +17,7 @@ from pathlib import Path
 def main(spec_path: str) -> None:
     import torch
 
+    from govtrain.distributed.fsdp import full as whole  # a sharded `.grad` gathered (every rank, in step)
     from govtrain.mechanisms import update as update_module
     from govtrain.train.governed import GovernedRun
 
@@ -26,7 +27,7 @@ def main(spec_path: str) -> None:
     step = update_module.Update.step
 
     def recording(self, noise_std):  # type: ignore[no-untyped-def]
-        grads.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters()
+        grads.append({n: whole(p.grad.detach()) for n, p in self.model.named_parameters()
                       if p.requires_grad and p.grad is not None})
         return step(self, noise_std)
 

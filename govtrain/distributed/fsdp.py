@@ -29,6 +29,11 @@ router:
   (A batch of zero examples cannot stand in: Llama's attention cannot reshape an empty batch.)
 - **Build the Router, and the optimizer, after `fully_shard`**, which replaces every parameter; the router
   refuses a step on parameters the model no longer holds.
+
+A run with RUN.toml `training.fsdp = true` (`govtrain/train/run.py`) shards with `shard` after the lead's initial
+weights are shared, gathers the trainable weights and the update's state whole after each step (`whole`: they are
+the adapter's size, not the model's) so that the lead alone can write its run state and adapter, and puts a
+resumed state back as each rank's shards (`load_whole`).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["is_sharded", "full", "local", "prepare", "chunks"]
+__all__ = ["is_sharded", "full", "local", "prepare", "reshard", "chunks", "blocks", "shard", "whole", "load_whole"]
 
 
 def _dtensor() -> type | None:
@@ -84,6 +89,17 @@ def prepare(model: nn.Module) -> None:
             module.set_requires_gradient_sync(False, recurse=False)
 
 
+def reshard(model: nn.Module) -> None:
+    """Every FSDP module of `model` back to its sharded parameters: a forward with no backward after it (the
+    router's probe, a check) leaves the root's gathered, registered in place of the shards, and the run's guard
+    holds the shards (`GovernedRun`'s `Weights`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def chunks(count: int, group: Any = None) -> int:
     """The number of chunks every rank runs this step: the largest `count` over the ranks (a collective)."""
     import torch.distributed as dist
@@ -92,3 +108,66 @@ def chunks(count: int, group: Any = None) -> int:
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return int(value.item())
 
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's transformer blocks, each sharded on its own: the `ModuleList` of as many modules as the config's
+    layers (Llama's `model.layers`, BERT's `encoder.layer`, GPT-2's `h`); none found is an error."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    layers = next((getattr(config, key) for key in ("num_hidden_layers", "n_layer", "num_layers")
+                   if isinstance(getattr(config, key, None), int)), None)
+    found = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == layers]
+    if layers is None or not found:
+        raise ValueError(f"{type(model).__name__}: no list of its {layers} transformer blocks to shard")
+    return list(found[0])
+
+
+def shard(model: nn.Module, world: Any, device: torch.device) -> None:
+    """Shard `model` over the run's ranks with FSDP2: each transformer block, then the root (its embeddings and
+    head), on a one-dimensional mesh of `device`'s type; FSDP moves each rank's shards to the device. Gradient sync
+    off (`prepare`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world.size,))
+    for block in blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    prepare(model)
+
+
+def whole(value: Any) -> Any:
+    """`value` (a tensor, or dicts, lists and tuples of them, such as an optimizer's state) with every DTensor
+    all-gathered whole and detached: a collective every rank makes, in the same order."""
+    if is_sharded(value):
+        return value.detach().full_tensor()
+    if isinstance(value, dict):
+        return {key: whole(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(whole(item) for item in value)
+    return value
+
+
+def load_whole(model: nn.Module, update: Any, trainable: dict[str, Tensor], state: dict) -> None:
+    """Put whole `trainable` weights and a whole update `state` (as `whole` gathered them, e.g. from a run state)
+    into a sharded model and its update: each rank takes its own shards, with no communication."""
+    with torch.no_grad():
+        for name, value in trainable.items():
+            param = model.get_parameter(name)
+            param.copy_(local(value.to(param.device, param.dtype), param))
+    optimizer = state.get("optimizer")
+    if optimizer is not None and update.optimizer is not None:
+        held = [p for group in update.optimizer.param_groups for p in group["params"]]
+        saved = [i for group in optimizer["param_groups"] for i in group["params"]]
+        if len(held) != len(saved):
+            raise ValueError(f"the saved optimizer state holds {len(saved)} parameters, the update {len(held)}")
+        param_of = dict(zip(saved, held))
+        state = {**state, "optimizer": {**optimizer, "state": {
+            index: {key: local(value.to(param_of[index].device), param_of[index])
+                    if isinstance(value, Tensor) and tuple(value.shape) == tuple(param_of[index].shape)
+                    and value.dim() > 0 else value
+                    for key, value in entries.items()}
+            for index, entries in optimizer["state"].items()}}}
+    update.load_state_dict(state)

@@ -466,6 +466,9 @@ def _check_arguments(args: TrainingArguments, run: GovernedRun) -> None:
     if args.world_size != run._run.world.size:
         problems.append(f"the Trainer sees {args.world_size} processes, but the run was opened in "
                         f"{run._run.world.size}: start every process with torchrun, and open the run in each")
+    if run._run.sharded:
+        problems.append("the run shards its model (training.fsdp), and the Trainer's loop is not built for FSDP's "
+                        "equal forwards per rank: train it with govtrain train --nproc N or the Python API")
     if args.device.type != device.type or (device.index is not None and args.device.index not in (None, device.index)):
         problems.append(f"the Trainer would put the model on {args.device}, but the run trains on {device} "
                         "(set training.device, or use_cpu=True)")

@@ -69,9 +69,11 @@ class Release:
     weights, a sub-folder adapter written beforehand was hashed and loaded with it, admitted text was saved in
     `adapter_config.json` and `lora_alpha` rescaled)."""
 
-    def __init__(self, model: "nn.Module", record: ArtifactRecord, extras: dict[str, bytes]) -> None:
+    def __init__(self, model: "nn.Module", record: ArtifactRecord, extras: dict[str, bytes], *,
+                 state_dict: dict | None = None) -> None:
+        # `state_dict`: what save_pretrained saves instead of the model's own (a sharded model's, `distributed.fsdp`)
         with tempfile.TemporaryDirectory() as folder:
-            model.save_pretrained(folder)
+            model.save_pretrained(folder, **({} if state_dict is None else {"state_dict": state_dict}))
             root = Path(folder)
             self.cards = sorted(str(p.relative_to(root)) for p in root.rglob(CARD))
             self.saved = {str(p.relative_to(root)): (None if p.name == WEIGHTS else p.read_bytes())

@@ -227,6 +227,10 @@ class TrainingSection(_Strict):
         False, description="run the router's clipping stage as a compiled graph (torch.compile, aot_eager): the "
                            "same released bits as the hooks', computed without walking the router's structure per "
                            "step; the first steps pay for tracing")
+    fsdp: StrictBool = Field(
+        False, description="shard the model over the run's processes with FSDP2 (fully_shard on each transformer "
+                           "block and the root), for models larger than one device: needs several processes "
+                           "(--nproc N or torchrun) and mechanism dpsgd; the same released gradient as one process")
 
 
 class RunFile(_Strict):
@@ -246,6 +250,16 @@ class RunFile(_Strict):
             if getattr(self, section) is not None and mechanism != owner:
                 raise ValueError(f"[{section}] applies to mechanism = {owner!r} only, and training.mechanism is "
                                  f"{mechanism!r}")
+        if self.training.fsdp:  # what runs on FSDP's sharded parameters (docs/distributed.md "Sharded models")
+            if mechanism != "dpsgd":
+                raise ValueError(f"training.fsdp trains mechanism 'dpsgd' only: {mechanism}'s update works on whole "
+                                 "LoRA factors, which FSDP shards; set fsdp = false (data parallelism) for it")
+            if self.training.compiled:
+                raise ValueError("training.fsdp and training.compiled: the compiled clipping stage is not built for "
+                                 "sharded parameters; set one of them false")
+            if self.noise.microbatches > 1:
+                raise ValueError("training.fsdp and [noise] microbatches > 1 are not tested together; set "
+                                 "microbatches = 1 or fsdp = false")
         if mechanism == "prism" and self.prism is None:
             object.__setattr__(self, "prism", PrismSection())
         if mechanism == "dp-muon" and self.muon is None:

@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from govtrain import units
+from govtrain.distributed.fsdp import is_sharded
 from govtrain.errors import Code, ConfigError
 from govtrain.tasks.base import Batch
 from govtrain.train.config import RunConfig, run_config
@@ -398,7 +399,12 @@ class GovernedRun:
         self._check_governed("at run.save()")
         self._guard.check_structure()  # a state_dict hook or a replaced save_pretrained writes what is saved
         self._guard.remove()  # the saved model carries no hook of the run
-        result = run.finish(check=lambda output: self._release.check(output, self._weights.trainable))
+        kept = self._weights.trainable
+        if run.sharded:  # the last governed step's weights whole, gathered by every rank before the lead writes
+            from govtrain.distributed import fsdp
+
+            kept = {name: fsdp.full(value) for name, value in kept.items()}
+        result = run.finish(check=lambda output: self._release.check(output, kept))
         self._saved = True
         return result
 
@@ -408,7 +414,7 @@ class GovernedRun:
         """The next chunk of `drawn` as a batch, encoded afresh by the task with the run's own tokenizer."""
         run = self._run
         chunk = drawn.chunks[drawn.next]
-        items = self._rehearsal.examples if drawn.rehearsal and self._rehearsal is not None else run.examples.items
+        items = self._rehearsal.examples if drawn.rehearsal and self._rehearsal is not None else run.items(chunk)
         encoded = run.task.encode([items[i] for i in chunk.indices], self._tokenizer,
                                   run.config.file.model.max_length, run.device)
         return GovernedBatch(encoded.inputs, encoded.targets, encoded.extra,
@@ -578,7 +584,7 @@ class Weights:
             kept = self.trainable.get(name)
             if p.requires_grad != (kept is not None):
                 return f"{name} had requires_grad switched"
-            if kept is not None and not torch.equal(p.detach(), kept):
+            if kept is not None and not _equal(p.detach(), kept):
                 return f"{name} was written"
         if not self._same_groups() or not same_state(self.mechanism.state_dict(), self.state):  # types first
             return "the update's state (optimizer moments, step counts, parameter groups) was written"
@@ -626,7 +632,7 @@ class Weights:
                 group[key] = float(group[key])
 
     def same(self, weights: dict[str, "torch.Tensor"]) -> bool:
-        return weights.keys() == self.trainable.keys() and all(torch.equal(v, self.trainable[n])
+        return weights.keys() == self.trainable.keys() and all(_equal(v, self.trainable[n])
                                                                for n, v in weights.items())
 
 
@@ -661,7 +667,22 @@ def same_state(a: Any, b: Any) -> bool:
         return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
     if type(a) is torch.Tensor:  # accelerate moves the state to the device: compare on the CPU
         return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
+    if is_sharded(a):  # FSDP's moments (`distributed.fsdp`)
+        return same_shard(a, b)
     return type(a) in _PLAIN and (a == b or (a != a and b != b))
+
+
+def same_shard(a: "torch.Tensor", b: "torch.Tensor") -> bool:
+    """Two DTensors (FSDP's sharded parameters or moments), exactly of torch's class, of one layout, equal on this
+    rank's shard: each rank compares its own, with no collective (a rank that finds a difference stops the run)."""
+    from torch.distributed.tensor import DTensor
+
+    return (type(a) is DTensor and type(b) is DTensor and a.placements == b.placements and a.shape == b.shape
+            and a.dtype == b.dtype and torch.equal(a.to_local().cpu(), b.to_local().cpu()))
+
+
+def _equal(a: "torch.Tensor", b: "torch.Tensor") -> bool:
+    return same_shard(a, b) if is_sharded(a) or is_sharded(b) else torch.equal(a, b)
 
 
 def check_optimizer_hooks() -> None:

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 import torch
 from torch import Tensor, nn
 
+from govtrain.distributed.fsdp import is_sharded
 from govtrain.errors import Code, ConfigError
 
 if TYPE_CHECKING:
@@ -144,7 +145,10 @@ class Guard:
         self._forward: contextlib.ExitStack | None = None
         holders = [(name, module) for name, module in model.named_modules() if module is not model
                    and any(p.requires_grad for p in module.parameters(recurse=False))]
-        self._hooks = [model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+        # A sharded model's (`distributed.fsdp`): before FSDP's own pre-forward, which puts the gathered parameters
+        # in place of the shards the checks compare
+        first = any(is_sharded(p) for p in model.parameters())
+        self._hooks = [model.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=first),
                        model.register_forward_hook(self._after_forward, always_call=True),
                        *(module.register_forward_pre_hook(self._inner(name)) for name, module in holders)]
         embedding = _input_embedding(model)

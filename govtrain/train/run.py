@@ -57,7 +57,10 @@ class BudgetExhausted(GovtrainError):
 class Chunk:
     """One physical chunk of a logical step: its examples (indices into the run's examples), the unit of
     each (None: each example is its own unit), each example's contribution, and per unit its class and
-    signed clipping norm; `microbatch`: the microbatch its units are in (RUN.toml [noise] microbatches; 0 when 1)."""
+    signed clipping norm; `microbatch`: the microbatch its units are in (RUN.toml [noise] microbatches; 0 when 1).
+    `filler`: a sharded model's stand-in chunk (`training.fsdp`): one public synthetic example whose loss is weighted
+    zero, so that every rank runs as many forwards and backwards (FSDP's all-gathers) in a step; it adds exactly
+    nothing and counts as no example."""
 
     indices: list[int]
     units: list[int] | None
@@ -65,6 +68,7 @@ class Chunk:
     classes: list[str]
     clips: list[float]
     microbatch: int = 0
+    filler: bool = False
 
 
 @dataclass
@@ -237,6 +241,9 @@ class Run:
         self._charged_rates: set[int] | None = None  # the sampling rates the pending epoch's spend charged
         self._loss_sum, self._drawn = 0.0, 0  # the logical step in progress
         self._withdrawn = Withdrawn(ledger.store)  # each step's withdrawals, read from the entries
+        self.sharded = config.file.training.fsdp  # the model is sharded over the ranks (FSDP2, `distributed.fsdp`)
+        self._whole: dict | None = None  # sharded: the trainable weights and update state, gathered after each step
+        self._resume: tuple[dict, dict] | None = None  # sharded: the lead's run state weights, put back by every rank
 
     @property
     def run_id(self) -> str:
@@ -282,7 +289,10 @@ class Run:
         world.together(lambda: self._build(state.get("noise") if state is not None else saved))
         shared = world.from_lead(lambda: self._start(state))
         world.together(lambda: None if world.lead else self._follow(shared))
-        share_weights(world, self.model, self.update, resumed=self.resumed)
+        if self.sharded:
+            self._share_shards()
+        else:
+            share_weights(world, self.model, self.update, resumed=self.resumed)
 
     def _load(self) -> dict | None:
         """The data matched to the admitted contributions, the model on its device and its resolution; the lead's run
@@ -346,7 +356,12 @@ class Run:
         tokenizer = tokenizer_files(self.tokenizer)  # as loaded: encoding leaves its settings in a fast tokenizer
         self.task.check(examples.items, self.tokenizer, config.file.model.max_length)  # e.g. no target token left
         self.base_sha256 = tree_sha256(base)
-        self.model.to(self.device)  # before the router: its noise generator lives on the parameters' device
+        if self.sharded and not self.world.many:
+            raise ConfigError(Code.RUN_CONFIG_INVALID, "training.fsdp shards the model over the run's processes, and "
+                                                       "this is one: start it with govtrain train --nproc N or "
+                                                       "torchrun, or set fsdp = false")
+        if not self.sharded:  # a sharded model's shards are moved to the device by `fsdp.shard`, never the whole
+            self.model.to(self.device)  # before the router: its noise generator lives on the parameters' device
         self._resolution = resolution = resolve(policy.classes, describe(self.model, name=config.model_spec))
         check_weight_decay(resolution, config.file.optimizer.weight_decay)
         self._admitted, self._base, self._tokenizer_files, self._q_u = admitted, base, tokenizer, q_u
@@ -368,6 +383,8 @@ class Run:
 
         config, policy, resolution, admitted = self.config, self.policy, self._resolution, self._admitted
         training, present, q_u = config.file.training, self.present, self._q_u
+        if self.sharded:
+            self._shard()
         self.privatizer = _privatizer(config, saved, self.insecure_seed)
         self.microbatches = config.file.noise.microbatches  # a privacy parameter: the privatizer records it
         self.router = Router(self.model, resolution, mechanism=training.mechanism, insecure_seed=self.insecure_seed,
@@ -378,6 +395,10 @@ class Run:
                            [(c, admitted[c].member.noise_multiplier_u) for c in sorted(present)])
         self.router.probe(probe_batches(self.tokenizer, config.file.model.max_length))  # batch-first calls only
         check_batch_independence(self.model, self.task, self.tokenizer, config.file.model.max_length, self.device)
+        if self.sharded:  # the probe's and the check's forwards had no backward: the shards back in place
+            from govtrain.distributed import fsdp
+
+            fsdp.reshard(self.model)
         self.update = Update.build(self.model, config.file)
         self.sampler = _sampler(self.privatizer, q_u, self.insecure_seed)  # its rate set again per epoch
         self.epoch_steps = training.epoch_steps or policy.steps_per_epoch
@@ -404,7 +425,7 @@ class Run:
         other ranks take from it (`_follow`)."""
         import torch
 
-        from govtrain.release.export import Release, artifact_record
+        from govtrain.release.export import artifact_record
 
         config, ledger, log, policy = self.config, self.ledger, self.log, self.policy
         training, present, base, records = config.file.training, self.present, self._base, self._records
@@ -433,10 +454,13 @@ class Run:
             self.recorded = self._entry is not None
             result.steps, result.losses = state["step"], state["losses"]
             result.epochs, result.eps_by_class = state["epochs"], state["eps_by_class"]
-            with torch.no_grad():
-                for name, value in state["trainable"].items():
-                    self.model.get_parameter(name).copy_(value)
-            self.update.load_state_dict(state["update"])
+            if self.sharded:  # every rank puts back its shards of them (`_share_weights`)
+                self._resume = (state["trainable"], state["update"])
+            else:
+                with torch.no_grad():
+                    for name, value in state["trainable"].items():
+                        self.model.get_parameter(name).copy_(value)
+                self.update.load_state_dict(state["update"])
             self._load_noise_state(state.get("noise"))
             self.pending = state["pending"]
             if self.pending is not None and ledger.epoch() > self.pending["epoch"]:
@@ -468,7 +492,7 @@ class Run:
         self.charged_before = {c for c in present if book.charged_by.get(c, set()) - mine}
         record = artifact_record(config, self.model, base=base, base_sha256=self.base_sha256, run_id=run_id,
                                  origin=policy.origin)
-        self.export = Release(self.model, record, self._tokenizer_files)  # what finish() will write
+        self.export = self._release(record)
         if self.check or self.charged_before:
             self.plan = self.projection()
         if self.charged_before and not self.check and not self.recorded:  # a recorded run charges nothing more
@@ -486,6 +510,14 @@ class Run:
             + (f", {self.world.size} processes" if self.world.many else ""))
         return self._shared() if self.world.many else {}
 
+    def _release(self, record):  # type: ignore[no-untyped-def]
+        """What finish() will write (`release.Release`); a sharded model's files as its shards would be saved."""
+        from govtrain.release.export import Release
+
+        shards = {n: p.detach().to_local() for n, p in self.model.named_parameters() if p.requires_grad} \
+            if self.sharded else None
+        return Release(self.model, record, self._tokenizer_files, state_dict=shards)
+
     def _shared(self) -> dict:
         """What the other ranks take from the lead's `_start`: the run's id and lease, and where it stands. Never
         the sampling key or the noise state: only the lead draws."""
@@ -500,7 +532,7 @@ class Run:
         """A follower takes the lead's run id, lease and place (`_shared`), once it reads the lead's claim on the run in
         its own view of the ledger store: a rank opened on another store (a copy of the ledger file) is refused here,
         before any spend is written."""
-        from govtrain.release.export import Release, artifact_record
+        from govtrain.release.export import artifact_record
 
         lease = (shared["run_id"], shared["run_nonce"])
         if not self.check and self.ledger.store.setting(owner_setting(lease)) != shared["owner"]:
@@ -516,7 +548,7 @@ class Run:
         self.charged_before = set(shared["charged_before"])
         record = artifact_record(self.config, self.model, base=self._base, base_sha256=self.base_sha256,
                                  run_id=result.run_id, origin=self.policy.origin)
-        self.export = Release(self.model, record, self._tokenizer_files)
+        self.export = self._release(record)
 
     def _check_ledger(self, state: dict, book) -> None:  # type: ignore[no-untyped-def]
         """Refuse (`output_taken`) a run state written against another ledger, or one that took steps under a
@@ -680,6 +712,7 @@ class Run:
         The caller encodes each chunk, runs the forward under `forward()`, hands its per-example losses to
         `accumulate`, and then calls `apply` once (also when the draw is empty: the noise is still drawn).
         Several processes: the lead draws, every rank takes its share of the drawn units (`distributed.shares`)."""
+        from govtrain.distributed import fsdp
         from govtrain.distributed.shares import share
 
         if not self._written or self.epoch_done:
@@ -696,6 +729,8 @@ class Run:
             else:  # each contribution's examples are averaged, then clipped together
                 who = [owners[i] for i in range(len(part)) if i == 0 or unit[i] != unit[i - 1]]
             chunks.append(Chunk(part, unit, owners, [self.classes[c] for c in who], [self.signed_clip[c] for c in who], m))
+        if self.sharded:  # as many forwards and backwards on every rank: FSDP all-gathers in each
+            chunks += [self._filler_chunk()] * (fsdp.chunks(len(chunks)) - len(chunks))
         self.router.begin(self._group_std)  # a quantising privatizer's lattice follows the step's group noise
         self._loss_sum, self._drawn = 0.0, 0
         return chunks
@@ -721,8 +756,12 @@ class Run:
 
     def encode(self, chunk: Chunk):  # type: ignore[no-untyped-def]
         """The task's batch of `chunk`'s examples, on the run's device."""
-        return self.task.encode([self.examples.items[i] for i in chunk.indices], self.tokenizer,
+        return self.task.encode([self.items(chunk)[i] for i in chunk.indices], self.tokenizer,
                                 self.config.file.model.max_length, self.device)
+
+    def items(self, chunk: Chunk) -> list:
+        """The examples `chunk.indices` index: the run's, or a filler's public one."""
+        return self._filler if chunk.filler else self.examples.items
 
     @contextlib.contextmanager
     def forward(self, chunk: Chunk):  # type: ignore[no-untyped-def]
@@ -735,6 +774,9 @@ class Run:
         """Add `chunk`'s clipped gradients (per example, or per contribution's mean) from its per-example
         `losses`, computed from the forward just run under `forward()`; `total` is their sum, for the log
         (`GovernedRun` reads it before anything is summed)."""
+        if chunk.filler:  # weighted zero: its per-sample gradient, norm and clipped contribution are exactly zero
+            self.router.accumulate(losses * 0.0, chunk.classes, chunk.clips, units=chunk.units)
+            return
         total = float(losses.detach().sum()) if total is None else total
         self.router.accumulate(losses, chunk.classes, chunk.clips, units=chunk.units, microbatch=chunk.microbatch)
         self._loss_sum += total
@@ -764,6 +806,8 @@ class Run:
         loss = self._loss_sum / self._drawn if self._drawn else float("nan")
         self.update.step(self.router.noise_std)
         self.update.zero_grad()
+        if self.sharded:
+            self._gather()
         return loss
 
     def record(self, loss: float) -> None:
@@ -889,7 +933,8 @@ class Run:
             result.adapter_sha256, record = read_recorded_adapter(output, self._entry)
         else:
             output.mkdir(parents=True, exist_ok=True)
-            self.model.save_pretrained(output)
+            # sharded: the weights as gathered after the last step (the lead alone writes; nothing here is a collective)
+            self.model.save_pretrained(output, **({"state_dict": self._whole["trainable"]} if self.sharded else {}))
             self.export.write(output)
             if check is not None:
                 check(output)
@@ -960,11 +1005,51 @@ class Run:
             "step": result.steps,
             "losses": result.losses, "epochs": result.epochs, "eps_by_class": result.eps_by_class,
             "pending": self.pending,
-            "trainable": {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad},
-            "update": self.update.state_dict(),
+            "trainable": dict(self._whole["trainable"]) if self.sharded else
+            {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad},
+            "update": self._whole["update"] if self.sharded else self.update.state_dict(),
             # the privatizer's state: as secret as the noise it determines (whoever holds it can subtract it)
             "noise": {"privatizer": self.privatizer.record(),
                       "state": self.privatizer.state_dict(self.router.noise_state)}})
+
+    # -- a sharded model (`training.fsdp`; `distributed.fsdp`) -----------------------------------------
+
+    def _shard(self) -> None:
+        """Every rank starts from the lead's initial weights (a fresh LoRA's random factors), then the model is
+        sharded; the router and the update are built on the shards after this. The filler's public example."""
+        import torch
+
+        from govtrain.distributed import fsdp
+        from govtrain.train.rehearsal import synthetic_examples
+
+        with torch.no_grad():
+            self.world.share_([p for p in self.model.parameters() if p.requires_grad])
+        fsdp.shard(self.model, self.world, self.device)
+        self._filler = synthetic_examples(self.task, self.tokenizer, self.config.file.model.max_length, 1,
+                                          seed=b"govtrain fsdp filler", admitted=self.examples.items)
+
+    def _filler_chunk(self) -> Chunk:
+        classes = sorted(set(self.classes.values()))[:1]
+        return Chunk([0], None if self.per_contribution is None else [0], [], classes, [1.0], filler=True)
+
+    def _share_shards(self) -> None:
+        """A resumed run's weights and update state, from the lead's run state, as every rank's shards; then the
+        first gathered copy (`_gather`)."""
+        from govtrain.distributed import fsdp
+
+        if self.resumed:
+            trainable, update = self.world.broadcast(self._resume if self.world.lead else None)
+            fsdp.load_whole(self.model, self.update, trainable, update)
+            self._resume = None
+        self._gather()
+
+    def _gather(self) -> None:
+        """(Every rank.) The trainable weights and the update's state gathered whole, for the lead's run state and
+        adapter: a step's last collective, so that the lead writes them with no other rank in a collective."""
+        from govtrain.distributed import fsdp
+
+        self._whole = {"trainable": {n: fsdp.full(p) for n, p in self.model.named_parameters() if p.requires_grad},
+                       "update": fsdp.whole(self.update.state_dict())}
 
     def _load_noise_state(self, saved: dict | None) -> None:
         """The privatizer's state as the run state saved it, so the noise stream goes on exactly where it was

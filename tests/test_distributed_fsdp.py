@@ -1,0 +1,110 @@
+"""A sharded model through the run (`training.fsdp = true`; docs/distributed.md "Sharded models"), 2 gloo ranks.
+
+`govtrain/distributed/fsdp.py` shards each transformer block and the root with FSDP2. Against the single process on
+the same seed, with public and sensitive classes at their own (C, σ): every step's privatized gradient (each rank's
+shards gathered) equals the single process's to 1e-6, the spend is the single process's and written once, and the
+adapter the lead writes equals the single process's. `govtrain train --nproc 2` with fsdp resumes after a kill and
+verifies. A sharded run on one process, with prism or dp-muon, or under the HF Trainer is refused with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from govtrain.train.config import load_run_config  # noqa: E402
+from govtrain.train.loop import train  # noqa: E402
+from govtrain.verify.verifier import verify_ledger  # noqa: E402
+from tests.test_distributed import (  # noqa: E402,F401
+    children,
+    finish,
+    govtrain_train,
+    make_world,
+    run_entries,
+    spends,
+    start_ranks,
+    tiny,
+)
+
+FSDP = "fsdp = true\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("unit", ["example", "contribution"])
+def test_two_sharded_ranks_release_the_single_process_gradient_and_adapter(tmp_path, tiny, unit):
+    one = make_world(tmp_path / "one", tiny, unit=unit)
+    two = make_world(tmp_path / "two", tiny, unit=unit, extra=FSDP)
+    done = finish(start_ranks(*one, tmp_path / "out-one", 0) + start_ranks(*two, tmp_path / "out-two", 2))
+    assert [code for code, _ in done] == [0, 0, 0], "\n".join(err[-3000:] for _, err in done)
+    single = torch.load(tmp_path / "out-one" / "grads-rank0.pt")
+    ranks = [torch.load(tmp_path / "out-two" / f"grads-rank{r}.pt") for r in range(2)]
+    assert single["steps"] == ranks[0]["steps"] == 3 and len(single["grads"]) == 3
+    for step, reference in enumerate(single["grads"]):
+        assert reference, "no gradient was released"
+        for r in range(2):
+            got = ranks[r]["grads"][step]
+            assert got.keys() == reference.keys()
+            for name, value in reference.items():
+                torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6, msg=f"step {step} rank {r} {name}")
+    assert spends(two[0].url) == spends(one[0].url) != []
+    report = verify_ledger(two[0].url)
+    assert report.spend_recomputed and report.by_kind["run"] == 1
+    adapters = sorted(p.relative_to(one[0].dir / "adapter") for p in (one[0].dir / "adapter").rglob("*.safetensors"))
+    assert adapters and adapters == sorted(p.relative_to(two[0].dir / "adapter")
+                                           for p in (two[0].dir / "adapter").rglob("*.safetensors"))
+    for adapter in adapters:
+        mine, theirs = (load_file(str(world[0].dir / "adapter" / adapter)) for world in (two, one))
+        assert mine.keys() == theirs.keys() and mine
+        for key in mine:
+            torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.slow
+def test_govtrain_train_nproc_2_sharded_resumes_after_a_kill_exactly_and_verifies(tmp_path, tiny):
+    """`govtrain train --nproc 2` with fsdp: a follower killed mid-epoch stops both ranks (`rank_lost`, exit 2);
+    the same command again puts the lead's run state back as each rank's shards (weights and AdamW moments) and
+    completes the run: every epoch charged once, never under-counted, the ledger verifies, and the adapter equals
+    that of the single process stopped in the same ledger epoch and resumed from the same checkpoint (step 10: the
+    follower is killed just after epoch 1's spend is written ahead) on the same seed."""
+    corpus, config = make_world(tmp_path / "w", tiny, steps=40, rate=0.05, extra=FSDP)
+    launcher = govtrain_train(corpus, config, "--nproc", "2")
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not any(e >= 1 for _, e, *_ in spends(corpus.url)):
+        time.sleep(0.05)  # until the second ledger epoch's spend is written ahead
+    ranks = children(launcher.pid)
+    assert set(ranks) == {0, 1}, ranks
+    os.kill(ranks[1], signal.SIGKILL)
+    _, stderr = launcher.communicate(timeout=240)
+    assert launcher.returncode == 2 and "error[rank_lost]" in stderr, stderr[-3000:]
+    before = spends(corpus.url)
+    assert run_entries(corpus.url) == 0 and before
+    again = govtrain_train(corpus, config, "--nproc", "2")
+    stdout, stderr = again.communicate(timeout=300)
+    assert again.returncode == 0, stderr[-3000:]
+    assert json.loads(stdout.splitlines()[-1])["steps"] == 40
+    after = spends(corpus.url)
+    assert set(before) <= set(after)
+    assert sorted((c, e) for c, e, *_ in after) == sorted({(c, e) for c, e, *_ in after})
+    assert run_entries(corpus.url) == 1 and verify_ledger(corpus.url).spend_recomputed
+
+    # the oracle: one process of the same run, stopped in the same ledger epoch, resumed from the same checkpoint
+    alone, alone_config = make_world(tmp_path / "alone", tiny, steps=40, rate=0.05)
+    with pytest.raises(KeyboardInterrupt):
+        train(load_run_config(alone_config), alone.url, insecure_seed=3, log=lambda line: None,
+              interrupt_after_steps=14)
+    train(load_run_config(alone_config), alone.url, insecure_seed=3, log=lambda line: None)
+    assert spends(alone.url) == after
+    mine, theirs = (load_file(str(c.dir / "adapter" / "adapter_model.safetensors")) for c in (corpus, alone))
+    assert mine.keys() == theirs.keys() and mine
+    for key in mine:
+        torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
