@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +109,104 @@ def test_govtrain_train_nproc_2_sharded_resumes_after_a_kill_exactly_and_verifie
     assert mine.keys() == theirs.keys() and mine
     for key in mine:
         torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+
+
+# -- refusals: one line, nothing written ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("setting, said", [
+    ('mechanism = "prism"', "training.fsdp trains mechanism 'dpsgd' only"),
+    ('mechanism = "dp-muon"', "training.fsdp trains mechanism 'dpsgd' only"),
+    ("compiled = true", "training.fsdp and training.compiled"),
+    ("[noise]\nmicrobatches = 2", "microbatches > 1"),
+])
+def test_what_fsdp_does_not_run_is_refused_when_the_config_is_read(tmp_path, tiny, setting, said):
+    from govtrain.errors import Code, ConfigError
+
+    corpus, config = make_world(tmp_path / "w", tiny, extra=FSDP)
+    text = config.read_text().replace('mechanism = "dpsgd"\n', "") + ("\n" if setting.startswith("[") else "")
+    config.write_text(text.replace("[training]\n", f"[training]\n{setting}\n") if not setting.startswith("[")
+                      else text + setting + "\n")
+    with pytest.raises(ConfigError) as refused:
+        load_run_config(config)
+    assert refused.value.code is Code.RUN_CONFIG_INVALID and said in str(refused.value)
+
+
+def test_a_sharded_run_in_one_process_is_refused_before_anything_is_written(tmp_path, tiny):
+    import govtrain
+    from govtrain.errors import Code, ConfigError
+    from tests.conftest import snapshot
+
+    corpus, config = make_world(tmp_path / "w", tiny, extra=FSDP)
+    before = snapshot(corpus.url)
+    with pytest.raises(ConfigError) as refused:
+        govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, log=lambda line: None)
+    assert refused.value.code is Code.RUN_CONFIG_INVALID and "--nproc N or torchrun" in str(refused.value)
+    assert snapshot(corpus.url) == before
+    assert not (corpus.dir / "adapter").exists() or not any((corpus.dir / "adapter").iterdir())
+
+
+@pytest.mark.slow
+def test_the_hf_trainer_refuses_a_sharded_run_on_every_rank_before_any_spend(tmp_path, tiny):
+    from tests.test_hf_distributed import start_trainers
+
+    corpus, config = make_world(tmp_path / "w", tiny, steps=2, extra=FSDP)
+    done = finish(start_trainers(corpus, config, tmp_path / "out", 2), timeout=180)
+    for code, err in done:
+        assert code != 0 and "error[run_config_invalid]" in err and "training.fsdp" in err, err[-2000:]
+    assert spends(corpus.url) == [] and run_entries(corpus.url) == 0
+
+
+# -- a tiny Llama, its three classes reaching different depths and an adapter of their own ---------------------
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    from tests import causal_models
+
+    return causal_models.save(tmp_path_factory.mktemp("tiny-llama"), "llama", layers=6)
+
+
+def llama_world(folder: Path, model: Path, extra: str = "") -> tuple:
+    """Public text (every layer, the head), sensitive pairs (layers 4-5, C = 0.5) and restricted chats (an adapter of
+    their own, σ = 1.5): the tests' policy, on tests/test_causal_lm.py's rows."""
+    from tests.conftest import TEST_POLICY, make_corpus
+    from tests.test_causal_lm import _contribution, _rows, _run_toml
+
+    folder.mkdir(parents=True)
+    corpus = make_corpus(folder, f"sqlite:///{folder / 'ledger.db'}", TEST_POLICY.replace("sampling_rate = 0.01\n",
+                                                                                          "sampling_rate = 0.1\n"))
+    _contribution(corpus, "text", _rows("text", 24))
+    _contribution(corpus, "pairs", _rows("pair", 24), data_class="sensitive", clip_norm_u=500_000,
+                  eps_budget_u=3_000_000)
+    _contribution(corpus, "chats", _rows("chat", 24), data_class="restricted", clip_norm_u=500_000,
+                  noise_multiplier_u=1_500_000, eps_budget_u=1_000_000)
+    config = _run_toml(corpus, model, 3)
+    config.write_text(config.read_text() + "physical_batch = 3\n" + extra)
+    return corpus, config
+
+
+@pytest.mark.slow
+def test_a_sharded_tiny_llama_with_depth_routing_and_a_class_adapter_is_the_single_process_run(tmp_path, llama):
+    one = llama_world(tmp_path / "one", llama)
+    two = llama_world(tmp_path / "two", llama, FSDP)
+    done = finish(start_ranks(*one, tmp_path / "out-one", 0) + start_ranks(*two, tmp_path / "out-two", 2))
+    assert [code for code, _ in done] == [0, 0, 0], "\n".join(err[-3000:] for _, err in done)
+    single = torch.load(tmp_path / "out-one" / "grads-rank0.pt")
+    ranks = [torch.load(tmp_path / "out-two" / f"grads-rank{r}.pt") for r in range(2)]
+    assert len(single["grads"]) == 3
+    for step, reference in enumerate(single["grads"]):
+        assert any(".restricted." in name for name in reference), "the restricted class's adapter moved nothing"
+        assert any(".layers.0." in name for name in reference) and any(".layers.5." in name for name in reference)
+        for r in range(2):
+            got = ranks[r]["grads"][step]
+            assert got.keys() == reference.keys()
+            for name, value in reference.items():
+                torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6, msg=f"step {step} rank {r} {name}")
+    assert spends(two[0].url) == spends(one[0].url) != []
+    assert verify_ledger(two[0].url).spend_recomputed
+    for adapter in ("adapter_model.safetensors", "restricted/adapter_model.safetensors"):
+        mine, theirs = (load_file(str(world[0].dir / "adapter" / adapter)) for world in (two, one))
+        assert mine.keys() == theirs.keys() and mine
+        for key in mine:
+            torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=1e-5, msg=key)

@@ -38,7 +38,8 @@ def launch(arguments: Sequence[str], nproc: int, *, poll_s: float = 0.1) -> int:
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                    LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         ranks.append(subprocess.Popen([sys.executable, "-m", "govtrain", *arguments], env=env,
-                                      stdout=None if rank == 0 else subprocess.DEVNULL))
+                                      stdout=None if rank == 0 else subprocess.DEVNULL,
+                                      preexec_fn=_with_launcher(os.getpid())))
     stopping = False
 
     def forward(signum: int, _frame: object) -> None:
@@ -72,6 +73,22 @@ def launch(arguments: Sequence[str], nproc: int, *, poll_s: float = 0.1) -> int:
               "run's state is its last checkpoint's, and running the same command again resumes it", file=sys.stderr)
         return 2
     return code
+
+
+def _with_launcher(launcher: int):  # type: ignore[no-untyped-def]
+    """A rank's pre-exec: SIGKILL when its launcher dies (Linux's prctl PR_SET_PDEATHSIG), so that no rank trains on
+    (charging spend, holding the run's lock) after its launcher was killed; elsewhere None (no pre-exec)."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def arm() -> None:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != launcher:  # it died before the line above
+            os._exit(1)
+
+    return arm
 
 
 def _stop(ranks: list[subprocess.Popen]) -> None:

@@ -60,6 +60,10 @@ class World:
     def from_env(cls, device_type: str = "cpu") -> "World":
         """The process group the launcher's environment describes (joined if no one here has), or one process."""
         if not in_launch():
+            if _env_int("RANK", 0) != 0:
+                raise ConfigError(Code.RUN_CONFIG_INVALID, f"RANK={os.environ['RANK']} with WORLD_SIZE="
+                                  f"{os.environ.get('WORLD_SIZE')}: one process is rank 0; start the ranks with "
+                                  "torchrun or govtrain train --nproc N, or unset RANK")
             return cls.single()
         import torch
         import torch.distributed as dist

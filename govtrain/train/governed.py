@@ -303,6 +303,7 @@ class GovernedRun:
         try:
             if not run.done and not self._rehearsed:  # before any spend: the loop's bugs cost nothing
                 yield from self._rehearse()
+                run.world.barrier()  # every rank's rehearsal passed before the lead plans (saves) or writes anything
             if run.check:
                 self._report_check()
                 return

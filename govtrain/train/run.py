@@ -383,7 +383,9 @@ class Run:
 
         config, policy, resolution, admitted = self.config, self.policy, self._resolution, self._admitted
         training, present, q_u = config.file.training, self.present, self._q_u
-        if self.sharded:
+        if self.sharded:  # the batch-independence check on the whole model (autograd sees no sharded parameter)
+            check_batch_independence(self.model, self.task, self.tokenizer, config.file.model.max_length,
+                                     next(self.model.parameters()).device)
             self._shard()
         self.privatizer = _privatizer(config, saved, self.insecure_seed)
         self.microbatches = config.file.noise.microbatches  # a privacy parameter: the privatizer records it
@@ -394,11 +396,12 @@ class Run:
         check_family_floor(policy, self.privatizer.family,
                            [(c, admitted[c].member.noise_multiplier_u) for c in sorted(present)])
         self.router.probe(probe_batches(self.tokenizer, config.file.model.max_length))  # batch-first calls only
-        check_batch_independence(self.model, self.task, self.tokenizer, config.file.model.max_length, self.device)
-        if self.sharded:  # the probe's and the check's forwards had no backward: the shards back in place
+        if self.sharded:  # the probe's forwards had no backward: the shards back in place
             from govtrain.distributed import fsdp
 
             fsdp.reshard(self.model)
+        else:
+            check_batch_independence(self.model, self.task, self.tokenizer, config.file.model.max_length, self.device)
         self.update = Update.build(self.model, config.file)
         self.sampler = _sampler(self.privatizer, q_u, self.insecure_seed)  # its rate set again per epoch
         self.epoch_steps = training.epoch_steps or policy.steps_per_epoch
