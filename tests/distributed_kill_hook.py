@@ -17,7 +17,6 @@ Each rank writes its pid to KILLS_DIR/pid-<rank> and, through tests/crash_child.
 from __future__ import annotations
 
 import os
-import signal
 import time
 from pathlib import Path
 
