@@ -179,6 +179,11 @@ class World:
         if self.many:
             self._flat(tensors, self._broadcast)
 
+    def guarded(self, call: Callable[[], T]) -> T:
+        """`call()`, a collective made outside this class (FSDP's: `distributed.fsdp`), failing as `rank_lost` when a
+        peer is gone, as this class's own do."""
+        return self._guarded(call)
+
     def barrier(self) -> None:
         if self.many:
             import torch.distributed as dist

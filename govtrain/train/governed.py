@@ -564,7 +564,7 @@ class Weights:
 
     def update(self) -> None:
         self.trainable = trainable_weights(self.model)
-        self.params = [(name, p, p._version) for name, p in self.model.named_parameters()]
+        self.params = [(name, p, _version(p)) for name, p in self.model.named_parameters()]
         self.kinds = [type(p) for _, p, _ in self.params]  # compared before any op runs on a parameter
         self.state = _copied(self.mechanism.state_dict())
         optimizer = self.mechanism.optimizer
@@ -579,7 +579,7 @@ class Weights:
             if type(p) is not kind:
                 return f"{name} changed class to {type(p).__name__} (its code would run inside the update)"
         for name, p, version in self.params:
-            if not p.requires_grad and p._version != version:
+            if not p.requires_grad and _version(p) != version:
                 return f"{name} (frozen) was written"
         for name, p in now:
             kept = self.trainable.get(name)
@@ -680,6 +680,12 @@ def same_shard(a: "torch.Tensor", b: "torch.Tensor") -> bool:
 
     return (type(a) is DTensor and type(b) is DTensor and a.placements == b.placements and a.shape == b.shape
             and a.dtype == b.dtype and torch.equal(a.to_local().cpu(), b.to_local().cpu()))
+
+
+def _version(p: "torch.Tensor") -> Any:
+    """A parameter's version counter. A DTensor's wrapper has its own, and a write through `to_local()` bumps only its
+    shard's (which FSDP's gathers never write): both are kept."""
+    return (p._version, p.to_local()._version) if is_sharded(p) else p._version
 
 
 def _equal(a: "torch.Tensor", b: "torch.Tensor") -> bool:

@@ -19,7 +19,10 @@ from typing import TYPE_CHECKING, BinaryIO, Callable
 from govtrain.errors import Code, ConfigError, IntegrityError, RejectedError
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from govtrain.ledger.ledger import Ledger
+    from govtrain.mechanisms.update import Update
     from govtrain.release.artifact import ArtifactRecord
     from govtrain.train.config import RunConfig
 
@@ -121,3 +124,32 @@ def read_recorded_adapter(output: Path, entry: dict) -> tuple[bytes, "ArtifactRe
 
 
 __all__ = ["TEMPORARY", "write_whole", "recorded_entry", "check_recorded_entry", "read_recorded_adapter"]
+
+
+def check_state_shapes(state: dict, model: "nn.Module", update: "Update", path: Path) -> None:
+    """A run state's trainable weights and optimizer moments are of this run's parameters' names and (global) shapes,
+    or it is refused with one line (`output_taken`) before anything is put back: a state edited by hand, or another
+    run's, would otherwise stop every rank with a traceback, or be broadcast into shapes it does not have."""
+    import torch
+
+    held = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
+    trainable = state.get("trainable")
+    problem = None
+    if not isinstance(trainable, dict) or {n: tuple(getattr(v, "shape", ())) for n, v in trainable.items()} != held:
+        problem = "trainable weights of other names or shapes than this run's model's"
+    saved = (state.get("update") or {}).get("optimizer")
+    if problem is None and saved is not None and update.optimizer is not None:
+        params = [p for group in update.optimizer.param_groups for p in group["params"]]
+        indices = [i for group in saved.get("param_groups", []) for i in group.get("params", [])]
+        if len(indices) != len(params):
+            problem = "an optimizer state of another number of parameters"
+        else:
+            param_of = dict(zip(indices, params))
+            for index, entries in saved.get("state", {}).items():
+                for key, value in entries.items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and (
+                            index not in param_of or tuple(value.shape) != tuple(param_of[index].shape)):
+                        problem = f"an optimizer moment ({key}) of another shape than its parameter's"
+    if problem is not None:
+        raise ConfigError(Code.OUTPUT_TAKEN, f"{path} holds {problem}: training.output is another run's, or the "
+                                             "state was edited; give this run another training.output")

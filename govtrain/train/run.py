@@ -28,7 +28,14 @@ from govtrain.ledger.spend_rules import noise_groups_record
 from govtrain.routing import microbatch
 from govtrain.train.config import RunConfig
 from govtrain.train.preflight import Plan, check_output, consent_error, project
-from govtrain.train.resume import TEMPORARY, check_recorded_entry, read_recorded_adapter, recorded_entry, write_whole
+from govtrain.train.resume import (
+    TEMPORARY,
+    check_recorded_entry,
+    check_state_shapes,
+    read_recorded_adapter,
+    recorded_entry,
+    write_whole,
+)
 from govtrain.train.withdrawals import Withdrawn
 from govtrain.train.lease import (
     LOCK_FILE,
@@ -455,6 +462,7 @@ class Run:
                 check_recorded_entry(self._entry, config=config, base_sha256=self.base_sha256,
                                      run_nonce=self.run_nonce, state_path=self.state_path)
             self.recorded = self._entry is not None
+            check_state_shapes(state, self.model, self.update, self.state_path)  # before anything is put back
             result.steps, result.losses = state["step"], state["losses"]
             result.epochs, result.eps_by_class = state["epochs"], state["eps_by_class"]
             if self.sharded:  # every rank puts back its shards of them (`_share_weights`)
@@ -733,7 +741,7 @@ class Run:
                 who = [owners[i] for i in range(len(part)) if i == 0 or unit[i] != unit[i - 1]]
             chunks.append(Chunk(part, unit, owners, [self.classes[c] for c in who], [self.signed_clip[c] for c in who], m))
         if self.sharded:  # as many forwards and backwards on every rank: FSDP all-gathers in each
-            chunks += [self._filler_chunk()] * (fsdp.chunks(len(chunks)) - len(chunks))
+            chunks += [self._filler_chunk()] * (world.guarded(lambda: fsdp.chunks(len(chunks))) - len(chunks))
         self.router.begin(self._group_std)  # a quantising privatizer's lattice follows the step's group noise
         self._loss_sum, self._drawn = 0.0, 0
         return chunks
@@ -1051,8 +1059,9 @@ class Run:
         adapter: a step's last collective, so that the lead writes them with no other rank in a collective."""
         from govtrain.distributed import fsdp
 
-        self._whole = {"trainable": {n: fsdp.full(p) for n, p in self.model.named_parameters() if p.requires_grad},
-                       "update": fsdp.whole(self.update.state_dict())}
+        self._whole = self.world.guarded(lambda: {
+            "trainable": {n: fsdp.full(p) for n, p in self.model.named_parameters() if p.requires_grad},
+            "update": fsdp.whole(self.update.state_dict())})
 
     def _load_noise_state(self, saved: dict | None) -> None:
         """The privatizer's state as the run state saved it, so the noise stream goes on exactly where it was
