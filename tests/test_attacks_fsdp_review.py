@@ -164,6 +164,7 @@ def test_review_f1_a_frozen_shard_written_through_to_local_stops_every_rank_and_
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_held_trainable_shard_moved_for_a_backward_and_put_back_changes_no_released_gradient(tmp_path, tiny):
     """HELD. A follower's loop adds 0.5 to its own shard of the last block's LoRA B factor (`to_local()`) between a
     chunk's forward and its `run.step`, and copies the shard back bitwise after the step returns (a chunk that is not
@@ -215,6 +216,7 @@ def test_review_f2_a_run_state_of_wrong_shapes_is_refused_with_one_line_and_noth
 # -- held: attacks the code resisted (regression tests) -------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_held_nan_loss_on_a_filler_stops_every_rank_and_records_nothing(tmp_path, tiny):
     """HELD, by accident. A loop hands `run.step` a NaN loss for a filler chunk (its inputs are the same public row
     every time, so a loop can tell it). `accumulate` weights a filler's losses by 0.0, but 0 * NaN = NaN: the output
@@ -232,6 +234,7 @@ def test_held_nan_loss_on_a_filler_stops_every_rank_and_records_nothing(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_held_trainable_shard_written_stops_both_ranks_and_records_nothing(tmp_path, tiny):
     """HELD. A follower writes its own shard of a LoRA factor through `to_local()` after the first step: it is
     compared by value on that rank (`same_shard`), so the follower refuses (`ungoverned_update`) before its next
@@ -247,6 +250,7 @@ def test_held_trainable_shard_written_stops_both_ranks_and_records_nothing(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_held_a_sharded_run_state_is_refused_by_the_unsharded_config_and_nothing_changes(tmp_path, tiny):
     """HELD. A sharded run paused after a step keeps the lead's run state (gathered weights). Opening it with
     `fsdp = false` (the same run otherwise) is refused (`output_taken`: the config's hash differs), before any spend,

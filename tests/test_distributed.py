@@ -94,8 +94,10 @@ def spends(url: str) -> list[tuple]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("unit", ["example", "contribution"])
-@pytest.mark.parametrize("mechanism", ["dpsgd", "prism", "dp-muon"])
+@pytest.mark.parametrize("mechanism,unit", [
+    ("dpsgd", "example"), ("prism", "contribution"), ("dp-muon", "example"),
+    *(pytest.param(m, u, marks=pytest.mark.long) for m, u in [("dpsgd", "contribution"), ("prism", "example"),
+                                                             ("dp-muon", "contribution")])])
 def test_two_ranks_release_the_single_process_gradient_to_1e_6(tmp_path, tiny, mechanism, unit):
     one = make_world(tmp_path / "one", tiny, mechanism=mechanism, unit=unit)
     two = make_world(tmp_path / "two", tiny, mechanism=mechanism, unit=unit)

@@ -41,7 +41,7 @@ FSDP = "fsdp = true\n"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("unit", ["example", "contribution"])
+@pytest.mark.parametrize("unit", ["example", pytest.param("contribution", marks=pytest.mark.long)])
 def test_two_sharded_ranks_release_the_single_process_gradient_and_adapter(tmp_path, tiny, unit):
     one = make_world(tmp_path / "one", tiny, unit=unit)
     two = make_world(tmp_path / "two", tiny, unit=unit, extra=FSDP)
