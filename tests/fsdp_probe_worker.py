@@ -194,6 +194,7 @@ def main(rank: int, world: int, init: str, out: str) -> None:
             report["noise_only_grads"] = sum(p.grad is not None for p in router.params.values())
         router.close()
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    dist.barrier()  # both ranks done before either tears gloo down (destroy_process_group is no barrier)
     dist.destroy_process_group()
 
 

@@ -99,12 +99,20 @@ class World:
         """Collectives run: several ranks, or a process group joined on purpose by one."""
         return self.size > 1 or self.grouped
 
-    def close(self) -> None:
-        """Leave the process group this World joined (not one the caller set up)."""
+    def close(self, *, settled: bool = False) -> None:
+        """Leave the process group this World joined (not one the caller set up). `settled`: every rank is closing
+        after the same last collective (a saved run), so they meet in a barrier first: `destroy_process_group` is no
+        barrier, and a rank that tears gloo down while its peer still does can abort at exit ("terminate called
+        without an active exception"). A rank closing on an error skips it (its peers may be elsewhere)."""
         if self.owned:
             import torch.distributed as dist
 
             if dist.is_initialized():
+                if settled and self.many:
+                    try:
+                        self.barrier()
+                    except GovtrainError:
+                        pass  # a peer already gone: nothing to wait for
                 dist.destroy_process_group()
 
     # -- collectives ---------------------------------------------------------------------------------

@@ -198,7 +198,7 @@ class GovernedRun:
         self._run.router.close()
         self._run.release()
         self._ledger.close()
-        self._run.world.close()
+        self._run.world.close(settled=self._saved)
 
     # -- what the run holds ----------------------------------------------------------------------------
 
