@@ -103,9 +103,23 @@ def test_two_ranks_release_the_single_process_gradient_to_1e_6(tmp_path, tiny, m
     two = make_world(tmp_path / "two", tiny, mechanism=mechanism, unit=unit)
     done = finish(start_ranks(*one, tmp_path / "out-one", 0) + start_ranks(*two, tmp_path / "out-two", 2))
     assert [code for code, _ in done] == [0, 0, 0], "\n".join(err[-3000:] for _, err in done)
-    single = torch.load(tmp_path / "out-one" / "grads-rank0.pt")
-    ranks = [torch.load(tmp_path / "out-two" / f"grads-rank{r}.pt") for r in range(2)]
-    assert single["steps"] == ranks[0]["steps"] == 3 and len(single["grads"]) == 3
+    single, ranks = same_release(tmp_path / "out-one", tmp_path / "out-two")
+    assert single["steps"] == ranks[0]["steps"] == 3
+    for step, reference in enumerate(single["grads"]):
+        for name in reference:  # every rank applies the lead's release, bitwise
+            assert torch.equal(ranks[0]["grads"][step][name], ranks[1]["grads"][step][name])
+    # the spend is written once, and is the single process's
+    assert spends(two[0].url) == spends(one[0].url) != []
+    report = verify_ledger(two[0].url)
+    assert report.spend_recomputed and report.by_kind["run"] == 1
+
+
+def same_release(one: Path, two: Path, steps: int = 3) -> tuple[dict, list[dict]]:
+    """The single process's (`one`) and the 2 ranks' (`two`) recorded releases (tests/distributed_worker.py), each
+    step's privatized gradient of every rank asserted equal to the single process's to 1e-6."""
+    single = torch.load(one / "grads-rank0.pt")
+    ranks = [torch.load(two / f"grads-rank{r}.pt") for r in range(2)]
+    assert len(single["grads"]) == steps
     for step, reference in enumerate(single["grads"]):
         assert reference, "no gradient was released"
         for r in range(2):
@@ -113,12 +127,7 @@ def test_two_ranks_release_the_single_process_gradient_to_1e_6(tmp_path, tiny, m
             assert got.keys() == reference.keys()
             for name, value in reference.items():
                 torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6, msg=f"step {step} rank {r} {name}")
-        for name in reference:  # every rank applies the lead's release, bitwise
-            assert torch.equal(ranks[0]["grads"][step][name], ranks[1]["grads"][step][name])
-    # the spend is written once, and is the single process's
-    assert spends(two[0].url) == spends(one[0].url) != []
-    report = verify_ledger(two[0].url)
-    assert report.spend_recomputed and report.by_kind["run"] == 1
+    return single, ranks
 
 
 def govtrain_train(corpus: Corpus, config: Path, *extra: str) -> subprocess.Popen:

@@ -32,6 +32,7 @@ from tests.test_distributed import (  # noqa: E402,F401
     govtrain_train,
     make_world,
     run_entries,
+    same_release,
     spends,
     start_ranks,
     tiny,
@@ -47,27 +48,25 @@ def test_two_sharded_ranks_release_the_single_process_gradient_and_adapter(tmp_p
     two = make_world(tmp_path / "two", tiny, unit=unit, extra=FSDP)
     done = finish(start_ranks(*one, tmp_path / "out-one", 0) + start_ranks(*two, tmp_path / "out-two", 2))
     assert [code for code, _ in done] == [0, 0, 0], "\n".join(err[-3000:] for _, err in done)
-    single = torch.load(tmp_path / "out-one" / "grads-rank0.pt")
-    ranks = [torch.load(tmp_path / "out-two" / f"grads-rank{r}.pt") for r in range(2)]
-    assert single["steps"] == ranks[0]["steps"] == 3 and len(single["grads"]) == 3
-    for step, reference in enumerate(single["grads"]):
-        assert reference, "no gradient was released"
-        for r in range(2):
-            got = ranks[r]["grads"][step]
-            assert got.keys() == reference.keys()
-            for name, value in reference.items():
-                torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6, msg=f"step {step} rank {r} {name}")
+    single, ranks = same_release(tmp_path / "out-one", tmp_path / "out-two")
+    assert single["steps"] == ranks[0]["steps"] == 3
     assert spends(two[0].url) == spends(one[0].url) != []
     report = verify_ledger(two[0].url)
     assert report.spend_recomputed and report.by_kind["run"] == 1
     adapters = sorted(p.relative_to(one[0].dir / "adapter") for p in (one[0].dir / "adapter").rglob("*.safetensors"))
     assert adapters and adapters == sorted(p.relative_to(two[0].dir / "adapter")
                                            for p in (two[0].dir / "adapter").rglob("*.safetensors"))
+    same_adapters(two[0], one[0], adapters)
+
+
+def same_adapters(mine, theirs, adapters) -> None:  # type: ignore[no-untyped-def]
+    """Each of `adapters` (paths in the output folder) that corpus `mine` saved equals `theirs`'s to 1e-5."""
     for adapter in adapters:
-        mine, theirs = (load_file(str(world[0].dir / "adapter" / adapter)) for world in (two, one))
-        assert mine.keys() == theirs.keys() and mine
-        for key in mine:
-            torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+        got, expected = (load_file(str(corpus.dir / "adapter" / adapter)) for corpus in (mine, theirs))
+        assert got.keys() == expected.keys() and got
+        for key in got:
+            torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-5,
+                                       msg=lambda m, key=key: f"{key}: {m}")
 
 
 @pytest.mark.slow
@@ -105,10 +104,7 @@ def test_govtrain_train_nproc_2_sharded_resumes_after_a_kill_exactly_and_verifie
               interrupt_after_steps=14)
     train(load_run_config(alone_config), alone.url, insecure_seed=3, log=lambda line: None)
     assert spends(alone.url) == after
-    mine, theirs = (load_file(str(c.dir / "adapter" / "adapter_model.safetensors")) for c in (corpus, alone))
-    assert mine.keys() == theirs.keys() and mine
-    for key in mine:
-        torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+    same_adapters(corpus, alone, ["adapter_model.safetensors"])
 
 
 # -- refusals: one line, nothing written ------------------------------------------------------------------------
@@ -192,21 +188,10 @@ def test_a_sharded_tiny_llama_with_depth_routing_and_a_class_adapter_is_the_sing
     two = llama_world(tmp_path / "two", llama, FSDP)
     done = finish(start_ranks(*one, tmp_path / "out-one", 0) + start_ranks(*two, tmp_path / "out-two", 2))
     assert [code for code, _ in done] == [0, 0, 0], "\n".join(err[-3000:] for _, err in done)
-    single = torch.load(tmp_path / "out-one" / "grads-rank0.pt")
-    ranks = [torch.load(tmp_path / "out-two" / f"grads-rank{r}.pt") for r in range(2)]
-    assert len(single["grads"]) == 3
-    for step, reference in enumerate(single["grads"]):
+    single, _ = same_release(tmp_path / "out-one", tmp_path / "out-two")
+    for reference in single["grads"]:
         assert any(".restricted." in name for name in reference), "the restricted class's adapter moved nothing"
         assert any(".layers.0." in name for name in reference) and any(".layers.5." in name for name in reference)
-        for r in range(2):
-            got = ranks[r]["grads"][step]
-            assert got.keys() == reference.keys()
-            for name, value in reference.items():
-                torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6, msg=f"step {step} rank {r} {name}")
     assert spends(two[0].url) == spends(one[0].url) != []
     assert verify_ledger(two[0].url).spend_recomputed
-    for adapter in ("adapter_model.safetensors", "restricted/adapter_model.safetensors"):
-        mine, theirs = (load_file(str(world[0].dir / "adapter" / adapter)) for world in (two, one))
-        assert mine.keys() == theirs.keys() and mine
-        for key in mine:
-            torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=1e-5, msg=key)
+    same_adapters(two[0], one[0], ["adapter_model.safetensors", "restricted/adapter_model.safetensors"])

@@ -159,11 +159,11 @@ def load_whole(model: nn.Module, update: Any, trainable: dict[str, Tensor], stat
             param.copy_(local(value.to(param.device, param.dtype), param))
     optimizer = state.get("optimizer")
     if optimizer is not None and update.optimizer is not None:
-        held = [p for group in update.optimizer.param_groups for p in group["params"]]
-        saved = [i for group in optimizer["param_groups"] for i in group["params"]]
-        if len(held) != len(saved):
-            raise ValueError(f"the saved optimizer state holds {len(saved)} parameters, the update {len(held)}")
-        param_of = dict(zip(saved, held))
+        from govtrain.mechanisms.update import saved_params
+
+        param_of = saved_params(optimizer, update.optimizer)
+        if param_of is None:  # `resume.check_state_shapes` refused such a state before it came here
+            raise ValueError("the saved optimizer state holds another number of parameters than the update")
         state = {**state, "optimizer": {**optimizer, "state": {
             index: {key: local(value.to(param_of[index].device), param_of[index])
                     if isinstance(value, Tensor) and tuple(value.shape) == tuple(param_of[index].shape)

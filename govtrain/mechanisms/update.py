@@ -58,6 +58,14 @@ def make_optimizer(settings, params: Mapping[str, nn.Parameter]) -> torch.optim.
     return torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
 
 
+def saved_params(saved: Mapping, optimizer: torch.optim.Optimizer) -> dict[int, Tensor] | None:
+    """The parameter each index of a saved optimizer state (`optimizer.state_dict()`, as a run state keeps it) stands
+    for in `optimizer`, by the order of their groups; None when they hold other numbers of parameters."""
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    indices = [i for group in saved.get("param_groups", []) for i in group.get("params", [])]
+    return dict(zip(indices, held)) if len(indices) == len(held) else None
+
+
 def privatized_norm(grads: Iterable[Tensor]) -> Tensor:
     """The L2 norm over every tensor of a privatized gradient (clipped sum plus noise, over the expected batch
     size: what the router wrote to `.grad` and the update consumes), as a 0-dim tensor on its device, so that a

@@ -139,12 +139,12 @@ def check_state_shapes(state: dict, model: "nn.Module", update: "Update", path: 
         problem = "trainable weights of other names or shapes than this run's model's"
     saved = (state.get("update") or {}).get("optimizer")
     if problem is None and saved is not None and update.optimizer is not None:
-        params = [p for group in update.optimizer.param_groups for p in group["params"]]
-        indices = [i for group in saved.get("param_groups", []) for i in group.get("params", [])]
-        if len(indices) != len(params):
+        from govtrain.mechanisms.update import saved_params
+
+        param_of = saved_params(saved, update.optimizer)
+        if param_of is None:
             problem = "an optimizer state of another number of parameters"
         else:
-            param_of = dict(zip(indices, params))
             for index, entries in saved.get("state", {}).items():
                 for key, value in entries.items():
                     if isinstance(value, torch.Tensor) and value.dim() > 0 and (
