@@ -255,7 +255,7 @@ def test_a_key_holder_who_restates_the_run_is_caught_offline(released: Released,
 def test_a_key_holder_who_understates_epsilon_or_hides_a_withdrawal_is_caught_by_the_ledger(released: Released):
     with released.open() as ledger:
         ledger.withdraw("sens", "before the release")
-    envelope = released.build()
+    envelope = released.build(confirm=True)
     key = released.release_key
 
     def lower_epsilon(statement: dict) -> None:
