@@ -295,7 +295,7 @@ def test_a_rolled_back_or_forked_ledger_fails(released: Released, tmp_path: Path
     earlier = released.copy(tmp_path / "earlier")  # the ledger before the entries the release covers
     with released.open() as ledger:
         ledger.withdraw("pub", "one branch")
-    envelope = released.build()
+    envelope = released.build(confirm=True)  # (a run trained on pub: signed all the same)
     _refused(released, envelope, Code.ROLLBACK, ledger=earlier.url)
     with earlier.open() as ledger:
         ledger.withdraw("sens", "another branch")  # the same size, another tree
