@@ -56,6 +56,7 @@ class Code(str, Enum):
     ARTIFACT_UNREADABLE = "artifact_unreadable"  # not an adapter folder govtrain wrote, or one of another format
     BASE_MODEL_MISMATCH = "base_model_mismatch"  # the base model found is not the one the adapter was trained on
     CHARGED_BEFORE = "charged_before"  # a run would charge contributions other runs charged, unconfirmed
+    WITHDRAWN_AT_RELEASE = "withdrawn_at_release"  # releasing a run trained on a withdrawn contribution, unconfirmed
     OUTPUT_TAKEN = "output_taken"  # the output folder holds another run's adapter, run state or other files
     INFERENCE_POLICY_UNREADABLE = "inference_policy_unreadable"  # inference.toml cannot be read or is no TOML
     INFERENCE_POLICY_INVALID = "inference_policy_invalid"  # inference.toml's fields (one line names each)

@@ -255,7 +255,7 @@ def test_a_key_holder_who_restates_the_run_is_caught_offline(released: Released,
 def test_a_key_holder_who_understates_epsilon_or_hides_a_withdrawal_is_caught_by_the_ledger(released: Released):
     with released.open() as ledger:
         ledger.withdraw("sens", "before the release")
-    envelope = released.build()
+    envelope = released.build(confirm=True)
     key = released.release_key
 
     def lower_epsilon(statement: dict) -> None:
@@ -295,7 +295,7 @@ def test_a_rolled_back_or_forked_ledger_fails(released: Released, tmp_path: Path
     earlier = released.copy(tmp_path / "earlier")  # the ledger before the entries the release covers
     with released.open() as ledger:
         ledger.withdraw("pub", "one branch")
-    envelope = released.build()
+    envelope = released.build(confirm=True)  # (a run trained on pub: signed all the same)
     _refused(released, envelope, Code.ROLLBACK, ledger=earlier.url)
     with earlier.open() as ledger:
         ledger.withdraw("sens", "another branch")  # the same size, another tree

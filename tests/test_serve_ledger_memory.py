@@ -69,12 +69,16 @@ def test_a_ledger_behind_or_beside_the_tree_seen_is_refused_and_changes_nothing(
 
 def test_the_store_refuses_to_shrink_a_tree_or_forget_a_withdrawal(tmp_path: Path):
     memory = LedgerMemory(tmp_path / "gate.db")
-    _advance(memory, _leaves(6), [_withdrawal(4)])
+    _advance(memory, _leaves(6), [_withdrawal(4), _withdrawal(7, "tail")])  # 4 signed, 7 sighted past the tree
     memory.close()
     with sqlite3.connect(tmp_path / "gate.db") as db:
         for statement in ("UPDATE gate_ledger_trees SET size = 2", "UPDATE gate_ledger_trees SET root = zeroblob(32)",
-                          "DELETE FROM gate_ledger_trees", "DELETE FROM gate_withdrawals",
-                          "UPDATE gate_withdrawals SET contribution_id = 'x'"):
+                          "DELETE FROM gate_ledger_trees", "DELETE FROM gate_signed_withdrawals",
+                          "UPDATE gate_signed_withdrawals SET contribution_id = 'x'",
+                          "UPDATE gate_signed_withdrawals SET time = 1", "DELETE FROM gate_tail_sightings",
+                          "UPDATE gate_tail_sightings SET seen_at = 1",
+                          "UPDATE gate_tail_sightings SET resolved = 'refuted'",  # a resolution needs its time
+                          "UPDATE gate_tail_sightings SET resolved = 'refuted', resolved_at = 1, time = 1"):
             with pytest.raises(sqlite3.IntegrityError):
                 db.execute(statement)
 

@@ -47,12 +47,15 @@ def _write_new(path: Path, data: bytes) -> None:
               help="Also write an OpenSSF model-signing bundle (FILE.sig) over the same files.")
 @click.option("--ms-key", "ms_key", type=click.Path(dir_okay=False), default=None,
               help="The P-256 private key (PEM, 0600) that signs --model-signing.")
+@click.option("--yes", "confirm", is_flag=True,
+              help="Sign it even where the run trained on a contribution withdrawn since (a gate refuses it as "
+                   "tainted).")
 @json_option
 @click.pass_context
 @reports_errors
 def release_group(ctx: click.Context, run_id: str | None, adapter: str | None, out_path: str | None,
                   ledger_url: str | None, key_path: str | None, base: str | None, ms_out: str | None,
-                  ms_key: str | None, as_json: bool) -> None:
+                  ms_key: str | None, confirm: bool, as_json: bool) -> None:
     """Sign a release manifest of a run's adapter: every file by SHA-256, and what it carries in privacy (ε per
     class and per trained group, the run entry with its inclusion proof and signed checkpoint, withdrawals).
 
@@ -60,7 +63,7 @@ def release_group(ctx: click.Context, run_id: str | None, adapter: str | None, o
     govtrain release verify FILE.dsse.
     """
     if ctx.invoked_subcommand is not None:
-        if any(v is not None for v in (run_id, adapter, out_path, key_path, base, ms_out, ms_key)):
+        if confirm or any(v is not None for v in (run_id, adapter, out_path, key_path, base, ms_out, ms_key)):
             raise ConfigError(Code.USAGE, f"options before `{ctx.invoked_subcommand}` belong to govtrain release "
                                           f"itself: give them after `{ctx.invoked_subcommand}`")
         return
@@ -87,7 +90,13 @@ def release_group(ctx: click.Context, run_id: str | None, adapter: str | None, o
     key = load_private_key(key_path)
     p256 = load_p256_key(ms_key) if ms_key is not None else None
     with Ledger.open(ledger_url) as ledger:
-        statement = release_statement(ledger, run_id, folder, key=key, base=base)
+        statement = release_statement(ledger, run_id, folder, key=key, base=base, confirm=confirm)
+    withdrawn = statement.predicate.withdrawn
+    if withdrawn:  # confirmed (else refused above): said every time, on stderr
+        names = ", ".join(w.contribution_id for w in withdrawn[:5]) + (f" and {len(withdrawn) - 5} more"
+                                                                        if len(withdrawn) > 5 else "")
+        click.echo(f"warning: run {run_id} trained on {len(withdrawn)} contribution(s) withdrawn since ({names}): "
+                   "an inference gate refuses this release as tainted; train a run without them", err=True)
     envelope = dsse.sign(statement_bytes(statement), key)
     bundle = model_signing_bundle(statement, folder.resolve().name, p256) if p256 is not None else None
     _write_new(Path(out_path), envelope.to_json())

@@ -44,9 +44,12 @@ def serve_command(release_path: str, adapter_dir: str, policy_path: str, base: s
         drawn = ", ".join(f"{name}{' (own adapter)' if c['adapter'] else ''}" for name, c in info["classes"].items()
                           if c["contributions"] or c["eps_u"])
         taint = info["taint"]
+        at_release = ", ".join(w["contribution_id"] for w in info["withdrawn_at_release"])
         click.echo(f"serving release {info['release'][:16]}… (run {info['run_id']}, {info['task']}) for "
                    f"{policy.audience} on http://{host}:{port}: classes drawn on: {drawn or 'none'}; "
-                   f"{'TAINTED' if taint.get('tainted') else 'not tainted'}; routes {', '.join(info['routes'])}")
+                   f"{'TAINTED' if taint.get('tainted') else 'not tainted'}"
+                   f"{f' (withdrawn before the release: {at_release})' if at_release else ''}; "
+                   f"routes {', '.join(info['routes'])}")
         try:
             uvicorn_server(create_app(gate), host=host, port=port).run()
         except KeyboardInterrupt:  # uvicorn shut down cleanly, then passed the interrupt on: the normal way out

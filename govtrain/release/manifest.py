@@ -9,7 +9,10 @@ Built in order, refusing before anything is signed:
      hash to the adapter hash the run entry records (`adapter_mismatch`: the run's adapter and no other);
   3. the base model found is the one the run entry records, by tree hash (`base_model_mismatch`);
   4. the ledger's facts of the run as of its latest checkpoint (`facts.py`): the run entry and its inclusion proof,
-     ε per class (the tune's, for a trial), the privacy terms and the withdrawals of what it trained on;
+     ε per class (the tune's, for a trial), the privacy terms and the withdrawals of what it trained on. A run that
+     trained on a contribution withdrawn since is refused unless the caller confirms (`withdrawn_at_release`;
+     `confirm=True`, `--yes`): the release states the withdrawal, and an inference gate refuses it as tainted, as
+     it refuses the run's earlier releases (seed 004: signing the same adapter again is no retraining);
   5. the groups the run trained, resolved again on the model it trained (`groups.py`) and checked against the noise
      groups its spend entries recorded;
   6. the statement: every file of the folder as a subject (card included), the predicate; signed over DSSE's PAE.
@@ -42,16 +45,19 @@ if TYPE_CHECKING:
 
 
 def build_release(ledger: "Ledger", run_id: str, folder: str | os.PathLike[str], *, key: Ed25519PrivateKey,
-                  base: str | os.PathLike[str] | None = None, now: int | None = None) -> dsse.Envelope:
+                  base: str | os.PathLike[str] | None = None, now: int | None = None,
+                  confirm: bool = False) -> dsse.Envelope:
     """The signed release manifest of run `run_id`'s adapter in `folder`. `base` is the base model (`minilm`, a
     Hugging Face id in the local cache, or a local directory), by default the one the folder's record names, as
-    `govtrain.load` finds it."""
-    statement = release_statement(ledger, run_id, folder, key=key, base=base, now=now)
+    `govtrain.load` finds it. `confirm`: sign it even where the run trained on a contribution withdrawn since
+    (step 4)."""
+    statement = release_statement(ledger, run_id, folder, key=key, base=base, now=now, confirm=confirm)
     return dsse.sign(statement_bytes(statement), key)
 
 
 def release_statement(ledger: "Ledger", run_id: str, folder: str | os.PathLike[str], *, key: Ed25519PrivateKey,
-                      base: str | os.PathLike[str] | None = None, now: int | None = None) -> Statement:
+                      base: str | os.PathLike[str] | None = None, now: int | None = None,
+                      confirm: bool = False) -> Statement:
     """The statement `build_release` signs (steps 1-6 of the module's docstring, the signature aside)."""
     folder = Path(folder)
     now = int(time.time()) if now is None else now
@@ -81,6 +87,8 @@ def release_statement(ledger: "Ledger", run_id: str, folder: str | os.PathLike[s
     if record.base_model.sha256 != entry["base_model_sha256"].hex():
         raise IntegrityError(Code.ADAPTER_MISMATCH, f"{folder}'s govtrain.json names another base model than run "
                                                     f"{run_id!r}'s entry records")
+    if facts.withdrawn and not confirm:
+        raise withdrawn_error(run_id, facts)
     # 3.
     base_path = _base_path(folder, record, base)
     # 4. (above) and 5.
@@ -90,6 +98,16 @@ def release_statement(ledger: "Ledger", run_id: str, folder: str | os.PathLike[s
         files.items(), key=lambda item: item[0].split("/"))]
     return Statement(**{"_type": STATEMENT_TYPE}, subject=subjects, predicateType=PREDICATE_TYPE,
                      predicate=_predicate(facts, record, groups, now))
+
+
+def withdrawn_error(run_id: str, facts: LedgerFacts, *, flag: str = "--yes (confirm=True)") -> ConfigError:
+    """The refusal of a release of a run that trained on contributions withdrawn since, unconfirmed."""
+    names = ", ".join(f"{w.contribution_id} (entry {w.seq})" for w in facts.withdrawn[:5])
+    more = f" and {len(facts.withdrawn) - 5} more" if len(facts.withdrawn) > 5 else ""
+    return ConfigError(Code.WITHDRAWN_AT_RELEASE, (
+        f"run {run_id!r} trained on {len(facts.withdrawn)} contribution(s) withdrawn since: {names}{more}; its "
+        "adapter still carries them, so an inference gate refuses a release of it as tainted (a new signature is "
+        f"no retraining); nothing was written; train a run without them, or pass {flag} to sign it all the same"))
 
 
 def _base_path(folder: Path, record: ArtifactRecord, base: str | os.PathLike[str] | None) -> Path:

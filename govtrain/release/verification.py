@@ -159,6 +159,10 @@ class ReleaseReport:
         else:
             lines.append(f"ledger: extends the release's checkpoint to size {self.current_checkpoint.size}; nothing "
                          "it trained on was withdrawn since")
+        if self.withdrawn_at_release:
+            names = ", ".join(f"{w.contribution_id} (entry {w.seq})" for w in self.withdrawn_at_release)
+            lines.append(f"WARNING: its run trained on contributions withdrawn before this release: {names}; an "
+                         "inference gate refuses it as tainted (a new signature is no retraining)")
         if self.unsigned_entries:
             size = self.current_checkpoint.size
             count = f"{self.unsigned_entries} {'entry' if self.unsigned_entries == 1 else 'entries'}"
@@ -250,11 +254,13 @@ def verify_release(envelope: bytes, *, release_key: bytes, ledger_keys: Sequence
         from govtrain.ledger.ledger import Ledger
 
         with Ledger.open(ledger) as opened:
-            current, unsigned, since = _against_ledger(opened, statement, checkpoint, release_key, ledger_keys)
+            current, unsigned, at_release, since = _against_ledger(opened, statement, checkpoint, release_key,
+                                                                   ledger_keys)
     else:
-        current, unsigned, since = _against_ledger(ledger, statement, checkpoint, release_key, ledger_keys)
+        current, unsigned, at_release, since = _against_ledger(ledger, statement, checkpoint, release_key, ledger_keys)
+    # the withdrawals at release as the ledger records them (the predicate's, compared): with their entries' times
     return ReleaseReport(**{**report, "current_checkpoint": current, "unsigned_entries": unsigned,
-                            "withdrawn_since": since})
+                            "withdrawn_at_release": at_release, "withdrawn_since": since})
 
 
 def _note_keys(note: str, ledger_keys: Sequence[NoteKey | bytes]) -> list[NoteKey]:
@@ -300,7 +306,8 @@ def _check_folder(folder: Path, subjects: Mapping[str, str]) -> None:
 
 
 def _against_ledger(ledger: "Ledger", statement: Statement, checkpoint: Checkpoint, release_key: bytes,
-                    ledger_keys: Sequence[NoteKey | bytes]) -> tuple[Checkpoint, int, tuple[Withdrawal, ...]]:
+                    ledger_keys: Sequence[NoteKey | bytes]
+                    ) -> tuple[Checkpoint, int, tuple[Withdrawal, ...], tuple[Withdrawal, ...]]:
     p = statement.predicate
     if ledger.policy.origin != p.ledger.origin:
         raise _mismatch(f"the release is of the ledger {p.ledger.origin!r}, this ledger is {ledger.policy.origin!r}")
@@ -321,7 +328,7 @@ def _against_ledger(ledger: "Ledger", statement: Statement, checkpoint: Checkpoi
     _compare("the ledger", stated, found)
     _check_reach(p, facts)
     since = withdrawals(log, facts.charged, facts.classes, start=checkpoint.size)  # to the last entry stored
-    return log.checkpoint, log.tail, since
+    return log.checkpoint, log.tail, facts.withdrawn, since
 
 
 def _check_reach(p: Predicate, facts: LedgerFacts) -> None:

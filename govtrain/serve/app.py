@@ -149,7 +149,8 @@ def create_app(gate: Gate) -> Any:
         answer, admission = await run_in_threadpool(gate.split, request.headers.get(HEADER), body)
         served = gate.served(admission)  # the body is the split client's SplitResponse; how it was served, here
         return JSONResponse(answer, headers={"Govtrain-Release": served["release"],
-                                             "Govtrain-Disabled-Adapters": ",".join(served["disabled_adapters"])})
+                                             "Govtrain-Disabled-Adapters": ",".join(served["disabled_adapters"]),
+                                             "Govtrain-Withdrawn-At-Release": ",".join(served["withdrawn_at_release"])})
 
     return app
 

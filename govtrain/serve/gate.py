@@ -4,10 +4,12 @@
   excludes is dropped by disabling its own adapter where it reached that adapter and nothing else (the
   predicate's `classes[].adapter`); where it reached shared parameters (layers of the default adapter, the
   classifier head), the request is refused with `class_not_permitted`, naming those parameters and classes.
-* `TaintWatch`: whether the release may be served at all. Contributions withdrawn since the release was signed
-  make it tainted (seed 004: withdrawals are authoritative for inference gates); a tainted release is refused with
-  `release_tainted` until a new release is served, unless the policy grants a grace period, counted from the
-  ledger time of the first such withdrawal. A ledger that cannot be read refuses with `taint_unknown`: the gate
+* `TaintWatch`: whether the release may be served at all. Contributions its run trained on that were withdrawn,
+  since the release was signed or before it (seed 004: withdrawals are authoritative for inference gates, and
+  signing the same adapter again is no retraining), make it tainted; a tainted release is refused with
+  `release_tainted` until a release of a run trained without them is served, unless the policy grants a grace
+  period, counted from the ledger time of the first such withdrawal (never later than when the gate first saw
+  it: `memory.py`). A ledger that cannot be read refuses with `taint_unknown`: the gate
   never serves on a taint reading it does not have. Its callers are told only that (the ledger's location, and
   what failed there, are the operator's business: they go to the server's log).
 """
@@ -89,16 +91,18 @@ def _ranges(values: Sequence[int]) -> str:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TaintReading:
-    """The ledger's answer: the contributions the release trained on that were withdrawn since it was signed, and
-    the ledger time of the first of those withdrawals (None when there is none)."""
+    """The ledger's answer: the contributions the release trained on that were withdrawn since it was signed
+    (`withdrawn`) and before it (`at_release`), and the ledger time of the first of those withdrawals (None when
+    there is none)."""
 
     withdrawn: tuple[str, ...]
     since: int | None
     checked_at: int
+    at_release: tuple[str, ...] = ()
 
     @property
     def tainted(self) -> bool:
-        return bool(self.withdrawn)
+        return bool(self.withdrawn or self.at_release)
 
 
 class TaintWatch:
@@ -145,17 +149,23 @@ class TaintWatch:
         now = int(self._clock())
         if self.grace_s and now < reading.since + self.grace_s:
             return reading
-        shown = ", ".join(reading.withdrawn[:5]) + (f" and {len(reading.withdrawn) - 5} more"
-                                                    if len(reading.withdrawn) > 5 else "")
         grace = f"its grace period of {self.grace_s} s ended at {reading.since + self.grace_s}" if self.grace_s \
             else "the inference policy grants no grace period"
+        parts = [f"{len(names)} contribution(s) it trained on were withdrawn {when} ({_names(names)})"
+                 for names, when in ((reading.withdrawn, "since it was signed"),
+                                     (reading.at_release, "before it was signed, which a new signature does not "
+                                                          "undo")) if names]
         raise ServeError(Code.RELEASE_TAINTED, (
-            f"this release is tainted: {len(reading.withdrawn)} contribution(s) it trained on were withdrawn since "
-            f"it was signed ({shown}), and {grace}; it is refused until a new release is served"))
+            f"this release is tainted: {'; '.join(parts)}, and {grace}; it is refused until a release of a run "
+            "trained without them is served"))
 
     def grace_until(self, reading: TaintReading) -> int | None:
         """Until when a tainted release is served (None when it is not tainted)."""
         return reading.since + self.grace_s if reading.tainted and reading.since is not None else None
+
+
+def _names(names: Sequence[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def describe_failure(error: BaseException) -> str:

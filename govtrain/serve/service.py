@@ -95,6 +95,12 @@ class Gate:
         return self.report.statement.predicate
 
     @property
+    def withdrawn_at_release(self) -> list[str]:
+        """The contributions the release's run trained on that were withdrawn before it was signed (its predicate
+        states them, checked against the ledger): they taint it as a withdrawal since would."""
+        return [w.contribution_id for w in self.predicate.withdrawn]
+
+    @property
     def task(self) -> str:
         return self.predicate.adapter.task
 
@@ -166,7 +172,8 @@ class Gate:
         return {"release": self.report.release_sha256.hex(), "subject": admission.rights.subject,
                 "adapters": list(d.active_adapters), "disabled_adapters": list(d.disabled_adapters),
                 "excluded_classes": list(d.excluded_classes), "tainted": admission.taint.tainted,
-                "grace_until": self.taint.grace_until(admission.taint)}
+                "grace_until": self.taint.grace_until(admission.taint),
+                "withdrawn_at_release": self.withdrawn_at_release}
 
     def _forward(self, active: tuple[str, ...], run: Callable[[], Any]) -> Any:
         with self._model_lock:
@@ -274,6 +281,7 @@ class Gate:
             reading: TaintReading | None = self.taint.reading(
                 max_age_s=max(self.policy.taint_check_s, INFO_TAINT_AGE_S))
             taint: dict = {"tainted": reading.tainted, "withdrawn_since": list(reading.withdrawn),
+                           "withdrawn_at_release": list(reading.at_release),
                            "since": reading.since, "checked_at": reading.checked_at,
                            "grace_until": self.taint.grace_until(reading)}
         except ServeError as e:
@@ -282,6 +290,8 @@ class Gate:
             "ok": True, "release": self.report.release_sha256.hex(), "run_id": p.run.run_id, "origin": p.ledger.origin,
             "task": self.task, "base_model": p.base_model.model_dump(mode="json"),
             "adapters": list(p.adapter.adapters), "delta_p": p.privacy.delta_p,
+            "withdrawn_at_release": [{"contribution_id": w.contribution_id, "data_class": w.data_class, "seq": w.seq}
+                                     for w in p.withdrawn],
             "classes": {c.data_class: {"eps_u": c.eps_u, "contributions": c.contributions, "adapter": c.adapter,
                                        "groups": list(c.groups)} for c in p.classes},
             "routes": ["/v1/info", "/v1/classify" if self.task == "sequence-classification" else "/v1/generate",
@@ -307,11 +317,14 @@ def _read_release(path: Path) -> bytes:
 
 def _taint_reader(envelope: bytes, policy: InferencePolicy,
                   memory: LedgerMemory | None = None) -> Callable[[int], TaintReading]:
-    """Reads the withdrawals since the release from the policy's ledger (the release verified against it again:
-    its checkpoint must be one the live ledger extends), held against what `memory` has seen (None: a memory of
-    this reader's own life): the ledger's verified tree may not be smaller than, or other than an extension of,
-    the largest one seen, and the withdrawals are those read now and every one read before. The reading's time
-    is the ledger time of the first of them, from its entry's body (never the database's column)."""
+    """Reads the withdrawals of what the release trained on from the policy's ledger (the release verified against
+    it again: its checkpoint must be one the live ledger extends), held against what `memory` has seen (None: a
+    memory of this reader's own life): the ledger's verified tree may not be smaller than, or other than an
+    extension of, the largest one seen, and the withdrawals are those read now and every one read before, a
+    sighting in an unsigned tail until a signed checkpoint settles it (`memory.py`). Those withdrawn before the
+    release (the predicate states them) taint it as those since do (seed 004: signing the same adapter again is no
+    retraining). A withdrawal's time is its entry's body's (never the database's column), and never later than
+    when the memory first saw it."""
     memory = memory if memory is not None else LedgerMemory()
 
     def read(now: int) -> TaintReading:
@@ -324,10 +337,10 @@ def _taint_reader(envelope: bytes, policy: InferencePolicy,
                                         ledger_keys=list(policy.ledger_keys), ledger=ledger)
                 current = report.current_checkpoint
                 found = []
-                for w in report.withdrawn_since or ():
+                for w in (*report.withdrawn_at_release, *(report.withdrawn_since or ())):
                     stored = ledger.store.entry(w.seq)
                     assert stored is not None  # verify_release read it
-                    # the time its body states; a body retention retired: its row's (unchecked)
+                    # the time its body states; a body retention retired: its row's (unchecked; capped by memory)
                     found.append(SeenWithdrawal(contribution_id=w.contribution_id, seq=w.seq, leaf_hash=w.leaf_hash,
                                                 time=w.time if w.time is not None else stored.time))
                 seen = memory.advance(origin=report.origin, size=current.size, root=current.root,
@@ -338,7 +351,9 @@ def _taint_reader(envelope: bytes, policy: InferencePolicy,
             raise
         except Exception as e:  # a driver's own words may quote its connection string: the password goes
             raise ServeError(Code.TAINT_UNKNOWN, _without_password(describe_failure(e), policy.ledger_url)) from None
-        return TaintReading(withdrawn=tuple(w.contribution_id for w in seen),
+        signed_at = report.checkpoint.size  # the release's checkpoint: entries before it were withdrawn at release
+        return TaintReading(withdrawn=tuple(dict.fromkeys(w.contribution_id for w in seen if w.seq >= signed_at)),
+                            at_release=tuple(dict.fromkeys(w.contribution_id for w in seen if w.seq < signed_at)),
                             since=min(w.time for w in seen) if seen else None, checked_at=now)
 
     return read
