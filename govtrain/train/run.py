@@ -26,6 +26,7 @@ from govtrain.errors import Code, ConfigError, GovtrainError, RejectedError
 from govtrain.ledger.ledger import Ledger
 from govtrain.ledger.spend_rules import noise_groups_record
 from govtrain.routing import microbatch
+from govtrain.train import corpus
 from govtrain.train.config import RunConfig
 from govtrain.train.preflight import Plan, check_output, consent_error, project
 from govtrain.train.resume import (
@@ -387,6 +388,7 @@ class Run:
         from govtrain.routing.independence import check_batch_independence
         from govtrain.routing.layout import probe_batches
         from govtrain.routing.router import Router
+        from govtrain.routing.sampler import unit_identities
 
         config, policy, resolution, admitted = self.config, self.policy, self._resolution, self._admitted
         training, present, q_u = config.file.training, self.present, self._q_u
@@ -418,7 +420,8 @@ class Run:
         self.scheduler = Scheduler(SpendCalculator(policy.accountant, policy.delta_p), resolution.class_groups(),
                                    sampling_rate_u=q_u, steps_per_epoch=self.epoch_steps, privatizer=self.privatizer)
 
-        # Contributions by index: the sampler draws example indices, `owner` maps each to its contribution.
+        # Contributions by index: the sampler draws example indices, `owner` maps each to its contribution. An index
+        # is only where a unit sits in this process's corpus: every per-unit decision is keyed by its identity.
         self.ids = ids = sorted(present)
         position = {c: i for i, c in enumerate(ids)}
         members = [admitted[c].member for c in ids]
@@ -427,6 +430,12 @@ class Run:
         self.rank = np.zeros(len(self.owner), dtype=np.int64)  # each example's index within its contribution
         for member in self.members:
             self.rank[member] = np.arange(len(member))
+        self.identities = unit_identities(  # each unit's stable identity (routing/sampler.py), once per run
+            ids if self.per_contribution is not None else
+            (microbatch.example_id(ids[k], int(r)) for k, r in zip(self.owner.tolist(), self.rank.tolist())))
+        self.corpus = corpus.record("example" if self.per_contribution is None else "contribution", ids,
+                                    self.examples.items, self.examples.owner,
+                                    {c: admitted[c].data_sha256 for c in ids})
         self.signed_clip = {m.contribution_id: m.clip_norm_u / units.MICRO for m in members}
         self.classes = {m.contribution_id: m.data_class for m in members}
 
@@ -449,6 +458,8 @@ class Run:
             self.run_nonce, self.sampler.key = state.get("run_nonce"), state.get("sampling_key")
             _partition(self.sampler, run_id)
             self._check_ledger(state, book)
+            corpus.check(state.get("corpus"), self.corpus, self.state_path)  # survivors keep their identities
+            self.corpus = corpus.merge(state.get("corpus"), self.corpus)
             if self.sampler.key is None:
                 raise ConfigError(Code.RUN_CONFIG_INVALID, f"{self.state_path} was written by an earlier govtrain (no "
                                                            "lease or sampling key): finish that run with it, or move "
@@ -850,14 +861,15 @@ class Run:
         self.sampler.at_step(step)  # the step's draw is fixed by the run's key and the step
         if self.per_contribution is None:
             chosen = self.sampler.sample(np.flatnonzero(live[self.owner]) if len(self.owner) else np.zeros(0, int),
-                                         units=len(self.owner))
+                                         identities=self.identities)
+            chosen = chosen[np.lexsort((self.rank[chosen], self.owner[chosen]))]  # by identity, not by file order
 
             def names() -> list[str]:  # an example's id: its contribution's and its index there, never its position
                 return [microbatch.example_id(self.ids[self.owner[i]], int(self.rank[i])) for i in chosen]
 
             return [[[int(i)] for i in chosen[positions]] for positions in self._microbatches(step, len(chosen), names)]
-        drawn = [(k, self.sampler.take(self.members[k], self.per_contribution, unit=k).tolist())
-                 for k in self.sampler.sample(np.flatnonzero(live), units=len(self.ids))]
+        drawn = [(k, self.sampler.take(self.members[k], self.per_contribution, identity=self.identities[k]).tolist())
+                 for k in self.sampler.sample(np.flatnonzero(live), identities=self.identities)]
         return [[drawn[p][1] for p in positions]
                 for positions in self._microbatches(step, len(drawn), lambda: [self.ids[k] for k, _ in drawn])]
 
@@ -1016,6 +1028,7 @@ class Run:
             "step": result.steps,
             "losses": result.losses, "epochs": result.epochs, "eps_by_class": result.eps_by_class,
             "pending": self.pending,
+            "corpus": self.corpus,  # what each unit's identity names (train/corpus.py): plain JSON data
             "trainable": dict(self._whole["trainable"]) if self.sharded else
             {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad},
             "update": self._whole["update"] if self.sharded else self.update.state_dict(),
