@@ -163,7 +163,8 @@ def _sampler(privatizer, q_u: int, insecure_seed: int | None):  # type: ignore[n
 
 
 def _partition(sampler, run_id: str) -> None:  # type: ignore[no-untyped-def]
-    """A cyclic sampler's parts follow the run's public id: the same on resume, so no unit changes part."""
+    """A cyclic sampler's parts are a keyed hash of each unit's identity under the run's public id: the same id and
+    identities on resume (`train/corpus.py` refuses a corpus whose survivors moved), so no unit changes part."""
     if hasattr(sampler, "partition_key"):
         sampler.partition_key = run_id.encode()
 
@@ -854,7 +855,9 @@ class Run:
         """One step's Poisson draw over the live units, by microbatch, each drawn unit as its example indices. Example
         unit: q over the live examples, one index each. Contribution unit: q over the live contributions, each drawn one
         using at most examples_per_contribution of its examples (uniformly). With microbatches > 1 the drawn units are
-        split (`_microbatches`); otherwise one microbatch holds them all."""
+        split (`_microbatches`); otherwise one microbatch holds them all. Every per-unit decision is keyed by the unit's
+        identity (`self.identities`; docs/privatizers.md#sampling-by-identity), and the drawn units are in identity
+        order (contribution id, then row index), so a resume that rebuilt the corpus draws and orders them alike."""
         import numpy as np
 
         step = self.result.steps
