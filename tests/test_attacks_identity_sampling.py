@@ -227,3 +227,41 @@ def test_banded_mf_kill_withdraw_admit_resume_and_a_changed_corpus_is_refused(tm
 def test_the_other_privatizer_unit_pairs_across_kill_withdraw_admit_resume(tmp_path: Path, tiny_model: Path,
                                                                           name: str, unit: str):
     _killed_withdrawn_admitted_resumed(tmp_path, tiny_model, name, unit)
+
+
+def test_the_corpus_record_names_rows_by_identity_and_refuses_what_would_move_them(tmp_path: Path):
+    """`train/corpus.py` without a run: equal rows of one contribution are two units; withdrawals and admissions
+    pass and are merged; a survivor's rows read in another order or count, another data digest, another unit or no
+    record at all are refused with corpus_changed. A causal-LM row's `where` (its file's name) is no part of it."""
+    from govtrain.routing.microbatch import example_id
+    from govtrain.routing.sampler import unit_identities
+    from govtrain.tasks.causal_lm import Text
+    from govtrain.tasks.classification import Labelled
+    from govtrain.train import corpus
+
+    items = [Labelled("same", 1), Labelled("same", 1), Labelled("other", 0), Labelled("b row", 1)]
+    owner = ["a", "a", "a", "b"]
+    digests = {"a": bytes(32), "b": bytes(range(32)), "c": b"\x01" * 32}
+    start = corpus.record("example", ["a", "b"], items, owner, digests)
+    assert len({tuple(row) for row in unit_identities([example_id("a", 0), example_id("a", 1)])}) == 2
+    path = tmp_path / "run-state.pt"
+    # b withdrawn, c admitted: nothing of a moved
+    later = corpus.record("example", ["a", "c"], items[:3] + [Labelled("c row", 0)], ["a", "a", "a", "c"], digests)
+    corpus.check(start, later, path)
+    assert set(corpus.merge(start, later)["contributions"]) == {"a", "b", "c"}
+    refused = {
+        "order": corpus.record("example", ["a"], [items[2], items[0], items[1]], ["a"] * 3, digests),
+        "count": corpus.record("example", ["a"], items[:2], ["a"] * 2, digests),
+        "digest": corpus.record("example", ["a"], items[:3], ["a"] * 3, {"a": b"\x02" * 32}),
+        "unit": corpus.record("contribution", ["a"], items[:3], ["a"] * 3, digests),
+    }
+    for why, current in refused.items():
+        with pytest.raises(ConfigError) as info:
+            corpus.check(start, current, path)
+        assert info.value.code is Code.CORPUS_CHANGED and "\n" not in info.value.detail, why
+    for missing in (None, {}, {"unit": "example"}, {"unit": "example", "contributions": []}):
+        with pytest.raises(ConfigError) as info:
+            corpus.check(missing, start, path)
+        assert info.value.code is Code.CORPUS_CHANGED
+    renamed = corpus.record("example", ["a"], [Text("t", where="x.jsonl:1")], ["a"], digests)
+    assert renamed == corpus.record("example", ["a"], [Text("t", where="y.jsonl:1")], ["a"], digests)

@@ -52,10 +52,11 @@ def record(unit: str, ids: Sequence[str], items: Sequence[Any], owner: Sequence[
                                                 "rows_sha256": rows[c].hexdigest()} for c in ids}}
 
 
-def merge(recorded: dict | None, current: dict) -> dict:
+def merge(recorded: Any, current: dict) -> dict:
     """What the state records next: every contribution the run has read so far (a withdrawn one stays recorded; one
     admitted since the start is added), each as `check` found it unchanged."""
-    contributions = dict((recorded or {}).get("contributions", {}))
+    was = recorded.get("contributions") if isinstance(recorded, dict) else None
+    contributions = dict(was) if isinstance(was, dict) else {}
     contributions.update(current["contributions"])
     return {"unit": current["unit"], "contributions": dict(sorted(contributions.items()))}
 
@@ -75,7 +76,8 @@ def check(recorded: Any, current: dict, state_path: Path) -> None:
     for cid, now in sorted(current["contributions"].items()):
         was = recorded["contributions"].get(cid)
         if was is not None and was != now:
-            what = ("its data digest" if was.get("data_sha256") != now["data_sha256"] else
+            what = ("a record that is no contribution's" if not isinstance(was, dict) else
+                    "its data digest" if was.get("data_sha256") != now["data_sha256"] else
                     f"{now['rows']} rows, not the {was.get('rows')} recorded" if was.get("rows") != now["rows"] else
                     "its rows (same count, other content or order)")
             raise ConfigError(Code.CORPUS_CHANGED, f"{state_path}: contribution {cid} reads differently from when the "

@@ -459,8 +459,6 @@ class Run:
             self.run_nonce, self.sampler.key = state.get("run_nonce"), state.get("sampling_key")
             _partition(self.sampler, run_id)
             self._check_ledger(state, book)
-            corpus.check(state.get("corpus"), self.corpus, self.state_path)  # survivors keep their identities
-            self.corpus = corpus.merge(state.get("corpus"), self.corpus)
             if self.sampler.key is None:
                 raise ConfigError(Code.RUN_CONFIG_INVALID, f"{self.state_path} was written by an earlier govtrain (no "
                                                            "lease or sampling key): finish that run with it, or move "
@@ -474,6 +472,9 @@ class Run:
                 check_recorded_entry(self._entry, config=config, base_sha256=self.base_sha256,
                                      run_nonce=self.run_nonce, state_path=self.state_path)
             self.recorded = self._entry is not None
+            if not self.recorded:  # it draws again: its surviving units must keep their identities
+                corpus.check(state.get("corpus"), self.corpus, self.state_path)
+            self.corpus = corpus.merge(state.get("corpus"), self.corpus)
             check_state_shapes(state, self.model, self.update, self.state_path)  # before anything is put back
             result.steps, result.losses = state["step"], state["losses"]
             result.epochs, result.eps_by_class = state["epochs"], state["eps_by_class"]
