@@ -85,7 +85,7 @@ from govtrain.resolver.profile import resolve  # noqa: E402
 from govtrain.routing.layout import probe_batches  # noqa: E402
 from govtrain.privatizers.mf import toeplitz  # noqa: E402
 from govtrain.privatizers.mf.banded import BandedMF  # noqa: E402
-from govtrain.routing.sampler import CyclicPoissonSampler, PoissonSampler  # noqa: E402
+from govtrain.routing.sampler import CyclicPoissonSampler, PoissonSampler, unit_identities  # noqa: E402
 from govtrain.tasks import Classification  # noqa: E402
 from govtrain.tasks.classification import Labelled  # noqa: E402
 from govtrain.train.evaluate import evaluate  # noqa: E402
@@ -269,17 +269,19 @@ def draws(method: str, setup: Setup, bands: int | None = None):
     uniform = random.Random(setup.seed)
     everyone = np.arange(size)
     members = setup.task.contributions() if setup.unit == "contribution" else []
+    # each unit named by its index in the benchmark's fixed corpus: nothing is withdrawn or admitted here
+    identities = unit_identities(str(k) for k in range(len(members) if setup.unit == "contribution" else size))
     for t in range(setup.steps):
         sampler.at_step(t)  # no key: draws stay sequential from the seed; the cyclic sampler reads its part from t
         if method == "non-private":
             yield np.array(uniform.sample(range(size), min(setup.batch, size))), None
         elif setup.unit == "contribution":
             taken = [sampler.take(members[k], setup.per_contribution)
-                     for k in sampler.sample(np.arange(len(members)), units=len(members))]
+                     for k in sampler.sample(np.arange(len(members)), identities=identities)]
             yield (np.concatenate(taken) if taken else np.zeros(0, np.int64),
                    [u for u, part in enumerate(taken) for _ in part])
         else:
-            yield sampler.sample(everyone, units=size), None
+            yield sampler.sample(everyone, identities=identities), None
 
 
 def train(method: str, step, tokenizer, setup: Setup, performance: Performance, bands: int | None = None

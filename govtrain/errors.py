@@ -58,6 +58,7 @@ class Code(str, Enum):
     CHARGED_BEFORE = "charged_before"  # a run would charge contributions other runs charged, unconfirmed
     WITHDRAWN_AT_RELEASE = "withdrawn_at_release"  # releasing a run trained on a withdrawn contribution, unconfirmed
     OUTPUT_TAKEN = "output_taken"  # the output folder holds another run's adapter, run state or other files
+    CORPUS_CHANGED = "corpus_changed"  # a resume whose surviving units would not keep their identities
     INFERENCE_POLICY_UNREADABLE = "inference_policy_unreadable"  # inference.toml cannot be read or is no TOML
     INFERENCE_POLICY_INVALID = "inference_policy_invalid"  # inference.toml's fields (one line names each)
     # privatizers (docs/privatizers.md)

@@ -105,11 +105,11 @@ def clipping_skipped_for_layer(layer: int):  # type: ignore[no-untyped-def]
 def sampled_at(factor: float) -> Iterator[None]:
     sample = PoissonSampler.sample
 
-    def broken(self, eligible, *, units=None):  # type: ignore[no-untyped-def]
+    def broken(self, eligible, *, identities=None):  # type: ignore[no-untyped-def]
         charged = self.sampling_rate
         self.sampling_rate = min(1.0, charged * factor)
         try:
-            return sample(self, eligible, units=units)
+            return sample(self, eligible, identities=identities)
         finally:
             self.sampling_rate = charged
 

@@ -1,9 +1,17 @@
 """Whole runs' final adapters under a fixed seed, as SHA-256 of adapter_model.safetensors per case: the golden
 values tests/test_privatizers_core.py holds a run with no RUN.toml [noise] (the i.i.d. Gaussian privatizer) to.
 
-tests/vectors/privatizer-golden-runs.json was written by this script run on main at 1382b01 (before the router
+tests/vectors/privatizer-golden-runs.json was first written by this script run on main at 1382b01 (before the router
 delegated its noise to a privatizer), with `python -m tests.privatizer_golden_runs --write`; never regenerate it
-from code that routes noise through a privatizer. Without `--write` it prints what the current code gives.
+from code that routes noise through a privatizer unless what changed is proven to be something else. Without
+`--write` it prints what the current code gives.
+
+Regenerated once, for issue 34 item 1, when the sampler's draws became keyed by each unit's identity instead of its
+position in the corpus (routing/sampler.py): every case's draws changed, and nothing else. Before writing, the same
+code with the position-keyed draws put back (the previous `Run._draw`: one uniform per corpus position from the
+step's generator, `take` seeded with [step seed, position]) reproduced all four 1382b01 values (dpsgd-example
+8:d0b95e67…, prism-example 8:7351660c…, dp-muon-example 8:69a0dda5…, dpsgd-contribution 8:03bd79e3…), so the
+noise and the update are still byte-identical to the router before privatizers.
 """
 
 from __future__ import annotations

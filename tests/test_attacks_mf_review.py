@@ -25,7 +25,7 @@ from govtrain.privatizers.mf.banded import BandedMF
 from govtrain.privatizers.mf.blt import BLT
 from govtrain.privatizers.mf.charge import banded_charge, blt_charge, unamplified_multiplier_u
 from govtrain.privatizers.mf.stream import standard_normal
-from govtrain.routing.sampler import CyclicPoissonSampler, cyclic_parts
+from govtrain.routing.sampler import CyclicPoissonSampler, cyclic_parts, unit_identities
 
 CPU = torch.device("cpu")
 
@@ -488,12 +488,13 @@ def test_held_withdrawal_readmission_and_mid_cycle_resume_keep_min_separation():
     last: dict[int, int] = {}
     draws: dict[int, int] = {}
     step = 0
+    identities = unit_identities(str(u) for u in range(units_))
     for length in epochs:
         sampler = _cyclic(cycle, 0.2)  # a new process: rebuilt from the run state
         for _ in range(length):
             eligible = np.flatnonzero(generator.random(units_) < 0.7)
             sampler.at_step(step)
-            for unit in sampler.sample(eligible, units=units_).tolist():
+            for unit in sampler.sample(eligible, identities=identities).tolist():
                 assert step - last.get(unit, -cycle) >= cycle
                 last[unit] = step
                 draws[unit] = draws.get(unit, 0) + 1
@@ -507,13 +508,14 @@ def test_held_inclusion_is_independent_across_units_within_a_part():
     (χ² over their 2×2 tables), each within 5 standard errors."""
     cycle, units_, rate = 4, 4000, 0.5
     sampler = _cyclic(cycle, rate / cycle)
-    parts = cyclic_parts(np.arange(units_), cycle, b"run-7")
+    identities = unit_identities(str(u) for u in range(units_))
+    parts = cyclic_parts(identities, cycle, b"run-7")
     members = np.flatnonzero(parts == 0)
     included = []
     for i in range(400):
         sampler.at_step(i * cycle)  # part 0's steps
         row = np.zeros(units_, dtype=bool)
-        row[sampler.sample(np.arange(units_), units=units_)] = True
+        row[sampler.sample(np.arange(units_), identities=identities)] = True
         included.append(row[members])
     included = np.array(included)
     sizes = included.sum(axis=1)
@@ -527,16 +529,17 @@ def test_held_inclusion_is_independent_across_units_within_a_part():
 
 
 def test_held_the_partition_ignores_who_else_is_eligible_and_the_secret_key():
-    """The part is a function of the unit's index and the public partition key alone: not of the eligible set, not
-    of the secret draw key; two runs under one partition key agree, and the draws inside a part follow the key."""
+    """The part is a function of the unit's identity and the public partition key alone: not of the eligible set,
+    not of the secret draw key; two runs under one partition key agree, and the draws inside a part follow the key."""
     units_ = 5000
-    parts = cyclic_parts(np.arange(units_), 8, b"run-7")
+    identities = unit_identities(str(u) for u in range(units_))
+    parts = cyclic_parts(identities, 8, b"run-7")
     for subset in (np.arange(0, units_, 3), np.array([4999, 0, 17])):
-        assert np.array_equal(cyclic_parts(subset, 8, b"run-7"), parts[subset])
+        assert np.array_equal(cyclic_parts(identities[subset], 8, b"run-7"), parts[subset])
     one, two = _cyclic(8, 0.05, key=bytes(32)), _cyclic(8, 0.05, key=bytes(range(32)))
     one.at_step(3)
     two.at_step(3)
-    batch_one = one.sample(np.arange(units_), units=units_)
-    batch_two = two.sample(np.arange(units_), units=units_)
+    batch_one = one.sample(np.arange(units_), identities=identities)
+    batch_two = two.sample(np.arange(units_), identities=identities)
     assert np.all(parts[batch_one] == 3) and np.all(parts[batch_two] == 3)
     assert not np.array_equal(batch_one, batch_two)

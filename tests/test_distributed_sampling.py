@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from govtrain.distributed.shares import bounds, share
-from govtrain.routing.sampler import PoissonSampler
+from govtrain.routing.sampler import PoissonSampler, unit_identities
 
 UNITS, STEPS, Q = 24, 10_000, 0.3
 
@@ -46,9 +46,10 @@ def _shares(size: int) -> np.ndarray:
     sampler = PoissonSampler(Q)
     sampler.key = bytes(range(32))
     ranks = np.full((STEPS, UNITS), -1, dtype=np.int64)
+    identities = unit_identities(str(unit) for unit in range(UNITS))
     for step in range(STEPS):
         sampler.at_step(step)
-        drawn = sampler.sample(np.arange(UNITS), units=UNITS).tolist()
+        drawn = sampler.sample(np.arange(UNITS), identities=identities).tolist()
         seen: list[int] = []
         for rank in range(size):
             mine = share(drawn, size, rank)

@@ -100,7 +100,8 @@ def test_the_routers_noise_is_a_direct_loop_of_torch_normal_in_the_old_order(dty
 def test_whole_runs_with_no_noise_section_train_the_adapter_they_trained_before(tmp_path):
     """tests/vectors/privatizer-golden-runs.json: the adapter weights' SHA-256 of four 8-step runs under
     insecure_seed (dpsgd, prism, dp-muon at example unit; dpsgd at contribution unit), recorded before the router
-    delegated its noise (`python -m tests.privatizer_golden_runs --write` on main at 1382b01)."""
+    delegated its noise (`python -m tests.privatizer_golden_runs --write` on main at 1382b01), and regenerated once
+    when the draws became keyed by identity (issue 34; the draws alone changed: tests/privatizer_golden_runs.py)."""
     from tests import privatizer_golden_runs as runs
     from tests.test_train import save_tiny_bert
 

@@ -276,7 +276,7 @@ def test_a_keyed_sampler_draws_each_step_from_the_key_and_the_step_alone():
 
     import numpy as np
 
-    from govtrain.routing.sampler import PoissonSampler
+    from govtrain.routing.sampler import PoissonSampler, unit_identities
 
     def sampler(key: bytes) -> PoissonSampler:
         drawn = PoissonSampler(0.1)
@@ -284,24 +284,25 @@ def test_a_keyed_sampler_draws_each_step_from_the_key_and_the_step_alone():
         return drawn
 
     key, units = os.urandom(32), 500
+    identities = unit_identities(str(unit) for unit in range(units))
     everyone, some = np.arange(units), np.arange(0, units, 3)
     a, b = sampler(key), sampler(key)
     a.at_step(7)
     b.at_step(7)
-    full = a.sample(everyone, units=units)
-    assert np.array_equal(full, b.sample(everyone, units=units))
+    full = a.sample(everyone, identities=identities)
+    assert np.array_equal(full, b.sample(everyone, identities=identities))
     b.at_step(7)
-    assert np.array_equal(b.sample(some, units=units), full[np.isin(full, some)])  # the others are unmoved
+    assert np.array_equal(b.sample(some, identities=identities), full[np.isin(full, some)])  # the others are unmoved
     b.at_step(8)
-    assert not np.array_equal(b.sample(everyone, units=units), full)
+    assert not np.array_equal(b.sample(everyone, identities=identities), full)
     other = sampler(os.urandom(32))
     other.at_step(7)
-    assert not np.array_equal(other.sample(everyone, units=units), full)
+    assert not np.array_equal(other.sample(everyone, identities=identities), full)
     counts = np.zeros(units)
     pairs = 0
     for step in range(2000):
         a.at_step(step)
-        drawn = np.isin(everyone, a.sample(everyone, units=units))
+        drawn = np.isin(everyone, a.sample(everyone, identities=identities))
         counts += drawn
         pairs += drawn[0] and drawn[1]
     assert np.abs(counts / 2000 - 0.1).max() < 0.05 and abs(pairs / 2000 - 0.01) < 0.008  # rate q, independent
@@ -309,5 +310,5 @@ def test_a_keyed_sampler_draws_each_step_from_the_key_and_the_step_alone():
     c, d = sampler(key), sampler(key)
     c.at_step(3)
     d.at_step(3)
-    d.sample(everyone, units=units)  # draws made before it do not move one unit's examples
-    assert np.array_equal(c.take(members, 4, unit=9), d.take(members, 4, unit=9))
+    d.sample(everyone, identities=identities)  # draws made before it do not move one unit's examples
+    assert np.array_equal(c.take(members, 4, identity=identities[9]), d.take(members, 4, identity=identities[9]))

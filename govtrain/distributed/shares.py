@@ -1,9 +1,10 @@
 """Each rank's share of a step's draw (docs/distributed.md, sampling).
 
 The lead draws the step once (`Run._draw`: one Poisson draw from the run's secret sampling key, which only the
-lead holds) and broadcasts the drawn units: example indices, or a contribution's taken examples. Rank r takes
-the r-th of `size` contiguous, disjoint slices of each microbatch's units, so the ranks' shares partition the
-draw exactly: no unit is clipped twice or dropped, and each unit's inclusion is the single draw's, independent
+lead holds) and broadcasts the drawn units: example indices, or a contribution's taken examples, in the order of
+their identities (contribution id, then row index: never their place in the corpus, which a withdrawal or a resume
+changes). Rank r takes the r-th of `size` contiguous, disjoint slices of each microbatch's units, so the ranks'
+shares partition the draw exactly: no unit is clipped twice or dropped, and each unit's inclusion is the single draw's, independent
 across units as Poisson sampling makes it (tests/test_distributed_sampling.py measures pairwise inclusion).
 """
 

@@ -26,6 +26,7 @@ from govtrain.errors import Code, ConfigError, GovtrainError, RejectedError
 from govtrain.ledger.ledger import Ledger
 from govtrain.ledger.spend_rules import noise_groups_record
 from govtrain.routing import microbatch
+from govtrain.train import corpus
 from govtrain.train.config import RunConfig
 from govtrain.train.preflight import Plan, check_output, consent_error, project
 from govtrain.train.resume import (
@@ -162,7 +163,8 @@ def _sampler(privatizer, q_u: int, insecure_seed: int | None):  # type: ignore[n
 
 
 def _partition(sampler, run_id: str) -> None:  # type: ignore[no-untyped-def]
-    """A cyclic sampler's parts follow the run's public id: the same on resume, so no unit changes part."""
+    """A cyclic sampler's parts are a keyed hash of each unit's identity under the run's public id: the same id and
+    identities on resume (`train/corpus.py` refuses a corpus whose survivors moved), so no unit changes part."""
     if hasattr(sampler, "partition_key"):
         sampler.partition_key = run_id.encode()
 
@@ -387,6 +389,7 @@ class Run:
         from govtrain.routing.independence import check_batch_independence
         from govtrain.routing.layout import probe_batches
         from govtrain.routing.router import Router
+        from govtrain.routing.sampler import unit_identities
 
         config, policy, resolution, admitted = self.config, self.policy, self._resolution, self._admitted
         training, present, q_u = config.file.training, self.present, self._q_u
@@ -418,7 +421,8 @@ class Run:
         self.scheduler = Scheduler(SpendCalculator(policy.accountant, policy.delta_p), resolution.class_groups(),
                                    sampling_rate_u=q_u, steps_per_epoch=self.epoch_steps, privatizer=self.privatizer)
 
-        # Contributions by index: the sampler draws example indices, `owner` maps each to its contribution.
+        # Contributions by index: the sampler draws example indices, `owner` maps each to its contribution. An index
+        # is only where a unit sits in this process's corpus: every per-unit decision is keyed by its identity.
         self.ids = ids = sorted(present)
         position = {c: i for i, c in enumerate(ids)}
         members = [admitted[c].member for c in ids]
@@ -427,6 +431,12 @@ class Run:
         self.rank = np.zeros(len(self.owner), dtype=np.int64)  # each example's index within its contribution
         for member in self.members:
             self.rank[member] = np.arange(len(member))
+        self.identities = unit_identities(  # each unit's stable identity (routing/sampler.py), once per run
+            ids if self.per_contribution is not None else
+            (microbatch.example_id(ids[k], int(r)) for k, r in zip(self.owner.tolist(), self.rank.tolist())))
+        self.corpus = corpus.record("example" if self.per_contribution is None else "contribution", ids,
+                                    self.examples.items, self.examples.owner,
+                                    {c: admitted[c].data_sha256 for c in ids})
         self.signed_clip = {m.contribution_id: m.clip_norm_u / units.MICRO for m in members}
         self.classes = {m.contribution_id: m.data_class for m in members}
 
@@ -462,6 +472,9 @@ class Run:
                 check_recorded_entry(self._entry, config=config, base_sha256=self.base_sha256,
                                      run_nonce=self.run_nonce, state_path=self.state_path)
             self.recorded = self._entry is not None
+            if not self.recorded:  # it draws again: its surviving units must keep their identities
+                corpus.check(state.get("corpus"), self.corpus, self.state_path)
+            self.corpus = corpus.merge(state.get("corpus"), self.corpus)
             check_state_shapes(state, self.model, self.update, self.state_path)  # before anything is put back
             result.steps, result.losses = state["step"], state["losses"]
             result.epochs, result.eps_by_class = state["epochs"], state["eps_by_class"]
@@ -843,21 +856,24 @@ class Run:
         """One step's Poisson draw over the live units, by microbatch, each drawn unit as its example indices. Example
         unit: q over the live examples, one index each. Contribution unit: q over the live contributions, each drawn one
         using at most examples_per_contribution of its examples (uniformly). With microbatches > 1 the drawn units are
-        split (`_microbatches`); otherwise one microbatch holds them all."""
+        split (`_microbatches`); otherwise one microbatch holds them all. Every per-unit decision is keyed by the unit's
+        identity (`self.identities`; docs/privatizers.md#sampling-by-identity), and the drawn units are in identity
+        order (contribution id, then row index), so a resume that rebuilt the corpus draws and orders them alike."""
         import numpy as np
 
         step = self.result.steps
         self.sampler.at_step(step)  # the step's draw is fixed by the run's key and the step
         if self.per_contribution is None:
             chosen = self.sampler.sample(np.flatnonzero(live[self.owner]) if len(self.owner) else np.zeros(0, int),
-                                         units=len(self.owner))
+                                         identities=self.identities)
+            chosen = chosen[np.lexsort((self.rank[chosen], self.owner[chosen]))]  # by identity, not by file order
 
             def names() -> list[str]:  # an example's id: its contribution's and its index there, never its position
                 return [microbatch.example_id(self.ids[self.owner[i]], int(self.rank[i])) for i in chosen]
 
             return [[[int(i)] for i in chosen[positions]] for positions in self._microbatches(step, len(chosen), names)]
-        drawn = [(k, self.sampler.take(self.members[k], self.per_contribution, unit=k).tolist())
-                 for k in self.sampler.sample(np.flatnonzero(live), units=len(self.ids))]
+        drawn = [(k, self.sampler.take(self.members[k], self.per_contribution, identity=self.identities[k]).tolist())
+                 for k in self.sampler.sample(np.flatnonzero(live), identities=self.identities)]
         return [[drawn[p][1] for p in positions]
                 for positions in self._microbatches(step, len(drawn), lambda: [self.ids[k] for k, _ in drawn])]
 
@@ -1016,6 +1032,7 @@ class Run:
             "step": result.steps,
             "losses": result.losses, "epochs": result.epochs, "eps_by_class": result.eps_by_class,
             "pending": self.pending,
+            "corpus": self.corpus,  # what each unit's identity names (train/corpus.py): plain JSON data
             "trainable": dict(self._whole["trainable"]) if self.sharded else
             {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad},
             "update": self._whole["update"] if self.sharded else self.update.state_dict(),
