@@ -35,15 +35,15 @@ def tiny(tmp_path_factory) -> Path:
     return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
 
 
-def world(folder: Path, model: Path, *, steps: int, limit: int, extra: str = "") -> tuple[Corpus, Path]:
+def world(folder: Path, model: Path, *, steps: int, limit: int | None, extra: str = "") -> tuple[Corpus, Path]:
     """A public contribution and the poisoned one ("example": no other text holds that word), q = 0.25, ledger
-    epochs of 2 steps."""
+    epochs of 2 steps; `limit`: training.max_nonfinite_units (None: not set, the default)."""
     folder.mkdir(parents=True, exist_ok=True)
     policy = TEST_POLICY.replace("sampling_rate = 0.01\n", "sampling_rate = 0.25\n")
     corpus = make_corpus(folder, f"sqlite:///{folder / 'ledger.db'}", policy)
     _admit(corpus, "pub", 24)
     _admit(corpus, "example", 24)
-    return corpus, _config(corpus, model, steps, extra=f"epoch_steps = 2\nmax_nonfinite_units = {limit}\n" + extra)
+    return corpus, _config(corpus, model, steps, extra="epoch_steps = 2\n" + ("" if limit is None else f"max_nonfinite_units = {limit}\n") + extra)
 
 
 def _poisoned_task(monkeypatch) -> None:
@@ -107,7 +107,7 @@ def test_a_diverging_run_stops_before_the_step_releases_and_charges_nothing_more
 
 def test_a_short_run_under_the_default_limit_completes_and_every_step_is_finite(tmp_path, tiny):
     """With the default limit (16) a short run completes, every released gradient finite."""
-    corpus, config = world(tmp_path, tiny, steps=2, limit=16)
+    corpus, config = world(tmp_path, tiny, steps=2, limit=None)
     released: list[bool] = []
     with GovernedRun.open(str(config), corpus.url, insecure_seed=3, log=lambda line: None) as run:
         token = run.tokenizer.convert_tokens_to_ids("example")
@@ -117,8 +117,8 @@ def test_a_short_run_under_the_default_limit_completes_and_every_step_is_finite(
             if run.step(poisoned(run.per_example_loss(output, batch), batch, token)) is not None:
                 released.append(all(bool(torch.isfinite(p).all()) for p in trainable.values()))
         run.save()
+        assert released == [True, True]
         assert 0 < run.nonfinite <= 16
-    assert released == [True, True]
 
 
 def start_ranks(corpus: Corpus, config: Path, out: Path, size: int, *, seed: int = 7) -> list[subprocess.Popen]:
@@ -146,6 +146,7 @@ def _read(out: Path, rank: int) -> dict:
     return torch.load(out / f"nonfinite-rank{rank}.pt")
 
 
+@pytest.mark.slow
 def test_two_ranks_take_the_nan_units_out_and_release_the_single_process_gradient(tmp_path, tiny):
     one = world(tmp_path / "one", tiny, steps=3, limit=1000, extra="physical_batch = 4\n")
     two = world(tmp_path / "two", tiny, steps=3, limit=1000, extra="physical_batch = 4\n")
@@ -164,6 +165,7 @@ def test_two_ranks_take_the_nan_units_out_and_release_the_single_process_gradien
     assert spends(two[0].url) == spends(one[0].url) != []
 
 
+@pytest.mark.slow
 def test_two_ranks_stop_together_when_the_run_diverges(tmp_path, tiny):
     corpus, config = world(tmp_path, tiny, steps=6, limit=0, extra="physical_batch = 4\n")
     done = finish(start_ranks(corpus, config, tmp_path / "out", 2))
