@@ -1,8 +1,9 @@
 """One rank of a governed run whose loss is nan for one contribution's examples, for tests/test_attacks_nonfinite.py:
-`python -m tests.nonfinite_worker SPEC.json` (the SPEC of tests/distributed_worker.py). Every example holding the
-poisoned token (the contribution named "example": no other text has that word) gets its loss times nan, so its
-gradient is nan. It writes, per step, every trainable parameter's privatized `.grad` as the update received it and
-the run's count of non-finite units (`out/nonfinite-rank{r}.pt`), also when the run stops (`diverged`)."""
+`python -m tests.nonfinite_worker SPEC.json` (the SPEC of tests/distributed_worker.py, and "also": a second word).
+Every example holding the poisoned token (the contribution named "example": no other text has that word), and the
+word "also" names where given, gets its loss times nan, so its gradient is nan. It writes, per step, every trainable
+parameter's privatized `.grad` as the update received it and the run's count of non-finite units
+(`out/nonfinite-rank{r}.pt`), also when the run stops (`diverged`)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ import sys
 from pathlib import Path
 
 
-def poisoned(losses, batch, token: int, *, first_only: bool = False):  # type: ignore[no-untyped-def]
-    """`losses` times nan for the examples that hold `token` (`first_only`: the first of them in the batch): a loss
-    whose gradient is nan, as a diverging one's."""
+def poisoned(losses, batch, token: int, *, also: int | None = None, first_only: bool = False):  # type: ignore[no-untyped-def]
+    """`losses` times nan for the examples that hold `token` (and `also`, when given; `first_only`: the first of
+    them in the batch): a loss whose gradient is nan, as a diverging one's."""
     import torch
 
     hit = (batch.inputs["input_ids"] == token).any(1)
+    if also is not None:
+        hit = hit & (batch.inputs["input_ids"] == also).any(1)
     if first_only:
         hit = hit & (torch.cumsum(hit.long(), 0) == 1)
     return losses * torch.where(hit, math.nan, 1.0).to(losses.dtype)
@@ -27,6 +30,7 @@ def poisoned(losses, batch, token: int, *, first_only: bool = False):  # type: i
 def main(spec_path: str) -> None:
     import torch
 
+    from govtrain.distributed.fsdp import full as whole  # a sharded `.grad` gathered (every rank, in step)
     from govtrain.errors import GovtrainError
     from govtrain.mechanisms import update as update_module
     from govtrain.train.governed import GovernedRun
@@ -38,7 +42,7 @@ def main(spec_path: str) -> None:
     step = update_module.Update.step
 
     def recording(self, noise_std):  # type: ignore[no-untyped-def]
-        record["grads"].append({n: p.grad.detach().clone() for n, p in self.model.named_parameters()
+        record["grads"].append({n: whole(p.grad.detach()).clone() for n, p in self.model.named_parameters()
                                 if p.requires_grad and p.grad is not None})
         return step(self, noise_std)
 
@@ -47,14 +51,15 @@ def main(spec_path: str) -> None:
         with GovernedRun.open(spec["config"], spec["ledger"], key=spec["key"], insecure_seed=spec["seed"],
                               log=lambda line: None) as run:
             token = run.tokenizer.convert_tokens_to_ids("example")
+            also = run.tokenizer.convert_tokens_to_ids(spec["also"]) if spec.get("also") else None
             for batch in run.batches():
                 output = run.model(**batch.inputs)
-                loss = run.step(poisoned(run.per_example_loss(output, batch), batch, token))
+                losses = poisoned(run.per_example_loss(output, batch), batch, token, also=also)
+                loss = run.step(losses)
                 if loss is not None:
-                    record["counts"].append(run.nonfinite)
+                    record["counts"].append(getattr(run, "nonfinite", None))
             result = run.save()
             record["steps"] = result.steps
-            record["adapter"] = {n: p.detach().clone() for n, p in run.model.named_parameters() if p.requires_grad}
     except GovtrainError as error:
         record["error"] = error.code.value
         raise

@@ -121,7 +121,8 @@ def test_a_short_run_under_the_default_limit_completes_and_every_step_is_finite(
         assert 0 < run.nonfinite <= 16
 
 
-def start_ranks(corpus: Corpus, config: Path, out: Path, size: int, *, seed: int = 7) -> list[subprocess.Popen]:
+def start_ranks(corpus: Corpus, config: Path, out: Path, size: int, *, seed: int = 7,
+                also: str | None = None) -> list[subprocess.Popen]:
     """`size` ranks of tests/nonfinite_worker.py (size 0: one process, no process group), as
     tests/test_distributed.py starts its workers."""
     from govtrain.distributed.launch import free_port
@@ -132,7 +133,7 @@ def start_ranks(corpus: Corpus, config: Path, out: Path, size: int, *, seed: int
     for rank in range(max(size, 1)):
         spec = out / f"spec{rank}.json"
         spec.write_text(json.dumps({"config": str(config), "ledger": corpus.url, "key": None, "seed": seed,
-                                    "out": str(out)}))
+                                    "out": str(out), "also": also}))
         env = clean_env()
         if size:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
@@ -147,10 +148,15 @@ def _read(out: Path, rank: int) -> dict:
 
 
 @pytest.mark.slow
-def test_two_ranks_take_the_nan_units_out_and_release_the_single_process_gradient(tmp_path, tiny):
-    one = world(tmp_path / "one", tiny, steps=3, limit=1000, extra="physical_batch = 4\n")
-    two = world(tmp_path / "two", tiny, steps=3, limit=1000, extra="physical_batch = 4\n")
-    done = finish(start_ranks(*one, tmp_path / "out-one", 0) + start_ranks(*two, tmp_path / "out-two", 2))
+@pytest.mark.parametrize("sharded", [False, pytest.param(True, marks=pytest.mark.long)], ids=["ranks", "fsdp"])
+def test_two_ranks_take_the_nan_units_out_and_release_the_single_process_gradient(tmp_path, tiny, sharded):
+    """The poisoned contribution's examples that also say "good" (3 of its 24: about one a step, on either rank),
+    under the default limit, which the count stays under: every rank's release is the single process's, finite."""
+    one = world(tmp_path / "one", tiny, steps=3, limit=None, extra="physical_batch = 4\n")
+    two = world(tmp_path / "two", tiny, steps=3, limit=None,
+                extra="physical_batch = 4\n" + ("fsdp = true\n" if sharded else ""))
+    done = finish(start_ranks(*one, tmp_path / "out-one", 0, also="good")
+                  + start_ranks(*two, tmp_path / "out-two", 2, also="good"))
     assert [code for code, _ in done] == [0, 0, 0], "\n".join(err[-3000:] for _, err in done)
     single, ranks = _read(tmp_path / "out-one", 0), [_read(tmp_path / "out-two", r) for r in range(2)]
     assert single["counts"] == ranks[0]["counts"] == ranks[1]["counts"] and single["counts"][-1] > 0
