@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 
-def poisoned(losses, batch, token: int, *, also: int | None = None, first_only: bool = False):  # type: ignore[no-untyped-def]
+def poisoned(losses, batch, token: int, *, also: int | None = None,  # type: ignore[no-untyped-def]
+             first_only: bool = False):
     """`losses` times nan for the examples that hold `token` (and `also`, when given; `first_only`: the first of
     them in the batch): a loss whose gradient is nan, as a diverging one's."""
     import torch

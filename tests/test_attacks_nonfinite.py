@@ -43,31 +43,24 @@ def world(folder: Path, model: Path, *, steps: int, limit: int | None, extra: st
     corpus = make_corpus(folder, f"sqlite:///{folder / 'ledger.db'}", policy)
     _admit(corpus, "pub", 24)
     _admit(corpus, "example", 24)
-    return corpus, _config(corpus, model, steps, extra="epoch_steps = 2\n" + ("" if limit is None else f"max_nonfinite_units = {limit}\n") + extra)
+    setting = "" if limit is None else f"max_nonfinite_units = {limit}\n"
+    return corpus, _config(corpus, model, steps, extra="epoch_steps = 2\n" + setting + extra)
 
 
-def _poisoned_task(monkeypatch) -> None:
+def _poisoned_task(monkeypatch, token: int) -> None:
     """`train()`'s loop with the task's loss poisoned for the "example" contribution (as a diverging loss would)."""
     from govtrain.tasks.classification import Classification
 
     plain = Classification.per_example_loss
-
-    def loss(self, output, batch):  # type: ignore[no-untyped-def]
-        token = int(self._nonfinite_token)
-        return poisoned(plain(self, output, batch), batch, token)
-
-    monkeypatch.setattr(Classification, "per_example_loss", loss)
+    monkeypatch.setattr(Classification, "per_example_loss",
+                        lambda self, output, batch: poisoned(plain(self, output, batch), batch, token))
 
 
 def test_train_completes_with_a_nan_contribution_counts_it_and_saves_a_finite_adapter(tmp_path, tiny, monkeypatch):
     from safetensors.torch import load_file
 
-    from govtrain.tasks.classification import Classification
-
     corpus, config = world(tmp_path, tiny, steps=4, limit=1000)
-    tokenizer_vocab = (tiny / "vocab.txt").read_text().split("\n")
-    monkeypatch.setattr(Classification, "_nonfinite_token", tokenizer_vocab.index("example"), raising=False)
-    _poisoned_task(monkeypatch)
+    _poisoned_task(monkeypatch, (tiny / "vocab.txt").read_text().split("\n").index("example"))
     lines: list[str] = []
     result = loop.train(load_run_config(config), corpus.url, insecure_seed=3, log=lines.append)
     assert result.steps == 4 and result.nonfinite > 0
