@@ -48,6 +48,8 @@ class Code(str, Enum):
     STALE_PARAMETERS = "stale_parameters"  # a privatized gradient the update would not apply to the model
     UNGOVERNED_UPDATE = "ungoverned_update"  # the trained weights moved outside a governed step
     STEP_FAILED = "step_failed"  # a step raised after its draw: the run in this process stops there
+    DIVERGED = "diverged"  # more units with a non-finite gradient than training.max_nonfinite_units: the run stops
+    NONFINITE_RELEASE = "nonfinite_release"  # a noised gradient with a nan or inf: refused before .grad (a defect)
     RANK_MISMATCH = "rank_mismatch"  # a rank joined with another config, model, data, ledger or version than the lead's
     RANK_LOST = "rank_lost"  # a rank of the run stopped, failed or never joined: every rank stops (resume to go on)
     GRID_INVALID = "grid_invalid"  # a tuning grid that is unreadable, names a key it may not, or builds a bad trial

@@ -116,6 +116,11 @@ class Update:
         the step when a tensor with a gradient was not written (module docstring)."""
         due = self._check_held()
         self.grad_norm = privatized_norm(p.grad for p in self._moved() if p.grad is not None)
+        if not bool(torch.isfinite(self.grad_norm)):  # before any optimizer state or weight changes
+            raise ConfigError(Code.NONFINITE_RELEASE,
+                              "the privatized gradient the update would apply is not finite: nothing moved; the "
+                              "router zeroes a unit with a non-finite gradient, so this is a defect in govtrain or a "
+                              "gradient written outside the router: report it")
         versions = [(p, p._version) for p in due]
         if self.prism is not None:
             self.prism.step(noise_std)

@@ -133,7 +133,8 @@ class Path:
             coefficient = torch.where(norm > bound, bound / norm.clamp(min=torch.finfo(norm.dtype).tiny),
                                       torch.ones_like(norm))
             norms.index_copy_(0, index, norm)
-            flat = flat * coefficient[:, None]
+            # a unit whose norm is not finite contributes exactly zero: its row replaced, not scaled (0 * nan is nan)
+            flat = torch.where(torch.isfinite(norm)[:, None], flat * coefficient[:, None], 0.0)
             if quantized:
                 flat = self._quantize(reached, flat, bound, generator)
             offset = 0

@@ -89,7 +89,6 @@ def experts_grads(module: nn.Module, x: Tensor, index: Tensor, weights: Tensor, 
     down) weights the call computed with (default: the module's now)."""
     gate_up, down = weights_used if weights_used is not None else (module.gate_up_proj, module.down_proj)
     gate_up, down = gate_up.detach().to(x.dtype), down.detach().to(x.dtype)
-    sample = torch.arange(x.shape[0], device=x.device) // tokens
     per_gate_up = torch.zeros(batch, *gate_up.shape, dtype=x.dtype, device=x.device)
     per_down = torch.zeros(batch, *down.shape, dtype=x.dtype, device=x.device)
     for expert in range(gate_up.shape[0]):
@@ -102,15 +101,26 @@ def experts_grads(module: nn.Module, x: Tensor, index: Tensor, weights: Tensor, 
             gate, up = h.chunk(2, dim=-1)
             act = module.act_fn(gate) * up
             (d_h,) = torch.autograd.grad(act, h, d_out @ down[expert])
-        owner = F.one_hot(sample[token], batch).to(x.dtype)  # [n, B]: which sample each token belongs to
-        per_down[:, expert] = torch.einsum("nb,nd,ni->bdi", owner, d_out, act.detach())
-        per_gate_up[:, expert] = torch.einsum("nb,nj,nd->bjd", owner, d_h, xs)
+        # each sample's tokens in its own row ([B, T, ...], zero where a token went to other experts), so a sample's
+        # sum runs over its own tokens only: a nan or inf in one sample never reaches another's gradient (a
+        # one-hot product over every token did: 0 · nan is nan)
+        per_down[:, expert] = torch.einsum("btd,bti->bdi", _by_sample(d_out, token, batch, tokens),
+                                           _by_sample(act.detach(), token, batch, tokens))
+        per_gate_up[:, expert] = torch.einsum("btj,btd->bjd", _by_sample(d_h, token, batch, tokens),
+                                              _by_sample(xs, token, batch, tokens))
     out = {}
     if every or module.gate_up_proj.requires_grad:
         out["gate_up_proj"] = per_gate_up
     if every or module.down_proj.requires_grad:
         out["down_proj"] = per_down
     return out
+
+
+def _by_sample(rows: Tensor, token: Tensor, batch: int, tokens: int) -> Tensor:
+    """Rows of some of the flattened tokens ([n, F], token indices `token` into B·T) laid out as [B, T, F]."""
+    out = rows.new_zeros(batch * tokens, rows.shape[-1])
+    out[token] = rows
+    return out.reshape(batch, tokens, rows.shape[-1])
 
 
 # -- peft's LoRA on the fused expert parameters (LoraConfig.target_parameters) ------------------------------

@@ -189,6 +189,13 @@ def _take(tensor: Tensor, rows: Tensor | None) -> Tensor:
     return tensor if rows is None else tensor.index_select(0, rows)
 
 
+def _zeroed(per: Tensor, weights: Tensor) -> Tensor:
+    """`per` (batch first) with the rows of the samples whose weight is 0 replaced by zeros: a where, not a
+    product, so a nan or inf row becomes exactly zero. Rows of non-zero weight are returned bit for bit."""
+    keep = (weights != 0).reshape(-1, *([1] * (per.dim() - 1)))
+    return torch.where(keep, per, torch.zeros((), dtype=per.dtype, device=per.device))
+
+
 def form_early(a: Tensor, g: Tensor, strategy: str = "auto") -> bool:
     """Whether a Linear call's per-sample gradients should be formed as soon as its output gradient exists
     (then its input and output gradient are dropped): where they take less memory than those two,
@@ -264,19 +271,20 @@ class Calls:
         return self._masked(_take(self.per[leaf], rows), mask).pow(2).flatten(1).sum(1)
 
     def weighted_sum(self, leaf: str, rows: Tensor, weights: Tensor, mask=None) -> Tensor:
-        """Σ_i weights_i · (masked per-sample gradient of sample rows_i): the parameter's shape."""
+        """Σ_i weights_i · (masked per-sample gradient of sample rows_i): the parameter's shape. A sample of
+        weight 0 adds exactly nothing: its rows are replaced by zeros before anything is scaled or summed, so a
+        nan or inf in them (0 · nan is nan) never reaches the sum (the router weighs a non-finite unit 0). Only
+        the samples `rows` are read: another class's sample, nan or not, is not touched."""
         if isinstance(self.module, nn.Embedding):
-            batch = self.pairs[0][1].shape[0]
-            full = weights if rows is None else \
-                torch.zeros(batch, dtype=weights.dtype, device=weights.device).index_copy_(0, rows, weights)
-            return sum(embedding_sum(self.module, ids, g, full) for ids, g in self.pairs)
+            return sum(embedding_sum(self.module, _take(ids, rows), _zeroed(_take(g, rows), weights), weights)
+                       for ids, g in self.pairs)
         if self.per is None:
             a, g = self._linear(leaf, rows, mask)
-            g = g * weights.to(g.dtype)[:, None, None]
+            g = _zeroed(g, weights) * weights.to(g.dtype)[:, None, None]
             if leaf == "bias":
                 return g.sum((0, 1))
-            return torch.einsum("bto,bti->io" if self.transposed else "bto,bti->oi", g, a)
-        per = self._masked(_take(self.per[leaf], rows), mask)
+            return torch.einsum("bto,bti->io" if self.transposed else "bto,bti->oi", g, _zeroed(a, weights))
+        per = _zeroed(self._masked(_take(self.per[leaf], rows), mask), weights)
         return torch.tensordot(weights.to(per.dtype), per, dims=([0], [0]))
 
     def per_sample(self, leaf: str, rows: Tensor) -> Tensor:

@@ -109,7 +109,8 @@ class _Tap:
 class StepReport:
     batch_size: int
     clipped: int  # samples whose gradient norm exceeded their C_i
-    max_norm: float  # largest per-sample norm before clipping (not released: for diagnostics in tests)
+    max_norm: float  # largest finite per-sample norm before clipping (not released: for diagnostics in tests)
+    nonfinite: int = 0  # units whose per-sample norm was not finite (inf or nan): each contributed exactly zero
 
 
 class Router:
@@ -222,6 +223,7 @@ class Router:
         self.routes = AdapterRoutes(model, resolution.reach)
         self._routed: tuple[str, ...] | None = None  # the captured forward's examples' classes
         self._canaries = None  # audit only: `inject_audit_canaries`; None in every run
+        self.nonfinite = 0  # this rank's units of the step in progress whose norm was not finite (`begin` resets)
         # the run's processes (`govtrain.distributed`): each rank clips its share of the draw; `finish` sums the
         # ranks' clipped sums, the lead alone noises them, and every rank writes the lead's release
         self.world = World.single()
@@ -386,6 +388,7 @@ class Router:
         the materialized path needs before the sum (a quantising privatizer's lattice); others ignore it."""
         self._totals: dict[str, Tensor] | None = None
         self._parts: dict[int, dict[str, Tensor]] = {}  # microbatch m >= 1 -> its clipped sum (per-microbatch noise)
+        self.nonfinite = 0  # this rank's units of the step whose norm was not finite: each contributed zero
         if self.materialized is not None:
             self.materialized.set_std(group_std)
         if self.tangent is not None:
@@ -461,6 +464,7 @@ class Router:
                 totals[name] += total
         self.noise_std = {name: std * math.sqrt(len(parts)) for name, std in self.noise_std.items()}
         self.world.share_(list(totals.values()))
+        _check_release(totals)
         self._write(totals, expected_batch_size)
 
     def _clipped_sum(self, losses: Tensor, classes: Sequence[str], clip_norms,
@@ -541,14 +545,22 @@ class Router:
             diracs = None if self._canaries is None else self._canaries.diracs(classes)  # audit only
             totals, norms, clipped = self.materialized.clipped_sum(calls, self.masks, rows, clip, batch,
                                                                    self.generator, dtype, diracs=diracs)
-            return totals, StepReport(batch, clipped, float(norms.max()) if batch else 0.0)
+            return totals, self._report(batch, clipped, norms)
         # -- end of the noise families' hook ---------------------------------------------------------------
 
         if self.tangent is not None:  # the step's factor geometry (an eigh), formed once, outside any compiled graph
             self.tangent.geometry()
         stage = self._clip if self._compiled is None or self._canaries is not None else self._compiled
         totals, norms, clipped = stage(calls, rows, clip, classes)
-        return totals, StepReport(batch, int(clipped.sum()), float(norms.max()) if batch else 0.0)
+        return totals, self._report(batch, int(clipped.sum()), norms)
+
+    def _report(self, batch: int, clipped: int, norms: Tensor) -> StepReport:
+        """One chunk's report; its non-finite units are also counted into the step's (`nonfinite`)."""
+        finite = torch.isfinite(norms)
+        bad = int((~finite).sum())
+        self.nonfinite += bad
+        largest = float(norms[finite].max()) if bad < batch else 0.0
+        return StepReport(batch, clipped, largest, bad)
 
     def _clip(self, calls: Mapping[str, tuple[Any, str]], rows: Mapping[str, Tensor], clip: Tensor,
               classes: Sequence[str]) -> tuple[dict[str, Tensor], Tensor, Tensor]:
@@ -572,15 +584,21 @@ class Router:
         if self._canaries is not None:  # audit only: each canary's Dirac joins its own squared norm
             self._canaries.inject(squares, classes, batch, dtype, device)
         norms = sum(squares.values(), paired).sqrt()
+        # A unit whose norm is not finite (a nan or inf loss, an overflow: in any of its parameters, which makes the
+        # joint norm nan or inf) contributes exactly zero: its coefficient is 0 in every parameter, and a weighted
+        # sum takes a row of weight 0 out before it scales (`persample.Calls.weighted_sum`), since 0 * nan is nan.
+        # Whether a unit is taken out depends on that unit alone, so the release stays a function of each unit's
+        # own clipped gradient; the count is the step log's (`StepReport.nonfinite`).
+        finite = torch.isfinite(norms)
         if self.mechanism == "dp-muon":  # each unit on its own, to C_i / sqrt(L_i)
             units = torch.zeros(batch, dtype=dtype, device=device)  # L_i of each unit, from its class's rows
             for data_class, index in rows.items():
                 units.index_fill_(0, index, self.units[data_class])
             budget = clip / units.sqrt()
-            coefficients = {name: _coefficient(square.sqrt(), budget) for name, square in squares.items()}
+            coefficients = {name: _coefficient(square.sqrt(), budget, finite) for name, square in squares.items()}
             clipped = torch.stack([square.sqrt() > budget for square in squares.values()]).any(0) if squares else norms > clip
         else:
-            shared = _coefficient(norms, clip)
+            shared = _coefficient(norms, clip, finite)
             coefficients = {name: shared for name in squares}
             clipped = norms > clip
 
@@ -603,6 +621,7 @@ class Router:
         self.world.sum_(list(totals.values()))  # every rank's clipped sum, on every rank
         self._noise_once(totals, group_std, expected_batch_size)
         self.world.share_(list(totals.values()))  # the lead's release, bitwise, on every rank
+        _check_release(totals)
         self._write(totals, expected_batch_size)
 
     def _noise_once(self, totals: dict[str, Tensor], group_std: Mapping[frozenset, float],
@@ -681,12 +700,29 @@ def _group_calls(tap: _Tap, units: Tensor, count: int) -> None:
         tap.formed[leaf] = per.new_zeros((count, *per.shape[1:])).index_add_(0, units, per)
 
 
+def _check_release(totals: Mapping[str, Tensor]) -> None:
+    """Refuse a noised sum with a non-finite coordinate before it reaches `.grad`: a unit with a non-finite norm
+    contributes zero (`_clip`), so this cannot happen; if it does, a release that a neighbouring batch could not
+    produce would leave under a finite charge, so nothing is written and nothing moves."""
+    if not totals or bool(torch.stack([torch.isfinite(total).all() for total in totals.values()]).all()):
+        return  # one read of the device per step; the names only when it fails
+    bad = [name for name, total in totals.items() if not bool(torch.isfinite(total).all())]
+    if bad:
+        raise ConfigError(Code.NONFINITE_RELEASE,
+                          f"the step's noised gradient of {', '.join(bad[:3])}{' and more' if len(bad) > 3 else ''} "
+                          "is not finite: nothing was released or updated; this is a defect in govtrain, report it")
+
+
 def _accumulator(dtype: torch.dtype) -> torch.dtype:
     """The dtype per-sample norms, clipping, sums and noise are computed in: float32, or wider if given."""
     return torch.promote_types(dtype, torch.float32)
 
 
-def _coefficient(norms: Tensor, clip: Tensor) -> Tensor:
-    """min(1, C / ‖g‖) per sample, without dividing by a zero norm."""
-    return torch.where(norms > clip, clip / norms.clamp(min=torch.finfo(norms.dtype).tiny), torch.ones_like(norms))
+def _coefficient(norms: Tensor, clip: Tensor, finite: Tensor) -> Tensor:
+    """min(1, C / ‖g‖) per sample, without dividing by a zero norm; 0 for a unit whose joint norm is not finite
+    (`finite`: the unit's, not this parameter's, so a unit is taken out of every parameter at once). nan > C is
+    false: without `finite` a nan norm would keep its coefficient 1 and its nan gradient would be released."""
+    coefficient = torch.where(norms > clip, clip / norms.clamp(min=torch.finfo(norms.dtype).tiny),
+                              torch.ones_like(norms))
+    return torch.where(finite, coefficient, torch.zeros_like(norms))
 

@@ -147,8 +147,11 @@ class TangentStacks:
                 totals.update(zip(stack.lora_A, coefficients.new_zeros(P, r, n).unbind(0)))
                 continue
             weights = coefficients.to(chunk.gA.dtype)
-            sum_A = torch.tensordot(weights, chunk.gA, dims=([0], [1]))  # [P, m, r]
-            sum_Bt = torch.tensordot(weights, chunk.gBt, dims=([0], [1]))  # [P, r, n]: lora_A's layout
+            # a sample of coefficient 0 (a non-finite norm: `Router._clip`) is zeroed, not scaled: 0 * nan is nan
+            keep = (weights != 0)[None, :, None, None]
+            gA, gBt = torch.where(keep, chunk.gA, 0), torch.where(keep, chunk.gBt, 0)
+            sum_A = torch.tensordot(weights, gA, dims=([0], [1]))  # [P, m, r]
+            sum_Bt = torch.tensordot(weights, gBt, dims=([0], [1]))  # [P, r, n]: lora_A's layout
             totals.update(zip(stack.lora_B, sum_A.unbind(0)))
             totals.update(zip(stack.lora_A, sum_Bt.unbind(0)))
         return totals

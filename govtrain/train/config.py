@@ -71,6 +71,7 @@ from govtrain.privatizers import REGISTRY
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 PositiveInt = Annotated[int, Field(ge=1, strict=True)]
+NonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
 # A bare "dense" also matches BERT's pooler.dense (and, under SEQ_CLS, nothing useful): name the path.
 AMBIGUOUS_TARGETS = frozenset({"dense"})
 
@@ -231,6 +232,11 @@ class TrainingSection(_Strict):
         False, description="shard the model over the run's processes with FSDP2 (fully_shard on each transformer "
                            "block and the root), for models larger than one device: needs several processes "
                            "(--nproc N or torchrun) and mechanism dpsgd; the same released gradient as one process")
+    max_nonfinite_units: NonNegativeInt = Field(
+        16, description="units (examples, or contributions) whose per-sample gradient may be non-finite (a nan or "
+                        "inf loss) over the run: each contributes exactly zero and is counted in the step log; the "
+                        "step that would pass this many stops the run (error diverged) before it releases anything, "
+                        "so nothing more is charged")
 
 
 class RunFile(_Strict):

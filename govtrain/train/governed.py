@@ -234,6 +234,11 @@ class GovernedRun:
         return self._run.total
 
     @property
+    def nonfinite(self) -> int:
+        """The run's units with a non-finite gradient so far: each contributed zero (docs/training.md)."""
+        return self._run.result.nonfinite
+
+    @property
     def result(self) -> RunResult:
         """A copy of the run's record (steps, losses, epochs, epsilons, adapter hash): the run's own is read
         inside each step and pickled at each checkpoint, so no object of the loop's may sit in it (review 8)."""

@@ -79,9 +79,10 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
         pace["steps"] += 1
         if show:
             seconds = (clock() - pace["started"]) / pace["steps"]
-            bar.set_description_str(progress_text(step, run.total_steps, seconds, run.epsilons(), loss), refresh=False)
+            bar.set_description_str(progress_text(step, run.total_steps, seconds, run.epsilons(), loss,
+                                                  run.nonfinite), refresh=False)
         elif lines is not None:
-            lines.update(step, lambda: step_details(run.epsilons(), loss))
+            lines.update(step, lambda: step_details(run.epsilons(), loss, run.nonfinite))
         bar.update(1)
         if interrupt_after_steps is not None and pace["steps"] >= interrupt_after_steps:
             raise KeyboardInterrupt(f"test hook: interrupted after {pace['steps']} steps")

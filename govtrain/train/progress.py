@@ -16,22 +16,25 @@ CLOCK: Callable[[], float] = time.monotonic  # the default clock; tests of the c
 
 
 def progress_text(step: int, total: int, seconds_per_step: float | None, eps_by_class: Mapping[str, float],
-                  loss: float | None = None) -> str:
+                  loss: float | None = None, nonfinite: int = 0) -> str:
     """What the progress bar shows after `step` of `total` steps: the step, the pace (`seconds_per_step`,
     None before the first step), the time left at that pace, the last loss (nan, an empty batch: not shown)
     and each class's ε as charged so far, which includes the epoch written ahead."""
     parts = [f"step {step}/{total}"]
     if seconds_per_step is not None:
         parts += [f"{seconds_per_step:.2f} s/step", f"ETA {clock_text(seconds_per_step * max(total - step, 0))}"]
-    parts += step_details(eps_by_class, loss)
+    parts += step_details(eps_by_class, loss, nonfinite)
     return " | ".join(parts)
 
 
-def step_details(eps_by_class: Mapping[str, float], loss: float | None = None) -> list[str]:
-    """A training step's loss (not an empty batch's nan) and each class's ε so far."""
+def step_details(eps_by_class: Mapping[str, float], loss: float | None = None, nonfinite: int = 0) -> list[str]:
+    """A training step's loss (not an empty batch's nan), the run's units with a non-finite gradient so far (each
+    contributed zero; shown once there is one) and each class's ε so far."""
     parts = []
     if loss is not None and loss == loss:
         parts.append(f"loss {loss:.3f}")
+    if nonfinite:
+        parts.append(f"non-finite units {nonfinite}")
     if eps_by_class:
         parts.append(", ".join(f"{name} ε {eps:.3f}" for name, eps in sorted(eps_by_class.items())))
     return parts

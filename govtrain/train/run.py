@@ -88,6 +88,7 @@ class RunResult:
     eps_by_class: dict[str, list[float]] = field(default_factory=dict)  # max cumulative eps per class, per epoch
     adapter_sha256: bytes | None = None
     exhausted: bool = False
+    nonfinite: int = 0  # units whose gradient was not finite (each contributed zero), over the run's steps
     plan: "Plan | None" = None  # a check's plan (`govtrain train --check`); None for a run that trained
 
 
@@ -477,6 +478,7 @@ class Run:
             self.corpus = corpus.merge(state.get("corpus"), self.corpus)
             check_state_shapes(state, self.model, self.update, self.state_path)  # before anything is put back
             result.steps, result.losses = state["step"], state["losses"]
+            result.nonfinite = int(state.get("nonfinite", 0))  # 0 in a state saved before it was counted
             result.epochs, result.eps_by_class = state["epochs"], state["eps_by_class"]
             if self.sharded:  # every rank puts back its shards of them (`_share_weights`)
                 self._resume = (state["trainable"], state["update"])
@@ -548,6 +550,7 @@ class Run:
         result = self.result
         return {"run_id": result.run_id, "run_nonce": self.run_nonce, "resumed": self.resumed,
                 "recorded": self.recorded, "steps": result.steps, "losses": list(result.losses),
+                "nonfinite": result.nonfinite,
                 "epochs": list(result.epochs), "eps_by_class": result.eps_by_class, "exhausted": result.exhausted,
                 "pending": self.pending, "confirmed": self.confirmed, "charged_before": sorted(self.charged_before),
                 "plan": self.plan, "owner": self._owner}
@@ -566,7 +569,7 @@ class Run:
 
         self.result = result = RunResult(shared["run_id"], shared["steps"])
         result.losses, result.epochs, result.eps_by_class = shared["losses"], shared["epochs"], shared["eps_by_class"]
-        result.exhausted = shared["exhausted"]
+        result.exhausted, result.nonfinite = shared["exhausted"], shared["nonfinite"]
         self.run_nonce, self.resumed, self.recorded = shared["run_nonce"], shared["resumed"], shared["recorded"]
         self.pending, self.confirmed, self.plan = shared["pending"], shared["confirmed"], shared["plan"]
         self.charged_before = set(shared["charged_before"])
@@ -819,7 +822,9 @@ class Run:
         return loss
 
     def move(self) -> float:
-        """The router's noise once per group, then the update; the step's mean loss per example drawn."""
+        """The router's noise once per group, then the update; the step's mean loss per example drawn. A step that
+        would pass `training.max_nonfinite_units` stops the run first (`diverged`), with nothing released."""
+        self._count_nonfinite()
         self.router.finish(self._group_std, self.pending["expected_batch"])
         if self.world.many:  # the step's loss over every rank's share
             import torch
@@ -833,6 +838,31 @@ class Run:
         if self.sharded:
             self._gather()
         return loss
+
+    def _count_nonfinite(self) -> None:
+        """The step's units with a non-finite gradient (each contributed zero: `Router._clip`), over every rank's
+        share, into the run's count and the log; past `training.max_nonfinite_units` the run is diverging and stops
+        here, before the noise is drawn or `.grad` written, so this step releases nothing and no later epoch is
+        written ahead: nothing more is charged."""
+        count = self.router.nonfinite
+        if self.world.many:  # every rank decides alike, on the sum of the ranks' counts
+            import torch
+
+            seen = torch.tensor([float(count)], dtype=torch.float64)
+            self.world.sum_([seen])
+            count = int(seen[0])
+        if not count:
+            return
+        total, limit = self.result.nonfinite + count, self.config.file.training.max_nonfinite_units
+        step = self.result.steps
+        if total > limit:
+            raise ConfigError(Code.DIVERGED, f"step {step}: {count} more unit(s) with a non-finite gradient make "
+                                             f"{total}, over training.max_nonfinite_units = {limit}: the run is "
+                                             "diverging and stops before this step releases anything (nothing more "
+                                             "is charged); lower the learning rate or fix the loss, then resume")
+        self.result.nonfinite = total
+        self.log(f"step {step}: {count} unit(s) with a non-finite gradient contributed zero ({total} in the run, at "
+                 f"most {limit})")
 
     def record(self, loss: float) -> None:
         """Count the step moved by `move`, and save the run state at a checkpoint."""
@@ -1029,7 +1059,7 @@ class Run:
         _save_state(self.state_path, {
             "run_id": result.run_id, "run_nonce": self.run_nonce, "sampling_key": self.sampler.key,
             "config_sha256": self.config.sha256, "ledger": self.ledger.identity, "confirmed": self.confirmed,
-            "step": result.steps,
+            "step": result.steps, "nonfinite": result.nonfinite,
             "losses": result.losses, "epochs": result.epochs, "eps_by_class": result.eps_by_class,
             "pending": self.pending,
             "corpus": self.corpus,  # what each unit's identity names (train/corpus.py): plain JSON data
