@@ -57,6 +57,8 @@ class Code(str, Enum):
     BASE_MODEL_MISMATCH = "base_model_mismatch"  # the base model found is not the one the adapter was trained on
     CHARGED_BEFORE = "charged_before"  # a run would charge contributions other runs charged, unconfirmed
     OUTPUT_TAKEN = "output_taken"  # the output folder holds another run's adapter, run state or other files
+    RUN_STATE_UNSAFE = "run_state_unsafe"  # a run state not read: a link, not ours, not 0600, or pickled (run-state.pt)
+    RUN_STATE_INVALID = "run_state_invalid"  # a run state file that is not one govtrain wrote in its format
     INFERENCE_POLICY_UNREADABLE = "inference_policy_unreadable"  # inference.toml cannot be read or is no TOML
     INFERENCE_POLICY_INVALID = "inference_policy_invalid"  # inference.toml's fields (one line names each)
     # privatizers (docs/privatizers.md)

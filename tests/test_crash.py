@@ -126,7 +126,7 @@ def test_a_run_recorded_before_a_kill_whose_adapter_changed_is_refused(tmp_path:
     code, stderr, _ = launch(s, journal, None, runner)
     assert code == 4 and "error[adapter_mismatch]" in stderr, stderr
     assert snapshot(s.url) == before and sorted(p.name for p in output.iterdir()) == files
-    assert (output / "run-state.pt").exists() and not (output / "README.md").exists()
+    assert (output / "run-state.safetensors").exists() and not (output / "README.md").exists()
 
 
 def test_a_kill_inside_a_trial_config_write_does_not_stop_the_search_resuming(tmp_path: Path, model: Path, runner,
@@ -168,7 +168,7 @@ def test_the_checks_see_an_under_count_a_changed_adapter_and_a_leftover_state(tm
     output = s.runs["test-run"]
     (output / "README.md").unlink()
     assert hash_problems(s) == ["test-run: the model card absent"]
-    shutil.copy(output / "adapter_config.json", output / "run-state.pt")
+    shutil.copy(output / "adapter_config.json", output / "run-state.safetensors")
     assert any("its run state" in p for p in hash_problems(s))
     weights = output / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1] + b" ")
