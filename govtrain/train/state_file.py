@@ -193,8 +193,12 @@ def read(path: Path) -> dict | None:
         kind = "a link" if os.path.islink(path) else f"not readable ({e.strerror})"
         raise ConfigError(Code.RUN_STATE_UNSAFE, f"{path} is {kind}: a run state is a file govtrain wrote itself; "
                                                  "remove it, and restore the file the run saved") from None
-    with os.fdopen(fd, "rb") as handle:
+    try:
         _check_file(os.fstat(fd), path)  # of the file opened: it cannot be swapped between the check and the read
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as handle:
         data = handle.read()
     try:
         return decode(data)
