@@ -235,7 +235,8 @@ UNSAFE = {
     "eval passed around": "run = eval\nrun('1')",
     "builtins.exec": "import builtins\nbuiltins.exec('x = 1')",
     "trust_remote_code": "from transformers import AutoModel\nAutoModel.from_pretrained(p, trust_remote_code=True)",
-    "weights_only=False elsewhere": "from transformers import AutoModel\nAutoModel.from_pretrained(p, weights_only=False)",
+    "weights_only=False elsewhere": "from transformers import AutoModel\nAutoModel.from_pretrained(p, "
+                                    "weights_only=False)",
     "use_safetensors=False": "from transformers import AutoModel\nAutoModel.from_pretrained(p, use_safetensors=False)",
     "safe_serialization=False": "model.save_pretrained(folder, safe_serialization=False)",
     "an object collective": "import torch.distributed as dist\ndist.broadcast_object_list(box, src=0)",

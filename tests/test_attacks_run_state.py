@@ -84,7 +84,8 @@ def _killed(corpus: Corpus, model: Path):  # type: ignore[no-untyped-def]
     return config
 
 
-def _refused(corpus: Corpus, config, code: str, marker: Path | None = None) -> GovtrainError:  # type: ignore[no-untyped-def]
+def _refused(corpus: Corpus, config, code: str,  # type: ignore[no-untyped-def]
+             marker: Path | None = None) -> GovtrainError:
     """Train `config` again: refused with `code`, the marker never written, the ledger and the folder unchanged."""
     from govtrain.train.loop import train
 
