@@ -112,6 +112,15 @@ def test_a_kill_after_the_run_entry_leaves_a_run_the_same_command_finishes(tmp_p
     assert verify_ledger(f"sqlite:///{tmp_path / 'killed' / 'ledger.db'}").by_kind["run"] == 1
 
 
+def test_a_kill_inside_the_run_state_write_resumes_from_the_last_state_written_whole(tmp_path: Path, model: Path,
+                                                                                    runner, references):
+    """Killed with half of `run-state.safetensors.tmp` written (the state is written whole by `state_file.write`),
+    `govtrain train` run again resumes from the last state written whole and completes, nothing under-counted."""
+    out = episode(tmp_path / "killed", "train", model, [Kill("state-partial", nth=3, fraction=0.5)],
+                  references("train"), runner)
+    assert out.ok and out.kills[0][0] == "mid-checkpoint", out.problems
+
+
 def test_a_run_recorded_before_a_kill_whose_adapter_changed_is_refused(tmp_path: Path, model: Path, runner):
     """The other side of defect 1's fix: run again, a run recorded before a kill whose folder no longer holds the
     recorded adapter is refused (`adapter_mismatch`, exit 4), and the ledger, the folder and the state are unchanged."""
