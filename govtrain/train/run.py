@@ -34,7 +34,6 @@ from govtrain.train.resume import (
     check_state_shapes,
     read_recorded_adapter,
     recorded_entry,
-    write_whole,
 )
 from govtrain.train import state_file
 from govtrain.train.withdrawals import Withdrawn
