@@ -61,6 +61,8 @@ class Code(str, Enum):
     WITHDRAWN_AT_RELEASE = "withdrawn_at_release"  # releasing a run trained on a withdrawn contribution, unconfirmed
     OUTPUT_TAKEN = "output_taken"  # the output folder holds another run's adapter, run state or other files
     CORPUS_CHANGED = "corpus_changed"  # a resume whose surviving units would not keep their identities
+    RUN_STATE_UNSAFE = "run_state_unsafe"  # a run state not read: a link, not ours, not 0600, or pickled (run-state.pt)
+    RUN_STATE_INVALID = "run_state_invalid"  # a run state file that is not one govtrain wrote in its format
     INFERENCE_POLICY_UNREADABLE = "inference_policy_unreadable"  # inference.toml cannot be read or is no TOML
     INFERENCE_POLICY_INVALID = "inference_policy_invalid"  # inference.toml's fields (one line names each)
     # privatizers (docs/privatizers.md)

@@ -26,7 +26,7 @@ def complete(s: "Scene") -> bool:
     if s.tool == "tune":
         return any(t["tune_id"] == s.tune_id for t in entries(s.url, "tune"))
     recorded = {r["run_id"] for r in entries(s.url, "run")}
-    return all(r in recorded and not (out / "run-state.pt").exists() for r, out in s.runs.items())
+    return all(r in recorded and not (out / "run-state.safetensors").exists() for r, out in s.runs.items())
 
 
 def spend_problems(s: "Scene", events: list[dict], reference: dict[str, int] | None) -> list[str]:
@@ -127,7 +127,7 @@ def hash_problems(s: "Scene") -> list[str]:
                     problems.append(f"{run_id}: the model card {card}")
             except GovtrainError as e:
                 problems.append(f"{run_id}: {e.line()}")
-        if (output / "run-state.pt").exists():
+        if (output / "run-state.safetensors").exists():
             problems.append(f"{run_id}: its run state (which holds its sampling key) is left in {output}")
     return problems
 

@@ -12,8 +12,8 @@ Where (`--kill`), each the n-th call in this process of what it names:
   `spend-rows`: the spend rows and their checkpoint are inserted, the transaction is not committed;
   `spend-head`: committed, the signer's record of its head (`SignedHead.save`) not yet written;
   `spend-unseen`: `record_spend` returned, the run has not yet seen it (nor saved its state).
-- mid-checkpoint, the run state (`run._save_state`): `state-partial`: `--fraction` of `run-state.pt.tmp`'s bytes are
-  written (1.0: all of them, not yet renamed over `run-state.pt`).
+- mid-checkpoint, the run state (`run._save_state`): `state-partial`: `--fraction` of `run-state.safetensors.tmp`'s
+  bytes are written (1.0: all of them, not yet renamed over `run-state.safetensors`).
 - mid-adapter-save (`Run.finish`): `weights-partial`: `--fraction` of the n-th adapter weights file `finish` saves
   is written (peft's `save_file`); `extras-pending`: peft's files are written, govtrain's (`Release.write`) not yet;
   `entry-recorded`: the run entry is in the ledger, the run state not yet removed.
@@ -76,9 +76,9 @@ def install(journal: Journal, kill: str | None, nth: int, fraction: float) -> No
     """Wrap the production functions this process calls, recording each call, killing at the n-th of `kill`."""
     import ledger_store.store as store
     import peft.peft_model
-    import torch
 
     import govtrain.train.run as run_module
+    import govtrain.train.state_file as state_module
     import govtrain.train.tune as tune_module
     from govtrain.ledger.ledger import Ledger
     from govtrain.ledger.signer import SignedHead
@@ -117,15 +117,17 @@ def install(journal: Journal, kill: str | None, nth: int, fraction: float) -> No
         finally:
             inside["state"] = 0
 
-    real_torch_save = torch.save
-
-    def torch_save(obj, f, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def write_state(original, path: Path, write):  # type: ignore[no-untyped-def]
         if kill in STATE and inside["state"] == nth:
             buffer = io.BytesIO()
-            real_torch_save(obj, buffer, *args, **kwargs)
+            write(buffer)
             data = buffer.getvalue()
-            die(journal, kill, n=nth, written=write_part(f, data, fraction), of=len(data))
-        return real_torch_save(obj, f, *args, **kwargs)
+
+            def partial(handle):  # type: ignore[no-untyped-def]
+                die(journal, kill, n=nth, written=write_part(handle, data, fraction), of=len(data))
+
+            return original(path, partial)
+        return original(path, write)
 
     def finish(original, *args, **kwargs):  # type: ignore[no-untyped-def]
         inside["finish"] = 1
@@ -195,7 +197,7 @@ def install(journal: Journal, kill: str | None, nth: int, fraction: float) -> No
     wrap(store.Appender, "add_checkpoint", add_checkpoint)
     wrap(SignedHead, "save", head_save)
     wrap(run_module, "_save_state", save_state)
-    torch.save = torch_save
+    wrap(state_module, "write_whole", write_state)  # the run state, written whole (`state_file.write`)
     wrap(peft.peft_model, "safe_save_file", save_file)
     wrap(Release, "write", release_write)
     wrap(tune_module, "write_whole", write_trial_config)  # a trial's config, written whole (`resume.write_whole`)

@@ -21,11 +21,12 @@ pytest.importorskip("transformers")
 
 from govtrain.errors import GovtrainError  # noqa: E402
 from govtrain.ledger.ledger import Ledger  # noqa: E402
+from govtrain.train import state_file  # noqa: E402
 from tests.conftest import Corpus, snapshot  # noqa: E402
 from tests.test_signed_ledger import _db, _sql  # noqa: E402
 from tests.test_train import _admit, _config, tiny_model  # noqa: E402,F401
 
-STATE = "run-state.pt"
+STATE = state_file.STATE_FILE
 QUIET = dict(log=lambda line: None)
 
 
@@ -64,7 +65,7 @@ def test_a_state_file_of_another_finished_run_does_not_finish_this_config_withou
     config_x = load_run_config(path_x)
     with pytest.raises(KeyboardInterrupt):
         train(config_x, corpus.url, insecure_seed=1, checkpoint_every=1, interrupt_after_steps=2, **QUIET)
-    stolen = torch.load(corpus.dir / "adapter" / STATE, weights_only=False)  # X's state, read mid-run
+    stolen = state_file.read(corpus.dir / "adapter" / STATE)  # X's state, read mid-run
     train(config_x, corpus.url, insecure_seed=1, **QUIET)  # X finishes: run entry, card, state removed
 
     # config C: another run (id, folder, learning rate), never started
@@ -74,7 +75,7 @@ def test_a_state_file_of_another_finished_run_does_not_finish_this_config_withou
     config_c = load_run_config(path_c)
     folder = corpus.dir / "adapter-c"
     shutil.copytree(corpus.dir / "adapter", folder, ignore=shutil.ignore_patterns("README.md"))
-    torch.save({**stolen, "config_sha256": config_c.sha256}, folder / STATE)
+    state_file.write(folder / STATE, {**stolen, "config_sha256": config_c.sha256})
     before, files = snapshot(corpus.url), _files(folder)
 
     with pytest.raises(GovtrainError) as info:
@@ -124,14 +125,14 @@ def test_an_unsigned_run_entry_forged_in_the_database_does_not_finish_a_killed_r
     assert (folder / STATE).read_bytes() == state and not (folder / "README.md").exists()
 
 
-# -- 3. a link planted at run-state.pt.tmp: the run state (its sampling key) is written through it -----------------
+# -- 3. a link planted at the state's temporary: the run state (its sampling key) is written through it ------------
 
 def test_a_link_planted_at_the_state_temporary_is_not_written_through(corpus: Corpus, tiny_model: Path,
                                                                        tmp_path: Path):
     """Adversary: someone who can write the output folder between a kill and the resume (a kill leaves
-    `run-state.pt.tmp` behind routinely, so a file there is expected).
+    `run-state.safetensors.tmp` behind routinely, so a file there is expected).
 
-    Defect: `_save_state` opens `run-state.pt.tmp` with O_CREAT|O_TRUNC and no O_NOFOLLOW (and `os.chmod`
+    Defect: `_save_state` opened `run-state.pt.tmp` with O_CREAT|O_TRUNC and no O_NOFOLLOW (and `os.chmod`
     follows links): a symbolic link planted there makes the resumed run write its state, sampling key included,
     into the link's target (any file the run's user can write, truncated), and `os.replace` then installs the link
     itself as `run-state.pt`, so later reads follow it too. `write_card` already unlinks a planted README.md link;

@@ -121,7 +121,7 @@ def test_held_the_lead_killed_at_a_chosen_point_resumes_whole(tmp_path, tiny, at
     assert code == 0, stderr[-3000:]
     assert json.loads(stdout.splitlines()[-1])["steps"] == STEPS
     assert_whole(corpus, killed, again)
-    assert not (corpus.dir / "adapter" / "run-state.pt").exists()
+    assert not (corpus.dir / "adapter" / "run-state.safetensors").exists()
 
 
 # -- 5. a follower killed before the first spend -------------------------------------------------------------------
@@ -135,7 +135,7 @@ def test_held_a_follower_killed_while_preparing_leaves_nothing_and_the_rerun_wor
     corpus, config = make_world(tmp_path / "w", tiny, steps=STEPS, extra=EPOCHS)
     code, _, stderr = train(corpus, config, hooked(tmp_path / "killed", at="prepare", rank=1), "--nproc", "2")
     assert code == 2 and "error[rank_lost]" in stderr, stderr[-3000:]
-    assert spend_entries(corpus.url) == [] and not (corpus.dir / "adapter" / "run-state.pt").exists()
+    assert spend_entries(corpus.url) == [] and not (corpus.dir / "adapter" / "run-state.safetensors").exists()
     code, _, stderr = train(corpus, config, hooked(tmp_path / "again"), "--nproc", "2")
     assert code == 0, stderr[-3000:]
     assert_whole(corpus, tmp_path / "again")
@@ -148,7 +148,7 @@ def test_a_follower_killed_during_its_rehearsal_changes_nothing(tmp_path, tiny):
     that the loop's failures cost nothing: in one process it runs before the first plan, and a failure there leaves
     the output folder as it was, so the user may change RUN.toml and run again. With several processes nothing
     gathers the ranks after the rehearsal: the lead's passes, it plans the first epoch and saves that plan to
-    run-state.pt (`Run._plan_epoch` saves before `from_lead`'s broadcast), then waits in the broadcast for the
+    run-state.safetensors (`Run._plan_epoch` saves before `from_lead`'s broadcast), then waits in the broadcast for the
     follower, which dies. No spend is written (held: gloo's broadcast waits for the follower), but the run state
     left behind pins the folder to the old config: the fixed RUN.toml (a smaller physical_batch) is refused,
     `output_taken`. A failed rehearsal on any rank must leave the folder as a failed rehearsal in one process does."""
@@ -159,7 +159,7 @@ def test_a_follower_killed_during_its_rehearsal_changes_nothing(tmp_path, tiny):
     code, _, stderr = train(corpus, config, env, "--nproc", "2")
     assert code == 2 and "error[rank_lost]" in stderr, stderr[-3000:]
     assert steps_taken(killed) == [] and spend_entries(corpus.url) == []  # held: no step, no spend
-    left = corpus.dir / "adapter" / "run-state.pt"
+    left = corpus.dir / "adapter" / "run-state.safetensors"
     config.write_text(config.read_text().replace("physical_batch = 4", "physical_batch = 2"))  # the user's fix
     code, _, stderr = train(corpus, config, hooked(tmp_path / "fixed"), "--nproc", "2")
     assert code == 0, (f"the fixed config is refused after a failed rehearsal (run state left: {left.exists()}):\n"

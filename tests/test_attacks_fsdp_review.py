@@ -110,6 +110,7 @@ def worker(spec_path: str) -> None:
 
 from tests.test_distributed import clean_env, make_world, run_entries, spends, tiny  # noqa: E402,F401
 from govtrain.distributed.launch import free_port  # noqa: E402
+from govtrain.train import state_file  # noqa: E402
 
 
 def start(corpus, config: Path, out: Path, attack: str, *, rank: int = 1, seed: int = 7,
@@ -193,18 +194,18 @@ def test_held_trainable_shard_moved_for_a_backward_and_put_back_changes_no_relea
 
 @pytest.mark.slow
 def test_review_f2_a_run_state_of_wrong_shapes_is_refused_with_one_line_and_nothing_changes(tmp_path, tiny):
-    """A sharded run's state (the lead's `run-state.pt`) with one trainable weight of the wrong shape (hand-edited,
+    """A sharded run's state (the lead's `run-state.safetensors`) with one trainable weight of the wrong shape (hand-edited,
     or another LoRA rank's). Resuming puts it back as shards (`fsdp.load_whole` -> `local`), which raises a bare
     RuntimeError outside `world.together`: each rank dies with a traceback instead of one `error[output_taken]` line
     (docs/design.md's error contract). Nothing may change: no spend, the state as it was."""
     corpus, config = make_world(tmp_path / "w", tiny, steps=3, extra=FSDP)
     done = finish(start(corpus, config, tmp_path / "out-pause", "pause"))
     assert [code for code, _ in done] == [0, 0], [e[-1500:] for _, e in done]
-    path = corpus.dir / "adapter" / "run-state.pt"
-    state = torch.load(path, weights_only=False)
+    path = corpus.dir / "adapter" / state_file.STATE_FILE
+    state = state_file.read(path)
     name = next(iter(state["trainable"]))
     state["trainable"][name] = state["trainable"][name].t().contiguous()  # (r, d) as (d, r)
-    torch.save(state, path)
+    state_file.write(path, state)
     before, state_bytes = spends(corpus.url), path.read_bytes()
     done = finish(start(corpus, config, tmp_path / "out", "none"))
     assert all(code != 0 for code, _ in done), "a state of the wrong shapes was resumed"
@@ -261,9 +262,9 @@ def test_held_a_sharded_run_state_is_refused_by_the_unsharded_config_and_nothing
     corpus, config = make_world(tmp_path / "w", tiny, steps=3, extra=FSDP)
     done = finish(start(corpus, config, tmp_path / "out", "pause"))
     assert [code for code, _ in done] == [0, 0], [e[-1500:] for _, e in done]
-    state = corpus.dir / "adapter" / "run-state.pt"
+    state = corpus.dir / "adapter" / state_file.STATE_FILE
     assert state.exists()
-    saved = torch.load(state, weights_only=False)
+    saved = state_file.read(state)
     assert saved["step"] == 1 and saved["trainable"] and not any(hasattr(v, "to_local") for v in
                                                                   saved["trainable"].values())
     before, state_bytes = spends(corpus.url), state.read_bytes()
@@ -290,15 +291,15 @@ def test_review_f2_in_one_process_a_run_state_of_wrong_shapes_is_refused_too(tmp
     with pytest.raises(KeyboardInterrupt):
         train(load_run_config(config), corpus.url, insecure_seed=3, log=lambda line: None, checkpoint_every=2,
               interrupt_after_steps=3)
-    path = corpus.dir / "adapter" / "run-state.pt"
-    state = torch.load(path, weights_only=False)
+    path = corpus.dir / "adapter" / state_file.STATE_FILE
+    state = state_file.read(path)
     if edit == "weight":
         name = next(iter(state["trainable"]))
         state["trainable"][name] = state["trainable"][name].t().contiguous()
     else:
         entries = next(iter(state["update"]["optimizer"]["state"].values()))
         entries["exp_avg"] = entries["exp_avg"].t().contiguous()
-    torch.save(state, path)
+    state_file.write(path, state)
     before, state_bytes = spends(corpus.url), path.read_bytes()
     with pytest.raises(ConfigError) as refused:
         train(load_run_config(config), corpus.url, insecure_seed=3, log=lambda line: None)

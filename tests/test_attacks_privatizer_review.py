@@ -337,7 +337,7 @@ def test_held_a_run_state_from_another_strategy_is_refused_on_resume():
     other = from_record({**BANDED, "coefficients_p": [900_000_000_000, 400_000_000_000]})  # another stable strategy
     saved = {"privatizer": other.record(), "state": other.state_dict(other.init(slots))}
     ours = from_record(BANDED)
-    fake = SimpleNamespace(privatizer=ours, state_path="out/run-state.pt",
+    fake = SimpleNamespace(privatizer=ours, state_path="out/run-state.safetensors",
                            router=SimpleNamespace(noise_slots=SimpleNamespace(slots=slots), noise_state=None))
     with pytest.raises(ConfigError) as refused:
         Run._load_noise_state(fake, saved)

@@ -18,6 +18,7 @@ from govtrain.ledger.ledger import Ledger  # noqa: E402
 from govtrain.train.config import load_run_config  # noqa: E402
 from govtrain.train.loop import train  # noqa: E402
 from govtrain.release.artifact import adapter_sha256  # noqa: E402
+from govtrain.train import state_file  # noqa: E402
 from govtrain.train.run import STATE_FILE  # noqa: E402
 from tests.conftest import snapshot  # noqa: E402
 from tests.test_api import _corpus  # noqa: E402
@@ -80,13 +81,14 @@ def test_a_run_state_of_another_ledger_is_refused(tmp_path: Path, tiny_model: Pa
 
 def test_a_run_state_that_took_steps_under_a_lease_this_ledger_never_saw_is_refused(tmp_path: Path,
                                                                                    tiny_model: Path):
-    """A state naming no ledger (written before the binding) resumed where its lease has no spend: refused."""
+    """A state edited to name this ledger (the name is no proof) resumed where its lease has no spend: refused."""
     first, second, config = _paused_on_first_ledger(tmp_path, tiny_model)
     path = config.output_dir / STATE_FILE
-    state = torch.load(path, weights_only=False)
+    state = state_file.read(path)
     assert state["step"] >= 4
-    state.pop("ledger", None)
-    torch.save(state, path)
+    with Ledger.open(second.url) as ledger:
+        state["ledger"] = ledger.identity
+    state_file.write(path, state)
     before, folder = snapshot(second.url), _files(config.output_dir)
     with pytest.raises(ConfigError) as refused:
         train(config, second.url, insecure_seed=2, confirm=True, **QUIET)

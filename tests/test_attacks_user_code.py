@@ -41,6 +41,7 @@ from govtrain.tasks.base import Batch  # noqa: E402
 from govtrain.tasks.causal_lm import CausalLM, token_losses  # noqa: E402
 from govtrain.tasks.classification import Classification  # noqa: E402
 from govtrain.train.config import load_run_config  # noqa: E402
+from govtrain.train import state_file  # noqa: E402
 from govtrain.train.run import STATE_FILE, Chunk, Run  # noqa: E402
 from govtrain.verify.verifier import verify_ledger  # noqa: E402
 from tests import causal_models  # noqa: E402
@@ -545,7 +546,7 @@ def test_a_step_run_again_in_a_new_process_draws_the_same_batch(tmp_path: Path, 
             train(load_run_config(config), corpus.url, checkpoint_every=2, interrupt_after_steps=5,
                   observe=lambda step, ids: first.setdefault(step, ids), **QUIET)
         resumed_at = 4  # the checkpoint before the kill: steps 4 and 5 run again
-    state = corpus.dir / "adapter" / "run-state.pt"
+    state = corpus.dir / "adapter" / STATE_FILE
     assert stat.S_IMODE(state.stat().st_mode) == 0o600
     assert resumed_at in first  # the step that runs again was drawn (and seen) before
     with govtrain.GovernedRun.open(config, corpus.url, observe=lambda step, ids: again.setdefault(step, ids),
@@ -887,7 +888,7 @@ def test_weights_written_outside_a_governed_step_are_refused_at_the_next_step_an
             next(run.batches())
         assert refused.value.code is Code.UNGOVERNED_UPDATE and "outside a governed step" in refused.value.detail
         assert run.steps == 1 and snapshot(corpus.url) == written
-    state = torch.load(corpus.dir / "adapter" / STATE_FILE, weights_only=False)
+    state = state_file.read(corpus.dir / "adapter" / STATE_FILE)
     assert state["step"] == 0  # nothing saved on leaving: the last checkpoint (the epoch's write-ahead) stays
     with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **QUIET) as run:  # resumed from it
         assert run.steps == 0 and not _same(governed, run)

@@ -112,6 +112,15 @@ def test_a_kill_after_the_run_entry_leaves_a_run_the_same_command_finishes(tmp_p
     assert verify_ledger(f"sqlite:///{tmp_path / 'killed' / 'ledger.db'}").by_kind["run"] == 1
 
 
+def test_a_kill_inside_the_run_state_write_resumes_from_the_last_state_written_whole(tmp_path: Path, model: Path,
+                                                                                    runner, references):
+    """Killed with half of `run-state.safetensors.tmp` written (the state is written whole by `state_file.write`),
+    `govtrain train` run again resumes from the last state written whole and completes, nothing under-counted."""
+    out = episode(tmp_path / "killed", "train", model, [Kill("state-partial", nth=3, fraction=0.5)],
+                  references("train"), runner)
+    assert out.ok and out.kills[0][0] == "mid-checkpoint", out.problems
+
+
 def test_a_run_recorded_before_a_kill_whose_adapter_changed_is_refused(tmp_path: Path, model: Path, runner):
     """The other side of defect 1's fix: run again, a run recorded before a kill whose folder no longer holds the
     recorded adapter is refused (`adapter_mismatch`, exit 4), and the ledger, the folder and the state are unchanged."""
@@ -126,7 +135,7 @@ def test_a_run_recorded_before_a_kill_whose_adapter_changed_is_refused(tmp_path:
     code, stderr, _ = launch(s, journal, None, runner)
     assert code == 4 and "error[adapter_mismatch]" in stderr, stderr
     assert snapshot(s.url) == before and sorted(p.name for p in output.iterdir()) == files
-    assert (output / "run-state.pt").exists() and not (output / "README.md").exists()
+    assert (output / "run-state.safetensors").exists() and not (output / "README.md").exists()
 
 
 def test_a_kill_inside_a_trial_config_write_does_not_stop_the_search_resuming(tmp_path: Path, model: Path, runner,
@@ -168,7 +177,7 @@ def test_the_checks_see_an_under_count_a_changed_adapter_and_a_leftover_state(tm
     output = s.runs["test-run"]
     (output / "README.md").unlink()
     assert hash_problems(s) == ["test-run: the model card absent"]
-    shutil.copy(output / "adapter_config.json", output / "run-state.pt")
+    shutil.copy(output / "adapter_config.json", output / "run-state.safetensors")
     assert any("its run state" in p for p in hash_problems(s))
     weights = output / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1] + b" ")

@@ -181,7 +181,7 @@ def test_govtrain_train_nproc_2_writes_its_spend_once_reports_once_and_verifies(
     report = verify_ledger(corpus.url)
     assert report.spend_recomputed
     output = corpus.dir / "adapter"
-    assert (output / "adapter_model.safetensors").exists() and not (output / "run-state.pt").exists()
+    assert (output / "adapter_model.safetensors").exists() and not (output / "run-state.safetensors").exists()
 
 
 @pytest.mark.slow
@@ -236,4 +236,4 @@ def test_a_rank_with_another_config_model_or_data_is_refused_before_any_spend(tm
         for code, err in done:
             assert code != 0 and "error[rank_mismatch]" in err and name in err, err[-2000:]
         assert spends(corpus.url) == [] and run_entries(corpus.url) == 0  # nothing was written
-        assert not (corpus.dir / "adapter" / "run-state.pt").exists()
+        assert not (corpus.dir / "adapter" / "run-state.safetensors").exists()

@@ -137,6 +137,7 @@ def _adapter_sha(corpus: Corpus) -> str:
 
 
 def test_a_banded_mf_run_killed_mid_epoch_resumes_to_the_uninterrupted_adapter(tmp_path: Path, tiny_model: Path):
+    from govtrain.train import state_file
     from govtrain.train.config import load_run_config
     from govtrain.train.loop import STATE_FILE, train
 
@@ -150,7 +151,7 @@ def test_a_banded_mf_run_killed_mid_epoch_resumes_to_the_uninterrupted_adapter(t
             with pytest.raises(KeyboardInterrupt):
                 train(config, corpus.url, insecure_seed=3, log=lambda _: None, checkpoint_every=4,
                       interrupt_after_steps=14)  # in ledger epoch 1, after its checkpoint at step 12
-            state = torch.load(corpus.dir / "adapter" / STATE_FILE, weights_only=False)
+            state = state_file.read(corpus.dir / "adapter" / STATE_FILE)
             assert state["step"] == 12 and state["noise"]["state"]["step"] == 12  # the noise stream's position
             lines: list[str] = []
             result = train(config, corpus.url, insecure_seed=3, log=lines.append, checkpoint_every=4)
@@ -233,7 +234,7 @@ def test_a_family_below_its_floor_or_not_allowed_is_refused_before_any_spend(tmp
     config = _config(corpus, tiny_model, STEPS, extra=f"[noise]\n{NOISE[privatizer]}")
     result = CliRunner().invoke(cli, ["train", "--config", str(config), "--ledger", corpus.url])
     assert result.exit_code == 2 and result.stderr.startswith(f"error[{code}]:"), result.output
-    assert snapshot(corpus.url) == before and not (corpus.dir / "adapter" / "run-state.pt").exists()
+    assert snapshot(corpus.url) == before and not (corpus.dir / "adapter" / "run-state.safetensors").exists()
 
 
 @pytest.mark.parametrize("noise, fragment", [

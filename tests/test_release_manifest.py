@@ -81,15 +81,17 @@ def test_the_subjects_hash_to_the_adapter_hash_as_the_folder_does(tmp_path: Path
     import hashlib
 
     folder = tmp_path / "adapter"
-    for name in ("a-b", "a/b", "a.b", "A", "README.md", "sub/README.md", "run-state.pt", "x/run-state.lock", "z"):
+    for name in ("a-b", "a/b", "a.b", "A", "README.md", "sub/README.md", "run-state.pt", "x/run-state.lock",
+                 "run-state.safetensors", "y/run-state.safetensors.tmp", "z"):
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text(name)
     oracle = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in ("run-state.pt",
-                       "run-state.pt.tmp", "run-state.lock") and p.relative_to(folder) != Path("README.md")):
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (
+            "run-state.safetensors", "run-state.safetensors.tmp", "run-state.pt", "run-state.pt.tmp", "run-state.lock")
+            and p.relative_to(folder) != Path("README.md")):
         oracle.update(str(path.relative_to(folder)).encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
     files = folder_files(folder)
-    assert "README.md" in files and "run-state.pt" in files  # a subject is every file
+    assert "README.md" in files and "run-state.pt" in files and "run-state.safetensors" in files  # every file
     assert adapter_digest(files) == adapter_sha256(folder) == oracle.digest()
     (folder / "link").symlink_to(folder / "z")
     with pytest.raises(GovtrainError) as caught:

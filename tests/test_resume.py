@@ -16,7 +16,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from govtrain.errors import Code, GovtrainError  # noqa: E402
+from govtrain.train import state_file  # noqa: E402
 from govtrain.train.resume import write_whole  # noqa: E402
+from govtrain.train.state_file import STATE_FILE  # noqa: E402
 from govtrain.train.tune import TRIAL_CONFIG, _write_trial_config, check_tune_output  # noqa: E402
 from tests.conftest import Corpus, snapshot  # noqa: E402
 from tests.test_train import _admit, _config, tiny_model  # noqa: E402,F401
@@ -34,32 +36,32 @@ def test_a_link_at_the_temporary_is_replaced_never_written_through(tmp_path: Pat
     target.chmod(0o644)
     folder = tmp_path / "out"
     folder.mkdir()
-    (folder / "run-state.pt.tmp").symlink_to(target)
-    write_whole(folder / "run-state.pt", _write(b"state"))
+    (folder / "run-state.safetensors.tmp").symlink_to(target)
+    write_whole(folder / "run-state.safetensors", _write(b"state"))
     assert target.read_bytes() == OUTSIDE and stat.S_IMODE(target.stat().st_mode) == 0o644  # no chmod through it
-    path = folder / "run-state.pt"
+    path = folder / "run-state.safetensors"
     assert not path.is_symlink() and path.read_bytes() == b"state" and stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert not (folder / "run-state.pt.tmp").exists()
+    assert not (folder / "run-state.safetensors.tmp").exists()
 
 
 def test_a_loose_leftover_temporary_is_made_anew_at_0600(tmp_path: Path):
-    leftover = tmp_path / "run-state.pt.tmp"
+    leftover = tmp_path / "run-state.safetensors.tmp"
     leftover.write_bytes(b"half a state")
     leftover.chmod(0o666)
-    write_whole(tmp_path / "run-state.pt", _write(b"state"))
-    assert stat.S_IMODE((tmp_path / "run-state.pt").stat().st_mode) == 0o600
-    assert (tmp_path / "run-state.pt").read_bytes() == b"state"
+    write_whole(tmp_path / "run-state.safetensors", _write(b"state"))
+    assert stat.S_IMODE((tmp_path / "run-state.safetensors").stat().st_mode) == 0o600
+    assert (tmp_path / "run-state.safetensors").read_bytes() == b"state"
 
 
 def test_a_folder_at_the_temporary_is_a_coded_error_and_changes_nothing(tmp_path: Path):
-    (tmp_path / "run-state.pt").write_bytes(b"the last checkpoint")
-    (tmp_path / "run-state.pt.tmp").mkdir()
-    (tmp_path / "run-state.pt.tmp" / "kept").write_bytes(b"x")
+    (tmp_path / "run-state.safetensors").write_bytes(b"the last checkpoint")
+    (tmp_path / "run-state.safetensors.tmp").mkdir()
+    (tmp_path / "run-state.safetensors.tmp" / "kept").write_bytes(b"x")
     with pytest.raises(GovtrainError) as info:
-        write_whole(tmp_path / "run-state.pt", _write(b"state"))
+        write_whole(tmp_path / "run-state.safetensors", _write(b"state"))
     assert info.value.code is Code.OUTPUT_TAKEN
-    assert (tmp_path / "run-state.pt").read_bytes() == b"the last checkpoint"
-    assert (tmp_path / "run-state.pt.tmp" / "kept").read_bytes() == b"x"
+    assert (tmp_path / "run-state.safetensors").read_bytes() == b"the last checkpoint"
+    assert (tmp_path / "run-state.safetensors.tmp" / "kept").read_bytes() == b"x"
 
 
 def test_a_trial_config_is_not_written_through_a_link_and_a_folder_there_is_refused(tmp_path: Path):
@@ -98,7 +100,7 @@ def test_a_recorded_run_is_finished_only_under_its_own_config_and_base_model(cor
     with pytest.raises(KeyboardInterrupt):
         train(config_x, corpus.url, insecure_seed=1, checkpoint_every=1, interrupt_after_steps=4, **quiet)
     adapter = corpus.dir / "adapter"
-    stolen = torch.load(adapter / "run-state.pt", weights_only=False)  # every step taken: as a kill after the entry
+    stolen = state_file.read(adapter / STATE_FILE)  # every step taken: as a kill after the entry
     train(config_x, corpus.url, insecure_seed=1, **quiet)
     card = (adapter / "README.md").read_bytes()
 
@@ -109,7 +111,7 @@ def test_a_recorded_run_is_finished_only_under_its_own_config_and_base_model(cor
     config_c = load_run_config(path_c)
     folder_c = corpus.dir / "adapter-c"
     shutil.copytree(adapter, folder_c, ignore=shutil.ignore_patterns("README.md"))
-    torch.save({**stolen, "config_sha256": config_c.sha256}, folder_c / "run-state.pt")
+    state_file.write(folder_c / STATE_FILE, {**stolen, "config_sha256": config_c.sha256})
     before, files = snapshot(corpus.url), sorted(p.name for p in folder_c.iterdir())
     with pytest.raises(GovtrainError) as info:
         train(config_c, corpus.url, insecure_seed=1, **quiet)
@@ -117,16 +119,16 @@ def test_a_recorded_run_is_finished_only_under_its_own_config_and_base_model(cor
     assert snapshot(corpus.url) == before and sorted(p.name for p in folder_c.iterdir()) == files
 
     # X's own state put back (a kill after its run entry, as it looks), on a base model that changed since.
-    torch.save(stolen, adapter / "run-state.pt")
+    state_file.write(adapter / STATE_FILE, stolen)
     (model / "notes.txt").write_text("a file more: another base model\n")
     with pytest.raises(GovtrainError) as info:
         train(config_x, corpus.url, insecure_seed=1, **quiet)
     assert info.value.code is Code.BASE_MODEL_MISMATCH
-    assert snapshot(corpus.url) == before and (adapter / "run-state.pt").exists()
+    assert snapshot(corpus.url) == before and (adapter / STATE_FILE).exists()
 
     # On its own base model it is finished: nothing trained or recorded, the card from the folder's govtrain.json.
     (model / "notes.txt").unlink()
     (adapter / "README.md").unlink()
     train(config_x, corpus.url, insecure_seed=1, **quiet)
-    assert snapshot(corpus.url) == before and not (adapter / "run-state.pt").exists()
+    assert snapshot(corpus.url) == before and not (adapter / STATE_FILE).exists()
     assert (adapter / "README.md").read_bytes() == card

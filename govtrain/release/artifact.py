@@ -38,7 +38,8 @@ RECORD = "govtrain.json"
 CARD = "README.md"
 ADAPTER_CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
-STATE = ("run-state.pt", "run-state.pt.tmp", "run-state.lock")  # a run's resumable state: never the adapter's
+# a run's resumable state (`train/state_file.py`; run-state.pt: an earlier govtrain's): never the adapter's
+STATE = ("run-state.safetensors", "run-state.safetensors.tmp", "run-state.pt", "run-state.pt.tmp", "run-state.lock")
 PLAIN_PREFIX = "govtrain.load only: "  # how a refusing task_type starts
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9_-]+")  # a class adapter's sub-folder: never a path out of the folder
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")  # org/name

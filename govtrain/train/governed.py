@@ -34,7 +34,7 @@ checked before each draw, each governed forward, each update, each Trainer check
 torch's global optimizer hooks are refused (they run inside the update); all `ungoverned_update`. Leaving the
 block after such a change saves nothing: the run state stays its last checkpoint's.
 
-Leaving the `with` block before the last step keeps the run's state in `<output>/run-state.pt`: opening
+Leaving the `with` block before the last step keeps the run's state in `<output>/run-state.safetensors`: opening
 the same config again resumes it (same run id, same ledger history; spend already written is never
 written again). An exception (a kill) keeps the last checkpoint, as `govtrain train` does.
 """
@@ -241,7 +241,7 @@ class GovernedRun:
     @property
     def result(self) -> RunResult:
         """A copy of the run's record (steps, losses, epochs, epsilons, adapter hash): the run's own is read
-        inside each step and pickled at each checkpoint, so no object of the loop's may sit in it (review 8)."""
+        inside each step and written at each checkpoint, so no object of the loop's may sit in it (review 8)."""
         return copy.deepcopy(self._run.result)
 
     @property

@@ -49,7 +49,7 @@ def train(config: RunConfig, ledger_url: str, *, key: str | None = None, insecur
     """Run (or resume) the training `config` describes against the ledger at `ledger_url`.
 
     The run state (trainable weights, optimizer, the epoch in progress and its plan) is saved to
-    `<output>/run-state.pt` at each epoch's start and end and every `checkpoint_every` steps; a
+    `<output>/run-state.safetensors` at each epoch's start and end and every `checkpoint_every` steps; a
     later call with the same config resumes from it. Steps lost to a kill are re-run inside the
     epoch whose spend already covers them, so nothing is under-counted; the lost steps' results
     were never saved. `interrupt_after_steps` is a test hook that simulates a kill; `observe(step, ids)`

@@ -1,7 +1,7 @@
 """What a run settles before its first write-ahead spend, besides the rehearsal (`rehearsal.py`): the output
 folder it may write, the contributions other runs already charged, and the plan it would charge (issue 21).
 
-- **The output folder is the run's.** A run that does not resume its own state (`<output>/run-state.pt` of the
+- **The output folder is the run's.** A run that does not resume its own state (`<output>/run-state.safetensors` of the
   same config) starts only in a missing or empty folder (`check_output`): an earlier run's adapter or run state
   there would be mixed with this run's files, and a second run of a finished config would start in the adapter
   folder of the first and charge the contributions again (`output_taken`).
@@ -47,7 +47,8 @@ def check_output(folder: Path, left: Iterable[str]) -> None:
             f"{len(found)} file(s) no run of this config wrote ({shown})")
     raise ConfigError(Code.OUTPUT_TAKEN, f"training.output {folder} holds {what}: a run starts in an empty folder "
                                          "and saves only its own adapter there; give this run another "
-                                         "training.output (resuming a run needs its own run-state.pt and config)")
+                                         "training.output (resuming a run needs its own run-state.safetensors and "
+                                         "config)")
 
 
 def charged_by(ledger: Any) -> dict[str, set[str]]:

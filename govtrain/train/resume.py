@@ -2,8 +2,8 @@
 
 Two things a kill leaves that someone who can write the folder or the database may have replaced meanwhile:
 
-- a file's temporary (`run-state.pt.tmp`, a tune's `trial-<k>.json.tmp`): `write_whole` removes whatever is at that
-  name and creates the file anew (never through a link planted there: the run state holds the sampling key);
+- a file's temporary (`run-state.safetensors.tmp`, a tune's `trial-<k>.json.tmp`): `write_whole` removes whatever is
+  at that name and creates the file anew (never through a link planted there: the run state holds the sampling key);
 - a run entry that the run's own lease recorded before the kill (`recorded_entry`, `check_recorded_entry`,
   `read_recorded_adapter`): the run is then finished without training or recording, so the entry must be one that
   a checkpoint signs, for this config and base model, and the folder must be the adapter it records.

@@ -35,8 +35,8 @@ from govtrain.train.resume import (
     check_state_shapes,
     read_recorded_adapter,
     recorded_entry,
-    write_whole,
 )
+from govtrain.train import state_file
 from govtrain.train.withdrawals import Withdrawn
 from govtrain.train.lease import (
     LOCK_FILE,
@@ -51,7 +51,7 @@ from govtrain.train.lease import (
 )
 
 LOG = Callable[[str], None]
-STATE_FILE = "run-state.pt"
+STATE_FILE = state_file.STATE_FILE
 _NOT_ADAPTER = (STATE_FILE, STATE_FILE + TEMPORARY, LOCK_FILE)
 
 
@@ -117,27 +117,22 @@ def tree_sha256(folder: Path, *, copy_into: Path | None = None) -> bytes:
 
 
 def _save_state(path: Path, state: dict) -> None:
-    import torch
-
-    path.parent.mkdir(parents=True, exist_ok=True)
     # 0600 from its creation, never through a link planted at its temporary: it holds the sampling key, which decides
-    # every step's draw (`routing/sampler.py`).
-    write_whole(path, lambda handle: torch.save(state, handle))
+    # every step's draw (`routing/sampler.py`). Tensors and plain data only, never a pickle (`state_file`).
+    state_file.write(path, state)
 
 
 def _load_state(path: Path, config: RunConfig) -> dict | None:
-    import torch
-
-    if not path.exists():
+    state = state_file.read(path)  # refused unread unless ours and 0600; nothing in it can run code
+    if state is None:
         return None
-    state = torch.load(path, weights_only=False, map_location="cpu")
-    if state.get("config_sha256") != config.sha256:
+    if state["config_sha256"] != config.sha256:
         raise ConfigError(Code.OUTPUT_TAKEN, f"{path} holds the state of a run with another config: training.output "
                                              "is that run's; restore its config to resume it, or give this run "
                                              "another training.output")
     named = config.file.training.run_id
-    if named is not None and state.get("run_id") != named:  # the config hash it states is not proof: it is no MAC
-        raise ConfigError(Code.OUTPUT_TAKEN, f"{path} holds the state of run {state.get('run_id')!r}, not of "
+    if named is not None and state["run_id"] != named:  # the config hash it states is not proof: it is no MAC
+        raise ConfigError(Code.OUTPUT_TAKEN, f"{path} holds the state of run {state['run_id']!r}, not of "
                                              f"training.run_id {named!r}: training.output is that run's; give this "
                                              "run another training.output")
     return state
@@ -321,7 +316,9 @@ class Run:
         training = config.file.training
         if not self.check and self.world.lead:  # a check writes nothing, the lock file and the output folder included
             self._lock = lock_state(config.output_dir)
-        if self.world.lead and not self.state_path.exists():  # a fresh run starts in an empty folder
+        if self.world.lead:  # an earlier govtrain's pickled run state is never read
+            state_file.refuse_legacy(config.output_dir)
+        if self.world.lead and not state_file.present(self.state_path):  # a fresh run starts in an empty folder
             check_output(config.output_dir, (LOCK_FILE, STATE_FILE + TEMPORARY))
         if self.insecure_seed is not None:
             torch.manual_seed(self.insecure_seed)
@@ -478,7 +475,7 @@ class Run:
             self.corpus = corpus.merge(state.get("corpus"), self.corpus)
             check_state_shapes(state, self.model, self.update, self.state_path)  # before anything is put back
             result.steps, result.losses = state["step"], state["losses"]
-            result.nonfinite = int(state.get("nonfinite", 0))  # 0 in a state saved before it was counted
+            result.nonfinite = state["nonfinite"]
             result.epochs, result.eps_by_class = state["epochs"], state["eps_by_class"]
             if self.sharded:  # every rank puts back its shards of them (`_share_weights`)
                 self._resume = (state["trainable"], state["update"])
