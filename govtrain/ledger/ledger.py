@@ -13,7 +13,7 @@ import os
 import time as _time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping, NoReturn, Sequence
 
 import ledger_store
 from govtrain.attest.keys import load_private_key, raw_public_key
@@ -43,8 +43,9 @@ from govtrain.ledger.policy_chain import (  # noqa: F401  (re-exported: the veri
     policy_chain,
 )
 from govtrain.ledger.signer import SignedHead
-from govtrain.ledger.spend_rules import SpendBook, SpendRuleError, min_sampling_rate_u, read_spend_state
+from govtrain.ledger.spend_rules import SpendBook, SpendRuleError, SpendState, min_sampling_rate_u, read_spend_state
 from govtrain.ledger.tuning import TuneBook, TuneRuleError
+from govtrain.ledger.verified import feed, verified_entries
 from govtrain.policy.model import Policy
 
 if TYPE_CHECKING:
@@ -419,13 +420,18 @@ class Ledger:
         """Append a `withdraw` entry. Never removes or edits earlier entries, never refunds spend."""
         now = int(_time.time()) if now is None else now
         admission = self.store.admission(contribution_id)
-        if admission is None:
-            raise RejectedError(Code.UNKNOWN_CONTRIBUTION, f"no admitted contribution {contribution_id!r}")
-        if contribution_id in self.store.withdrawals():
-            raise RejectedError(Code.ALREADY_WITHDRAWN, f"{contribution_id!r} is already withdrawn")
+        if admission is None or contribution_id in self.store.withdrawals():
+            # The index refuses: what it says is checked against the entries first (a writer without keys can delete
+            # an admissions row, or forge a withdrawals row, to keep a contribution from withdrawing).
+            _refuse_withdrawal(self.store, contribution_id)
         admit = self.store.entry(admission.seq)
-        assert admit is not None
-        if admit.body is None or contribution_id in retention.RetiredKeys.read(self.store):
+        if admit is not None and admit.body is not None and (
+                ledger_store.leaf_hash(admit.body) != admit.leaf_hash
+                or decode_entry(admit.body, seq=admit.seq, kind=None).get("contribution_id") != contribution_id):
+            raise IntegrityError(Code.INDEX_MISMATCH, f"the admissions index points {contribution_id!r} at entry "
+                                                      f"{admit.seq}, which is not its signed admit entry: the database "
+                                                      "was edited; run govtrain-verify")
+        if admit is None or admit.body is None or contribution_id in retention.RetiredKeys.read(self.store):
             raise RejectedError(Code.REDACTED, f"{contribution_id!r} was summarized by retention and is retired")
         if not reason.strip() or len(reason) > 1024:
             raise ConfigError(Code.BAD_ARGUMENT, "--reason must be 1-1024 characters")
@@ -487,12 +493,14 @@ class Ledger:
             raise ConfigError(Code.BAD_ARGUMENT, "a contribution appears twice in one epoch's spend")
         with self.append(now) as appender:
             t = self.dated(appender, now)
-            book, live_records, withdrawn = self.spend_state()
-            tunes = TuneBook.read(self.store)
+            entries = verified_entries(self.store)  # one pass, every row, none selected by its kind column
+            state, tunes, classes = SpendState(policy, lambda: entries.redacted), TuneBook(), {}
+            feed(entries, state.take, lambda item: tunes.take(item, classes, lambda: entries.redacted))
+            book, live_records, withdrawn = state.book, state.live_units(), state.withdrawn
             retired = retention.RetiredKeys.read(self.store)
             floor = (min_sampling_rate_u(policy.expected_batch_size, live_records)
                      if policy.expected_batch_size is not None else None)
-            ledger_epoch = appender.count_kind("epoch")
+            ledger_epoch = book.ledger_epoch  # the epoch entries by their bodies, never by the kind column
             if consent is not None:
                 _check_consent(book, [record[0] for record in spends], {run_id, *consent}, run_id, epoch)
             stored = []
@@ -639,6 +647,26 @@ class Ledger:
             retention.check_unfinished(self.store, summaries, rows)
             appender.redact(sorted(rows))
         return [rows[seq] for seq in sorted(rows)]
+
+
+def _refuse_withdrawal(store: ledger_store.LedgerStore, contribution_id: str) -> NoReturn:
+    """Raise why `contribution_id` cannot be withdrawn, where the index says it is unknown or withdrawn, from the
+    verified entries (`verified`): `unknown_contribution` or `already_withdrawn` where they agree, `index_mismatch`
+    where the index hides its admission or states a withdrawal no entry makes."""
+    admitted = withdrawn = False
+    entries = verified_entries(store)
+    for item in entries:
+        if item.kind in ("admit", "withdraw"):
+            redacted = entries.redacted.admits if item.kind == "admit" else entries.redacted.withdrawals
+            if (item.entry or redacted.get(item.seq, {})).get("contribution_id") == contribution_id:
+                admitted, withdrawn = admitted or item.kind == "admit", withdrawn or item.kind == "withdraw"
+    if withdrawn:
+        raise RejectedError(Code.ALREADY_WITHDRAWN, f"{contribution_id!r} is already withdrawn")
+    if not admitted:
+        raise RejectedError(Code.UNKNOWN_CONTRIBUTION, f"no admitted contribution {contribution_id!r}")
+    raise IntegrityError(Code.INDEX_MISMATCH, f"the index says {contribution_id!r} is unknown or withdrawn, but its "
+                                              "entries admit it and withdraw nothing: the database was edited; run "
+                                              "govtrain-verify")
 
 
 _REJECTED = (Code.EPOCH_HELD, Code.BUDGET_EXCEEDED, Code.RUN_ID_TAKEN)  # a request refused, not a bad argument

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import ledger_store
+from govtrain.encoding import cbor
 from govtrain.errors import Code, IntegrityError
 from govtrain.ledger.entries import SPENT, decode_entry, decode_stored
 
@@ -299,13 +300,22 @@ def appearances(store: ledger_store.LedgerStore, contribution_ids: set[str], *,
 # -- reading ----------------------------------------------------------------------------
 
 
+# A summary entry's body holds its kind as deterministic CBOR: the text "kind", then the text "summary".
+_SUMMARY_KIND = cbor.encode("kind") + cbor.encode("summary")
+
+
 def read_summaries(store: ledger_store.LedgerStore) -> list[tuple[int, dict]]:
-    """(seq, decoded body) of every summary entry."""
+    """(seq, decoded body) of every summary entry, found by its body (the database searches every body for a
+    summary's kind field) as well as by its kind column: a summary relabelled in the kind column would otherwise
+    hide what it retired from the readers that must honour it (`RetiredKeys`, `Redacted`). Each body must hash
+    to its leaf and state the kind its row states (`bad_entry`: the database was edited)."""
     found = []
-    for stored in store.entries(kinds=("summary",)):
+    for stored in store.entries_holding(_SUMMARY_KIND, kinds=("summary",)):
         if stored.body is None:
             raise IntegrityError(Code.BAD_ENTRY, f"summary entry {stored.seq} has no body: the ledger is damaged")
-        found.append((stored.seq, decode_stored(stored)))
+        entry = decode_stored(stored)  # its kind column must be its body's (else bad_entry)
+        if entry["kind"] == "summary":  # not a body that merely holds those bytes (a withdrawal's reason)
+            found.append((stored.seq, entry))
     return found
 
 
