@@ -13,7 +13,7 @@ import os
 import time as _time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping, NoReturn, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping, Sequence
 
 import ledger_store
 from govtrain.attest.keys import load_private_key, raw_public_key
@@ -419,19 +419,11 @@ class Ledger:
     def withdraw(self, contribution_id: str, reason: str, now: int | None = None) -> ledger_store.StoredEntry:
         """Append a `withdraw` entry. Never removes or edits earlier entries, never refunds spend."""
         now = int(_time.time()) if now is None else now
-        admission = self.store.admission(contribution_id)
-        if admission is None or contribution_id in self.store.withdrawals():
-            # The index refuses: what it says is checked against the entries first (a writer without keys can delete
-            # an admissions row, or forge a withdrawals row, to keep a contribution from withdrawing).
-            _refuse_withdrawal(self.store, contribution_id)
-        admit = self.store.entry(admission.seq)
-        if admit is not None and admit.body is not None and (
-                ledger_store.leaf_hash(admit.body) != admit.leaf_hash
-                or decode_entry(admit.body, seq=admit.seq, kind=None).get("contribution_id") != contribution_id):
-            raise IntegrityError(Code.INDEX_MISMATCH, f"the admissions index points {contribution_id!r} at entry "
-                                                      f"{admit.seq}, which is not its signed admit entry: the database "
-                                                      "was edited; run govtrain-verify")
-        if admit is None or admit.body is None or contribution_id in retention.RetiredKeys.read(self.store):
+        admit = _indexed_admit(self.store, contribution_id)
+        indexed = admit is not None
+        if admit is None:  # the index says unknown or withdrawn, or points elsewhere: the entries decide
+            admit = _admit_of(self.store, contribution_id)
+        if admit.body is None or contribution_id in retention.RetiredKeys.read(self.store):
             raise RejectedError(Code.REDACTED, f"{contribution_id!r} was summarized by retention and is retired")
         if not reason.strip() or len(reason) > 1024:
             raise ConfigError(Code.BAD_ARGUMENT, "--reason must be 1-1024 characters")
@@ -440,7 +432,8 @@ class Ledger:
                 t = self.dated(appender, now)
                 stored = appender.add(
                     "withdraw", t, lambda seq: withdraw_entry(seq, t, contribution_id, admit.leaf_hash, reason),
-                    withdrawal={"contribution_id": contribution_id})
+                    # an index that hid the admission or forged a withdrawal gets no row: the entry is what counts
+                    withdrawal={"contribution_id": contribution_id} if indexed else None)
         except ledger_store.Conflict as e:
             raise RejectedError(Code.ALREADY_WITHDRAWN, f"{contribution_id!r} is already withdrawn") from e
         return stored
@@ -649,24 +642,40 @@ class Ledger:
         return [rows[seq] for seq in sorted(rows)]
 
 
-def _refuse_withdrawal(store: ledger_store.LedgerStore, contribution_id: str) -> NoReturn:
-    """Raise why `contribution_id` cannot be withdrawn, where the index says it is unknown or withdrawn, from the
-    verified entries (`verified`): `unknown_contribution` or `already_withdrawn` where they agree, `index_mismatch`
-    where the index hides its admission or states a withdrawal no entry makes."""
-    admitted = withdrawn = False
+def _indexed_admit(store: ledger_store.LedgerStore, contribution_id: str) -> ledger_store.StoredEntry | None:
+    """The admit entry of `contribution_id` where the index finds it (admitted, no withdrawal row) and it is that
+    contribution's signed admit entry (its body hashes to its leaf and admits it, or retention dropped the body);
+    else None: the index is not trusted to refuse a withdrawal."""
+    admission = store.admission(contribution_id)
+    if admission is None or contribution_id in store.withdrawals():
+        return None
+    admit = store.entry(admission.seq)
+    if admit is None or admit.kind != "admit":
+        return None
+    if admit.body is not None and (ledger_store.leaf_hash(admit.body) != admit.leaf_hash or decode_entry(
+            admit.body, seq=admit.seq, kind=None).get("contribution_id") != contribution_id):
+        return None
+    return admit
+
+
+def _admit_of(store: ledger_store.LedgerStore, contribution_id: str) -> ledger_store.StoredEntry:
+    """The admit entry of `contribution_id`, from the verified entries (`verified`), where the index would refuse its
+    withdrawal: a writer without keys can delete an admissions row, or forge a withdrawals row, to keep a
+    contribution from withdrawing. `unknown_contribution` or `already_withdrawn` only where the entries say so."""
+    admit = None
     entries = verified_entries(store)
     for item in entries:
         if item.kind in ("admit", "withdraw"):
             redacted = entries.redacted.admits if item.kind == "admit" else entries.redacted.withdrawals
             if (item.entry or redacted.get(item.seq, {})).get("contribution_id") == contribution_id:
-                admitted, withdrawn = admitted or item.kind == "admit", withdrawn or item.kind == "withdraw"
-    if withdrawn:
-        raise RejectedError(Code.ALREADY_WITHDRAWN, f"{contribution_id!r} is already withdrawn")
-    if not admitted:
+                if item.kind == "withdraw":
+                    raise RejectedError(Code.ALREADY_WITHDRAWN, f"{contribution_id!r} is already withdrawn")
+                admit = item.seq
+    if admit is None:
         raise RejectedError(Code.UNKNOWN_CONTRIBUTION, f"no admitted contribution {contribution_id!r}")
-    raise IntegrityError(Code.INDEX_MISMATCH, f"the index says {contribution_id!r} is unknown or withdrawn, but its "
-                                              "entries admit it and withdraw nothing: the database was edited; run "
-                                              "govtrain-verify")
+    stored = store.entry(admit)
+    assert stored is not None
+    return stored
 
 
 _REJECTED = (Code.EPOCH_HELD, Code.BUDGET_EXCEEDED, Code.RUN_ID_TAKEN)  # a request refused, not a bad argument
