@@ -102,10 +102,10 @@ def withdrawn(store: Corpus) -> tuple[Corpus, list[dict]]:
 
 
 def test_a_relabelled_withdraw_entry_is_refused_by_planning_and_the_spend_rules(withdrawn):
-    """The writer calls the withdraw entry a `tune` and deletes its index row. Before: the planner planned "a" again
+    """The writer calls the withdraw entry a `header` and deletes its index row. Before: the planner planned "a" again
     and the rules took a spend of it. Now both refuse (`bad_entry`), and the spend writes nothing."""
     corpus, groups = withdrawn
-    _tamper(corpus, "UPDATE entries SET kind = 'tune' WHERE kind = 'withdraw'", "DELETE FROM withdrawals")
+    _tamper(corpus, "UPDATE entries SET kind = 'header' WHERE kind = 'withdraw'", "DELETE FROM withdrawals")
     _refused(lambda: _planned(corpus), "bad_entry")
     before = snapshot(corpus.url)
     _refused(lambda: _spend(corpus, 1, [("a", 10, 1_000_000, 100_000)], groups), "bad_entry")
@@ -128,7 +128,8 @@ def test_a_deleted_withdraw_entry_is_refused_by_planning_and_the_spend_rules(wit
 
 
 def test_a_deleted_withdrawals_row_makes_no_difference(withdrawn):
-    """Only the index row goes: planning still leaves "a" out, and the rules still refuse its spend."""
+    """Only the index row goes: planning still leaves "a" out, and the rules still refuse its spend (a guard: the
+    old readers did not read that table either)."""
     corpus, groups = withdrawn
     _tamper(corpus, "DELETE FROM withdrawals")
     assert set(_planned(corpus)) == {"b"}
@@ -156,12 +157,12 @@ def spent(store: Corpus) -> tuple[Corpus, list[dict]]:
 
 @pytest.mark.parametrize("edit", ["relabelled", "deleted"])
 def test_a_hidden_spend_is_refused_by_planning_and_the_spend_rules(spent, edit):
-    """The writer relabels the spend entry a `tune`, or deletes its row. Before: the planner started "a" from ε 0,
+    """The writer relabels the spend entry a `header`, or deletes its row. Before: the planner started "a" from ε 0,
     and the rules took a cumulative ε below the 0.5 already spent (an over-spend of its budget). Now both refuse."""
     corpus, groups = spent
     seq = _seq(corpus, "spend")
     code = "bad_entry" if edit == "relabelled" else "sequence_gap"
-    _tamper(corpus, f"UPDATE entries SET kind = 'tune' WHERE seq = {seq}" if edit == "relabelled"
+    _tamper(corpus, f"UPDATE entries SET kind = 'header' WHERE seq = {seq}" if edit == "relabelled"
             else f"DELETE FROM entries WHERE seq = {seq}")
     _refused(lambda: _planned(corpus), code)
     before = snapshot(corpus.url)
@@ -170,12 +171,14 @@ def test_a_hidden_spend_is_refused_by_planning_and_the_spend_rules(spent, edit):
 
 
 def test_a_relabelled_epoch_entry_does_not_move_the_spend_rules_epoch(spent):
-    """The writer calls the admit entry of "b" an `epoch`, so the kind column counts two epochs: a spend for epoch 2
-    (a second one of "a" in what is epoch 1) was checked against that count. Now the rules refuse (`bad_entry`)."""
-    corpus, groups = spent
-    _tamper(corpus, f"UPDATE entries SET kind = 'epoch' WHERE seq = {_seq(corpus, 'admit')}")
+    """The writer calls the entry that closed epoch 0 a `header`, so the kind column counts no epoch: the rules took
+    a spend of "b" for epoch 0 (run "r" holds it) while the ledger is in epoch 1. Now they refuse (`bad_entry`)."""
+    corpus, _ = spent
+    with corpus.open() as ledger:
+        groups = noise_groups_for(ledger, ["a", "b"])
+    _tamper(corpus, f"UPDATE entries SET kind = 'header' WHERE seq = {_seq(corpus, 'epoch')}")
     before = snapshot(corpus.url)
-    _refused(lambda: _spend(corpus, 2, [("a", EPOCH_STEPS, 1_000_000, 900_000)], groups, run_id="s"), "bad_entry")
+    _refused(lambda: _spend(corpus, 0, [("b", EPOCH_STEPS, 1_000_000, 100_000)], groups), "bad_entry")
     assert snapshot(corpus.url) == before
 
 
@@ -183,12 +186,12 @@ def test_a_relabelled_epoch_entry_does_not_move_the_spend_rules_epoch(spent):
 
 
 def test_a_relabelled_admit_entry_is_refused_by_planning(store: Corpus):
-    """The writer calls an admit entry a `tune`. Before: the planner passed over it without a word. Now it refuses."""
+    """The writer calls an admit entry a `header`. Before: the planner passed over it without a word. Now it refuses."""
     _admit(store, "a")
     _admit(store, "b")
     with store.open() as ledger:
         ledger.close_epoch(now=store.now)
-    _tamper(store, f"UPDATE entries SET kind = 'tune' WHERE seq = {_seq(store, 'epoch') - 1}")
+    _tamper(store, f"UPDATE entries SET kind = 'header' WHERE seq = {_seq(store, 'epoch') - 1}")
     _refused(lambda: _planned(store), "bad_entry")
 
 
@@ -241,7 +244,7 @@ def test_an_index_that_hides_an_admission_or_forges_a_withdrawal_does_not_stop_a
 
 
 def test_a_relabelled_summary_is_refused_by_the_readers_of_what_it_retired(store: Corpus):
-    """The writer calls a retention summary a `tune`. Before: `RetiredKeys` (which keeps a retired contribution out of
+    """The writer calls a retention summary a `header`. Before: `RetiredKeys` (which keeps a retired contribution out of
     planning, a spend and a withdrawal) and `Redacted` found summaries by the kind column, and saw none. A summary is
     now found by its body, and its relabelled row is refused (`bad_entry`) by them and by planning."""
     from govtrain.ledger import retention
@@ -251,7 +254,7 @@ def test_a_relabelled_summary_is_refused_by_the_readers_of_what_it_retired(store
         for _ in range(3):
             ledger.close_epoch(now=store.now)
         ledger.compact(1, now=store.now)
-    _tamper(store, "UPDATE entries SET kind = 'tune' WHERE kind = 'summary'")
+    _tamper(store, "UPDATE entries SET kind = 'header' WHERE kind = 'summary'")
     with store.open() as ledger:
         _refused(lambda: retention.RetiredKeys.read(ledger.store), "bad_entry")
     _refused(lambda: _planned(store), "bad_entry")
@@ -270,7 +273,7 @@ def test_an_open_run_refuses_a_relabelled_withdrawal(tmp_path: Path):
     corpus = _corpus(tmp_path, "run")
     with Ledger.open(corpus.url) as ledger:
         ledger.withdraw("sens", "consent withdrawn", now=corpus.now)
-    _tamper(corpus, "UPDATE entries SET kind = 'tune' WHERE kind = 'withdraw'", "DELETE FROM withdrawals")
+    _tamper(corpus, "UPDATE entries SET kind = 'header' WHERE kind = 'withdraw'", "DELETE FROM withdrawals")
     before = snapshot(corpus.url)
     drawn: list[set[str]] = []
     config = _config(corpus, model, 4, extra="expected_batch_size = 16")
