@@ -16,7 +16,9 @@ trained. So nothing here selects rows by a column: every row is read, in order, 
   - no admission shares an id or a digest with an earlier one (`bad_admission`): a replay the admissions index,
     whose rows were deleted, let through.
 The leaves themselves are the signed tree's: a writer (`Ledger.append`) folds them into the tree its key signed
-last before it signs more, so an edited leaf or a removed tail is refused there (`fork`, `rollback`). That one pass
+last before it signs more, so an edited leaf or a removed tail is refused there (`fork`, `rollback`). A reader that
+writes nothing (`govtrain plan`) cannot tell a tail deleted with the checkpoint rows that signed it from one never
+written; a run can, at its write-ahead, which comes before any step it trains. That one pass
 is as costly as the kind-filtered reads it replaces (each body was hashed and decoded there too); a caller that
 needs two states of one moment feeds both from one pass (`feed`).
 """
