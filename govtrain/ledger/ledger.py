@@ -43,8 +43,9 @@ from govtrain.ledger.policy_chain import (  # noqa: F401  (re-exported: the veri
     policy_chain,
 )
 from govtrain.ledger.signer import SignedHead
-from govtrain.ledger.spend_rules import SpendBook, SpendRuleError, min_sampling_rate_u, read_spend_state
+from govtrain.ledger.spend_rules import SpendBook, SpendRuleError, SpendState, min_sampling_rate_u, read_spend_state
 from govtrain.ledger.tuning import TuneBook, TuneRuleError
+from govtrain.ledger.verified import feed, verified_entries
 from govtrain.policy.model import Policy
 
 if TYPE_CHECKING:
@@ -418,13 +419,10 @@ class Ledger:
     def withdraw(self, contribution_id: str, reason: str, now: int | None = None) -> ledger_store.StoredEntry:
         """Append a `withdraw` entry. Never removes or edits earlier entries, never refunds spend."""
         now = int(_time.time()) if now is None else now
-        admission = self.store.admission(contribution_id)
-        if admission is None:
-            raise RejectedError(Code.UNKNOWN_CONTRIBUTION, f"no admitted contribution {contribution_id!r}")
-        if contribution_id in self.store.withdrawals():
-            raise RejectedError(Code.ALREADY_WITHDRAWN, f"{contribution_id!r} is already withdrawn")
-        admit = self.store.entry(admission.seq)
-        assert admit is not None
+        admit = _indexed_admit(self.store, contribution_id)
+        indexed = admit is not None
+        if admit is None:  # the index says unknown or withdrawn, or points elsewhere: the entries decide
+            admit = _admit_of(self.store, contribution_id)
         if admit.body is None or contribution_id in retention.RetiredKeys.read(self.store):
             raise RejectedError(Code.REDACTED, f"{contribution_id!r} was summarized by retention and is retired")
         if not reason.strip() or len(reason) > 1024:
@@ -434,7 +432,8 @@ class Ledger:
                 t = self.dated(appender, now)
                 stored = appender.add(
                     "withdraw", t, lambda seq: withdraw_entry(seq, t, contribution_id, admit.leaf_hash, reason),
-                    withdrawal={"contribution_id": contribution_id})
+                    # an index that hid the admission or forged a withdrawal gets no row: the entry is what counts
+                    withdrawal={"contribution_id": contribution_id} if indexed else None)
         except ledger_store.Conflict as e:
             raise RejectedError(Code.ALREADY_WITHDRAWN, f"{contribution_id!r} is already withdrawn") from e
         return stored
@@ -487,12 +486,14 @@ class Ledger:
             raise ConfigError(Code.BAD_ARGUMENT, "a contribution appears twice in one epoch's spend")
         with self.append(now) as appender:
             t = self.dated(appender, now)
-            book, live_records, withdrawn = self.spend_state()
-            tunes = TuneBook.read(self.store)
+            entries = verified_entries(self.store)  # one pass, every row, none selected by its kind column
+            state, tunes, classes = SpendState(policy, lambda: entries.redacted), TuneBook(), {}
+            feed(entries, state.take, lambda item: tunes.take(item, classes, lambda: entries.redacted))
+            book, live_records, withdrawn = state.book, state.live_units(), state.withdrawn
             retired = retention.RetiredKeys.read(self.store)
             floor = (min_sampling_rate_u(policy.expected_batch_size, live_records)
                      if policy.expected_batch_size is not None else None)
-            ledger_epoch = appender.count_kind("epoch")
+            ledger_epoch = book.ledger_epoch  # the epoch entries by their bodies, never by the kind column
             if consent is not None:
                 _check_consent(book, [record[0] for record in spends], {run_id, *consent}, run_id, epoch)
             stored = []
@@ -639,6 +640,42 @@ class Ledger:
             retention.check_unfinished(self.store, summaries, rows)
             appender.redact(sorted(rows))
         return [rows[seq] for seq in sorted(rows)]
+
+
+def _indexed_admit(store: ledger_store.LedgerStore, contribution_id: str) -> ledger_store.StoredEntry | None:
+    """The admit entry of `contribution_id` where the index finds it (admitted, no withdrawal row) and it is that
+    contribution's signed admit entry (its body hashes to its leaf and admits it, or retention dropped the body);
+    else None: the index is not trusted to refuse a withdrawal."""
+    admission = store.admission(contribution_id)
+    if admission is None or contribution_id in store.withdrawals():
+        return None
+    admit = store.entry(admission.seq)
+    if admit is None or admit.kind != "admit":
+        return None
+    if admit.body is not None and (ledger_store.leaf_hash(admit.body) != admit.leaf_hash or decode_entry(
+            admit.body, seq=admit.seq, kind=None).get("contribution_id") != contribution_id):
+        return None
+    return admit
+
+
+def _admit_of(store: ledger_store.LedgerStore, contribution_id: str) -> ledger_store.StoredEntry:
+    """The admit entry of `contribution_id`, from the verified entries (`verified`), where the index would refuse its
+    withdrawal: a writer without keys can delete an admissions row, or forge a withdrawals row, to keep a
+    contribution from withdrawing. `unknown_contribution` or `already_withdrawn` only where the entries say so."""
+    admit = None
+    entries = verified_entries(store)
+    for item in entries:
+        if item.kind in ("admit", "withdraw"):
+            redacted = entries.redacted.admits if item.kind == "admit" else entries.redacted.withdrawals
+            if (item.entry or redacted.get(item.seq, {})).get("contribution_id") == contribution_id:
+                if item.kind == "withdraw":
+                    raise RejectedError(Code.ALREADY_WITHDRAWN, f"{contribution_id!r} is already withdrawn")
+                admit = item.seq
+    if admit is None:
+        raise RejectedError(Code.UNKNOWN_CONTRIBUTION, f"no admitted contribution {contribution_id!r}")
+    stored = store.entry(admit)
+    assert stored is not None
+    return stored
 
 
 _REJECTED = (Code.EPOCH_HELD, Code.BUDGET_EXCEEDED, Code.RUN_ID_TAKEN)  # a request refused, not a bad argument

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import ledger_store
+from govtrain.encoding import cbor
 from govtrain.errors import Code, IntegrityError
 from govtrain.ledger.entries import SPENT, decode_entry, decode_stored
 
@@ -211,29 +212,32 @@ def check_compaction(group: Sequence[dict], leaves: Mapping[int, bytes]) -> None
 
 def epoch_boundary(store: ledger_store.LedgerStore, before_epoch: int) -> int:
     """The seq of the `epoch` entry that closes epoch `before_epoch - 1`: what a compaction retires is before it."""
-    for stored in store.entries(kinds=("epoch",)):
-        if stored.body is not None and decode_stored(stored)["epoch"] \
-                == before_epoch - 1:
-            return stored.seq
+    from govtrain.ledger.verified import verified_entries  # every row, never selected by its kind column
+
+    for item in verified_entries(store):
+        if item.kind == "epoch" and item.entry["epoch"] == before_epoch - 1:
+            return item.seq
     raise IntegrityError(Code.BAD_EPOCH, f"no epoch entry closes epoch {before_epoch - 1}")
 
 
 def retirable(store: ledger_store.LedgerStore, boundary: int, retired: "RetiredKeys") -> list[list[Summarized]]:
     """The contributions a compaction may retire, each as its entries (admit first): admitted before entry
     `boundary`, not retired already, and named by no entry after it."""
+    from govtrain.ledger.verified import verified_entries  # every row, never selected by its kind column
+
     by_id: dict[str, list[Summarized]] = {}
     keep: set[str] = set()  # still active after the boundary, or not retirable whole
-    for stored in store.entries(start=1, kinds=REDACTABLE):
-        if stored.body is None:
+    for item in verified_entries(store):
+        if item.entry is None or item.kind not in REDACTABLE:
             continue
-        entry = decode_stored(stored)
+        entry = item.entry
         contribution_id = entry["contribution_id"]
-        if stored.seq > boundary or (stored.kind == "admit" and contribution_id in by_id):
+        if item.seq > boundary or (item.kind == "admit" and contribution_id in by_id):
             keep.add(contribution_id)
-        elif stored.kind == "admit":
-            by_id[contribution_id] = [Summarized(stored.seq, stored.leaf_hash, entry)]
+        elif item.kind == "admit":
+            by_id[contribution_id] = [Summarized(item.seq, item.leaf_hash, entry)]
         elif contribution_id in by_id:
-            by_id[contribution_id].append(Summarized(stored.seq, stored.leaf_hash, entry))
+            by_id[contribution_id].append(Summarized(item.seq, item.leaf_hash, entry))
     return [items for contribution_id, items in by_id.items()
             if contribution_id not in keep and contribution_id not in retired]
 
@@ -286,26 +290,37 @@ def check_unfinished(store: ledger_store.LedgerStore, summaries: list[tuple[int,
 def appearances(store: ledger_store.LedgerStore, contribution_ids: set[str], *,
                 start: int) -> dict[str, tuple[int, int]]:
     """For each of `contribution_ids`: (how many entries from `start` on name it, the last of them)."""
+    from govtrain.ledger.verified import verified_entries  # every row, never selected by its kind column
+
     named: dict[str, tuple[int, int]] = {}
-    for stored in store.entries(start=start, kinds=REDACTABLE):
-        if stored.body is None:
+    for item in verified_entries(store, start=start):
+        if item.entry is None or item.kind not in REDACTABLE:
             continue
-        contribution_id = decode_stored(stored)["contribution_id"]
+        contribution_id = item.entry["contribution_id"]
         if contribution_id in contribution_ids:
-            named[contribution_id] = (named.get(contribution_id, (0, -1))[0] + 1, stored.seq)
+            named[contribution_id] = (named.get(contribution_id, (0, -1))[0] + 1, item.seq)
     return named
 
 
 # -- reading ----------------------------------------------------------------------------
 
 
+# A summary entry's body holds its kind as deterministic CBOR: the text "kind", then the text "summary".
+_SUMMARY_KIND = cbor.encode("kind") + cbor.encode("summary")
+
+
 def read_summaries(store: ledger_store.LedgerStore) -> list[tuple[int, dict]]:
-    """(seq, decoded body) of every summary entry."""
+    """(seq, decoded body) of every summary entry, found by its body (the database searches every body for a
+    summary's kind field) as well as by its kind column: a summary relabelled in the kind column would otherwise
+    hide what it retired from the readers that must honour it (`RetiredKeys`, `Redacted`). Each body must hash
+    to its leaf and state the kind its row states (`bad_entry`: the database was edited)."""
     found = []
-    for stored in store.entries(kinds=("summary",)):
+    for stored in store.entries_holding(_SUMMARY_KIND, kinds=("summary",)):
         if stored.body is None:
             raise IntegrityError(Code.BAD_ENTRY, f"summary entry {stored.seq} has no body: the ledger is damaged")
-        found.append((stored.seq, decode_stored(stored)))
+        entry = decode_stored(stored)  # its kind column must be its body's (else bad_entry)
+        if entry["kind"] == "summary":  # not a body that merely holds those bytes (a withdrawal's reason)
+            found.append((stored.seq, entry))
     return found
 
 

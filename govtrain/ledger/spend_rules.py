@@ -38,14 +38,15 @@ every field the rules read), and is held to the same rules.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Collection, Iterable, Mapping
+from typing import TYPE_CHECKING, Callable, Collection, Iterable, Mapping
 
-from govtrain.errors import Code, IntegrityError
+from govtrain.errors import Code
 from govtrain.ledger import retention
-from govtrain.ledger.entries import decode_stored
+from govtrain.ledger.verified import feed, verified_entries
 
 if TYPE_CHECKING:
     import ledger_store
+    from govtrain.ledger.verified import Verified
     from govtrain.policy.model import Policy
 
 NONCE_BYTES = 16
@@ -110,6 +111,7 @@ class SpendBook:
     signed: dict[str, _Signed] = field(default_factory=dict)  # contribution -> its signed bounds
     epochs: dict[int, _Epoch] = field(default_factory=dict)  # epoch -> its schedule and what may justify it
     privatizers: dict[str, dict] = field(default_factory=dict)  # run id -> the privatizer record its spend carries
+    ledger_epoch: int = 0  # the epoch the ledger is in: its epoch entries, counted by their bodies
 
     # -- feeding -------------------------------------------------------------------------------------
 
@@ -276,39 +278,57 @@ def _check_groups(groups: Iterable[dict], classes: Collection[str]) -> None:
         raise SpendRuleError(Code.BAD_ARGUMENT, "noise_groups must be sorted by classes, each group once")
 
 
-def read_spend_state(store: "ledger_store.LedgerStore", policy: "Policy") -> tuple[SpendBook, int, set[str]]:
-    """What a new spend is checked against, read from `store` in ledger order: (the spend book, the sampling
-    units (`Policy.sampling_units`: examples, or contributions) of the contributions admitted and not withdrawn,
-    the withdrawn ids). An entry retention redacted counts as its summary recorded it."""
-    book, records, withdrawn = SpendBook(), {}, set()
-    redacted = retention.Redacted.read(store)
-    epoch = 0
-    for stored in store.entries(start=1, kinds=("admit", "spend", "withdraw", "epoch", "run")):
-        kind = stored.kind
-        if stored.body is None:
-            if kind == "admit" and stored.seq in redacted.admits:
-                r = redacted.admits[stored.seq]
-                records[r["contribution_id"]] = r["records"]
-                book.admit(r["contribution_id"], r["data_class"], r["clip_norm_u"], r["noise_multiplier_u"])
-            elif kind == "withdraw" and stored.seq in redacted.withdrawals:
-                withdrawn.add(redacted.withdrawals[stored.seq]["contribution_id"])
-            elif kind == "spend" and stored.seq in redacted.spends:
-                book.add(redacted.spend_entry(stored.seq, accountant=policy.accountant, delta_p=policy.delta_p,
-                                              privacy_unit=policy.privacy_unit), stored.seq)
-            else:  # a body dropped outside any summary: the state the rules read is unknown
-                raise IntegrityError(Code.BAD_SUMMARY, f"entry {stored.seq} ({kind}) has no body and no summary records "
-                                                       "it: the ledger was altered; run govtrain-verify")
-            continue
-        entry = decode_stored(stored)
+class SpendState:
+    """What a new spend is checked against, fed the verified entries in ledger order (`take`; `verified.feed`):
+    the spend book (with the ledger epoch), each contribution's records and the withdrawn ids. An entry
+    retention redacted counts as its summary recorded it."""
+
+    def __init__(self, policy: "Policy", redacted: "Callable[[], retention.Redacted]") -> None:
+        self.policy, self._redacted = policy, redacted
+        self.book, self.records, self.withdrawn = SpendBook(), {}, set()
+
+    def take(self, item: "Verified") -> None:
+        kind, entry = item.kind, item.entry
+        if entry is None and kind in ("admit", "spend", "withdraw"):
+            redacted = self._redacted()
+            if kind == "admit":
+                entry = redacted.admits[item.seq]
+            elif kind == "withdraw":
+                entry = redacted.withdrawals[item.seq]
+            else:
+                policy = self.policy
+                entry = redacted.spend_entry(item.seq, accountant=policy.accountant, delta_p=policy.delta_p,
+                                             privacy_unit=policy.privacy_unit)
         if kind == "epoch":
-            epoch += 1
+            self.book.ledger_epoch += 1
         elif kind == "admit":
-            records[entry["contribution_id"]] = entry["records"]
-            book.admit(entry["contribution_id"], entry["data_class"], entry["clip_norm_u"], entry["noise_multiplier_u"])
+            self.records[entry["contribution_id"]] = entry["records"]
+            self.book.admit(entry["contribution_id"], entry["data_class"], entry["clip_norm_u"],
+                            entry["noise_multiplier_u"])
         elif kind == "withdraw":
-            withdrawn.add(entry["contribution_id"])
+            self.withdrawn.add(entry["contribution_id"])
         elif kind == "spend":
-            book.add(entry, stored.seq)
-        else:
-            book.add_run(entry)
-    return book, sum(policy.sampling_units(n) for cid, n in records.items() if cid not in withdrawn), withdrawn
+            self.book.add(entry, item.seq)
+        elif kind == "run":
+            self.book.add_run(entry)
+
+    def live_units(self) -> int:
+        """The sampling units (`Policy.sampling_units`: examples, or contributions) of the contributions admitted
+        and not withdrawn."""
+        return sum(self.policy.sampling_units(n) for cid, n in self.records.items() if cid not in self.withdrawn)
+
+
+def read_spend_state(store: "ledger_store.LedgerStore", policy: "Policy") -> tuple[SpendBook, int, set[str]]:
+    """What a new spend is checked against, read from `store`'s verified entries in ledger order (`verified`: every
+    row, never selected by its kind column): (the spend book, the sampling units of the contributions admitted
+    and not withdrawn, the withdrawn ids). The book's `ledger_epoch` is the epoch entries' count, by their bodies."""
+    state = spend_state(store, policy)
+    return state.book, state.live_units(), state.withdrawn
+
+
+def spend_state(store: "ledger_store.LedgerStore", policy: "Policy") -> SpendState:
+    """`SpendState` from one verified pass over `store`."""
+    entries = verified_entries(store)
+    state = SpendState(policy, lambda: entries.redacted)
+    feed(entries, state.take)
+    return state

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from govtrain.errors import Code, IntegrityError
 from govtrain.ledger import retention
-from govtrain.ledger.entries import decode_stored
+from govtrain.ledger.verified import verified_entries
 
 if TYPE_CHECKING:
     import ledger_store
@@ -66,18 +66,15 @@ class TuneBook:
     @classmethod
     def read(cls, store: "ledger_store.LedgerStore", *, until: int | None = None) -> "TuneBook":
         """The runs, their spend and the tunes recorded in `store`, in ledger order (up to entry `until`, where
-        given). A spend retention redacted counts as its summary recorded it; one no summary records refuses every
+        given), from the verified entries (`verified`: every row, its kind its body's, never selected by an index
+        column). A spend retention redacted counts as its summary recorded it; one no summary records refuses every
         tune (`bad_summary`)."""
         book, classes = cls(), {}
-        for row in store.admissions():  # retired ones too: their index rows stay
-            book.admit(row.data_sha256)
-            classes[row.contribution_id] = row.data_class
-        redacted = retention.Redacted.read(store)
-        for stored in store.entries(start=1, kinds=("spend", "run", "tune")):
-            if until is not None and stored.seq > until:
+        entries = verified_entries(store)
+        for item in entries:
+            if until is not None and item.seq > until:
                 break
-            book._feed(stored.seq, stored.kind, None if stored.body is None else decode_stored(stored), classes,
-                       redacted)
+            book.take(item, classes, lambda: entries.redacted)
         return book
 
     @classmethod
@@ -87,13 +84,20 @@ class TuneBook:
         the admissions from the admit entries themselves (a redacted one as its summary recorded it)."""
         book, classes = cls(), {}
         for seq, kind, entry in entries:
-            if kind == "admit":
-                admit = entry if entry is not None else redacted.admits[seq]
-                book.admit(admit["data_sha256"])
-                classes[admit["contribution_id"]] = admit["data_class"]
-            elif kind in ("spend", "run", "tune"):
-                book._feed(seq, kind, entry, classes, redacted)
+            book.take((seq, kind, entry), classes, lambda: redacted)
         return book
+
+    def take(self, item: "tuple[int, str, dict | None]", classes: dict[str, str],
+             redacted: "Callable[[], retention.Redacted]") -> None:
+        """Feed one checked entry (seq, kind, body or None), its kind its body's or its summary's; `classes`: the
+        admissions' classes so far, filled as admit entries pass."""
+        seq, kind, entry = item[:3]
+        if kind == "admit":
+            admit = entry if entry is not None else redacted().admits[seq]
+            self.admit(admit["data_sha256"])
+            classes[admit["contribution_id"]] = admit["data_class"]
+        elif kind in ("spend", "run", "tune"):
+            self._feed(seq, kind, entry, classes, redacted() if entry is None else None)
 
     def _feed(self, seq: int, kind: str, entry: dict | None, classes: dict[str, str],
               redacted: retention.Redacted) -> None:

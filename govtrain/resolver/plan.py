@@ -16,10 +16,10 @@ from typing import Any
 from govtrain import units
 from govtrain.accounting.charges import spend_item
 from govtrain.accounting.spend import SpendCalculator
-from govtrain.errors import Code, ConfigError, IntegrityError
-from govtrain.ledger.entries import decode_stored
-from govtrain.ledger.retention import Redacted, RetiredKeys
+from govtrain.errors import Code, ConfigError
 from govtrain.ledger.ledger import Ledger
+from govtrain.ledger.spend_rules import SpendBook, SpendState
+from govtrain.ledger.verified import Verified, feed, verified_entries
 from govtrain.mechanisms.reach import check_reach
 from govtrain.resolver.model import ModelLayout, role
 from govtrain.resolver.profile import describe_profile, format_ranges, resolve
@@ -37,39 +37,79 @@ class _Admitted:
     retired: bool = False  # its last spend covered part of its epoch: the budget allows no more steps
 
 
-def read_corpus(ledger: Ledger) -> tuple[dict[str, _Admitted], set[str], int]:
-    """Admitted contributions with their recorded spend, the withdrawn ids, and how many admissions
-    were compacted (bodies redacted after a retention summary) and so cannot be planned."""
-    admitted: dict[str, _Admitted] = {}
-    withdrawn: set[str] = set()
-    compacted = 0
-    redacted = Redacted.read(ledger.store)
-    for stored in ledger.store.entries(start=1, kinds=("admit", "spend", "withdraw")):
-        if stored.body is None:
-            if stored.seq not in {"admit": redacted.admits, "withdraw": redacted.withdrawals,
-                                  "spend": redacted.spends}[stored.kind]:
-                raise IntegrityError(Code.BAD_SUMMARY, f"entry {stored.seq} ({stored.kind}) has no body and no summary "
-                                                       "records it: the ledger was altered; run govtrain-verify")
-            compacted += stored.kind == "admit"
-            continue
-        entry = decode_stored(stored)
-        cid = entry["contribution_id"]
-        if stored.kind == "admit":
-            admitted[cid] = _Admitted(Member(cid, entry["data_class"], entry["clip_norm_u"],
-                                             entry["noise_multiplier_u"], entry["eps_budget_u"]), entry["records"],
-                                     entry["data_sha256"], [])
-        elif stored.kind == "withdraw":
-            withdrawn.add(cid)
-        elif cid in admitted:
-            spent = admitted[cid]
+class Corpus:
+    """The admitted contributions with their recorded spend, the withdrawn ids, how many admissions were compacted
+    (bodies redacted after a retention summary, so they cannot be planned) and the ledger epoch, fed the verified
+    entries in ledger order (`take`; `ledger.verified`: every row, its kind its body's, never selected by the kind
+    column or another index column)."""
+
+    def __init__(self) -> None:
+        self.admitted: dict[str, _Admitted] = {}
+        self.withdrawn: set[str] = set()
+        self.compacted = 0
+        self.epoch = 0
+        self._retired: set[str] = set()  # summarized, bodies not yet dropped: retired all the same
+
+    def take(self, item: Verified) -> None:
+        kind, entry = item.kind, item.entry
+        if kind == "epoch":
+            self.epoch += 1
+        elif kind == "summary":
+            self._retired.update(r["contribution_id"] for r in entry["retired"])
+        elif entry is None:  # redacted: a summary records it (`verified`); a compacted admission is not planned
+            self.compacted += kind == "admit"
+        elif kind == "admit":
+            self.admitted[entry["contribution_id"]] = _Admitted(
+                Member(entry["contribution_id"], entry["data_class"], entry["clip_norm_u"],
+                       entry["noise_multiplier_u"], entry["eps_budget_u"]), entry["records"], entry["data_sha256"], [])
+        elif kind == "withdraw":
+            self.withdrawn.add(entry["contribution_id"])
+        elif kind == "spend" and entry["contribution_id"] in self.admitted:
+            spent = self.admitted[entry["contribution_id"]]
             spent.history.append(spend_item(entry))  # through the privatizer it records (accounting/charges.py)
             spent.eps_u, spent.last_epoch = entry["eps_u"], entry["epoch"]
             spent.retired = entry["steps"] < entry["epoch_steps"]
-    retired = RetiredKeys.read(ledger.store)  # summarized, bodies not yet dropped: retired all the same
-    for cid in [cid for cid in admitted if cid in retired]:
-        del admitted[cid]
-        compacted += 1
-    return admitted, withdrawn, compacted
+
+    def done(self) -> "Corpus":
+        for cid in [cid for cid in self.admitted if cid in self._retired]:
+            del self.admitted[cid]
+            self.compacted += 1
+        return self
+
+
+@dataclass(frozen=True)
+class LedgerState:
+    """What a planner reads from one moment of the ledger, in one verified pass: the corpus and the spend state."""
+
+    corpus: Corpus
+    spend: SpendState
+
+    @property
+    def book(self) -> SpendBook:
+        return self.spend.book
+
+
+def read_state(ledger: Ledger) -> LedgerState:
+    """The corpus and the spend state from one verified pass (each body hashed and decoded once)."""
+    entries = verified_entries(ledger.store)
+    corpus, spend = Corpus(), SpendState(ledger.policy, lambda: entries.redacted)
+    feed(entries, corpus.take, spend.take)
+    return LedgerState(corpus.done(), spend)
+
+
+def read_corpus(ledger: Ledger) -> tuple[dict[str, _Admitted], set[str], int]:
+    """Admitted contributions with their recorded spend, the withdrawn ids, and how many admissions
+    were compacted (bodies redacted after a retention summary) and so cannot be planned: `Corpus` from one
+    verified pass."""
+    corpus = corpus_of(ledger)
+    return corpus.admitted, corpus.withdrawn, corpus.compacted
+
+
+def corpus_of(ledger: Ledger) -> Corpus:
+    """`Corpus` from one verified pass."""
+    corpus = Corpus()
+    feed(verified_entries(ledger.store), corpus.take)
+    return corpus.done()
 
 
 def plan_run(ledger: Ledger, steps: int, expected_batch_size: int | None = None,
@@ -79,7 +119,8 @@ def plan_run(ledger: Ledger, steps: int, expected_batch_size: int | None = None,
     policy = ledger.policy
     if steps < 1:
         raise ConfigError(Code.BAD_ARGUMENT, "--steps must be at least 1")
-    admitted, withdrawn, compacted = read_corpus(ledger)
+    corpus = corpus_of(ledger)  # the entries as signed, never the index columns; the epoch from the same pass
+    admitted, withdrawn, compacted = corpus.admitted, corpus.withdrawn, corpus.compacted
     eligible = {cid: a for cid, a in admitted.items() if cid not in withdrawn}
     records = sum(a.records for a in eligible.values())
     q_u, batch = sampling_rate_for(policy, expected_batch_size, sum(policy.sampling_units(a.records)
@@ -101,7 +142,7 @@ def plan_run(ledger: Ledger, steps: int, expected_batch_size: int | None = None,
             check_reach(mechanism, resolution.reach, (p.name for p in layout.trainable()))
             class_groups = {**class_groups, **resolution.class_groups()}
 
-    epoch = ledger.epoch()
+    epoch = corpus.epoch
     if any(a.last_epoch == epoch for a in eligible.values()):
         epoch += 1  # this epoch's spend is already written ahead: the run's steps start at the next one
     cohorts = cohorts_of([a.member for a in eligible.values()],

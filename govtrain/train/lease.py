@@ -68,12 +68,12 @@ def write_ahead(ledger: Ledger, pending: dict, lease: tuple[str, bytes], now: Ca
     (an unconfirmed run is refused, `charged_before`, where another run charged its contributions meanwhile)."""
     epoch = pending["epoch"]
     run_id, nonce = lease
-    book, _, withdrawn = ledger.spend_state()  # from the entries, never the index tables
+    book, _, withdrawn = ledger.spend_state()  # from the verified entries, never the index columns (its epoch too)
     if run_id in book.finished:
         raise RejectedError(Code.RUN_ID_TAKEN, f"run {run_id!r} already recorded its run entry: its lease is spent; "
                                                "nothing more trains under it")
     holder = book.holder(epoch)
-    if holder is None and ledger.epoch() == epoch:
+    if holder is None and book.ledger_epoch == epoch:
         if any(record[0] in withdrawn for record in pending["spend"]):
             raise Replan  # not written yet: its plan counted a contribution that has since withdrawn
         try:
@@ -84,8 +84,9 @@ def write_ahead(ledger: Ledger, pending: dict, lease: tuple[str, bytes], now: Ca
         except GovtrainError as e:  # a concurrent run got the epoch first, or closed it
             if e.code in (Code.ALREADY_WITHDRAWN, Code.REDACTED):
                 raise Replan from e  # withdrawn or retired by retention since the check: plan the epoch again
-            holder = ledger.spend_book().holder(epoch)
-            if e.code is not Code.EPOCH_HELD and ledger.epoch() == epoch:
+            book = ledger.spend_book()
+            holder = book.holder(epoch)
+            if e.code is not Code.EPOCH_HELD and book.ledger_epoch == epoch:
                 raise
     if holder == lease:
         return True
@@ -110,13 +111,18 @@ def written_plan(ledger: Ledger, epoch: int, lease: tuple[str, bytes]) -> dict:
     trained as written, whatever plan the run state holds (a run state older than the ledger's record of its
     lease, e.g. a copied folder or a restored backup, would otherwise train the held epoch under a plan of its
     own: other contributions, other noise)."""
-    from govtrain.ledger.entries import decode_stored
     from govtrain.ledger.spend_rules import privatizer_of
+    from govtrain.ledger.verified import verified_entries
 
-    spends = [entry for entry in (decode_stored(stored) for stored in ledger.store.entries(kinds=("spend",))
-                                  if stored.body is not None)
-              if entry["epoch"] == epoch and (entry["run_id"], entry["run_nonce"]) == lease]
-    classes = {row.contribution_id: row.data_class for row in ledger.store.admissions()}
+    spends, classes = [], {}
+    entries = verified_entries(ledger.store)  # every row, its kind its body's: never the kind column or an index
+    for item in entries:
+        if item.kind == "admit":
+            admit = item.entry if item.entry is not None else entries.redacted.admits[item.seq]
+            classes[admit["contribution_id"]] = admit["data_class"]
+        elif item.kind == "spend" and item.entry is not None and item.entry["epoch"] == epoch \
+                and (item.entry["run_id"], item.entry["run_nonce"]) == lease:
+            spends.append(item.entry)
     eps: dict[str, int] = {}
     for entry in spends:
         data_class = classes.get(entry["contribution_id"], "")

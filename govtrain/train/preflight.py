@@ -54,20 +54,18 @@ def check_output(folder: Path, left: Iterable[str]) -> None:
 def charged_by(ledger: Any) -> dict[str, set[str]]:
     """Contribution id -> the ids of the runs whose spend charged it (from the entries; a spend that retention
     redacted counts under the run its summary names)."""
-    from govtrain.ledger.entries import decode_stored
-    from govtrain.ledger.retention import Redacted
+    from govtrain.ledger.verified import verified_entries
 
     runs: dict[str, set[str]] = {}
-    redacted = None
-    for stored in ledger.store.entries(kinds=("spend",)):
-        if stored.body is not None:
-            entry = decode_stored(stored)
-            runs.setdefault(entry["contribution_id"], set()).add(entry["run_id"])
+    entries = verified_entries(ledger.store)  # every row, its kind its body's: a relabelled spend is refused
+    for item in entries:
+        if item.kind != "spend":
             continue
-        redacted = redacted or Redacted.read(ledger.store)
-        if stored.seq in redacted.spends:
-            record, spent = redacted.spends[stored.seq]
-            runs.setdefault(record["contribution_id"], set()).add(str(spent.get("run_id", "a compacted run")))
+        if item.entry is not None:
+            runs.setdefault(item.entry["contribution_id"], set()).add(item.entry["run_id"])
+            continue
+        record, spent = entries.redacted.spends[item.seq]
+        runs.setdefault(record["contribution_id"], set()).add(str(spent.get("run_id", "a compacted run")))
     return runs
 
 

@@ -594,11 +594,14 @@ class Run:
 
     def projection(self) -> Plan:
         """What the run's remaining steps would charge, projected from what the ledger says now."""
-        cohorts, q_u, expected_batch = self._corpus_now()
-        first, epoch = self.result.steps, self.ledger.epoch()
+        from govtrain.resolver.plan import read_state
+
+        state = read_state(self.ledger)  # one verified pass: the corpus, the epoch and who holds it
+        cohorts, q_u, expected_batch = self._corpus_now(state.corpus)
+        first, epoch = self.result.steps, state.book.ledger_epoch
         if self.pending is not None:  # resumed inside an epoch planned (or written) before: from the next one
             first, epoch = self.pending["first_step"] + self.pending["steps"], max(epoch, self.pending["epoch"] + 1)
-        elif self.ledger.spend_book().holder(epoch) is not None:  # another run holds this one
+        elif state.book.holder(epoch) is not None:  # another run holds this one
             epoch += 1
         return project(run_id=self.run_id, cohorts=cohorts, classes=self.classes, scheduler=self.scheduler, q_u=q_u,
                        expected_batch=expected_batch, first_epoch=epoch, steps=max(self.total - first, 0),
@@ -622,11 +625,14 @@ class Run:
             raise RuntimeError("plan_epoch() with an epoch pending: its written-ahead plan would be replaced")
         if self.check:
             raise RuntimeError("a check stops before the first epoch is planned: it writes nothing")
-        cohorts, q_u, expected_batch = self._corpus_now()
+        from govtrain.resolver.plan import corpus_of
+
+        corpus = corpus_of(self.ledger)  # one verified pass: the corpus and the epoch
+        cohorts, q_u, expected_batch = self._corpus_now(corpus)
         if not any(c.eligible for c in cohorts):
             self.result.exhausted = True
             return False
-        epoch = self.ledger.epoch()
+        epoch = corpus.epoch
         first = self.result.steps
         steps = min(self.epoch_steps, self.total - first)
         self.scheduler.sampling_rate_u = q_u
@@ -1031,13 +1037,14 @@ class Run:
 
     # -- helpers ---------------------------------------------------------------------------------------
 
-    def _corpus_now(self):
-        """(cohorts, q_u, expected batch) from what the ledger says now: other runs may have charged these
-        contributions, and some may have withdrawn or retired, since this run started."""
-        from govtrain.resolver.plan import read_corpus, sampling_rate_for
+    def _corpus_now(self, corpus):
+        """(cohorts, q_u, expected batch) from what the ledger says now (`corpus`, `resolver.plan.Corpus`: its
+        verified entries): other runs may have charged these contributions, and some may have withdrawn or
+        retired, since this run started."""
+        from govtrain.resolver.plan import sampling_rate_for
         from govtrain.resolver.schedule import cohorts_of
 
-        recorded, withdrawn_now, _ = read_corpus(self.ledger)
+        recorded, withdrawn_now = corpus.admitted, corpus.withdrawn
         live = sorted(c for c in self.present if c not in withdrawn_now and c in recorded)
         q, batch = sampling_rate_for(self.policy, self.config.file.training.expected_batch_size,
                                      sum(self.policy.sampling_units(recorded[c].records) for c in live),

@@ -284,15 +284,14 @@ def check_selection(ledger, config: RunConfig, task, selection: Selection) -> No
     from govtrain.train.data import load_examples
     from govtrain.train.model import load_tokenizer
 
-    admissions = ledger.store.admissions()
-    for row in admissions:
-        if row.data_sha256 == selection.sha256:
+    admissions = _admitted_data(ledger)
+    for data_sha256, contribution_id in admissions.items():
+        if data_sha256 == selection.sha256:
             raise ConfigError(Code.SELECTION_ADMITTED, f"select.data {selection.path} is the data of admitted "
-                                                       f"contribution {row.contribution_id!r}: selecting on private "
+                                                       f"contribution {contribution_id!r}: selecting on private "
                                                        "data is not post-processing; hold out a file that is not "
                                                        "admitted")
-    loaded = load_examples(config.data_dir, {row.data_sha256: row.contribution_id for row in admissions}, task,
-                           integer_columns=(config.file.data.label_column,))
+    loaded = load_examples(config.data_dir, admissions, task, integer_columns=(config.file.data.label_column,))
     admitted = AdmittedRows(tuple(loaded.items), tuple(loaded.owner))
     matched: list[tuple[str, ...]] = list(admitted.matches(zip(selection.where,
                                                                map(input_digest, selection.examples))))
@@ -457,6 +456,21 @@ def check_tune_output(folder: Path, trials: list[Trial]) -> None:
                                              f"({shown}): a search writes its trials into a folder of its own "
                                              "(another run's adapter, another search's trials); give it another "
                                              "training.output, or resume a search with its own --id and files")
+
+
+def _admitted_data(ledger) -> dict[bytes, str]:  # type: ignore[no-untyped-def]
+    """Data SHA-256 -> contribution id of every admission, retired ones too, from the verified entries (`verified`):
+    never the admissions index, whose rows a database writer without keys can delete to pass admitted data off as
+    a held-out selection file."""
+    from govtrain.ledger.verified import verified_entries
+
+    found: dict[bytes, str] = {}
+    entries = verified_entries(ledger.store)
+    for item in entries:
+        if item.kind == "admit":
+            admit = item.entry if item.entry is not None else entries.redacted.admits[item.seq]
+            found.setdefault(admit["data_sha256"], admit["contribution_id"])
+    return found
 
 
 def _charged_outside(ledger, trials: set[str]) -> dict[str, tuple[int, int]]:  # type: ignore[no-untyped-def]
