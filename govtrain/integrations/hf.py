@@ -7,16 +7,20 @@
         trainer.train()        # governed steps; at the end the adapter is saved and the run entry written
 
 What stays the Trainer's: `TrainingArguments` (logging, evaluation, checkpoints of the Trainer's own state, the
-learning-rate schedule), callbacks, `evaluate()` and `predict()`. What is the run's, and refused if given:
+learning-rate schedule's kind and warm-up), callbacks, `evaluate()` and `predict()`. What is the run's, and refused if given:
 - the data: the training loader yields one logical Poisson step of `run.batches()` per Trainer step (its
   physical chunks are run inside the step); `train_dataset`, `data_collator` and a custom sampler are refused
   (`ungoverned_batch`), as is gradient accumulation (a logical step is the Poisson batch);
 - the loss: one value per example (`per_example_loss`, by default the run's task loss; override it in a
   subclass), never the Trainer's mean (`compute_loss_func` is refused);
 - the update: RUN.toml's `[optimizer]` (and PRISM's or DP-Muon's). The Trainer's optimizer is a view of it
-  (`GovernedOptimizer`): `TrainingArguments.lr_scheduler_type` and warm-up scale its learning rates, and its
-  `step()` checks that the governed step happened. `max_grad_norm` clips nothing: each example's gradient was
-  clipped to its contribution's bound and the gradients are consumed by the governed step;
+  (`GovernedOptimizer`): `TrainingArguments.lr_scheduler_type` and warm-up name the run's schedule
+  (`GovernedRun.set_schedule`, a function of the governed step alone), which the Trainer's scheduler follows, and
+  its `step()` checks that the governed step happened. A callback that writes the optimizer's groups (a rate from
+  an evaluation or the training loss) is refused before the next update acts (`ungoverned_update`,
+  `mechanisms/hyperparameters.py`), and so are the schedules that step on a metric. `max_grad_norm` clips
+  nothing: each example's gradient was clipped to its contribution's bound and the gradients are consumed by the
+  governed step;
 - the logs: the `grad_norm` the Trainer logs is the L2 norm of the privatized gradient the update applied (the
   clipped sum plus its noise, over the expected batch size: post-processing, safe to show), never a statistic
   of the un-noised gradients; and each training log carries every class's ε as charged so far (`eps/<class>`,

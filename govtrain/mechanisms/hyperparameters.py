@@ -147,7 +147,11 @@ def _differs(key: str, value: Any, expected: Any) -> str | None:
         if abs(float(value) - expected) > _ROUNDING * abs(expected):
             return f"{float(value)!r}, where the schedule gives {expected!r}"
         return None
-    return None if _same(value, expected) else f"{value!r}, where RUN.toml gives {expected!r}"
+    if _same(value, expected):
+        return None
+    if type(value) is not type(expected):  # an object of the loop's, equal or not: its code would run in the update
+        return f"a {type(value).__name__} ({value!r}), where RUN.toml gives a {type(expected).__name__} ({expected!r})"
+    return f"{value!r}, where RUN.toml gives {expected!r}"
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -29,7 +29,9 @@ opened again resumes from the last checkpoint, drawing the same rows (the sample
 draw only once it is recorded, and `step()` takes a plain `torch.Tensor` whose sum it reads before anything is
 summed. The weights move only in governed steps (`Weights`): the trainable ones as the last step left them
 (compared by value), every parameter's identity and class, every frozen one's version counter, and the update's
-state, groups, defaults and learning rates (exact types, so no object of the loop's runs inside the update) are
+state, groups and defaults (exact types, so no object of the loop's runs inside the update), and every
+hyperparameter it reads, which must be RUN.toml's on the run's schedule (`set_schedule`, a function of the step
+alone: a rate set from an evaluation or the training loss is a use of the data no spend charges), are
 checked before each draw, each governed forward, each update, each Trainer checkpoint and at `save()`, and
 torch's global optimizer hooks are refused (they run inside the update); all `ungoverned_update`. Leaving the
 block after such a change saves nothing: the run state stays its last checkpoint's.
@@ -634,7 +636,7 @@ class Weights:
         wrong = hyperparameters.changed(self.mechanism, step)
         self.unscheduled = wrong is not None  # a rate, momentum, betas, decay or eps set by other code (issue 34, 8)
         if wrong is not None:
-            return f"{wrong} at step {step} (the run's schedule: {hyperparameters.schedule})"
+            return f"the update's state ({wrong} at step {step}; the run's schedule: {hyperparameters.schedule})"
         if not same_state(self.mechanism.state_dict(), self.state):
             return state
         return None
