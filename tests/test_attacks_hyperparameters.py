@@ -261,6 +261,23 @@ def test_a_trainer_schedule_that_is_not_the_steps_alone_is_refused_when_built(tm
     assert snapshot(corpus.url) == before
 
 
+@pytest.mark.slow
+def test_a_follower_rank_setting_its_rate_from_the_loss_is_refused_and_nothing_is_recorded(tmp_path: Path,
+                                                                                           tiny_model: Path):
+    """Under two processes each rank checks its own update: a follower whose loop sets lr = 5·loss after step 1 is
+    refused (`ungoverned_update`) before its next update, every rank stops, and no run is recorded."""
+    from tests.test_attacks_distributed_review import finish, records, start
+    from tests.test_distributed import make_world
+
+    corpus, config = make_world(tmp_path / "world", tiny_model, steps=3)
+    base = {"config": str(config), "ledger": corpus.url}
+    results = finish(start([base, {**base, "behaviour": "rate", "after": 1}], tmp_path / "out"))
+    assert results[1][0] != 0 and "ungoverned_update" in results[1][1] and "param_groups[0]['lr']" in results[1][1]
+    assert results[0][0] != 0  # the lead stops too
+    assert [r["steps"] for r in records(tmp_path / "out", 2)] == [None, None]
+    assert "run" not in verify_ledger(corpus.url).by_kind
+
+
 class _StopOnLoss(transformers.TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if "loss" in (logs or {}) and state.global_step >= 2:
