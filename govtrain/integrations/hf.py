@@ -7,7 +7,8 @@
         trainer.train()        # governed steps; at the end the adapter is saved and the run entry written
 
 What stays the Trainer's: `TrainingArguments` (logging, evaluation, checkpoints of the Trainer's own state, the
-learning-rate schedule's kind and warm-up), callbacks, `evaluate()` and `predict()`. What is the run's, and refused if given:
+learning-rate schedule's kind and warm-up), callbacks, `evaluate()` and `predict()`. What is the run's, and refused
+if given:
 - the data: the training loader yields one logical Poisson step of `run.batches()` per Trainer step (its
   physical chunks are run inside the step); `train_dataset`, `data_collator` and a custom sampler are refused
   (`ungoverned_batch`), as is gradient accumulation (a logical step is the Poisson batch);

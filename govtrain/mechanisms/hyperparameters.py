@@ -55,7 +55,8 @@ class Schedule:
         if self.kind not in SCHEDULES:
             raise ValueError(f"the schedule is one of {', '.join(SCHEDULES)}, not {self.kind!r}")
         if type(self.warmup) is not int or self.warmup < 0 or (self.kind == "constant" and self.warmup):
-            raise ValueError(f"warm-up steps are a non-negative int (none for a constant schedule), not {self.warmup!r}")
+            raise ValueError("warm-up steps are a non-negative int (none for a constant schedule), not "
+                             f"{self.warmup!r}")
         if type(self.total) is not int or self.total < 1:
             raise ValueError(f"a run has at least one step, not {self.total!r}")
 
@@ -124,8 +125,9 @@ class Hyperparameters:
             keys = set(group) - {"params"}
             if keys != set(values):
                 added, removed = sorted(map(str, keys - set(values))), sorted(map(str, set(values) - keys))
-                return (f"param_groups[{i}] has {'key(s) ' + ', '.join(added) + ' added' if added else ''}"
-                        f"{' and ' if added and removed else ''}{'key(s) ' + ', '.join(removed) + ' removed' if removed else ''}")
+                what = [f"key(s) {', '.join(keys_)} {how}" for keys_, how in ((added, "added"), (removed, "removed"))
+                        if keys_]
+                return f"param_groups[{i}] has {' and '.join(what)}"
             for key in sorted(values):
                 wrong = _differs(key, group[key], values[key])
                 if wrong:

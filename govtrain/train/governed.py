@@ -126,7 +126,8 @@ class GovernedRun:
         hyperparameters = run.update.hyperparameters
         hyperparameters.schedule = Schedule(total=max(run.total, 1))
         hyperparameters.apply(run.update, run.result.steps)  # RUN.toml's, whatever a run state held
-        self._weights = Weights(run.model, run.update, lambda: run.result.steps)  # the model and update as the last governed step left them
+        # the model and update as the last governed step left them
+        self._weights = Weights(run.model, run.update, lambda: run.result.steps)
         self._release = run.export  # what save() may write: peft's files for this model, govtrain's own
         self._guard = Guard(run.model, self._governed_forward)  # the run owns sampling
         self._tokenizer = copy.deepcopy(run.tokenizer)  # encodes every draw: patching run.tokenizer changes none
@@ -257,9 +258,10 @@ class GovernedRun:
         may write the same; any other value is refused, `ungoverned_update`)."""
         run = self._run
         if run.result.steps != self._opened_at:
-            raise ConfigError(Code.UNGOVERNED_UPDATE, f"set_schedule({kind!r}) after {run.result.steps - self._opened_at} "
-                                                      "governed update(s) in this process: a schedule chosen during "
-                                                      "a run may follow what it saw; set it before the first step")
+            taken = run.result.steps - self._opened_at
+            raise ConfigError(Code.UNGOVERNED_UPDATE, f"set_schedule({kind!r}) after {taken} governed update(s) in "
+                                                      "this process: a schedule chosen during a run may follow what it "
+                                                      "saw; set it before the first step")
         try:
             schedule = Schedule(kind, warmup_steps, max(run.total, 1))
         except ValueError as e:
@@ -614,6 +616,7 @@ class Weights:
         self.defaults = _copied(optimizer.defaults) if optimizer is not None else None
 
     def changed(self) -> str | None:
+        self.unscheduled = False
         now = list(self.model.named_parameters())
         if len(now) != len(self.params) or any(p is not q for (_, p), (_, q, _) in zip(now, self.params)):
             return "a parameter of run.model was replaced or added"
