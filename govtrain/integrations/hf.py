@@ -202,7 +202,7 @@ def _schedule(args: TrainingArguments, run: GovernedRun) -> Schedule:
                                                    ": a governed run's learning rates follow one of "
                                                    f"{', '.join(SCHEDULES)} (no lr_scheduler_kwargs) at its own step")
     total = max(run.total_steps, 1)
-    return Schedule(kind, 0 if kind == "constant" else args.get_warmup_steps(total), total)
+    return Schedule(kind=kind, warmup=0 if kind == "constant" else args.get_warmup_steps(total), total=total)
 
 
 class _LogicalStep:

@@ -41,7 +41,7 @@ _PARTS = {"prism": ("lr", "betas", "floor", "max_condition", "eps"),
           "muon": ("lr", "momentum", "kappa", "steps", "iteration")}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Schedule:
     """The learning rates' factor at each governed step of a run of `total` steps: `kind` of `SCHEDULES`, with
     `warmup` steps rising linearly from 0 (Hugging Face's formulas, `transformers.optimization`, at the run's step

@@ -263,7 +263,7 @@ class GovernedRun:
                                                       "this process: a schedule chosen during a run may follow what it "
                                                       "saw; set it before the first step")
         try:
-            schedule = Schedule(kind, warmup_steps, max(run.total, 1))
+            schedule = Schedule(kind=kind, warmup=warmup_steps, total=max(run.total, 1))
         except ValueError as e:
             raise ConfigError(Code.RUN_CONFIG_INVALID, f"set_schedule: {e}") from None
         self._check_governed("before set_schedule")
