@@ -46,7 +46,8 @@ class Code(str, Enum):
     SAMPLING_MISMATCH = "sampling_mismatch"  # the sampler's rate is not the rate the ledger's spend charged
     BATCH_COUPLED = "batch_coupled"  # an example's gradient depends on the other examples in its batch
     STALE_PARAMETERS = "stale_parameters"  # a privatized gradient the update would not apply to the model
-    UNGOVERNED_UPDATE = "ungoverned_update"  # the trained weights moved outside a governed step
+    UNGOVERNED_UPDATE = "ungoverned_update"  # the trained weights moved outside a governed step, or a hyperparameter
+    # the update reads (a rate, momentum, betas, weight decay, eps) is not RUN.toml's on the run's schedule
     STEP_FAILED = "step_failed"  # a step raised after its draw: the run in this process stops there
     DIVERGED = "diverged"  # more units with a non-finite gradient than training.max_nonfinite_units: the run stops
     NONFINITE_RELEASE = "nonfinite_release"  # a noised gradient with a nan or inf: refused before .grad (a defect)

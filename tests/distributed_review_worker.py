@@ -2,7 +2,8 @@
 SPEC.json`. Like tests/distributed_worker.py (the library API under RANK / WORLD_SIZE), and it records, per logical
 step, what the lead drew (the texts of the drawn examples, before each rank takes its share) and what this rank
 trained on (the texts of the examples in its chunks), in `out/rank{r}.json`. SPEC may also name a `behaviour` of the
-user's loop: "break" leaves the loop after `after` steps.
+user's loop: "break" leaves the loop after `after` steps; "rate" sets this rank's learning rate from the step's
+training loss after `after` steps (issue 34, item 8: every rank checks its own update's hyperparameters).
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def main(spec_path: str) -> None:
                 loss = run.step(run.per_example_loss(output, batch))
                 if spec.get("behaviour") == "break" and loss is not None and run.steps >= spec.get("after", 1):
                     break
+                if spec.get("behaviour") == "rate" and loss is not None and run.steps == spec.get("after", 1):
+                    from govtrain.integrations.hf import GovernedOptimizer
+
+                    GovernedOptimizer(run).param_groups[0]["lr"] = 5 * loss
             if run.steps >= run.total_steps:
                 record["steps"] = run.save().steps
     finally:

@@ -1263,21 +1263,26 @@ def test_objects_of_the_loops_own_in_the_updates_state_are_refused(tmp_path: Pat
 
 def test_a_numpy_learning_rate_from_a_schedule_of_ones_own_trains(tmp_path: Path, tiny_model: Path):
     """Review 6, F3: a LambdaLR whose factor is numpy's writes np.float64 rates; numpy's floats are exact types
-    whose arithmetic is numpy's own, so they pass, and the update meets them as plain floats."""
+    whose arithmetic is numpy's own, so they pass, and the update meets them as plain floats. The rates it writes
+    must be the run's schedule's (issue 34, item 8: here the linear one set before the first step)."""
     import numpy as np
 
     from govtrain.integrations.hf import GovernedOptimizer
 
     corpus = _corpus(tmp_path, "numpy")
     with govtrain.GovernedRun.open(_config(corpus, tiny_model, 3), corpus.url, insecure_seed=1, **QUIET) as run:
+        run.set_schedule("linear")
         view = GovernedOptimizer(run)
-        schedule = torch.optim.lr_scheduler.LambdaLR(view, lambda s: np.float64(0.5) ** s)
+        schedule = torch.optim.lr_scheduler.LambdaLR(view, lambda s: np.float64(3 - s) / 3)
+        met = []
+        run._run.update.optimizer.register_step_pre_hook(lambda o, a, k: met.append(type(o.param_groups[0]["lr"])))
         for batch in run.batches():
             loss = run.step(run.per_example_loss(run.model(**batch.inputs), batch))
             if loss is not None:
                 view.step()  # checks that the governed step ran
                 schedule.step()
-        assert view.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5 ** 3)
+        assert type(view.param_groups[0]["lr"]) is np.float64 and view.param_groups[0]["lr"] == 0.0
+        assert met == [float] * 3
         assert run.save().steps == 3
 
 

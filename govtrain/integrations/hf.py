@@ -7,16 +7,21 @@
         trainer.train()        # governed steps; at the end the adapter is saved and the run entry written
 
 What stays the Trainer's: `TrainingArguments` (logging, evaluation, checkpoints of the Trainer's own state, the
-learning-rate schedule), callbacks, `evaluate()` and `predict()`. What is the run's, and refused if given:
+learning-rate schedule's kind and warm-up), callbacks, `evaluate()` and `predict()`. What is the run's, and refused
+if given:
 - the data: the training loader yields one logical Poisson step of `run.batches()` per Trainer step (its
   physical chunks are run inside the step); `train_dataset`, `data_collator` and a custom sampler are refused
   (`ungoverned_batch`), as is gradient accumulation (a logical step is the Poisson batch);
 - the loss: one value per example (`per_example_loss`, by default the run's task loss; override it in a
   subclass), never the Trainer's mean (`compute_loss_func` is refused);
 - the update: RUN.toml's `[optimizer]` (and PRISM's or DP-Muon's). The Trainer's optimizer is a view of it
-  (`GovernedOptimizer`): `TrainingArguments.lr_scheduler_type` and warm-up scale its learning rates, and its
-  `step()` checks that the governed step happened. `max_grad_norm` clips nothing: each example's gradient was
-  clipped to its contribution's bound and the gradients are consumed by the governed step;
+  (`GovernedOptimizer`): `TrainingArguments.lr_scheduler_type` and warm-up name the run's schedule
+  (`GovernedRun.set_schedule`, a function of the governed step alone), which the Trainer's scheduler follows, and
+  its `step()` checks that the governed step happened. A callback that writes the optimizer's groups (a rate from
+  an evaluation or the training loss) is refused before the next update acts (`ungoverned_update`,
+  `mechanisms/hyperparameters.py`), and so are the schedules that step on a metric. `max_grad_norm` clips
+  nothing: each example's gradient was clipped to its contribution's bound and the gradients are consumed by the
+  governed step;
 - the logs: the `grad_norm` the Trainer logs is the L2 norm of the privatized gradient the update applied (the
   clipped sum plus its noise, over the expected batch size: post-processing, safe to show), never a statistic
   of the un-noised gradients; and each training log carries every class's ε as charged so far (`eps/<class>`,
@@ -57,6 +62,7 @@ from transformers import Trainer, TrainingArguments
 from govtrain.errors import Code, ConfigError
 from govtrain.integrations.selection import (Evaluations, SelectionCheck, changed_by_evaluation, evaluation_flags,
                                              materialised, named, selection_settings)
+from govtrain.mechanisms.hyperparameters import SCHEDULES, Schedule
 from govtrain.train.governed import GovernedBatch, GovernedRun, same_state
 
 if TYPE_CHECKING:
@@ -173,6 +179,32 @@ class GovernedOptimizer(torch.optim.Optimizer):
         return f"GovernedOptimizer({self._update.mechanism})"
 
 
+class _RunSchedule(torch.optim.lr_scheduler.LRScheduler):
+    """The Trainer's learning-rate scheduler: the run's own schedule (`GovernedRun.set_schedule`, from
+    `lr_scheduler_type` and warm-up when the Trainer is built), which the run applies at each governed step (empty
+    draws count, which the Trainer's own count skips). Stepping it writes back the rates the run set, and the
+    Trainer logs them."""
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+
+def _schedule(args: TrainingArguments, run: GovernedRun) -> Schedule:
+    """The run's schedule that `args.lr_scheduler_type` and its warm-up name, over the run's `training.steps`."""
+    kind = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
+    if kind in ("reduce_lr_on_plateau", "greedy"):
+        raise ConfigError(Code.UNGOVERNED_UPDATE, f"TrainingArguments.lr_scheduler_type = {kind!r} sets the learning "
+                                                  "rate from evaluations, which the run cannot tell from a use of the "
+                                                  f"data no spend charges: use one of {', '.join(SCHEDULES)}")
+    if kind not in SCHEDULES or args.lr_scheduler_kwargs:
+        raise ConfigError(Code.RUN_CONFIG_INVALID, f"TrainingArguments.lr_scheduler_type = {kind!r}"
+                                                   f"{' with lr_scheduler_kwargs' if args.lr_scheduler_kwargs else ''}"
+                                                   ": a governed run's learning rates follow one of "
+                                                   f"{', '.join(SCHEDULES)} (no lr_scheduler_kwargs) at its own step")
+    total = max(run.total_steps, 1)
+    return Schedule(kind=kind, warmup=0 if kind == "constant" else args.get_warmup_steps(total), total=total)
+
+
 class _LogicalStep:
     """One Trainer step's input: the chunks of one logical Poisson step, drawn one at a time as the training
     step asks (the run hands out a chunk only once the one before is stepped). Under several processes, a step
@@ -255,6 +287,9 @@ class _Governed:
         self._selection = SelectionCheck(run)
         self._selection.check(named(kwargs.get("eval_dataset"), "eval_dataset"),
                               selection_settings(args, kwargs.get("callbacks") or ()))
+        schedule = _schedule(args, run)  # after the selection check: a metric's schedule on admitted rows is that
+        if schedule != run.schedule:
+            run.set_schedule(schedule.kind, schedule.warmup)
         super().__init__(model=run.model, args=args, optimizers=(GovernedOptimizer(run), None),
                          **self._sft_arguments(kwargs))
         self._evaluations = Evaluations(run, self.data_collator)
@@ -267,6 +302,13 @@ class _Governed:
 
     def _sft_arguments(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         return kwargs
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """The Trainer's scheduler follows the run's (`_RunSchedule`): the run writes each step's rates."""
+        if self.lr_scheduler is None:
+            self.lr_scheduler = _RunSchedule(self.optimizer if optimizer is None else optimizer)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
 
     # -- the data and the step are the run's -----------------------------------------------------------
 

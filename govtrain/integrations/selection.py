@@ -49,6 +49,9 @@ What it does not catch: an admitted row altered beyond the normal form (a word c
 that is an admitted row's first 7 tokens or fewer (below `MIN_PREFIX`) or holds one after other tokens (the
 logits then differ), a callback that remembers an evaluation and acts on it at a later step, and code of yours
 that reads any data itself (`compute_metrics`, a callback, the `processing_class` that pads evaluation batches).
+What such code can do with what it read is bounded elsewhere: a hyperparameter it writes is refused before the
+next update (`mechanisms/hyperparameters.py`), weights it writes are refused (`Weights`), and a stop it decides
+releases nothing (`train()` records the run only after all of `training.steps`).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from govtrain.errors import Code, ConfigError
 
+from govtrain.mechanisms.hyperparameters import Hyperparameters
 from govtrain.mechanisms.muon import DPMuon
 from govtrain.mechanisms.prism import Prism, lora_pairs
 from govtrain.resolver.model import role
@@ -81,6 +82,9 @@ class Update:
         every gradient on them reaches them (`stale_parameters`)."""
         self.mechanism, self.optimizer, self.prism, self.muon = mechanism, optimizer, prism, muon
         self.model = model
+        # what RUN.toml configured, before any state is loaded: the only hyperparameters an update may meet, scaled
+        # by the run's schedule (`hyperparameters.py`)
+        self.hyperparameters = Hyperparameters.of(optimizer, prism, muon)
         self.grad_norm: Tensor | None = None  # the last step's privatized gradient's L2 norm (`step`)
         # names of the tensors moved, as the model called them when the update was built (for messages about
         # a tensor the model no longer holds)

@@ -29,7 +29,9 @@ opened again resumes from the last checkpoint, drawing the same rows (the sample
 draw only once it is recorded, and `step()` takes a plain `torch.Tensor` whose sum it reads before anything is
 summed. The weights move only in governed steps (`Weights`): the trainable ones as the last step left them
 (compared by value), every parameter's identity and class, every frozen one's version counter, and the update's
-state, groups, defaults and learning rates (exact types, so no object of the loop's runs inside the update) are
+state, groups and defaults (exact types, so no object of the loop's runs inside the update), and every
+hyperparameter it reads, which must be RUN.toml's on the run's schedule (`set_schedule`, a function of the step
+alone: a rate set from an evaluation or the training loss is a use of the data no spend charges), are
 checked before each draw, each governed forward, each update, each Trainer checkpoint and at `save()`, and
 torch's global optimizer hooks are refused (they run inside the update); all `ungoverned_update`. Leaving the
 block after such a change saves nothing: the run state stays its last checkpoint's.
@@ -44,7 +46,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import math
 import operator
 import time
 from dataclasses import dataclass, field
@@ -52,12 +53,12 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, Mapping
 
-import numpy as np
 import torch
 
 from govtrain import units
 from govtrain.distributed.fsdp import is_sharded
 from govtrain.errors import Code, ConfigError
+from govtrain.mechanisms.hyperparameters import RATE_KEYS, Schedule
 from govtrain.tasks.base import Batch
 from govtrain.train.config import RunConfig, run_config
 from govtrain.train.guard import NOT_YOURS, Drawn, Guard
@@ -121,7 +122,12 @@ class GovernedRun:
         self._saved = self._closed = False
         self._broken: str | None = None  # what raised inside a step, after its draw (`_in_step`)
         check_optimizer_hooks()
-        self._weights = Weights(run.model, run.update)  # the model and update as the last governed step left them
+        self._opened_at = run.result.steps  # the schedule is fixed before the first update in this process
+        hyperparameters = run.update.hyperparameters
+        hyperparameters.schedule = Schedule(total=max(run.total, 1))
+        hyperparameters.apply(run.update, run.result.steps)  # RUN.toml's, whatever a run state held
+        # the model and update as the last governed step left them
+        self._weights = Weights(run.model, run.update, lambda: run.result.steps)
         self._release = run.export  # what save() may write: peft's files for this model, govtrain's own
         self._guard = Guard(run.model, self._governed_forward)  # the run owns sampling
         self._tokenizer = copy.deepcopy(run.tokenizer)  # encodes every draw: patching run.tokenizer changes none
@@ -248,6 +254,33 @@ class GovernedRun:
     def sampling_rate(self) -> float | None:
         """The q the current epoch's spend charged, which the sampler draws at (None: no epoch written)."""
         return self._run.pending["q_u"] / units.MICRO if self._run.pending is not None else None
+
+    def set_schedule(self, kind: str, warmup_steps: int = 0) -> None:
+        """Scale the learning rates RUN.toml configured by `kind` (`hyperparameters.SCHEDULES`: constant, the default,
+        constant_with_warmup, linear or cosine, Hugging Face's formulas) at each governed step of the run's
+        `training.steps`, after `warmup_steps` rising from 0. Only before this process's first governed update:
+        the rates are then a function of the step alone, and the run writes each step's own (a scheduler of yours
+        may write the same; any other value is refused, `ungoverned_update`)."""
+        run = self._run
+        if run.result.steps != self._opened_at:
+            taken = run.result.steps - self._opened_at
+            raise ConfigError(Code.UNGOVERNED_UPDATE, f"set_schedule({kind!r}) after {taken} governed update(s) in "
+                                                      "this process: a schedule chosen during a run may follow what it "
+                                                      "saw; set it before the first step")
+        try:
+            schedule = Schedule(kind=kind, warmup=warmup_steps, total=max(run.total, 1))
+        except ValueError as e:
+            raise ConfigError(Code.RUN_CONFIG_INVALID, f"set_schedule: {e}") from None
+        self._check_governed("before set_schedule")
+        hyperparameters = run.update.hyperparameters
+        hyperparameters.schedule = schedule
+        hyperparameters.apply(run.update, run.result.steps)
+        self._weights.update()
+
+    @property
+    def schedule(self) -> Schedule:
+        """The learning rates' schedule (`set_schedule`)."""
+        return self._run.update.hyperparameters.schedule
 
     def epsilons(self) -> dict[str, float]:
         """Each class's epsilon as charged so far, the epoch written ahead included."""
@@ -497,11 +530,13 @@ class GovernedRun:
 
     def _apply(self) -> float:
         """The step's noise and update (inside `_in_step`), on the weights as the last governed step left them."""
-        self._check_governed(f"at step {self._run.result.steps}'s update")
-        self._weights.plain_rates()
-        loss = self._run.move()
+        run, update = self._run, self._run.update
+        self._check_governed(f"at step {run.result.steps}'s update")  # every hyperparameter the step's own
+        update.hyperparameters.apply(update, run.result.steps)  # the schedule's values, as plain floats
+        loss = run.move()
         self._weights.update()  # before anything else runs: the step's bookkeeping and checkpoint come after
-        self._run.record(loss)
+        run.record(loss)
+        update.hyperparameters.apply(update, run.result.steps)  # the next step's rates
         return loss
 
     def _stepped(self, loss: float) -> None:
@@ -537,6 +572,13 @@ class GovernedRun:
     def _check_governed(self, when: str) -> None:
         check_optimizer_hooks()
         changed = self._weights.changed()
+        if changed is not None and self._weights.unscheduled:
+            raise ConfigError(Code.UNGOVERNED_UPDATE, f"{changed}, {when}: an update's hyperparameters are RUN.toml's, "
+                                                      "scaled by the run's schedule (set_schedule); one set by other "
+                                                      "code (a callback on an evaluation or on the training loss, a "
+                                                      "loop writing param_groups) may follow data that no spend "
+                                                      "charges: put it back, and leave the optimizer's groups alone "
+                                                      "while the run is open")
         if changed is not None:
             raise ConfigError(Code.UNGOVERNED_UPDATE, f"{changed} {when}, outside a governed step: only the run's "
                                                       "noised updates may move what it trains, or the released "
@@ -559,12 +601,14 @@ class Weights:
     """The model's parameters and the update's state as the last governed step left them: a copy of each
     trainable parameter's values, each parameter's identity and version counter (a frozen one is never written
     by a step: an in-place write bumps its counter), and a copy of the update's state (optimizer moments and
-    step counts, PRISM's and DP-Muon's; the learning rates aside, which a schedule sets). `changed()` names the
-    first that differs. Writes to a frozen parameter's storage that bypass its counter (`.data`, `.numpy()`)
+    step counts, PRISM's and DP-Muon's), and every hyperparameter the update reads, which must be RUN.toml's scaled
+    by the run's schedule at the coming step (`mechanisms/hyperparameters.py`). `changed()` names the first that
+    differs. Writes to a frozen parameter's storage that bypass its counter (`.data`, `.numpy()`)
     are not seen: that, like patching a library, is out of reach."""
 
-    def __init__(self, model: "nn.Module", mechanism: "Update") -> None:
-        self.model, self.mechanism = model, mechanism
+    def __init__(self, model: "nn.Module", mechanism: "Update", steps: Callable[[], int]) -> None:
+        self.model, self.mechanism, self.steps = model, mechanism, steps  # steps(): the coming update's step
+        self.unscheduled = False  # what `changed()` last found is a hyperparameter the schedule did not set
         self.update()
 
     def update(self) -> None:
@@ -577,6 +621,7 @@ class Weights:
         self.defaults = _copied(optimizer.defaults) if optimizer is not None else None
 
     def changed(self) -> str | None:
+        self.unscheduled = False
         now = list(self.model.named_parameters())
         if len(now) != len(self.params) or any(p is not q for (_, p), (_, q, _) in zip(now, self.params)):
             return "a parameter of run.model was replaced or added"
@@ -592,12 +637,16 @@ class Weights:
                 return f"{name} had requires_grad switched"
             if kept is not None and not _equal(p.detach(), kept):
                 return f"{name} was written"
-        if not self._same_groups() or not same_state(self.mechanism.state_dict(), self.state):  # types first
-            return "the update's state (optimizer moments, step counts, parameter groups) was written"
-        for key, rate in self.rates():
-            if type(rate) not in _RATES or not math.isfinite(rate):
-                return (f"a learning rate ({key} = {rate!r}, a {type(rate).__name__}) is not a finite float: the "
-                        "update would run its arithmetic")
+        state = "the update's state (optimizer moments, step counts, parameter groups) was written"
+        if not self._same_groups():  # types first
+            return state
+        hyperparameters, step = self.mechanism.hyperparameters, self.steps()
+        wrong = hyperparameters.changed(self.mechanism, step)
+        self.unscheduled = wrong is not None  # a rate, momentum, betas, decay or eps set by other code (issue 34, 8)
+        if wrong is not None:
+            return f"the update's state ({wrong} at step {step}; the run's schedule: {hyperparameters.schedule})"
+        if not same_state(self.mechanism.state_dict(), self.state):
+            return state
         return None
 
     def _same_groups(self) -> bool:
@@ -618,35 +667,15 @@ class Weights:
                 and all(type(group) is dict and type(group["params"]) is list and len(group["params"]) == len(kept)
                         and all(map(operator.is_, group["params"], kept)) for group, kept in zip(groups, self.groups)))
 
-    def rates(self) -> Iterator[tuple[str, Any]]:
-        """Every learning rate the update reads, by where: the optimizer's groups', PRISM's and DP-Muon's."""
-        optimizer = self.mechanism.optimizer
-        for i, group in enumerate(optimizer.param_groups if optimizer is not None else ()):
-            for key in sorted(_SCHEDULED & group.keys()):
-                yield f"param_groups[{i}][{key!r}]", group[key]
-        for name in ("prism", "muon"):
-            part = getattr(self.mechanism, name)
-            if part is not None:
-                yield f"{name}.lr", part.lr
-
-    def plain_rates(self) -> None:
-        """Each group's learning rates as plain floats (once `changed()` found them of `_RATES`): what the
-        update's arithmetic meets is torch's and Python's own."""
-        optimizer = self.mechanism.optimizer
-        for group in optimizer.param_groups if optimizer is not None else ():
-            for key in _SCHEDULED & group.keys():
-                group[key] = float(group[key])
-
     def same(self, weights: dict[str, "torch.Tensor"]) -> bool:
         return weights.keys() == self.trainable.keys() and all(_equal(v, self.trainable[n])
                                                                for n, v in weights.items())
 
 
-_SCHEDULED = frozenset({"lr", "initial_lr"})  # what a learning-rate schedule writes into an optimizer's groups
+_SCHEDULED = frozenset(RATE_KEYS)  # the rates: compared with the schedule's (`Hyperparameters`), not as state
 
 
 _PLAIN = (int, float, bool, str, type(None))  # the values an update's state holds besides tensors and containers
-_RATES = (float, int, np.float64, np.float32, np.float16)  # a learning rate's exact types (numpy's: C arithmetic)
 
 
 def _copied(state: Any) -> Any:
