@@ -295,3 +295,32 @@ def test_an_early_stop_from_the_training_loss_releases_nothing(tmp_path: Path, t
         assert run.steps < 4 and run.result.adapter_sha256 is None
     assert "run" not in verify_ledger(corpus.url).by_kind
     assert not (corpus.dir / "adapter" / "adapter_config.json").exists()
+
+
+def test_a_paused_run_keeps_its_schedule_when_resumed(tmp_path: Path, tiny_model: Path):
+    """A schedule chosen again when a paused run is opened anew, after seeing how its steps went (the training loss
+    is not noised), would be a rate set from the data: the run state records the schedule its steps were taken
+    under, a resumed run keeps it, and `set_schedule` with another one is refused (`ungoverned_update`) with
+    nothing changed; the same schedule set again is accepted."""
+    corpus = _corpus(tmp_path, "paused")
+    config = _config(corpus, tiny_model, 5)
+    used: list[float] = []
+    with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **QUIET) as run:
+        run.set_schedule("cosine", warmup_steps=2)
+        run._run.update.optimizer.register_step_pre_hook(lambda o, a, k: used.append(o.param_groups[0]["lr"]))
+        _step_once(run, corpus)
+        _step_once(run, corpus)
+    with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **QUIET) as run:
+        assert run.steps == 2 and (run.schedule.kind, run.schedule.warmup) == ("cosine", 2)
+        then = _Then(run, corpus.url)
+        with pytest.raises(ConfigError) as refused:
+            run.set_schedule("linear", warmup_steps=0)
+        assert refused.value.code is Code.UNGOVERNED_UPDATE and "cosine" in refused.value.detail, refused.value
+        assert then.unchanged() and run.schedule.kind == "cosine"
+        run.set_schedule("cosine", warmup_steps=2)  # the same one: nothing to refuse
+        run._run.update.optimizer.register_step_pre_hook(lambda o, a, k: used.append(o.param_groups[0]["lr"]))
+        _loop(run)
+        assert run.save().steps == 5
+    factors = [0.0, 0.5] + [0.5 * (1 + math.cos(math.pi * (k - 2) / 3)) for k in range(2, 5)]
+    assert used == pytest.approx([0.01 * f for f in factors])
+    assert verify_ledger(corpus.url).by_kind["run"] == 1

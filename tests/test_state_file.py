@@ -48,7 +48,7 @@ def _state() -> dict:
                   "state": {"key": torch.arange(32, dtype=torch.uint8), "step": 3,
                             "dtypes": {"w": "torch.float32"},
                             "buffers": {"w": torch.randn(3, 2, 2, dtype=torch.float64, generator=generator)}}},
-        "nonfinite": 2,
+        "nonfinite": 2, "schedule": {"kind": "cosine", "warmup": 2},
         "corpus": {"unit": "example", "contributions": {"c1": {"data_sha256": "ab" * 32, "rows": 4,
                                                                "rows_sha256": "cd" * 32}}},
     }

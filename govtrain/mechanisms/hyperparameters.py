@@ -75,6 +75,17 @@ class Schedule:
     def __str__(self) -> str:
         return self.kind + (f" with {self.warmup} warm-up step(s)" if self.warmup else "")
 
+    def record(self) -> dict[str, Any]:
+        """What a run state keeps of it: the public choice its steps were taken under (`total` is the run's)."""
+        return {"kind": self.kind, "warmup": self.warmup}
+
+    @classmethod
+    def of_record(cls, record: Any, *, total: int) -> "Schedule":
+        """The schedule a run state recorded (`record`), for a run of `total` steps; ValueError if it is none."""
+        if not isinstance(record, dict) or set(record) != {"kind", "warmup"}:
+            raise ValueError(f"a schedule record is {{kind, warmup}}, not {record!r}")
+        return cls(kind=record["kind"], warmup=record["warmup"], total=total)
+
 
 class Hyperparameters:
     """What RUN.toml configured for an update (`of`), and the run's schedule over it: `expected(step)`, `apply`

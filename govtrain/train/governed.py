@@ -124,7 +124,9 @@ class GovernedRun:
         check_optimizer_hooks()
         self._opened_at = run.result.steps  # the schedule is fixed before the first update in this process
         hyperparameters = run.update.hyperparameters
-        hyperparameters.schedule = Schedule(total=max(run.total, 1))
+        # a resumed run keeps the schedule its steps were taken under: one chosen again after seeing how they went
+        # (the loss, an evaluation) would be a rate set from the data, which no spend charges
+        hyperparameters.schedule = self._resumed_schedule() or Schedule(total=max(run.total, 1))
         hyperparameters.apply(run.update, run.result.steps)  # RUN.toml's, whatever a run state held
         # the model and update as the last governed step left them
         self._weights = Weights(run.model, run.update, lambda: run.result.steps)
@@ -271,11 +273,28 @@ class GovernedRun:
             schedule = Schedule(kind=kind, warmup=warmup_steps, total=max(run.total, 1))
         except ValueError as e:
             raise ConfigError(Code.RUN_CONFIG_INVALID, f"set_schedule: {e}") from None
+        resumed = self._resumed_schedule()
+        if resumed is not None and resumed != schedule:
+            raise ConfigError(Code.UNGOVERNED_UPDATE, f"set_schedule({kind!r}, {warmup_steps}): this run's "
+                                                      f"{run.result.steps} step(s) were taken under {resumed}, and a "
+                                                      "resumed run keeps its schedule (one chosen after seeing how "
+                                                      "the steps went would follow the data): set that one")
         self._check_governed("before set_schedule")
         hyperparameters = run.update.hyperparameters
         hyperparameters.schedule = schedule
         hyperparameters.apply(run.update, run.result.steps)
         self._weights.update()
+
+    def _resumed_schedule(self) -> Schedule | None:
+        """The schedule a resumed run's state recorded its steps under (None: a new run, or no step taken)."""
+        run = self._run
+        if run.schedule is None:
+            return None
+        try:
+            return Schedule.of_record(run.schedule, total=max(run.total, 1))
+        except ValueError as e:
+            raise ConfigError(Code.RUN_STATE_INVALID, f"{run.state_path}: {e}: the run state is not one govtrain "
+                                                      "wrote; restore it, or move it away and start afresh") from None
 
     @property
     def schedule(self) -> Schedule:

@@ -231,6 +231,8 @@ class Run:
         self.charged_before: set[str] = set()  # the run's contributions other runs (not its siblings) charged
         self.resumed = False  # prepare found the run's own state
         self.recorded = False  # prepare found the run's state and its run entry (a kill came between the two)
+        # the learning rates' schedule the run's steps so far were taken under (its state's), which a resumed run keeps
+        self.schedule: dict | None = None
         self._entry: dict | None = None  # that run entry, as a checkpoint signs it
         self.insecure_seed, self.checkpoint_every, self.observe = insecure_seed, checkpoint_every, observe
         self.total = config.file.training.steps
@@ -473,6 +475,7 @@ class Run:
             if not self.recorded:  # it draws again: its surviving units must keep their identities
                 corpus.check(state.get("corpus"), self.corpus, self.state_path)
             self.corpus = corpus.merge(state.get("corpus"), self.corpus)
+            self.schedule = state["schedule"] if state["step"] else None  # no step taken: none chosen yet
             check_state_shapes(state, self.model, self.update, self.state_path)  # before anything is put back
             result.steps, result.losses = state["step"], state["losses"]
             result.nonfinite = state["nonfinite"]
@@ -547,7 +550,7 @@ class Run:
         result = self.result
         return {"run_id": result.run_id, "run_nonce": self.run_nonce, "resumed": self.resumed,
                 "recorded": self.recorded, "steps": result.steps, "losses": list(result.losses),
-                "nonfinite": result.nonfinite,
+                "nonfinite": result.nonfinite, "schedule": self.schedule,
                 "epochs": list(result.epochs), "eps_by_class": result.eps_by_class, "exhausted": result.exhausted,
                 "pending": self.pending, "confirmed": self.confirmed, "charged_before": sorted(self.charged_before),
                 "plan": self.plan, "owner": self._owner}
@@ -567,6 +570,7 @@ class Run:
         self.result = result = RunResult(shared["run_id"], shared["steps"])
         result.losses, result.epochs, result.eps_by_class = shared["losses"], shared["epochs"], shared["eps_by_class"]
         result.exhausted, result.nonfinite = shared["exhausted"], shared["nonfinite"]
+        self.schedule = shared["schedule"]
         self.run_nonce, self.resumed, self.recorded = shared["run_nonce"], shared["resumed"], shared["recorded"]
         self.pending, self.confirmed, self.plan = shared["pending"], shared["confirmed"], shared["plan"]
         self.charged_before = set(shared["charged_before"])
@@ -1067,6 +1071,7 @@ class Run:
             "losses": result.losses, "epochs": result.epochs, "eps_by_class": result.eps_by_class,
             "pending": self.pending,
             "corpus": self.corpus,  # what each unit's identity names (train/corpus.py): plain JSON data
+            "schedule": self.update.hyperparameters.schedule.record(),  # what the steps so far were taken under
             "trainable": dict(self._whole["trainable"]) if self.sharded else
             {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad},
             "update": self._whole["update"] if self.sharded else self.update.state_dict(),

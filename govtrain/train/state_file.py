@@ -93,6 +93,7 @@ FIELDS: dict[str, _Check] = {
     "noise": _optional(_exact(dict)),  # the privatizer's record and state: `Privatizer.load_state` checks it
     "nonfinite": INT,  # the run's units whose gradient was not finite, against training.max_nonfinite_units
     "corpus": _exact(dict),  # the corpus the units' identities name: `corpus.check` checks it on resume
+    "schedule": _map_of(STR, _exact(str, int)),  # the learning rates' schedule: `Schedule.of_record` checks it
 }
 
 _DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
