@@ -202,3 +202,57 @@ def test_govtrain_release_does_not_sign_a_withdrawn_run_unconfirmed_after_checkp
                                       str(out), "--ledger", released.url, "--key", str(released.release_key_path),
                                       "--base", str(released.base)])
     assert answer.exit_code != 0 and not out.exists(), answer.output
+
+
+# -- 6. the gate's state folder: a resolution the signed tree cannot have made ----------------------------------------
+
+
+def test_a_sighting_marked_refuted_in_the_gate_store_before_any_signed_tree_covers_it_still_taints(deployment):
+    """Adversaries: a database writer without keys and someone who can write the gate's state folder (together, or
+    one person with both). The ledger signs the withdrawal of `pub`; the writer deletes the checkpoint row that
+    signs it, so that the gate reads it in an unsigned tail (no rollback: the gate's remembered tree is the one
+    before). Attack: INSERT into `gate_tail_sightings` the row that sighting will have, already `resolved =
+    'refuted'` (the triggers refuse UPDATE and DELETE, not INSERT; the one UPDATE they allow is exactly this
+    resolution). `advance` re-inserts what it reads with INSERT OR IGNORE, so the planted verdict stands, and only
+    unresolved sightings are returned: a withdrawal standing in the very reading the gate just took is dropped,
+    although no signed tree covers its sequence number, the only thing that may refute it. Impact: the release is
+    served as clean (200, `"tainted": false`) for as long as the checkpoint row stays deleted. Expected: a
+    resolution of a sequence number the remembered tree does not cover is no resolution (the sighting counts, or
+    the memory is refused as corrupt: 503 `taint_unknown`); here the release reads tainted."""
+    with deployment.serving() as (client, _):
+        assert _classify(client, deployment).json()["tainted"] is False  # the gate remembers the tree before
+    with deployment.released.open() as ledger:
+        withdrawn = ledger.withdraw("pub", "the contributor asked", now=int(deployment.clock[0]) + 10)
+    with sqlite3.connect(deployment.released.root / "ledger.db") as db:  # the database writer
+        db.execute("DROP TRIGGER checkpoints_no_delete")
+        db.execute("DELETE FROM checkpoints WHERE size > ?", (withdrawn.seq,))
+    with sqlite3.connect(deployment.policy().session_store) as db:  # the state folder's writer
+        db.execute("INSERT INTO gate_tail_sightings (release_sha256, seq, leaf_hash, contribution_id, time, seen_at, "
+                   "resolved, resolved_at) VALUES (?, ?, ?, ?, ?, ?, 'refuted', ?)",
+                   (_release_sha256(deployment), withdrawn.seq, withdrawn.leaf_hash, "pub", withdrawn.time,
+                    withdrawn.time, withdrawn.time))
+    deployment.clock[0] = withdrawn.time + 20
+    with deployment.serving() as (client, _):
+        answer = _classify(client, deployment)
+        assert answer.status_code in (200, 503), answer.text
+        assert answer.status_code == 503 or answer.json()["tainted"] is True, answer.text
+
+
+# -- 7. a store the memory cannot read -----------------------------------------------------------------------------
+
+
+def test_a_gate_store_whose_memory_tables_are_not_the_memory_s_is_a_one_line_refusal(deployment):
+    """Adversary: someone who can write the gate's state folder (or an older or foreign file at `sessions.store`).
+    Attack: a store holding a `gate_withdrawals` table of another shape (the name the memory migrates from).
+    `LedgerMemory.__init__` runs its migration unguarded, so `Gate.start` raises sqlite3.OperationalError ("no such
+    column"), which `govtrain serve` reports as `error[internal]` (a bug), leaving the session store open, where
+    `SessionStore` answers a store it cannot read with a one-line `ConfigError` (`bad_argument`, exit 2). Expected:
+    a `ConfigError` naming the store (exit 2), nothing changed."""
+    from govtrain.errors import ConfigError
+
+    store = deployment.policy().session_store
+    store.parent.mkdir(parents=True, exist_ok=True)
+    with sqlite3.connect(store) as db:
+        db.execute("CREATE TABLE gate_withdrawals (release_sha256 BLOB, seq INTEGER)")
+    with pytest.raises(ConfigError):
+        deployment.start()
