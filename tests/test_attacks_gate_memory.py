@@ -38,10 +38,13 @@ def _withdrawal(seq: int, name: str = "restr", *, time: int = 50, version: bytes
 
 
 def _advance(memory: LedgerMemory, leaves: list[bytes], withdrawals=(), *, now: int):  # type: ignore[no-untyped-def]
+    """A reading of the signed tree `leaves`, with `withdrawals` past it read in an unsigned tail that holds them
+    (at the next sequence numbers)."""
     tree = MerkleTree(leaves, len(leaves))
+    tail = [w.leaf_hash for w in sorted(withdrawals, key=lambda w: w.seq) if w.seq >= len(leaves)]
     return memory.advance(origin=ORIGIN, size=len(leaves), root=tree.root(),
                           consistency=lambda old: tree.consistency_proof(old, len(leaves)),
-                          release_sha256=RELEASE, withdrawals=list(withdrawals), now=now)
+                          release_sha256=RELEASE, withdrawals=list(withdrawals), now=now, leaves=[*leaves, *tail])
 
 
 def _rows(path: Path) -> dict[str, list[tuple]]:

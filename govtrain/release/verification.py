@@ -112,6 +112,9 @@ class ReleaseReport:
     current_checkpoint: Checkpoint | None  # the live ledger's largest verified one, which extends the release's
     unsigned_entries: int | None  # entries the live ledger holds past it, read all the same (0: none)
     withdrawn_since: tuple[Withdrawal, ...] | None
+    # the leaf hash of every entry the live ledger holds, as read (the first `current_checkpoint.size` fold into its
+    # root; the rest, each its body's, are the unsigned tail): what an inference gate remembers a tail by
+    leaves: tuple[bytes, ...] | None = None
 
     @property
     def tainted(self) -> bool:
@@ -254,13 +257,13 @@ def verify_release(envelope: bytes, *, release_key: bytes, ledger_keys: Sequence
         from govtrain.ledger.ledger import Ledger
 
         with Ledger.open(ledger) as opened:
-            current, unsigned, at_release, since = _against_ledger(opened, statement, checkpoint, release_key,
-                                                                   ledger_keys)
+            current, leaves, at_release, since = _against_ledger(opened, statement, checkpoint, release_key,
+                                                                 ledger_keys)
     else:
-        current, unsigned, at_release, since = _against_ledger(ledger, statement, checkpoint, release_key, ledger_keys)
+        current, leaves, at_release, since = _against_ledger(ledger, statement, checkpoint, release_key, ledger_keys)
     # the withdrawals at release as the ledger records them (the predicate's, compared): with their entries' times
-    return ReleaseReport(**{**report, "current_checkpoint": current, "unsigned_entries": unsigned,
-                            "withdrawn_at_release": at_release, "withdrawn_since": since})
+    return ReleaseReport(**{**report, "current_checkpoint": current, "unsigned_entries": len(leaves) - current.size,
+                            "withdrawn_at_release": at_release, "withdrawn_since": since, "leaves": leaves})
 
 
 def _note_keys(note: str, ledger_keys: Sequence[NoteKey | bytes]) -> list[NoteKey]:
@@ -307,7 +310,7 @@ def _check_folder(folder: Path, subjects: Mapping[str, str]) -> None:
 
 def _against_ledger(ledger: "Ledger", statement: Statement, checkpoint: Checkpoint, release_key: bytes,
                     ledger_keys: Sequence[NoteKey | bytes]
-                    ) -> tuple[Checkpoint, int, tuple[Withdrawal, ...], tuple[Withdrawal, ...]]:
+                    ) -> tuple[Checkpoint, tuple[bytes, ...], tuple[Withdrawal, ...], tuple[Withdrawal, ...]]:
     p = statement.predicate
     if ledger.policy.origin != p.ledger.origin:
         raise _mismatch(f"the release is of the ledger {p.ledger.origin!r}, this ledger is {ledger.policy.origin!r}")
@@ -328,7 +331,7 @@ def _against_ledger(ledger: "Ledger", statement: Statement, checkpoint: Checkpoi
     _compare("the ledger", stated, found)
     _check_reach(p, facts)
     since = withdrawals(log, facts.charged, facts.classes, start=checkpoint.size)  # to the last entry stored
-    return log.checkpoint, log.tail, facts.withdrawn, since
+    return log.checkpoint, tuple(e.leaf_hash for e in log.entries), facts.withdrawn, since
 
 
 def _check_reach(p: Predicate, facts: LedgerFacts) -> None:
