@@ -206,12 +206,14 @@ class LedgerMemory:
 
     def advance(self, *, origin: str, size: int, root: bytes, consistency: Callable[[int], Sequence[bytes]],
                 release_sha256: bytes, withdrawals: Sequence[SeenWithdrawal], now: int,
-                leaves: Sequence[bytes]) -> tuple[SeenWithdrawal, ...]:
+                leaves: Sequence[bytes] | None = None) -> tuple[SeenWithdrawal, ...]:
         """Take a verified reading: the ledger `origin`'s tree of `size` entries with `root` (a checkpoint signed by
         a pinned key), `consistency(old_size)` giving the proof that the tree of `old_size` entries is its prefix,
         `leaves` the leaf hashes of every entry read (the first `size` fold into `root`; the rest are the unsigned
-        tail, each checked against its body), and the withdrawals of what the release `release_sha256` trained on
-        read from them (those at or past `size` from the tail). Refuses (nothing remembered) a tree smaller than
+        tail, each checked against its body; None: only the withdrawals' own leaves are known, so a sighting commits
+        to its own entry alone and is settled no sooner than by the signed entry at its sequence number), and the
+        withdrawals of what the release `release_sha256` trained on read from them (those at or past `size` from
+        the tail). Refuses (nothing remembered) a tree smaller than
         (`rollback`), or not an extension of (`fork`), the largest one remembered, and a signed withdrawal other than
         the one remembered at its sequence number (`fork`). Else remembers the larger tree and the withdrawals,
         settles every sighting against the tree, and returns every withdrawal signed or still sighted, by sequence
@@ -219,9 +221,10 @@ class LedgerMemory:
         (`unsigned_tail`)."""
         from govtrain.ledger.merkle import ProofError, verify_consistency
 
-        if len(leaves) < size or any(w.seq >= len(leaves) or leaves[w.seq] != w.leaf_hash
-                                     for w in withdrawals if w.seq >= size):
+        if leaves is not None and (len(leaves) < size or any(w.seq >= len(leaves) or leaves[w.seq] != w.leaf_hash
+                                                             for w in withdrawals if w.seq >= size)):
             raise TypeError("advance: every withdrawal read past the signed tree must be among the leaves read")
+        read = _Leaves(leaves, withdrawals)
         db = self._db
         db.execute("BEGIN IMMEDIATE")  # the write lock before the read: one remembered tree, compared and moved
         try:
@@ -253,7 +256,7 @@ class LedgerMemory:
                            [(origin, w.seq, w.leaf_hash, now) for w in withdrawals])
             self._sign(release_sha256, [w for w in withdrawals if w.seq < size], now)
             tail = [w for w in withdrawals if w.seq >= size]
-            unsettled = self._settle(release_sha256, size, leaves, tail, now)
+            unsettled = self._settle(release_sha256, size, read, tail, now)
             times = self._first_seen(origin, release_sha256)
             signed = db.execute("SELECT contribution_id, seq, leaf_hash, min(time, first_seen) FROM "
                                 "gate_signed_withdrawals WHERE release_sha256 = ?", (release_sha256,)).fetchall()
@@ -311,7 +314,7 @@ class LedgerMemory:
                        "first_seen) VALUES (?, ?, ?, ?, ?, ?)",
                        (release_sha256, w.seq, w.contribution_id, w.leaf_hash, w.time, now))
 
-    def _settle(self, release_sha256: bytes, size: int, leaves: Sequence[bytes], tail: Sequence[SeenWithdrawal],
+    def _settle(self, release_sha256: bytes, size: int, leaves: "_Leaves", tail: Sequence[SeenWithdrawal],
                 now: int) -> list[int]:
         """Remember each withdrawal of `tail` with the tail it was read on (unless a sighting already commits to
         the same), settle every sighting of the release against the verified tree of `size` entries (module
@@ -335,9 +338,9 @@ class LedgerMemory:
             else:
                 verdict = "signed" if seq < size else None
             if verdict is None:  # open: counted while the reading shows it; committing to what is read now, too
-                if seq < len(leaves) and leaves[seq] == leaf:
+                if leaves[seq] == leaf:
                     start_at = seq + 1 - len(committed_to)  # a commitment from the signed size on, as read now
-                    if start_at <= size and list(leaves[size:seq + 1]) == committed_to[size - start_at:]:
+                    if start_at <= size and leaves.span(size, seq + 1) == committed_to[size - start_at:]:
                         committed.add((seq, leaf))
                 else:
                     unsettled.add(seq)
@@ -355,11 +358,12 @@ class LedgerMemory:
         for (seq, leaf), w in read.items():
             if (seq, leaf) in committed:
                 continue
-            chunk = list(leaves[size:seq + 1])
+            start = size if leaves.complete else seq
+            chunk = leaves.span(start, seq + 1)
             db.execute("INSERT OR IGNORE INTO gate_tail_sightings (release_sha256, seq, leaf_hash, contribution_id, "
                        "time, seen_at, tail_from, tail, tail_sha256) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                       (release_sha256, seq, leaf, w.contribution_id, w.time, now, size, b"".join(chunk),
-                        tail_commitment(size, chunk)))
+                       (release_sha256, seq, leaf, w.contribution_id, w.time, now, start, b"".join(chunk),
+                        tail_commitment(start, chunk)))
         return sorted(unsettled)
 
     def tree(self, origin: str) -> tuple[int, bytes] | None:
@@ -378,3 +382,21 @@ def _committed(seq: int, leaf: bytes, start: int | None, chunks: bytes | None, d
         if tail_commitment(start, found) == bytes(digest):
             return found
     return [leaf]
+
+
+class _Leaves:
+    """The leaves of a reading by sequence number: None past its last entry, and, where only its withdrawals'
+    leaves are known (`advance(leaves=None)`, not `complete`), at every other sequence number (equal to none)."""
+
+    def __init__(self, leaves: Sequence[bytes] | None, withdrawals: Sequence[SeenWithdrawal]) -> None:
+        self.complete = leaves is not None
+        self._leaves = leaves if leaves is not None else ()
+        self._known = {w.seq: w.leaf_hash for w in withdrawals}
+
+    def __getitem__(self, seq: int) -> bytes | None:
+        if self.complete:
+            return self._leaves[seq] if 0 <= seq < len(self._leaves) else None
+        return self._known.get(seq)
+
+    def span(self, start: int, stop: int) -> list[bytes | None]:
+        return [self[i] for i in range(start, stop)]
