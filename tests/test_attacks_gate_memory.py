@@ -21,7 +21,7 @@ import pytest
 
 from govtrain.errors import Code, IntegrityError
 from govtrain.ledger.merkle import MerkleTree
-from govtrain.serve.memory import LedgerMemory, SeenWithdrawal, tail_commitment
+from govtrain.serve.memory import LedgerMemory, SeenWithdrawal
 
 ORIGIN = "test.invalid/memory"
 RELEASE = hashlib.sha256(b"a release").digest()
@@ -309,6 +309,8 @@ def test_rows_planted_in_the_store_never_make_the_gate_more_lenient(tmp_path: Pa
     """Rows INSERTed by whoever writes the gate's state folder: a signed withdrawal's later time, a first sighting
     in 2100, a sighting of the very tail entry marked refuted with a commitment of its own. The signed time and
     the reading decide: the time is the signed one, and the tail withdrawal still counts."""
+    from govtrain.serve.memory import tail_commitment
+
     path = tmp_path / "gate.db"
     signed = _leaves(10)
     entry = _withdrawal(9, time=500)
