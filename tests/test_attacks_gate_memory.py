@@ -38,10 +38,13 @@ def _withdrawal(seq: int, name: str = "restr", *, time: int = 50, version: bytes
 
 
 def _advance(memory: LedgerMemory, leaves: list[bytes], withdrawals=(), *, now: int):  # type: ignore[no-untyped-def]
+    """A reading of the signed tree `leaves`, with `withdrawals` past it read in an unsigned tail that holds them
+    (at the next sequence numbers)."""
     tree = MerkleTree(leaves, len(leaves))
+    tail = [w.leaf_hash for w in sorted(withdrawals, key=lambda w: w.seq) if w.seq >= len(leaves)]
     return memory.advance(origin=ORIGIN, size=len(leaves), root=tree.root(),
                           consistency=lambda old: tree.consistency_proof(old, len(leaves)),
-                          release_sha256=RELEASE, withdrawals=list(withdrawals), now=now)
+                          release_sha256=RELEASE, withdrawals=list(withdrawals), now=now, leaves=[*leaves, *tail])
 
 
 def _rows(path: Path) -> dict[str, list[tuple]]:
@@ -259,3 +262,102 @@ def test_a_forged_tail_then_a_restore_does_not_taint_the_release_for_good(deploy
         served = client.post("/v1/classify", json={"texts": TEXTS}, headers=deployment.rights())
         assert served.status_code == 200 and served.json()["tainted"] is False, served.text
         assert client.get("/v1/info").json()["taint"]["withdrawn_since"] == []
+
+
+# -- the memory against its own store and long tails (the gate review's proofs, at the memory) -----------------------
+
+
+def _read(memory: LedgerMemory, signed: list[bytes], tail: list[bytes], withdrawals=(), *, now: int,
+          release: bytes = RELEASE):  # type: ignore[no-untyped-def]
+    tree = MerkleTree(signed, len(signed))
+    return memory.advance(origin=ORIGIN, size=len(signed), root=tree.root(),
+                          consistency=lambda old: tree.consistency_proof(old, len(signed)),
+                          release_sha256=release, withdrawals=list(withdrawals), now=now, leaves=[*signed, *tail])
+
+
+def test_a_long_forged_tail_is_refuted_by_the_first_signed_entry_that_is_not_the_tails(tmp_path: Path):
+    """A sighting commits to the tail it was read on: 40 forged fillers and a forged withdrawal at seq 50. Once the
+    database is put back, a signed entry at seq 10 that is the tail's own leaves it open (503); the first signed
+    entry that differs from the tail refutes it, 40 entries before the ledger reaches its seq."""
+    signed = _leaves(10)
+    fillers = _leaves(40, b"forged filler")
+    forged = _withdrawal(50, time=Y2100, version=b"forged")
+    memory = LedgerMemory(tmp_path / "gate.db")
+    assert [w.seq for w in _read(memory, signed, [*fillers, forged.leaf_hash], [forged], now=1000)] == [50]
+    _unsettled(memory, signed, now=1100)
+    with pytest.raises(IntegrityError) as still:  # the ledger signs the tail's own entry at 10: nothing refuted
+        _read(memory, [*signed, fillers[0]], [], now=1200)
+    assert still.value.code is Code.UNSIGNED_TAIL
+    honest = [*signed, fillers[0], hashlib.sha256(b"an honest entry").digest()]
+    assert _read(memory, honest, [], now=1300) == ()  # seq 11 is not the tail's: refuted
+    assert _read(memory, honest, [], now=1400) == ()
+    assert [row[6] for row in _rows(tmp_path / "gate.db")["gate_tail_sightings"]] == ["refuted"]
+
+
+def test_an_entrys_first_sighting_is_the_stores_whatever_release_reads_it(tmp_path: Path):
+    """A future-dated signed withdrawal counts from when the store first saw it, for a release signed later too."""
+    signed = _leaves(10)
+    entry = _withdrawal(9, time=Y2100)
+    signed[9] = entry.leaf_hash
+    memory = LedgerMemory(tmp_path / "gate.db")
+    assert [w.time for w in _read(memory, signed, [], [entry], now=1000)] == [1000]
+    other = hashlib.sha256(b"the same adapter, signed again").digest()
+    assert [w.time for w in _read(memory, signed, [], [entry], now=5000, release=other)] == [1000]
+
+
+def test_rows_planted_in_the_store_never_make_the_gate_more_lenient(tmp_path: Path):
+    """Rows INSERTed by whoever writes the gate's state folder: a signed withdrawal's later time, a first sighting
+    in 2100, a sighting of the very tail entry marked refuted with a commitment of its own. The signed time and
+    the reading decide: the time is the signed one, and the tail withdrawal still counts."""
+    from govtrain.serve.memory import tail_commitment
+
+    path = tmp_path / "gate.db"
+    signed = _leaves(10)
+    entry = _withdrawal(9, time=500)
+    signed[9] = entry.leaf_hash
+    tail = _withdrawal(10, time=600, version=b"tail")
+    memory = LedgerMemory(path)
+    assert _read(memory, _leaves(9), [], now=400) == ()
+    with sqlite3.connect(path) as db:
+        db.execute("INSERT INTO gate_signed_withdrawals VALUES (?, 9, 'restr', ?, ?, ?)",
+                   (RELEASE, entry.leaf_hash, Y2100, Y2100))
+        db.execute("INSERT INTO gate_first_seen VALUES (?, 9, ?, ?)", (ORIGIN, entry.leaf_hash, Y2100))
+        chunks = [b"x" * 32] * 7 + [tail.leaf_hash]  # a tail from seq 3 the signed tree refutes at once
+        db.execute("INSERT INTO gate_tail_sightings VALUES (?, 10, ?, 'restr', 600, 600, 'refuted', 600, 3, ?, ?)",
+                   (RELEASE, tail.leaf_hash, b"".join(chunks), tail_commitment(3, chunks)))
+    seen = _read(memory, signed, [tail.leaf_hash], [entry, tail], now=700)
+    assert [(w.seq, w.time) for w in seen] == [(9, 500), (10, 600)]
+
+
+def test_a_store_of_the_previous_sightings_layout_is_migrated_and_settles_as_before(tmp_path: Path):
+    path = tmp_path / "gate.db"
+    forged = _withdrawal(10, time=Y2100, version=b"forged")
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE gate_tail_sightings (release_sha256 BLOB NOT NULL, seq INTEGER NOT NULL, leaf_hash "
+                   "BLOB NOT NULL, contribution_id TEXT NOT NULL, time INTEGER NOT NULL, seen_at INTEGER NOT NULL, "
+                   "resolved TEXT, resolved_at INTEGER, PRIMARY KEY (release_sha256, seq, leaf_hash))")
+        db.execute("INSERT INTO gate_tail_sightings VALUES (?, 10, ?, 'restr', ?, 1000, NULL, NULL)",
+                   (RELEASE, forged.leaf_hash, Y2100))
+    memory = LedgerMemory(path)
+    _unsettled(memory, _leaves(10), now=1100)  # its commitment is its own entry: open until seq 10 is signed
+    real = _withdrawal(10, time=1200, version=b"real")
+    seen = _advance(memory, _leaves(10) + [real.leaf_hash], [real], now=1300)
+    assert [(w.leaf_hash, w.time) for w in seen] == [(real.leaf_hash, 1200)]
+    assert [row[6] for row in _rows(path)["gate_tail_sightings"]] == ["refuted"]
+
+
+@pytest.mark.parametrize("content", ["CREATE TABLE gate_first_seen (origin TEXT)", "not a database"])
+def test_a_store_the_memory_cannot_read_is_a_config_error_and_changes_nothing(tmp_path: Path, content: str):
+    from govtrain.errors import ConfigError
+
+    path = tmp_path / "gate.db"
+    if content.startswith("CREATE"):
+        with sqlite3.connect(path) as db:
+            db.execute(content)
+    else:
+        path.write_bytes(content.encode() * 200)
+    before = path.read_bytes()
+    with pytest.raises(ConfigError) as refused:
+        LedgerMemory(path)
+    assert refused.value.code is Code.BAD_ARGUMENT and str(path) in refused.value.detail
+    assert "\n" not in refused.value.line() and path.read_bytes() == before

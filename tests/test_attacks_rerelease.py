@@ -99,3 +99,48 @@ def test_govtrain_release_refuses_a_run_trained_on_a_withdrawn_contribution_with
     assert confirmed.exit_code == 0 and out.exists(), confirmed.output
     assert confirmed.stderr.startswith("warning: ") and "pub" in confirmed.stderr and "tainted" in confirmed.stderr
     assert "1 withdrawn at release" in confirmed.stdout
+
+
+def test_release_verify_reads_a_release_stating_withdrawals_at_release_as_tainted(deployment: Deployment,
+                                                                                 tmp_path: Path):
+    """An auditor's `release verify` and the gate agree (the review's limits): a release that states a withdrawal
+    at release is refused as tainted by every gate, so verify exits 6 (`tainted`), offline and against the
+    ledger, where it exited 0 with a WARNING line."""
+    import json
+
+    released = deployment.released
+    _withdraw_pub(deployment)
+    out = tmp_path / "again.dsse"
+    assert _release(released, out, "--yes").exit_code == 0
+    for extra in ([], ["--ledger", released.url]):
+        result = CliRunner().invoke(cli, ["release", "verify", str(out), "--key", str(released.keys / "release.pub"),
+                                          "--ledger-key", str(released.keys / "ledger.pub"), *extra, "--json"])
+        assert result.exit_code == 6, result.output
+        report = json.loads(result.stdout)
+        assert report["status"] == "tainted" and [w["contribution_id"] for w in report["withdrawn_at_release"]] == \
+            ["pub"] and not report["withdrawn_since"]
+        text = CliRunner().invoke(cli, ["release", "verify", str(out), "--key", str(released.keys / "release.pub"),
+                                        "--ledger-key", str(released.keys / "ledger.pub"), *extra])
+        assert text.exit_code == 6 and text.output.startswith("tainted: ") and "TAINTED: its run trained" in \
+            text.output, text.output
+
+
+def test_govtrain_release_refuses_a_ledger_with_an_unsigned_tail_even_confirmed(deployment: Deployment,
+                                                                               tmp_path: Path):
+    """The gate review's proof 5, with its code: `pub`'s withdrawal left unsigned (its checkpoint rows deleted) is
+    neither trusted nor left out of the `withdrawn_at_release` check: `govtrain release` refuses the unsigned tail
+    (`unsigned_tail`, exit 4, one line), with `--yes` too, and writes nothing."""
+    import sqlite3
+
+    released = deployment.released
+    _withdraw_pub(deployment)
+    with sqlite3.connect(released.root / "ledger.db") as db:
+        db.execute("DROP TRIGGER checkpoints_no_delete")
+        db.execute("DELETE FROM checkpoints WHERE size = (SELECT max(size) FROM checkpoints)")
+    before = (released.root / "ledger.db").read_bytes()
+    out = tmp_path / "again.dsse"
+    for extra in ((), ("--yes",)):
+        refused = _release(released, out, *extra)
+        assert refused.exit_code == 4 and refused.stderr.count("\n") == 1, refused.output
+        assert refused.stderr.startswith("error[unsigned_tail]: ") and "govtrain-verify" in refused.stderr
+        assert not out.exists() and (released.root / "ledger.db").read_bytes() == before

@@ -135,7 +135,8 @@ def release_group(ctx: click.Context, run_id: str | None, adapter: str | None, o
 def verify_command(release_path: str, key_path: str, ledger_key_paths: tuple[str, ...], adapter: str | None,
                    ledger_url: str | None, as_json: bool) -> None:
     """Verify a release manifest offline (signature, schema, inclusion proof, checkpoint); with --ledger, also
-    against the live ledger. Exit 0 ok, 4 integrity failure, 6 tainted (withdrawn since the release)."""
+    against the live ledger. Exit 0 ok, 4 integrity failure, 6 tainted (withdrawn since the release, or before
+    it: an inference gate refuses both)."""
     from govtrain.attest.keys import load_public_key
     from govtrain.release.verification import verify_release
 

@@ -37,7 +37,8 @@ class Withdrawal:
     data_class: str
     seq: int  # its withdraw entry
     leaf_hash: bytes
-    time: int | None = None  # its entry's time, from the body (None: retention dropped it, or stated by a release)
+    time: int | None = None  # its entry's time, from the body (None: stated by a release); see `withdrawals`
+    time_bound: bool = False  # `time` is a signed lower bound, not the entry's own (retention dropped its body)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,7 +130,10 @@ def withdrawals(log: SignedLog, charged: frozenset[str], classes: dict[str, str]
                 stop: int | None = None) -> tuple[Withdrawal, ...]:
     """The withdraw entries in [start, stop) (default: every entry stored, past the checkpoint too) of the
     contributions `charged`, read from the entries themselves (a body retention dropped, from the summary that
-    retired it), never from the withdrawals index or the kind column."""
+    retired it), never from the withdrawals index or the kind column. Each with its time: its body's, or where
+    retention dropped the body (the summary keeps no time, and the row's time column is no one's statement), the
+    time of the last entry before it that kept its body (`time_bound`): entry times never decrease, so that is a
+    time a signature covers and no later than the withdrawal's own, the bound that ends a grace period soonest."""
     found = []
     for stored in log.of_kind("withdraw", start=max(start, 1), stop=stop):
         if stored.entry is not None:
@@ -137,9 +141,13 @@ def withdrawals(log: SignedLog, charged: frozenset[str], classes: dict[str, str]
         else:
             cid = log.redacted.withdrawals[stored.seq]["contribution_id"]
         if cid in charged:
+            if stored.entry is not None:
+                time, bound = stored.entry["time"], False
+            else:  # entry 0, the header, always keeps its body
+                time = next(e.entry["time"] for e in reversed(log.entries[:stored.seq]) if e.entry is not None)
+                bound = True
             found.append(Withdrawal(contribution_id=cid, data_class=classes[cid], seq=stored.seq,
-                                    leaf_hash=stored.leaf_hash,
-                                    time=None if stored.entry is None else stored.entry["time"]))
+                                    leaf_hash=stored.leaf_hash, time=time, time_bound=bound))
     return tuple(found)
 
 

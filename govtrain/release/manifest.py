@@ -8,7 +8,9 @@ Built in order, refusing before anything is signed:
   2. the folder is one govtrain released (`govtrain.json`) for this ledger and this run, and its files, but the card,
      hash to the adapter hash the run entry records (`adapter_mismatch`: the run's adapter and no other);
   3. the base model found is the one the run entry records, by tree hash (`base_model_mismatch`);
-  4. the ledger's facts of the run as of its latest checkpoint (`facts.py`): the run entry and its inclusion proof,
+  4. the ledger's facts of the run as of its latest checkpoint (`facts.py`), which must sign every entry stored
+     (`unsigned_tail`, whatever `confirm` says: an entry past it is deleted checkpoints or forged, and a withdrawal
+     there could neither be trusted nor left out): the run entry and its inclusion proof,
      ε per class (the tune's, for a trial), the privacy terms and the withdrawals of what it trained on. A run that
      trained on a contribution withdrawn since is refused unless the caller confirms (`withdrawn_at_release`;
      `confirm=True`, `--yes`): the release states the withdrawal, and an inference gate refuses it as tainted, as
@@ -34,6 +36,7 @@ from govtrain.release import dsse
 from govtrain.release.artifact import ArtifactRecord, adapter_digest, folder_files, read_record
 from govtrain.release.facts import LedgerFacts, ledger_facts, privacy_of, signed_log, tune_of, withdrawn_of
 from govtrain.release.groups import TrainedGroup, adapter_layout, trained_groups
+from govtrain.ledger.signed import SignedLog
 from govtrain.release.predicate import (PREDICATE_TYPE, STATEMENT_TYPE, AdapterRef, BaseModelRef, ClassEps, ClassReach,
                                         Digest, Group, LayerIndices, LedgerRef, Predicate, RunEntry,
                                         Statement, Subject, own_adapter,
@@ -77,6 +80,8 @@ def release_statement(ledger: "Ledger", run_id: str, folder: str | os.PathLike[s
                                                     f"{policy.origin!r}")
     files = folder_files(folder)
     log = signed_log(ledger)  # the entries by their bodies, under the largest checkpoint that signs them
+    if log.tail:
+        raise unsigned_error(log)
     facts = ledger_facts(ledger, run_id, log.checkpoint, log=log)
     entry = facts.run
     recorded = entry["adapter_sha256"]
@@ -98,6 +103,17 @@ def release_statement(ledger: "Ledger", run_id: str, folder: str | os.PathLike[s
         files.items(), key=lambda item: item[0].split("/"))]
     return Statement(**{"_type": STATEMENT_TYPE}, subject=subjects, predicateType=PREDICATE_TYPE,
                      predicate=_predicate(facts, record, groups, now))
+
+
+def unsigned_error(log: SignedLog) -> IntegrityError:
+    """The refusal to release from a ledger holding entries past the last checkpoint its keys sign: the ledger
+    signs every state it writes, so they are deleted checkpoints or forged entries, and what they hold (a
+    withdrawal among them) is no one's statement, nor can it be left out (step 4)."""
+    count = f"{log.tail} {'entry' if log.tail == 1 else 'entries'}"
+    return IntegrityError(Code.UNSIGNED_TAIL, (
+        f"the ledger holds {count} past the last checkpoint its keys sign (from entry {log.size}): checkpoints were "
+        "deleted or entries forged, so what the run trained on that was withdrawn is not known; nothing was "
+        "written; run govtrain-verify and restore the ledger before releasing"))
 
 
 def withdrawn_error(run_id: str, facts: LedgerFacts, *, flag: str = "--yes (confirm=True)") -> ConfigError:

@@ -4,7 +4,7 @@ adapter folder and a live ledger. Never imports torch (docs/release-manifest.md)
     report = verify_release(Path("release.dsse").read_bytes(), release_key=pinned, ledger_keys=[ledger_pub],
                             adapter="adapter", ledger="sqlite:///ledger.db")
     report.classes["restricted"].adapter      # "restricted": it reached its own LoRA adapter and nothing else
-    report.tainted                            # a contribution it trained on was withdrawn since the release
+    report.tainted                            # a contribution it trained on was withdrawn, since or before it
 
 Checked in order; each step raises `IntegrityError` with its code (exit 4):
   1. the envelope is DSSE JSON, read strictly (`bad_envelope`), and a signature over its PAE verifies under the
@@ -26,7 +26,8 @@ Checked in order; each step raises `IntegrityError` with its code (exit 4):
      facts of the run as of the release (ε per class, contributions, the whole tune entry, privacy terms, classes,
      withdrawals, the groups' class sets against the recorded noise groups, an own-adapter class against its
      profile) are the predicate's (`predicate_mismatch`); and the withdrawals since the release of contributions
-     the run trained on are listed: the release is then tainted, a result, not an error.
+     the run trained on are listed: the release is then tainted, a result, not an error (as it is, with or
+     without a ledger, when it states withdrawals at release: an inference gate refuses both).
 Offline, ε per class, the tune, the withdrawals and the groups' classes are the release key holder's statement;
 step 7 checks them. Where the groups lie comes from the model the run trained (`groups.py`), which the audit path
 never loads.
@@ -112,11 +113,16 @@ class ReleaseReport:
     current_checkpoint: Checkpoint | None  # the live ledger's largest verified one, which extends the release's
     unsigned_entries: int | None  # entries the live ledger holds past it, read all the same (0: none)
     withdrawn_since: tuple[Withdrawal, ...] | None
+    # the leaf hash of every entry the live ledger holds, as read (the first `current_checkpoint.size` fold into its
+    # root; the rest, each its body's, are the unsigned tail): what an inference gate remembers a tail by
+    leaves: tuple[bytes, ...] | None = None
 
     @property
     def tainted(self) -> bool:
-        """A contribution the run trained on was withdrawn after the release (known only against a ledger)."""
-        return bool(self.withdrawn_since)
+        """Whether an inference gate refuses the release as tainted: a contribution its run trained on was withdrawn
+        since it (known only against a ledger), or before it (the predicate states it; a ledger checks it). Signing
+        the same adapter again is no retraining (seed 004), so both count, as they do at a gate."""
+        return bool(self.withdrawn_since or self.withdrawn_at_release)
 
     @property
     def delta_p(self) -> int:
@@ -150,19 +156,21 @@ class ReleaseReport:
                  f"{self.delta_p / 1e12:g}; {len(self.withdrawn_at_release)} withdrawn at release"]
         lines.append(f"adapter folder {self.adapter_checked}: every file matches" if self.adapter_checked else
                      "adapter folder: not checked (--adapter DIR)")
+        if self.tainted:
+            lines[0] = "tainted" + lines[0][2:]
         if self.withdrawn_since is None:
             lines.append("ledger: not checked (--ledger URL): withdrawals since the release are not known")
-        elif self.tainted:
+        elif self.withdrawn_since:
             names = ", ".join(f"{w.contribution_id} (entry {w.seq})" for w in self.withdrawn_since)
-            lines[0] = "tainted" + lines[0][2:]
             lines.append(f"TAINTED: withdrawn since the release: {names}; release a new adapter without them")
         else:
             lines.append(f"ledger: extends the release's checkpoint to size {self.current_checkpoint.size}; nothing "
                          "it trained on was withdrawn since")
         if self.withdrawn_at_release:
             names = ", ".join(f"{w.contribution_id} (entry {w.seq})" for w in self.withdrawn_at_release)
-            lines.append(f"WARNING: its run trained on contributions withdrawn before this release: {names}; an "
-                         "inference gate refuses it as tainted (a new signature is no retraining)")
+            lines.append(f"TAINTED: its run trained on contributions withdrawn before this release: {names}; an "
+                         "inference gate refuses it as tainted (a new signature is no retraining): release the "
+                         "adapter of a run trained without them")
         if self.unsigned_entries:
             size = self.current_checkpoint.size
             count = f"{self.unsigned_entries} {'entry' if self.unsigned_entries == 1 else 'entries'}"
@@ -254,13 +262,13 @@ def verify_release(envelope: bytes, *, release_key: bytes, ledger_keys: Sequence
         from govtrain.ledger.ledger import Ledger
 
         with Ledger.open(ledger) as opened:
-            current, unsigned, at_release, since = _against_ledger(opened, statement, checkpoint, release_key,
-                                                                   ledger_keys)
+            current, leaves, at_release, since = _against_ledger(opened, statement, checkpoint, release_key,
+                                                                 ledger_keys)
     else:
-        current, unsigned, at_release, since = _against_ledger(ledger, statement, checkpoint, release_key, ledger_keys)
+        current, leaves, at_release, since = _against_ledger(ledger, statement, checkpoint, release_key, ledger_keys)
     # the withdrawals at release as the ledger records them (the predicate's, compared): with their entries' times
-    return ReleaseReport(**{**report, "current_checkpoint": current, "unsigned_entries": unsigned,
-                            "withdrawn_at_release": at_release, "withdrawn_since": since})
+    return ReleaseReport(**{**report, "current_checkpoint": current, "unsigned_entries": len(leaves) - current.size,
+                            "withdrawn_at_release": at_release, "withdrawn_since": since, "leaves": leaves})
 
 
 def _note_keys(note: str, ledger_keys: Sequence[NoteKey | bytes]) -> list[NoteKey]:
@@ -307,7 +315,7 @@ def _check_folder(folder: Path, subjects: Mapping[str, str]) -> None:
 
 def _against_ledger(ledger: "Ledger", statement: Statement, checkpoint: Checkpoint, release_key: bytes,
                     ledger_keys: Sequence[NoteKey | bytes]
-                    ) -> tuple[Checkpoint, int, tuple[Withdrawal, ...], tuple[Withdrawal, ...]]:
+                    ) -> tuple[Checkpoint, tuple[bytes, ...], tuple[Withdrawal, ...], tuple[Withdrawal, ...]]:
     p = statement.predicate
     if ledger.policy.origin != p.ledger.origin:
         raise _mismatch(f"the release is of the ledger {p.ledger.origin!r}, this ledger is {ledger.policy.origin!r}")
@@ -328,7 +336,7 @@ def _against_ledger(ledger: "Ledger", statement: Statement, checkpoint: Checkpoi
     _compare("the ledger", stated, found)
     _check_reach(p, facts)
     since = withdrawals(log, facts.charged, facts.classes, start=checkpoint.size)  # to the last entry stored
-    return log.checkpoint, log.tail, facts.withdrawn, since
+    return log.checkpoint, tuple(e.leaf_hash for e in log.entries), facts.withdrawn, since
 
 
 def _check_reach(p: Predicate, facts: LedgerFacts) -> None:

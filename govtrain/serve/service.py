@@ -133,7 +133,11 @@ class Gate:
             # 5.
             policy.session_store.parent.mkdir(parents=True, exist_ok=True)
             store = SessionStore(policy.session_store, now=clock)
-            memory = LedgerMemory(policy.session_store)
+            try:
+                memory = LedgerMemory(policy.session_store)
+            except BaseException:
+                store.close()
+                raise
             # 6.
             taint = TaintWatch(_taint_reader(envelope, policy, memory), ttl_s=policy.taint_check_s,
                                grace_s=policy.grace_s, clock=clock)
@@ -323,12 +327,14 @@ def _taint_reader(envelope: bytes, policy: InferencePolicy,
     extension of, the largest one seen, and the withdrawals are those read now and every one read before, a
     sighting in an unsigned tail until a signed checkpoint settles it (`memory.py`). Those withdrawn before the
     release (the predicate states them) taint it as those since do (seed 004: signing the same adapter again is no
-    retraining). A withdrawal's time is its entry's body's (never the database's column), and never later than
-    when the memory first saw it."""
+    retraining). A withdrawal's time is its entry's body's (never the database's column; where retention dropped
+    the body, the last kept body's before it, a signed lower bound), and never later than when the memory first
+    saw that entry."""
     memory = memory if memory is not None else LedgerMemory()
 
     def read(now: int) -> TaintReading:
         from govtrain.ledger.ledger import Ledger
+        from govtrain.ledger.merkle import MerkleTree
         from govtrain.release.verification import verify_release
 
         try:
@@ -336,17 +342,16 @@ def _taint_reader(envelope: bytes, policy: InferencePolicy,
                 report = verify_release(envelope, release_key=policy.release_key,
                                         ledger_keys=list(policy.ledger_keys), ledger=ledger)
                 current = report.current_checkpoint
-                found = []
-                for w in (*report.withdrawn_at_release, *(report.withdrawn_since or ())):
-                    stored = ledger.store.entry(w.seq)
-                    assert stored is not None  # verify_release read it
-                    # the time its body states; a body retention retired: its row's (unchecked; capped by memory)
-                    found.append(SeenWithdrawal(contribution_id=w.contribution_id, seq=w.seq, leaf_hash=w.leaf_hash,
-                                                time=w.time if w.time is not None else stored.time))
+                # the time its body states; a body retention retired: the last kept body's before it (`facts.py`)
+                found = [SeenWithdrawal(contribution_id=w.contribution_id, seq=w.seq, leaf_hash=w.leaf_hash,
+                                        time=w.time) for w in (*report.withdrawn_at_release,
+                                                               *(report.withdrawn_since or ()))]
+                leaves = report.leaves
+                tree = MerkleTree(leaves, current.size)
                 seen = memory.advance(origin=report.origin, size=current.size, root=current.root,
-                                      consistency=lambda old: ledger.tree(current.size).consistency_proof(
-                                          old, current.size),
-                                      release_sha256=report.release_sha256, withdrawals=found, now=now)
+                                      consistency=lambda old: tree.consistency_proof(old, current.size),
+                                      release_sha256=report.release_sha256, withdrawals=found, now=now,
+                                      leaves=leaves)
         except GovtrainError:
             raise
         except Exception as e:  # a driver's own words may quote its connection string: the password goes
