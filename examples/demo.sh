@@ -11,12 +11,14 @@ LEDGER="sqlite:///./$OUT/ledger.db"
 
 if [ -t 1 ]; then step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }; else step() { printf '\n== %s\n' "$*"; }; fi
 show() { printf '$ %s\n' "$*"; "$@"; }
-expect_rejection() {  # run a command that must be rejected (exit 3) and show its one-line error
+expect_exit() {  # run a command that must exit with code $1 (a refusal, or verify's 6 for tainted) and show it
+  local want=$1; shift
   printf '$ %s\n' "$*"
   set +e; "$@"; local code=$?; set -e
   echo "   -> exit $code"
-  [ "$code" -eq 3 ] || { echo "demo: expected exit 3, got $code" >&2; exit 1; }
+  [ "$code" -eq "$want" ] || { echo "demo: expected exit $want, got $code" >&2; exit 1; }
 }
+expect_rejection() { expect_exit 3 "$@"; }  # a request the ledger or the gate refuses, with its one-line error
 
 step "Data: all 12,808 labelled Rotten Tomatoes snippets; a tenth of the movies held out, the rest split by movie into 30 contributions"
 show "$BIN/python" examples/prepare_data.py --out "$OUT/data" --contributions 30
@@ -104,14 +106,19 @@ show "$BIN/python" examples/plot_epsilon.py --ledger "$LEDGER" --out "$OUT/epsil
 step "Release: sign the adapter's manifest (its files by SHA-256, ε per class and layer group, the run's proof)"
 RUN_ID=$("$BIN/python" -c 'import json,sys; print(json.load(open(sys.argv[1]))["run"]["run_id"])' \
   "$OUT/adapter/govtrain.json")   # the run that wrote the adapter, as its govtrain.json records
-show "$BIN/govtrain" release --run "$RUN_ID" --adapter "$OUT/adapter" --out "$OUT/release.dsse" --ledger "$LEDGER" \
-  --key "$OUT/keys/release.key"
-show "$BIN/govtrain" release verify "$OUT/release.dsse" --key "$OUT/keys/release.pub" \
-  --ledger-key "$OUT/keys/ledger.pub" --adapter "$OUT/adapter" --ledger "$LEDGER"
+expect_exit 2 "$BIN/govtrain" release --run "$RUN_ID" --adapter "$OUT/adapter" --out "$OUT/release.dsse" \
+  --ledger "$LEDGER" --key "$OUT/keys/release.key"
 echo "   contrib-05 withdrew while the run trained: the adapter learnt from it in the steps before (its ε stands;"
-echo "   nothing is unlearnt), so the manifest states it 'withdrawn at release'. The release is not tainted: nothing it"
-echo "   trained on was withdrawn after it was signed. A withdrawal from now on would make this verify exit 6 (tainted)"
-echo "   and the inference gate refuse the release (409) until a new one is signed. Serve it: docs/demo.md."
+echo "   nothing is unlearnt). A withdrawal binds every release of what it trained, so govtrain release refuses to"
+echo "   sign it unless told to (--yes), and the release it signs is tainted from the start, as if the withdrawal"
+echo "   had come after it:"
+show "$BIN/govtrain" release --run "$RUN_ID" --adapter "$OUT/adapter" --out "$OUT/release.dsse" --ledger "$LEDGER" \
+  --key "$OUT/keys/release.key" --yes
+expect_exit 6 "$BIN/govtrain" release verify "$OUT/release.dsse" --key "$OUT/keys/release.pub" \
+  --ledger-key "$OUT/keys/ledger.pub" --adapter "$OUT/adapter" --ledger "$LEDGER"
+echo "   verify: the manifest, its files and its ledger proof are good, and it is tainted (exit 6). The demo's"
+echo "   inference gate (examples/inference.toml) serves it marked tainted for its 30-day grace period, the time to"
+echo "   train and sign a release without contrib-05, and refuses it (409) after. Serve it: docs/demo.md."
 
 step "Auditor: verify the ledger without any data, against the checkpoint kept earlier"
 show "$BIN/govtrain-verify" --ledger "$LEDGER" --trusted-checkpoint "$OUT/trusted.checkpoint"
