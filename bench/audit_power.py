@@ -4,6 +4,7 @@ or clips larger than the ledger charges for, and how often it rejects an honest 
     python bench/audit_power.py                                   # m = 10000, seeds 0-9, ε 2 and 4, every fault
     python bench/audit_power.py --epsilons 2 --faults honest,noise0.5 --seeds 10
     python bench/audit_power.py --table-only                      # the table from the records so far
+    python bench/audit_power.py --synthetic 100                   # no training: the mechanism's own model
 
 Each (claim, fault, seed) is one governed audit (dpsgd, example unit, head profile, q = 0.5, 10 steps) with the
 fault of tests/audit_faults.py patched in: `noise<f>` scales every group's noise std by f, `clip<f>` clips every
@@ -43,20 +44,32 @@ SUBSET = 1000  # the audit before this change: m = 1000 canaries
 VARIANTS = (("steps", None), ("displacement", None), ("steps", SUBSET), ("displacement", SUBSET))
 
 
+def _factors(name: str) -> tuple[float, float]:
+    """(noise factor, clip factor) of a fault's name: honest, noise<f> or clip<f>."""
+    try:
+        if name == "honest":
+            return 1.0, 1.0
+        if name.startswith("noise"):
+            return float(name[len("noise"):]), 1.0
+        if name.startswith("clip"):
+            return 1.0, float(name[len("clip"):])
+    except ValueError:
+        pass
+    raise SystemExit(f"error: unknown fault {name!r}: one of {', '.join(FAULTS)} (or noise<f>, clip<f>)")
+
+
 def _fault(name: str):  # type: ignore[no-untyped-def]
+    """(the patch, the factor on the canaries' effective noise multiplier)."""
     import contextlib
 
     from tests import audit_faults
 
+    noise, clip = _factors(name)
     if name == "honest":
         return contextlib.nullcontext(), 1.0
     if name.startswith("noise"):
-        factor = float(name[len("noise"):])
-        return audit_faults.noise_scaled(factor), factor
-    if name.startswith("clip"):
-        factor = float(name[len("clip"):])
-        return audit_faults.clip_scaled(factor), 1 / factor
-    raise SystemExit(f"error: unknown fault {name!r}: one of {', '.join(FAULTS)} (or noise<f>, clip<f>)")
+        return audit_faults.noise_scaled(noise), noise
+    return audit_faults.clip_scaled(clip), 1 / clip
 
 
 def one(epsilon: float, fault: str, seed: int, m: int) -> dict:
@@ -90,6 +103,60 @@ def one(epsilon: float, fault: str, seed: int, m: int) -> dict:
     return record
 
 
+def synthetic(trials: int, sizes: list[int], faults: list[str], epsilons: list[float]) -> str:
+    """The same audits on the mechanism's own model instead of a training run: canary i releases
+    y[i, t] = s·b[i, t] + σ'·z[i, t] at each step (scores.py), with σ' and s the fault's (noise f: σ' = f·σ;
+    clip f: s = f), σ calibrated as the audit calibrates it. `bounds.audit_scores`' default guess counts and
+    Bonferroni levels, with the claimed curve computed once per claim. Seconds per trial, not minutes: many
+    trials, for the rates the real runs can only sample."""
+    import numpy as np
+
+    from govtrain.accounting.calibrate import noise_multiplier_for
+    from govtrain.audit.bounds import _fdp_rejects, default_guess_counts, one_run_epsilon
+    from govtrain.audit.scores import displacement_scores, step_likelihood_scores
+    from govtrain.audit.tradeoff import SubsampledGaussian
+
+    q, steps, delta = 0.5, 10, 1e-5
+    lines = ["| fault | target ε | claimed ε | true ε | m | trials | caught (steps) | caught (displacement) | "
+             "mean one-run (steps) |", "|---|---|---|---|---|---|---|---|---|"]
+    for eps in epsilons:
+        sigma = noise_multiplier_for(eps, delta, q, steps, "rdp").noise_multiplier
+        claim = SubsampledGaussian(noise_multiplier=sigma, sampling_rate=q, steps=steps)
+        curve, claimed = claim.curve(), claim.epsilon(delta)
+        for fault in faults:
+            noise_factor, clip_factor = _factors(fault)
+            noise, signal = sigma * noise_factor, clip_factor
+            true = claim.with_noise(noise / signal).epsilon(delta)
+            for m in sizes:
+                counts = default_guess_counts(m)
+                alpha = 0.05 / len(counts)
+                caught = {"steps": 0, "displacement": 0}
+                bounds = []
+                for trial in range(trials):
+                    rng = np.random.default_rng(trial)
+                    included = rng.random(m) < 0.5
+                    drawn = (rng.random((m, steps)) < q) & included[:, None]
+                    released = signal * drawn + noise * rng.standard_normal((m, steps))
+                    for name, scores in (("steps", step_likelihood_scores(released, noise_multiplier=sigma,
+                                                                          sampling_rate=q)),
+                                         ("displacement", displacement_scores(released))):
+                        order = np.argsort(scores, kind="stable")
+                        best, rejected = 0.0, False
+                        for k in counts:
+                            right = int((~included[order[:k]]).sum() + included[order[m - k:]].sum())
+                            best = max(best, one_run_epsilon(canaries=m, guesses=2 * k, correct=right, delta=delta,
+                                                             confidence=1 - alpha))
+                            rejected = rejected or _fdp_rejects(m, 2 * k, right, curve, alpha)
+                        caught[name] += rejected or best > claimed
+                        if name == "steps":
+                            bounds.append(best)
+                lines.append(f"| {fault} | {eps:g} | {claimed:.2f} | {true:.2f} | {m} | {trials} | "
+                             f"{caught['steps']}/{trials} | {caught['displacement']}/{trials} | "
+                             f"{sum(bounds) / trials:.2f} |")
+                print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def table(records: list[dict]) -> str:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
@@ -119,7 +186,14 @@ def main() -> None:
     parser.add_argument("--faults", default=",".join(FAULTS), help="honest, noise<f>, clip<f>, comma-separated")
     parser.add_argument("--out", type=Path, default=Path("bench-out/audit_power.jsonl"), help="records (JSON lines)")
     parser.add_argument("--table-only", action="store_true", help="print the table from --out and stop")
+    parser.add_argument("--synthetic", type=int, metavar="TRIALS",
+                        help="no training: TRIALS seeded trials of the mechanism's own model per row (--sizes)")
+    parser.add_argument("--sizes", default="1000,10000", help="canary counts of the synthetic rows")
     args = parser.parse_args()
+    if args.synthetic:
+        print(synthetic(args.synthetic, [int(m) for m in args.sizes.split(",")], args.faults.split(","),
+                        [float(e) for e in args.epsilons.split(",")]))
+        return
     import torch
 
     torch.set_num_threads(1)
@@ -127,10 +201,13 @@ def main() -> None:
         if args.out.exists() else []
     if not args.table_only:
         done = {(r["epsilon"], r["fault"], r["seed"], r["m"]) for r in records}
+        faults = args.faults.split(",")
+        for fault in faults:
+            _fault(fault)  # refuse an unknown name before any run
+        # seeds outermost within a claim: an interrupted sweep has every fault at the seeds it reached
         for eps in (float(e) for e in args.epsilons.split(",")):
-            for fault in args.faults.split(","):
-                _fault(fault)  # refuse an unknown name before any run
-                for seed in range(args.first_seed, args.first_seed + args.seeds):
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
+                for fault in faults:
                     if (eps, fault, seed, args.m) in done:
                         continue
                     record = one(eps, fault, seed, args.m)
