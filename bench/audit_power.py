@@ -103,12 +103,13 @@ def one(epsilon: float, fault: str, seed: int, m: int) -> dict:
     return record
 
 
-def synthetic(trials: int, sizes: list[int], faults: list[str], epsilons: list[float]) -> str:
+def synthetic(trials: int, sizes: list[int], faults: list[str], epsilons: list[float],
+              fractions: list[float] | None = None) -> str:
     """The same audits on the mechanism's own model instead of a training run: canary i releases
     y[i, t] = s·b[i, t] + σ'·z[i, t] at each step (scores.py), with σ' and s the fault's (noise f: σ' = f·σ;
     clip f: s = f), σ calibrated as the audit calibrates it. `bounds.audit_scores`' default guess counts and
-    Bonferroni levels, with the claimed curve computed once per claim. Seconds per trial, not minutes: many
-    trials, for the rates the real runs can only sample."""
+    Bonferroni levels (or k = each of `fractions` of m), with the claimed curve computed once per claim. Seconds
+    per trial, not minutes: many trials, for the rates the real runs can only sample."""
     import numpy as np
 
     from govtrain.accounting.calibrate import noise_multiplier_for
@@ -128,7 +129,8 @@ def synthetic(trials: int, sizes: list[int], faults: list[str], epsilons: list[f
             noise, signal = sigma * noise_factor, clip_factor
             true = claim.with_noise(noise / signal).epsilon(delta)
             for m in sizes:
-                counts = default_guess_counts(m)
+                counts = default_guess_counts(m) if fractions is None else \
+                    sorted({max(1, round(m * f)) for f in fractions})
                 alpha = 0.05 / len(counts)
                 caught = {"steps": 0, "displacement": 0}
                 bounds = []
@@ -189,10 +191,13 @@ def main() -> None:
     parser.add_argument("--synthetic", type=int, metavar="TRIALS",
                         help="no training: TRIALS seeded trials of the mechanism's own model per row (--sizes)")
     parser.add_argument("--sizes", default="1000,10000", help="canary counts of the synthetic rows")
+    parser.add_argument("--fractions", help="synthetic: guess counts k as fractions of m, comma-separated "
+                                            "(default: bounds.default_guess_counts)")
     args = parser.parse_args()
     if args.synthetic:
         print(synthetic(args.synthetic, [int(m) for m in args.sizes.split(",")], args.faults.split(","),
-                        [float(e) for e in args.epsilons.split(",")]))
+                        [float(e) for e in args.epsilons.split(",")],
+                        None if args.fractions is None else [float(f) for f in args.fractions.split(",")]))
         return
     import torch
 
