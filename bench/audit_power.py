@@ -104,7 +104,7 @@ def one(epsilon: float, fault: str, seed: int, m: int) -> dict:
 
 
 def synthetic(trials: int, sizes: list[int], faults: list[str], epsilons: list[float],
-              fractions: list[float] | None = None) -> str:
+              fractions: list[float] | None = None) -> None:
     """The same audits on the mechanism's own model instead of a training run: canary i releases
     y[i, t] = s·b[i, t] + σ'·z[i, t] at each step (scores.py), with σ' and s the fault's (noise f: σ' = f·σ;
     clip f: s = f), σ calibrated as the audit calibrates it. `bounds.audit_scores`' default guess counts and
@@ -120,6 +120,7 @@ def synthetic(trials: int, sizes: list[int], faults: list[str], epsilons: list[f
     q, steps, delta = 0.5, 10, 1e-5
     lines = ["| fault | target ε | claimed ε | true ε | m | trials | caught (steps) | caught (displacement) | "
              "mean one-run (steps) |", "|---|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
     for eps in epsilons:
         sigma = noise_multiplier_for(eps, delta, q, steps, "rdp").noise_multiplier
         claim = SubsampledGaussian(noise_multiplier=sigma, sampling_rate=q, steps=steps)
@@ -156,7 +157,6 @@ def synthetic(trials: int, sizes: list[int], faults: list[str], epsilons: list[f
                              f"{caught['steps']}/{trials} | {caught['displacement']}/{trials} | "
                              f"{sum(bounds) / trials:.2f} |")
                 print(lines[-1], flush=True)
-    return "\n".join(lines)
 
 
 def table(records: list[dict]) -> str:
@@ -195,9 +195,9 @@ def main() -> None:
                                             "(default: bounds.default_guess_counts)")
     args = parser.parse_args()
     if args.synthetic:
-        print(synthetic(args.synthetic, [int(m) for m in args.sizes.split(",")], args.faults.split(","),
-                        [float(e) for e in args.epsilons.split(",")],
-                        None if args.fractions is None else [float(f) for f in args.fractions.split(",")]))
+        synthetic(args.synthetic, [int(m) for m in args.sizes.split(",")], args.faults.split(","),
+                  [float(e) for e in args.epsilons.split(",")],
+                  None if args.fractions is None else [float(f) for f in args.fractions.split(",")])
         return
     import torch
 

@@ -1,4 +1,4 @@
-"""White-box canary scores from what each step released (docs/auditing.md, "Scores").
+"""White-box canary scores from what each step released (docs/auditing.md, "Scores: the evidence of every step").
 
 In a white-box audit of DP-SGD every step's noised gradient is released: the accountant composes the mechanism
 over all of them, so the auditor may read each one (Steinke, Nasr & Jagielski 2023, §6; Nasr et al., "Tight
