@@ -1,10 +1,14 @@
-"""Four deliberately broken mechanisms, for showing that the audit can fail (docs/auditing.md). TESTS ONLY.
+"""Deliberately broken mechanisms, for showing that the audit can fail (docs/auditing.md). TESTS ONLY.
 
 Each is a context manager that patches the running process's govtrain and restores it on exit; nothing in
 `govtrain/` imports this module or has a switch, flag, variable or parameter that does what these do
 (tests/test_attacks_audit.py checks that no govtrain module imports from tests).
 
 - `noise_off`: every group's noise std is 0.
+- `noise_scaled(factor)`: every group's noise std is `factor` times what the ledger charges for (0.5: half the
+  noise, the noise multiplier the ledger claims is twice the one applied).
+- `clip_scaled(factor)`: every clipping unit is clipped to `factor`·C while the ledger charges for C and the noise
+  stays σ·C (2: the sensitivity doubled, for a canary the same as half the noise).
 - `noise_over_realised_batch`: the bug of noising the mean at the sum's scale. The router must add N(0, s_g²) to
   the *sum* of clipped gradients and divide that by the expected batch size B (fixed, public). The broken
   router divides the noise's std by the *realised* batch size b (how many clipping units the Poisson draw
@@ -48,6 +52,29 @@ def noise_off() -> Iterator[None]:
         return finish(self, {group: 0.0 for group in group_std}, expected_batch_size)
 
     with _patched(Router, "finish", broken):
+        yield
+
+
+@contextlib.contextmanager
+def noise_scaled(factor: float) -> Iterator[None]:
+    finish = Router.finish
+
+    def broken(self, group_std, expected_batch_size):  # type: ignore[no-untyped-def]
+        return finish(self, {group: std * factor for group, std in group_std.items()}, expected_batch_size)
+
+    with _patched(Router, "finish", broken):
+        yield
+
+
+@contextlib.contextmanager
+def clip_scaled(factor: float) -> Iterator[None]:
+    accumulate = Router.accumulate
+
+    def broken(self, losses, classes, clip_norms, units=None, **options):  # type: ignore[no-untyped-def]
+        scaled = [float(c) * factor for c in clip_norms]
+        return accumulate(self, losses, classes, scaled, units, **options)
+
+    with _patched(Router, "accumulate", broken):
         yield
 
 

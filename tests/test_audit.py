@@ -10,12 +10,14 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from govtrain.audit.audit import AuditConfig, run_audit  # noqa: E402
+from govtrain.audit.scores import displacement_scores  # noqa: E402
 from tests import audit_faults  # noqa: E402
 
 # q = 0.5 over ~500 admitted canaries and the real data, 5 steps: the run's Poisson sampler draws every step
@@ -33,10 +35,13 @@ def test_an_honest_white_box_audit_certifies_a_positive_epsilon_below_the_claim(
     assert bound.epsilon_one_run <= result.claimed and bound.fdp.epsilon <= result.claimed
     assert not bound.fdp.claim_rejected and not result.failed
     assert bound.fdp.noise_multiplier > result.mechanism.noise_multiplier  # only more private members rejected
-    # not vacuous: measured 2.02 (one-run) and 3.02 (f-DP family) with this seed; the floor leaves room
+    # not vacuous: measured 1.78 (one-run) and 2.61 (f-DP family) with this seed and the step score (2.02 and 3.02
+    # by displacement); the floor leaves room
     assert bound.epsilon_one_run > 1.0 and bound.fdp.epsilon > 1.5
     # a canary's displacement is its clipped Dirac: the included ones moved up on average, the others did not
-    assert result.scores[result.included].mean() > 3 * abs(result.scores[~result.included].mean())
+    moved = displacement_scores(result.released)
+    assert moved[result.included].mean() > 3 * abs(moved[~result.included].mean())
+    assert result.released.shape == (HONEST.m, HONEST.steps)
 
 
 def test_the_audit_fails_a_run_with_the_noise_off(tmp_path: Path):
@@ -45,6 +50,26 @@ def test_the_audit_fails_a_run_with_the_noise_off(tmp_path: Path):
     assert result.claimed <= BROKEN.epsilon
     assert result.bound.epsilon_one_run > result.claimed  # measured 2.72 against a claim of 1.81 (f-DP family: 4.47)
     assert result.bound.fdp.claim_rejected and result.bound.fdp.epsilon > result.claimed and result.failed
+    # with no noise each step releases exactly the clipped Dirac (1 in units of C) where the canary was drawn,
+    # and 0 elsewhere: the per-step reading (`AuditResult.released`) is the mechanism's own release
+    released = result.released
+    assert released.shape == (BROKEN.m, BROKEN.steps)
+    assert np.all(np.abs(released[~result.included]) < 1e-3)
+    drawn = np.abs(released[result.included] - 1) < 1e-3
+    assert np.all(drawn | (np.abs(released[result.included]) < 1e-3))
+    assert 0.4 < drawn.mean() < 0.6  # Poisson at q = 0.5
+
+
+@pytest.mark.long
+def test_more_canaries_and_the_step_score_catch_half_the_noise(tmp_path: Path):
+    """Issue 34 item 6: noise at half the charged std (true ε 4.36 against a claim of 1.83). Seed 1, which the
+    m = 1000 last-iterate audit missed, is caught with m = 10000 canaries scored by their per-step likelihood
+    ratio; its honest twin passes."""
+    config = replace(BROKEN, m=10000, steps=10, seed=1)
+    with audit_faults.noise_scaled(0.5):
+        broken = run_audit(config, tmp_path / "broken")
+    honest = run_audit(config, tmp_path / "honest")
+    assert broken.failed and not honest.failed
 
 
 @pytest.mark.slow
@@ -76,3 +101,19 @@ def test_the_audit_sees_a_contribution_charged_at_the_wrong_q(tmp_path: Path):
     assert broken.claimed == honest.claimed and not honest.failed
     assert broken.bound.fdp.epsilon > max(2 * honest.bound.fdp.epsilon, honest.bound.fdp.epsilon + 1.0)
     assert broken.failed and broken.bound.fdp.claim_rejected
+
+
+@pytest.mark.slow
+def test_the_scaled_faults_release_what_they_say(tmp_path: Path):
+    """tests/audit_faults.py's parametrised faults, read through the per-step release (units of C): clipping at
+    2C with the noise off moves a drawn canary by exactly 2; half the noise leaves an excluded canary's values
+    with half the claimed noise multiplier's spread (m = 200, 5 steps: about 500 such values)."""
+    small = replace(BROKEN, m=200)
+    with audit_faults.noise_scaled(0.0), audit_faults.clip_scaled(2.0):
+        clipped = run_audit(small, tmp_path / "clip")
+    inside = clipped.released[clipped.included]
+    assert np.all((np.abs(inside - 2) < 1e-3) | (np.abs(inside) < 1e-3)) and np.any(np.abs(inside - 2) < 1e-3)
+    with audit_faults.noise_scaled(0.5):
+        halved = run_audit(small, tmp_path / "half")
+    spread = halved.released[~halved.included].std()
+    assert 0.85 < spread / (halved.mechanism.noise_multiplier / 2) < 1.15

@@ -33,6 +33,7 @@ from govtrain import units
 from govtrain.audit import world as worlds
 from govtrain.audit.bounds import AuditBound, audit_scores
 from govtrain.audit.canaries import Canaries, DiracCanaries, admit, coordinates_for, draw_canaries, units_of
+from govtrain.audit.scores import displacement_scores, step_likelihood_scores
 from govtrain.audit.tradeoff import SubsampledGaussian
 from govtrain.privatizers.base import FIELDS
 
@@ -49,11 +50,17 @@ class AuditConfig:
     unit: Literal["example", "contribution"] = "example"
     profile: worlds.Profile = "head"
     epsilon: float = 4.0
-    m: int = 1000
+    # canaries: 10000 catches half the charged noise in nearly every run at ε ≈ 2 and 4, where 1000 caught about
+    # half (docs/auditing.md, "Power"); about 20 CPU s an audit at 10 steps
+    m: int = 10000
     steps: int = 20
     q: float = 0.5
     delta: float = 1e-5
     scale: float = 10.0  # a white-box canary's gradient norm, in units of C
+    # white-box: how each canary is scored from the values its coordinate released at each step (`scores.py`):
+    # "steps", the log-likelihood ratio under the claimed mechanism, summed over steps; "displacement", their sum
+    # (the last iterate's displacement)
+    score: Literal["steps", "displacement"] = "steps"
     lr: float = 0.1
     seed: int = 0
     # the run's RUN.toml [noise] (docs/privatizers.md): the privatizer and its fields, None where unset
@@ -87,8 +94,11 @@ class AuditResult:
     mechanism: SubsampledGaussian | None
     bound: AuditBound  # its `fdp` is the f-DP test against `mechanism` (None without one)
     seconds: float
-    scores: np.ndarray = field(repr=False)
+    scores: np.ndarray = field(repr=False)  # what the bound ranked (`config.score`)
     included: np.ndarray = field(repr=False)
+    # white-box: each canary's released value at each step [m, steps], in units of C (`scores.py`); None for
+    # black-box canaries. Any other score of it (`scores.py`) bounds this run just as validly.
+    released: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def failed(self) -> bool:
@@ -119,12 +129,24 @@ def run_audit(config: AuditConfig, folder: Path, *, log: Callable[[str], None] =
     setup = prepare(config, folder, now=now)
     log(f"{config.describe()}: {config.m} canaries, {int(setup.canaries.included.sum())} admitted; "
         f"σ = {setup.sigma:g}")
-    scores = _train(config, setup, now, log)
+    released, scores = _train(config, setup, now, log)
+    if released is not None:
+        scores = score(config, setup.sigma, released)
     claimed = _claimed(setup.world, setup.canaries)
     mechanism = _claimed_mechanism(setup.world, setup.canaries)
     bound = audit_scores(scores, setup.canaries.included, delta=config.delta, claim=mechanism)
     return AuditResult(config=config, claimed=claimed, delta=config.delta, mechanism=mechanism, bound=bound,
-                       seconds=time.perf_counter() - started, scores=scores, included=setup.canaries.included)
+                       seconds=time.perf_counter() - started, scores=scores, included=setup.canaries.included,
+                       released=released)
+
+
+def score(config: AuditConfig, sigma: float, released: np.ndarray) -> np.ndarray:
+    """White-box canaries' scores from their released values [m, steps] by `config.score` (`scores.py`): the
+    step likelihood ratio at the canaries' signed noise multiplier `sigma` and the run's q, or the displacement.
+    Neither reads which canaries were included."""
+    if config.score == "displacement":
+        return displacement_scores(released)
+    return step_likelihood_scores(released, noise_multiplier=sigma, sampling_rate=config.q)
 
 
 def prepare(config: AuditConfig, folder: Path, *, now: Callable[[], int] = lambda: int(time.time())) -> Setup:
@@ -248,17 +270,66 @@ def _canary_rows(canaries: Canaries, labels: int, rng: np.random.Generator, whit
     return rows
 
 
-def _train(config: AuditConfig, setup: Setup, now: Callable[[], int], log: Callable[[str], None]) -> np.ndarray:
-    """Run the governed training with the canaries; each canary's score (higher: guessed included)."""
+class _Released:
+    """What each step released at each white-box canary's coordinate, in units of C: under plain SGD the step
+    moves the coordinate by lr/B times its noised, clipped sum, so (its move) · B / (lr · C) is that sum over C,
+    the canary's clipped Dirac when it was drawn plus the group's noise (`scores.py`). Read from the parameters
+    after each update, as any observer of the iterates can."""
+
+    def __init__(self, canaries: Canaries, dirac: DiracCanaries, run) -> None:  # type: ignore[no-untyped-def]
+        import torch
+
+        self.params, self.m, self.clip = run.router.params, canaries.m, dirac.clip_norm
+        places: dict[str, tuple[list[int], list[int]]] = {}
+        for row, cid in enumerate(canaries.ids):
+            c = dirac.coordinates[cid]
+            rows, flat = places.setdefault(c.name, ([], []))
+            rows.append(row)
+            flat.append(c.index)
+        self.places = {name: (np.array(rows), torch.tensor(flat, dtype=torch.long)) for name, (rows, flat) in
+                       places.items()}
+        self.lr = {name: _lr_of(run.update, self.params[name]) for name in self.places}
+        self.last = {name: self._read(name) for name in self.places}
+        self.steps: list[np.ndarray] = []
+
+    def _read(self, name: str) -> np.ndarray:
+        flat = self.places[name][1]
+        return self.params[name].detach().reshape(-1).index_select(0, flat.to(self.params[name].device)) \
+            .double().cpu().numpy()
+
+    def step(self, expected_batch: float) -> None:
+        """Record the step just applied, whose clipped sums were divided by `expected_batch`."""
+        values = np.zeros(self.m)
+        for name, (rows, _) in self.places.items():
+            now = self._read(name)
+            values[rows] = (now - self.last[name]) * expected_batch / (self.lr[name] * self.clip)
+            self.last[name] = now
+        self.steps.append(values)
+
+    def matrix(self) -> np.ndarray:
+        return np.stack(self.steps, axis=1) if self.steps else np.zeros((self.m, 0))
+
+
+def _lr_of(update, param) -> float:  # type: ignore[no-untyped-def]
+    """The learning rate of the optimizer group that moves `param` (the audited runs: plain SGD, no schedule)."""
+    for group in update.optimizer.param_groups if update.optimizer is not None else []:
+        if any(p is param for p in group["params"]):
+            return float(group["lr"])
+    raise RuntimeError("a canary coordinate's parameter is not moved by the run's [optimizer]: nothing to read")
+
+
+def _train(config: AuditConfig, setup: Setup, now: Callable[[], int],
+           log: Callable[[str], None]) -> tuple[np.ndarray | None, np.ndarray]:
+    """Run the governed training with the canaries. White-box: (each canary's released value per step,
+    [m, steps], its displacement score); black-box: (None, its loss score). Higher: guessed included."""
     import torch
 
     canaries, white = setup.canaries, config.kind == "white-box"
     ledger, run = open_run(config, setup.world, now=now, log=log)
     try:
-        params = run.router.params
         if white:
             dirac = attach_canaries(run, canaries, config.scale)
-            start = {n: params[n].detach().clone() for n in dirac.names}
+            released = _Released(canaries, dirac, run)
         canary_ids = set(canaries.ids)
         while not run.done:
             if run.pending is None and not run.plan_epoch():
@@ -277,15 +348,15 @@ def _train(config: AuditConfig, setup: Setup, now: Callable[[], int], log: Calla
                         losses = losses * keep
                         dirac.select(units_of(chunk.owners, chunk.units))
                     run.accumulate(chunk, losses)
+                expected_batch = float(run.pending["expected_batch"])
                 run.apply()
+                if white:
+                    released.step(expected_batch)
             run.close_epoch()
         if white:
-            scores = []
-            for cid in canaries.ids:
-                c = dirac.coordinates[cid]
-                scores.append(float(params[c.name].detach().view(-1)[c.index] - start[c.name].view(-1)[c.index]))
-            return np.array(scores)
-        return _loss_scores(run, setup.rows)
+            matrix = released.matrix()
+            return matrix, displacement_scores(matrix)
+        return None, _loss_scores(run, setup.rows)
     finally:
         close_run(ledger, run)
 

@@ -99,7 +99,8 @@ class DiracCanaries:
         if not scale > 1:
             raise ValueError("a Dirac canary's norm must exceed the clipping norm (scale > 1), or clipping is not audited")
         self.coordinates = dict(coordinates)
-        self.data_class, self.value = data_class, -scale * clip_norm  # descent raises the coordinate
+        self.data_class, self.clip_norm = data_class, clip_norm
+        self.value = -scale * clip_norm  # descent raises the coordinate
         self._selected: list[str] | None = None
         self._pending: dict[str, tuple[Tensor, Tensor, Tensor]] | None = None
 
