@@ -1,0 +1,65 @@
+"""Adversarial review of issue 34 item 2 (a non-finite unit contributes zero; `diverged`; `nonfinite_release`).
+
+Each test here FAILS on the code under review and states the behaviour that would make it pass. They reuse the
+helpers of tests/test_attacks_nonfinite.py (a tiny BERT, a public contribution "pub" and a contribution "example"
+whose loss is made nan for its rows, as a crafted text whose loss overflows would be)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from govtrain.errors import Code, ConfigError  # noqa: E402
+from govtrain.train import loop  # noqa: E402
+from govtrain.train.config import load_run_config  # noqa: E402
+from tests.test_attacks_nonfinite import _poisoned_task, tiny, world  # noqa: E402,F401
+from tests.test_distributed import spends  # noqa: E402
+
+
+def _outcome(folder: Path, model: Path, monkeypatch, *, poison: bool, limit: int | None, steps: int = 8):
+    """One run of `world()` through `train()`: ((how it ended), the spend entries of the contribution "pub").
+    `poison`: the contribution "example" holds text whose loss is nan (its gradient is not finite)."""
+    corpus, config = world(folder, model, steps=steps, limit=limit)
+    with monkeypatch.context() as patch:
+        if poison:
+            _poisoned_task(patch, (model / "vocab.txt").read_text().split("\n").index("example"))
+        try:
+            result = loop.train(load_run_config(config), corpus.url, insecure_seed=3, log=lambda line: None)
+            ended: tuple = ("completed", result.steps)
+        except ConfigError as error:
+            ended = ("stopped", error.code)
+    return ended, [entry for entry in spends(corpus.url) if entry[0] == "pub"]
+
+
+def test_whether_one_contribution_s_gradient_is_finite_does_not_change_the_ledger_others_see(tmp_path, tiny,
+                                                                                             monkeypatch):
+    """Attack: a contributor admits text whose loss is nan or inf (or whose gradient overflows fp32). Under the
+    default `training.max_nonfinite_units` (16), once enough of its rows are drawn the run stops with `diverged`,
+    and from then on the ledger holds no spend entry, no epoch and no run entry for ANY contribution. Compare the
+    neighbouring corpus in which only that contribution's content differs (same ids, classes, bounds: the public
+    metadata DESIGN.md §5 lets steer the mechanism): the run completes and the ledger holds every epoch.
+
+    Impact: the ledger (published to auditors; each contributor reads its own spends) and the run's completion
+    (its run entry, its release) are a deterministic function of private content: the count of non-finite units
+    is released without noise and without a charge (sensitivity 1 per unit; a stop that happens with probability
+    ≈1 on one corpus and 0 on its neighbour is ε = ∞). DESIGN.md §5 "Predictable schedule": every quantity the
+    accountant uses is fixed from public information before the step runs; here the horizon is not. The step
+    released by a non-finite unit is (bit for bit) the one released by a zero contribution (tests/test_nonfinite.py),
+    so the promise "a function of the unit alone" holds for the gradient but not for the run's public record.
+    The count is also a sybil amplifier: K crafted contributions hold it at the limit, and the stop then reveals
+    whether any other drawn unit's gradient was non-finite.
+
+    Expected: what the ledger records for other contributions (and whether the run completes) does not depend on
+    whether some unit's gradient was finite: either the count never stops the run (it is the operator's log, and
+    the operator withdraws a contribution that keeps diverging), or the stop decision is itself a DP mechanism
+    (a noised count against the threshold) charged on the ledger. Code: `train/run.py` `Run._count_nonfinite`."""
+    poisoned = _outcome(tmp_path / "nan", tiny, monkeypatch, poison=True, limit=None)
+    clean = _outcome(tmp_path / "finite", tiny, monkeypatch, poison=False, limit=None)
+    assert clean[0] == ("completed", 8) and clean[1]
+    assert poisoned[0] == clean[0], f"the run with a non-finite contribution {poisoned[0]}, its neighbour {clean[0]}"
+    assert poisoned[1] == clean[1], "the public spend record of another contribution depends on private content"
