@@ -63,3 +63,31 @@ def test_whether_one_contribution_s_gradient_is_finite_does_not_change_the_ledge
     assert clean[0] == ("completed", 8) and clean[1]
     assert poisoned[0] == clean[0], f"the run with a non-finite contribution {poisoned[0]}, its neighbour {clean[0]}"
     assert poisoned[1] == clean[1], "the public spend record of another contribution depends on private content"
+
+
+def test_the_remedy_the_diverged_error_names_resumes_the_run(tmp_path, tiny, monkeypatch):
+    """Attack (operator, low): a run stops with `diverged`; its one-line error says "lower the learning rate or fix
+    the loss, then resume". Following the first half of that advice (the run's config with a lower `optimizer.lr`)
+    cannot resume: the run state is pinned to the config's hash, and `train` refuses with `output_taken` ("holds
+    the state of a run with another config"; once that folder holds an adapter: "holds another run's adapter"), a
+    diagnosis that names neither the divergence nor the way out. Resuming with the same
+    config and the same corpus draws the same units at the same step (the draw is keyed) and diverges again; what
+    does work is withdrawing the contribution (or a loss that no longer overflows) and resuming with the same config.
+
+    Impact: a misleading remedy on a stop that data can trigger; an operator who follows it ends in a second,
+    unrelated error. Expected: the `diverged` line names a remedy that works (withdraw the contribution whose
+    gradients are not finite, or fix the loss, then resume with the same config), or a lower learning rate resumes.
+    Code: `train/run.py` `Run._count_nonfinite` (the message)."""
+    corpus, config = world(tmp_path, tiny, steps=4, limit=0)
+    with monkeypatch.context() as patch:
+        _poisoned_task(patch, (tiny / "vocab.txt").read_text().split("\n").index("example"))
+        with pytest.raises(ConfigError) as stopped:
+            loop.train(load_run_config(config), corpus.url, insecure_seed=3, log=lambda line: None)
+    assert stopped.value.code == Code.DIVERGED
+    if "learning rate" in str(stopped.value):  # the advice, taken as written (and the loss no longer nan)
+        config.write_text(config.read_text().replace("lr = 0.01", "lr = 0.001"))
+        try:
+            result = loop.train(load_run_config(config), corpus.url, insecure_seed=3, log=lambda line: None)
+        except ConfigError as error:
+            pytest.fail(f"the diverged error's remedy (a lower learning rate, then resume) is refused: {error}")
+        assert result.steps == 4
