@@ -91,3 +91,60 @@ def test_the_remedy_the_diverged_error_names_resumes_the_run(tmp_path, tiny, mon
         except ConfigError as error:
             pytest.fail(f"the diverged error's remedy (a lower learning rate, then resume) is refused: {error}")
         assert result.steps == 4
+
+
+def test_a_scaled_loss_whose_examples_cancel_moves_the_release_by_more_than_its_clip_norm():
+    """Attack (huge-but-finite, scaled losses): the documented loop computes its own per-example losses, here with
+    a per-example weight read from the data (a common "sample weight" column), and the privacy unit is the
+    contribution. The attacker's contribution holds the same text twice, weighted +H and -H (H = 1e10: finite, no
+    overflow anywhere), and a third example weighted 1. Its exact gradient is the third example's, but in fp32 what
+    survives of ±H·g is a rounding residual: the unit's norm is finite (no `nonfinite` count), so it is clipped,
+    and its coefficient C/‖·‖ is computed from ONE float evaluation of its gradient (the per-unit norm,
+    `persample.Calls.sq_norms`, an einsum over the unit's tokens) while the released sum is ANOTHER (the weighted
+    contraction over every unit's tokens at once, `Calls.weighted_sum`), whose residual differs and which also
+    absorbs other units' terms next to the ±H ones. The measured norm is not the released vector's.
+
+    Impact: removing that one contribution moves the (noise-free) clipped sum by 1.24 C to 1.31 C (H from 1e10 to
+    1e14, `per_sample = "materialize"`), while the ledger charges sensitivity C: ε is understated. The router's
+    own safety margin is 8 ulp ("clip to a hair under C_i", `Router._clipped_sum`).
+
+    Expected: a unit's released contribution is the very vector whose norm decided its coefficient (or the norm
+    bounds every float evaluation of it, e.g. by a rounding allowance), so ‖release(D) - release(D without A)‖ ≤ C_A
+    up to that margin. Code: `routing/persample.py` `Calls.sq_norms` / `Calls.weighted_sum`, `routing/router.py`
+    `_clip`."""
+    import math
+
+    from govtrain.resolver.model import describe
+    from govtrain.resolver.profile import resolve
+    from govtrain.routing.router import Router
+    from tests import test_routing as routing
+
+    net = routing.model(torch.float32)
+    resolution = resolve(routing.CLASSES, describe(net))
+    ids, attention, labels, _, _ = routing.batch(size=6)
+    ids[1], attention[1], labels[1] = ids[0], attention[0], labels[0]  # the attacker's text, twice
+    owner = [0, 0, 0, 1, 2, 3]  # examples 0-2: the attacker's contribution; 3-5: three others, one example each
+    weight = torch.tensor([1e10, -1e10, 1.0, 1.0, 1.0, 1.0])  # the data's per-example weights
+    clip = 1.0
+
+    def clipped_sum(contributions: set[int]) -> dict[str, torch.Tensor]:
+        keep = [i for i, c in enumerate(owner) if c in contributions]
+        order = {c: k for k, c in enumerate(sorted(contributions))}
+        units = [order[owner[i]] for i in keep]
+        classes = ["public"] * len(order)
+        router = Router(net, resolution, insecure_seed=0, per_sample="materialize")
+        try:
+            with router.capture(classes, units):
+                losses = routing.losses_of(net, ids[keep], attention[keep], labels[keep]) * weight[keep]
+            report = router.privatize(losses, classes, torch.full((len(order),), clip), {}, expected_batch_size=1.0,
+                                      units=units)
+            assert report.nonfinite == 0  # every norm finite: nothing here is taken out or counted
+            return {n: p.grad.detach().double().clone() for n, p in net.named_parameters() if p.grad is not None}
+        finally:
+            router.close()
+            net.zero_grad(set_to_none=True)
+
+    full, without = clipped_sum({0, 1, 2, 3}), clipped_sum({1, 2, 3})
+    assert all(bool(torch.isfinite(g).all()) for g in full.values())
+    moved = math.sqrt(sum(float((full[n] - without.get(n, 0)).pow(2).sum()) for n in full))
+    assert moved <= clip * (1 + 1e-5), f"removing one contribution moved the clipped sum by {moved / clip:.3f} C"
