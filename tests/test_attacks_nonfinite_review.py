@@ -93,19 +93,21 @@ def test_the_remedy_the_diverged_error_names_resumes_the_run(tmp_path, tiny, mon
         assert result.steps == 4
 
 
-def test_a_scaled_loss_whose_examples_cancel_moves_the_release_by_more_than_its_clip_norm():
+@pytest.mark.parametrize("strategy,scale", [("auto", 1e17), ("materialize", 1e10)], ids=["auto", "materialize"])
+def test_a_scaled_loss_whose_examples_cancel_moves_the_release_by_more_than_its_clip_norm(strategy, scale):
     """Attack (huge-but-finite, scaled losses): the documented loop computes its own per-example losses, here with
     a per-example weight read from the data (a common "sample weight" column), and the privacy unit is the
-    contribution. The attacker's contribution holds the same text twice, weighted +H and -H (H = 1e10: finite, no
-    overflow anywhere), and a third example weighted 1. Its exact gradient is the third example's, but in fp32 what
+    contribution. The attacker's contribution holds the same text twice, weighted +H and -H (H = 1e10 to 1e17:
+    finite, no overflow anywhere: the squared norms stay under 3e38), and a third example weighted 1. Its exact gradient is the third example's, but in fp32 what
     survives of ±H·g is a rounding residual: the unit's norm is finite (no `nonfinite` count), so it is clipped,
     and its coefficient C/‖·‖ is computed from ONE float evaluation of its gradient (the per-unit norm,
     `persample.Calls.sq_norms`, an einsum over the unit's tokens) while the released sum is ANOTHER (the weighted
     contraction over every unit's tokens at once, `Calls.weighted_sum`), whose residual differs and which also
     absorbs other units' terms next to the ±H ones. The measured norm is not the released vector's.
 
-    Impact: removing that one contribution moves the (noise-free) clipped sum by 1.24 C to 1.31 C (H from 1e10 to
-    1e14, `per_sample = "materialize"`), while the ledger charges sensitivity C: ε is understated. The router's
+    Impact: removing that one contribution moves the (noise-free) clipped sum by 1.29 C under the router's default
+    strategy (`per_sample = "auto"`, the one `train()` uses; H = 1e17), and by 1.24 C to 1.31 C under
+    `"materialize"` (H from 1e10 to 1e14), while the ledger charges sensitivity C: ε is understated. The router's
     own safety margin is 8 ulp ("clip to a hair under C_i", `Router._clipped_sum`).
 
     Expected: a unit's released contribution is the very vector whose norm decided its coefficient (or the norm
@@ -124,7 +126,7 @@ def test_a_scaled_loss_whose_examples_cancel_moves_the_release_by_more_than_its_
     ids, attention, labels, _, _ = routing.batch(size=6)
     ids[1], attention[1], labels[1] = ids[0], attention[0], labels[0]  # the attacker's text, twice
     owner = [0, 0, 0, 1, 2, 3]  # examples 0-2: the attacker's contribution; 3-5: three others, one example each
-    weight = torch.tensor([1e10, -1e10, 1.0, 1.0, 1.0, 1.0])  # the data's per-example weights
+    weight = torch.tensor([scale, -scale, 1.0, 1.0, 1.0, 1.0])  # the data's per-example weights
     clip = 1.0
 
     def clipped_sum(contributions: set[int]) -> dict[str, torch.Tensor]:
@@ -132,7 +134,7 @@ def test_a_scaled_loss_whose_examples_cancel_moves_the_release_by_more_than_its_
         order = {c: k for k, c in enumerate(sorted(contributions))}
         units = [order[owner[i]] for i in keep]
         classes = ["public"] * len(order)
-        router = Router(net, resolution, insecure_seed=0, per_sample="materialize")
+        router = Router(net, resolution, insecure_seed=0, per_sample=strategy)
         try:
             with router.capture(classes, units):
                 losses = routing.losses_of(net, ids[keep], attention[keep], labels[keep]) * weight[keep]
