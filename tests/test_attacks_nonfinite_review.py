@@ -150,3 +150,64 @@ def test_a_scaled_loss_whose_examples_cancel_moves_the_release_by_more_than_its_
     assert all(bool(torch.isfinite(g).all()) for g in full.values())
     moved = math.sqrt(sum(float((full[n] - without.get(n, 0)).pow(2).sum()) for n in full))
     assert moved <= clip * (1 + 1e-5), f"removing one contribution moved the clipped sum by {moved / clip:.3f} C"
+
+
+def _trainer_logs(folder: Path, model: Path, factor: float) -> list[dict]:
+    """The training logs (those with a loss) of a GovernedTrainer over `world()`, its loss the task's with the rows
+    of the contribution "example" multiplied by `factor` (the documented override point: `per_example_loss`)."""
+    import math
+
+    import transformers
+
+    import govtrain
+    from govtrain.integrations.hf import GovernedTrainer
+
+    class Weighted(GovernedTrainer):
+        def per_example_loss(self, outputs, batch):  # type: ignore[no-untyped-def]
+            losses = super().per_example_loss(outputs, batch)
+            hit = (batch.inputs["input_ids"] == token).any(1)
+            return losses * torch.where(hit, factor, 1.0).to(losses.dtype)
+
+    class Log(transformers.TrainerCallback):
+        def __init__(self) -> None:
+            self.logs: list[dict] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
+            self.logs.append(dict(logs or {}))
+
+    corpus, config = world(folder, model, steps=4, limit=1000)
+    log = Log()
+    arguments = transformers.TrainingArguments(output_dir=str(folder / "trainer"), use_cpu=True, logging_steps=1,
+                                               save_strategy="no", lr_scheduler_type="constant", report_to=[],
+                                               disable_tqdm=True)
+    with govtrain.GovernedRun.open(str(config), corpus.url, insecure_seed=3, log=lambda line: None) as run:
+        token = run.tokenizer.convert_tokens_to_ids("example")
+        Weighted(run, args=arguments, callbacks=[log]).train()
+    assert not math.isnan(factor) or run.nonfinite > 0  # the attack did happen
+    return [entry for entry in log.logs if "loss" in entry]
+
+
+def test_the_trainers_logs_carry_no_statistic_of_the_unnoised_gradients(tmp_path, tiny):
+    """Attack (side channel): a contributor's text makes its loss nan (or its gradient overflow). The router then
+    releases, bit for bit, what it releases when that contribution's loss is multiplied by 0
+    (tests/test_nonfinite.py), so every privatized quantity a GovernedTrainer logs (`grad_norm`, `eps/<class>`,
+    the learning rate) is the same on both. But each training log also carries `nonfinite_units`: the exact,
+    un-noised count of drawn units whose per-sample gradient norm was not finite, a statistic of the un-noised
+    per-sample gradients (sensitivity 1 per unit, no noise, no charge). Those logs are what `report_to` sends to
+    TensorBoard, W&B or MLflow and what each checkpoint's `trainer_state.json` keeps: a place a third party
+    reads.
+
+    Impact: docs/monitoring.md promises the Trainer's logged gradient figure "is never a statistic of the un-noised
+    gradients, which would leak"; this one is, and it counts, step by step, whether any drawn unit's gradient was
+    finite. (The step's mean loss is logged as before; it is left out of this comparison.)
+
+    Expected: the training logs of the two runs agree on every key but the loss: the count stays in the
+    operator's own step log (`Run.log`) or is released only as a noised, charged figure. Code:
+    `integrations/hf.py` `_Governed.log`."""
+    import math
+
+    nan, zero = _trainer_logs(tmp_path / "nan", tiny, math.nan), _trainer_logs(tmp_path / "zero", tiny, 0.0)
+    assert len(nan) == len(zero) > 0
+    for poisoned, plain in zip(nan, zero):
+        released = {key: value for key, value in poisoned.items() if key != "loss"}
+        assert released == {key: value for key, value in plain.items() if key != "loss"}, (poisoned, plain)
