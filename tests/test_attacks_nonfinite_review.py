@@ -98,12 +98,13 @@ def test_a_scaled_loss_whose_examples_cancel_moves_the_release_by_more_than_its_
     """Attack (huge-but-finite, scaled losses): the documented loop computes its own per-example losses, here with
     a per-example weight read from the data (a common "sample weight" column), and the privacy unit is the
     contribution. The attacker's contribution holds the same text twice, weighted +H and -H (H = 1e10 to 1e17:
-    finite, no overflow anywhere: the squared norms stay under 3e38), and a third example weighted 1. Its exact gradient is the third example's, but in fp32 what
-    survives of ±H·g is a rounding residual: the unit's norm is finite (no `nonfinite` count), so it is clipped,
-    and its coefficient C/‖·‖ is computed from ONE float evaluation of its gradient (the per-unit norm,
-    `persample.Calls.sq_norms`, an einsum over the unit's tokens) while the released sum is ANOTHER (the weighted
-    contraction over every unit's tokens at once, `Calls.weighted_sum`), whose residual differs and which also
-    absorbs other units' terms next to the ±H ones. The measured norm is not the released vector's.
+    finite, no overflow anywhere: the squared norms stay under 3e38), and a third example weighted 1. Its exact
+    gradient is the third example's, but in fp32 what survives of ±H·g is a rounding residual: the unit's norm is
+    finite (no `nonfinite` count), so it is clipped, and its coefficient C/‖·‖ is computed from ONE float evaluation
+    of its gradient (the per-unit norm, `persample.Calls.sq_norms`: a ghost norm ⟨AAᵀ, GGᵀ⟩, or an einsum over the
+    unit's tokens) while the released sum is ANOTHER (the weighted contraction over every unit's tokens at once,
+    `Calls.weighted_sum`), whose residual differs and which also absorbs other units' terms next to the ±H ones.
+    The measured norm is not the released vector's norm.
 
     Impact: removing that one contribution moves the (noise-free) clipped sum by 1.29 C under the router's default
     strategy (`per_sample = "auto"`, the one `train()` uses; H = 1e17), and by 1.24 C to 1.31 C under
