@@ -42,12 +42,12 @@ def test_whether_one_contribution_s_gradient_is_finite_does_not_change_the_ledge
     default `training.max_nonfinite_units` (16), once enough of its rows are drawn the run stops with `diverged`,
     and from then on the ledger holds no spend entry, no epoch and no run entry for ANY contribution. Compare the
     neighbouring corpus in which only that contribution's content differs (same ids, classes, bounds: the public
-    metadata DESIGN.md §5 lets steer the mechanism): the run completes and the ledger holds every epoch.
+    metadata docs/design.md §5 lets steer the mechanism): the run completes and the ledger holds every epoch.
 
     Impact: the ledger (published to auditors; each contributor reads its own spends) and the run's completion
     (its run entry, its release) are a deterministic function of private content: the count of non-finite units
     is released without noise and without a charge (sensitivity 1 per unit; a stop that happens with probability
-    ≈1 on one corpus and 0 on its neighbour is ε = ∞). DESIGN.md §5 "Predictable schedule": every quantity the
+    ≈1 on one corpus and 0 on its neighbour is ε = ∞). docs/design.md §5 "Predictable schedule": every quantity the
     accountant uses is fixed from public information before the step runs; here the horizon is not. The step
     released by a non-finite unit is (bit for bit) the one released by a zero contribution (tests/test_nonfinite.py),
     so the promise "a function of the unit alone" holds for the gradient but not for the run's public record.
