@@ -169,6 +169,41 @@ def check_embedding(module: nn.Embedding, name: str) -> None:
 
 STRATEGIES = ("auto", "ghost", "materialize")
 
+# -- the rounding allowance -----------------------------------------------------------------------------------
+# A unit's clip coefficient comes from one floating-point evaluation of its gradient's norm, and what is released
+# is another (the weighted contraction over every unit's tokens at once). Each differs from the exact gradient by
+# at most γ_n · Σ|terms| (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., §3.1, eq. (3.4)-(3.5)
+# and Lemma 3.1: an inner product or sum of n terms, in any order, errs by at most γ_n = n·u/(1 - n·u) times the sum
+# of the terms' magnitudes, u the unit roundoff; §3.5, eq. (3.13), for matrix products). That bound is the size of
+# the TERMS, not of their sum: a unit whose terms cancel (examples weighted +H and -H) has a tiny exact gradient
+# and a rounding residual of size u·H in each evaluation, and two evaluations' residuals differ. So each unit's
+# norm is widened by an allowance: a magnitude M_u ≥ Σ|terms| (for a Linear weight, Σ_t ‖a_t‖·‖g_t‖, which bounds
+# ‖Σ_t g_t a_tᵀ‖ and every partial sum of it by the triangle inequality), times γ for the longest chain either
+# evaluation sums. Clipping to C / (‖ĝ_u‖ + allowance) then bounds the released part of the unit, rounding
+# included, by C. Without cancellation M_u is of the order of ‖g_u‖ and the allowance costs about γ (1e-7 to 1e-4
+# relative in fp32, ~1e-13 in fp64); with cancellation the unit is clipped harder, as it must be.
+SAFETY = 2.0  # over γ_n: the few roundings not counted one by one (the weights' products, squares, square roots)
+
+
+def roundoff(dtype: torch.dtype, precision: str = "highest") -> tuple[float, float]:
+    """(u of a product's inputs, u of the accumulation) of a contraction in `dtype`. float32 matrix products that
+    `torch.set_float32_matmul_precision` (`precision`, read eagerly by `Calls`) lets round their inputs to TF32
+    ("high", 2^-11) or bfloat16 ("medium", 2^-8) accumulate in float32: their inputs round once per product, their
+    sums as float32's."""
+    u = torch.finfo(dtype).eps / 2
+    if dtype == torch.float32:
+        return {"high": 2.0 ** -11, "medium": 2.0 ** -8}.get(precision, u), u
+    return u, u
+
+
+def gamma(n: int, units: tuple[float, float]) -> float:
+    """SAFETY · (2·u_in + γ_n(u)): the relative bound of an n-term contraction, against the sum of its terms'
+    magnitudes (Higham §3.1); infinite where n·u reaches 1/2 (no bound: such a unit is clipped to zero)."""
+    u_in, u = units
+    if n * u >= 0.5:
+        return float("inf")
+    return SAFETY * (2 * u_in + n * u / (1 - n * u))
+
 
 def _keep(size: int, index: Tensor, like: Tensor) -> Tensor:
     keep = torch.zeros(size, dtype=like.dtype, device=like.device)
@@ -215,6 +250,7 @@ class Calls:
         """`inputs` and `grads` of the calls kept whole; `formed` the per-sample gradients already formed
         from others (`form_early`), summed over those calls."""
         self.module, self.strategy = module, strategy
+        self.precision = torch.get_float32_matmul_precision()  # read here, outside any compiled stage (`bounded`)
         per = dict(formed or {})
         if isinstance(module, nn.Embedding):  # calls side by side along the token axis: a sample's rows of
             # every call are summed before the norm (a module called twice has the sum of both calls' gradients)
@@ -270,6 +306,55 @@ class Calls:
             return torch.einsum("bto,bti->boi", g, a).pow(2).sum((1, 2))  # formed for this parameter only
         return self._masked(_take(self.per[leaf], rows), mask).pow(2).flatten(1).sum(1)
 
+    def bounded(self, leaf: str, rows: Tensor | None, mask=None) -> tuple[Tensor, Tensor]:
+        """(s, r) for the samples `rows` (None: all), each [len(rows)]: s ≥ the masked per-sample gradient's squared
+        norm as measured here, r ≥ 0 the rounding allowance, so that ‖exact gradient‖ + ‖what `weighted_sum`
+        releases of it, over its weight, minus the exact gradient‖ ≤ √s + r (the allowance above `SAFETY`). Where
+        the norm and the sum are computed from one formed per-sample tensor (a LayerNorm's, a formed LoRA factor's,
+        an expert's), the released part of a sample is that very vector, scaled: r covers only the sum over samples
+        (γ_B, relative to the vector's own norm)."""
+        if isinstance(self.module, nn.Embedding):
+            if mask is not None:
+                raise ValueError("an embedding cannot be reached in part")
+            sq = self.sq_norms(leaf, rows)
+            magnitude = torch.zeros_like(sq)
+            tokens = 0
+            for ids, g in self.pairs:  # each row of a sample is a sum over its tokens' gradients (padding: zero)
+                ids, g = _take(ids, rows).reshape(sq.shape[0], -1), _take(g, rows)
+                g = g.reshape(ids.shape[0], ids.shape[1], -1)
+                if self.module.padding_idx is not None:
+                    g = g * (ids != self.module.padding_idx).unsqueeze(-1).to(g.dtype)
+                magnitude += g.norm(dim=-1).sum(1)
+                tokens += ids.shape[1]
+            batch, width = self.pairs[0][1].shape[0], self.pairs[0][1].shape[-1]
+            # the rows, twice (norms, sum: index_add_ need not sum alike twice), then the sum over samples
+            return sq, magnitude * 2 * gamma(2 * tokens + batch + width + 2, roundoff(sq.dtype, self.precision))
+        if self.per is None:
+            a, g = self._linear(leaf, rows, mask)
+            batch, tokens = self.a.shape[0], a.shape[1]
+            units = roundoff(g.dtype, self.precision)
+            if leaf == "bias":  # Σ_t g_t per sample, against Σ_{b,t} w_b g_bt
+                sq = g.sum(1).pow(2).sum(1)
+                return sq, g.norm(dim=-1).sum(1) * gamma(tokens + batch * tokens + g.shape[2] + 2, units)
+            magnitude = (a.norm(dim=-1) * g.norm(dim=-1)).sum(1)  # Σ_t ‖a_t‖·‖g_t‖ ≥ Σ|terms|
+            release = gamma(batch * tokens + 2, units)  # the contraction over every sample's tokens at once
+            if use_ghost(a.shape[1], a.shape[2], g.shape[2], self.strategy):
+                # ⟨AAᵀ, GGᵀ⟩ errs by γ·M² (its T² + in + out terms' magnitudes sum to at most M²): taken in float64,
+                # where that is negligible, and added to the square
+                wide = torch.promote_types(a.dtype, torch.float64)
+                a64, g64 = a.to(wide), g.to(wide)
+                sq = ((a64 @ a64.transpose(1, 2)) * (g64 @ g64.transpose(1, 2))).sum((1, 2))
+                m64 = magnitude.to(wide)
+                sq = (sq.clamp(min=0) + m64.pow(2) * gamma(tokens * tokens + a.shape[2] + g.shape[2] + 2,
+                                                           roundoff(wide, self.precision))).to(g.dtype)
+                return sq, magnitude * (release + gamma(2, units))  # + the square's cast back
+            sq = torch.einsum("bto,bti->boi", g, a).pow(2).sum((1, 2))  # formed for this parameter only
+            return sq, magnitude * (release + gamma(tokens + a.shape[2] * g.shape[2] + 2, units))
+        per = self._masked(_take(self.per[leaf], rows), mask)
+        sq = per.pow(2).flatten(1).sum(1)
+        size = per.shape[0] if rows is None else self.per[leaf].shape[0]
+        return sq, sq.sqrt() * gamma(size + per.shape[1:].numel() + 2, roundoff(per.dtype, self.precision))
+
     def weighted_sum(self, leaf: str, rows: Tensor, weights: Tensor, mask=None) -> Tensor:
         """Σ_i weights_i · (masked per-sample gradient of sample rows_i): the parameter's shape. A sample of
         weight 0 adds exactly nothing: its rows are replaced by zeros before anything is scaled or summed, so a
@@ -316,6 +401,20 @@ class Shared:
         if mask is not None:
             raise ValueError("a parameter modules share cannot be reached in part")
         return self.per_sample(leaf, rows).pow(2).flatten(1).sum(1)
+
+    def bounded(self, leaf: str, rows: Tensor | None, mask=None) -> tuple[Tensor, Tensor]:
+        """As `Calls.bounded`: the norm is of the holders' per-sample gradients formed and summed here, the release
+        each holder's own `weighted_sum`; so the allowance is every holder's, twice (each of the two evaluations
+        is within a holder's allowance of the exact gradient), plus this sum's own relative rounding."""
+        if mask is not None:
+            raise ValueError("a parameter modules share cannot be reached in part")
+        per = self.per_sample(leaf, rows)
+        sq = per.pow(2).flatten(1).sum(1)
+        allowance = sq.sqrt() * gamma(len(self.sources) + per.shape[1:].numel() + 2,
+                                      roundoff(per.dtype, self.sources[0][0].precision))
+        for calls, held in self.sources:
+            allowance = allowance + 2 * calls.bounded(held, rows)[1]
+        return sq, allowance
 
     def weighted_sum(self, _leaf: str, rows: Tensor | None, weights: Tensor, mask=None) -> Tensor:
         if mask is not None:
