@@ -19,6 +19,7 @@ pytest.importorskip("peft")
 from govtrain.resolver.model import describe  # noqa: E402
 from govtrain.resolver.profile import resolve  # noqa: E402
 from govtrain.routing import persample  # noqa: E402
+from govtrain.routing.rounding import gamma, roundoff  # noqa: E402
 from govtrain.routing.router import Router  # noqa: E402
 from tests import test_routing as routing  # noqa: E402
 
@@ -77,10 +78,10 @@ def test_the_allowance_is_negligible_without_cancellation_and_counts_tf32_produc
     """Its cost: γ (2·(n·u/(1 - n·u)), Higham §3.1) times a magnitude that, without cancellation, is of the order of
     the norm; and a float32 product whose inputs TF32 rounds (2^-11) is allowed for."""
     u = torch.finfo(torch.float32).eps / 2
-    assert persample.gamma(100, persample.roundoff(torch.float32)) == pytest.approx(2 * (2 * u + 100 * u / (1 - 100 * u)))
-    assert persample.gamma(2 ** 24, persample.roundoff(torch.float32)) == math.inf  # no bound: clipped to zero
-    assert persample.roundoff(torch.float32, "high")[0] == 2.0 ** -11
-    assert persample.roundoff(torch.float64, "high") == (2.0 ** -53, 2.0 ** -53)
+    assert gamma(100, roundoff(torch.float32)) == pytest.approx(2 * (2 * u + 100 * u / (1 - 100 * u)))
+    assert gamma(2 ** 24, roundoff(torch.float32)) == math.inf  # no bound: clipped to zero
+    assert roundoff(torch.float32, "high")[0] == 2.0 ** -11
+    assert roundoff(torch.float64, "high") == (2.0 ** -53, 2.0 ** -53)
     a, g = torch.randn(4, 5, 8), torch.randn(4, 5, 3)
     calls = persample.Calls(torch.nn.Linear(8, 3), [a], [g], strategy="materialize")
     sq, allowance = calls.bounded("weight", None)

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
+from govtrain.routing.rounding import gamma, roundoff
+
 # Modules whose weight gradient is Σ_t g_t a_tᵀ: nn.Linear ([out, in]) and GPT-2's Conv1D, which stores the
 # same matrix transposed ([in, out], y = x W + b) and gets the transposed gradient.
 LINEAR = (nn.Linear, Conv1D)
@@ -168,42 +170,6 @@ def check_embedding(module: nn.Embedding, name: str) -> None:
 
 
 STRATEGIES = ("auto", "ghost", "materialize")
-
-# -- the rounding allowance -----------------------------------------------------------------------------------
-# A unit's clip coefficient comes from one floating-point evaluation of its gradient's norm, and what is released
-# is another (the weighted contraction over every unit's tokens at once). Each differs from the exact gradient by
-# at most γ_n · Σ|terms| (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., §3.1, eq. (3.4)-(3.5)
-# and Lemma 3.1: an inner product or sum of n terms, in any order, errs by at most γ_n = n·u/(1 - n·u) times the sum
-# of the terms' magnitudes, u the unit roundoff; §3.5, eq. (3.13), for matrix products). That bound is the size of
-# the TERMS, not of their sum: a unit whose terms cancel (examples weighted +H and -H) has a tiny exact gradient
-# and a rounding residual of size u·H in each evaluation, and two evaluations' residuals differ. So each unit's
-# norm is widened by an allowance: a magnitude M_u ≥ Σ|terms| (for a Linear weight, Σ_t ‖a_t‖·‖g_t‖, which bounds
-# ‖Σ_t g_t a_tᵀ‖ and every partial sum of it by the triangle inequality), times γ for the longest chain either
-# evaluation sums. Clipping to C / (‖ĝ_u‖ + allowance) then bounds the released part of the unit, rounding
-# included, by C. Without cancellation M_u is of the order of ‖g_u‖ and the allowance costs about γ (1e-7 to 1e-4
-# relative in fp32, ~1e-13 in fp64); with cancellation the unit is clipped harder, as it must be.
-SAFETY = 2.0  # over γ_n: the few roundings not counted one by one (the weights' products, squares, square roots)
-
-
-def roundoff(dtype: torch.dtype, precision: str = "highest") -> tuple[float, float]:
-    """(u of a product's inputs, u of the accumulation) of a contraction in `dtype`. float32 matrix products that
-    `torch.set_float32_matmul_precision` (`precision`, read eagerly by `Calls`) lets round their inputs to TF32
-    ("high", 2^-11) or bfloat16 ("medium", 2^-8) accumulate in float32: their inputs round once per product, their
-    sums as float32's."""
-    u = torch.finfo(dtype).eps / 2
-    if dtype == torch.float32:
-        return {"high": 2.0 ** -11, "medium": 2.0 ** -8}.get(precision, u), u
-    return u, u
-
-
-def gamma(n: int, units: tuple[float, float]) -> float:
-    """SAFETY · (2·u_in + γ_n(u)): the relative bound of an n-term contraction, against the sum of its terms'
-    magnitudes (Higham §3.1); infinite where n·u reaches 1/2 (no bound: such a unit is clipped to zero)."""
-    u_in, u = units
-    if n * u >= 0.5:
-        return float("inf")
-    return SAFETY * (2 * u_in + n * u / (1 - n * u))
-
 
 def _keep(size: int, index: Tensor, like: Tensor) -> Tensor:
     keep = torch.zeros(size, dtype=like.dtype, device=like.device)

@@ -497,7 +497,9 @@ class Router:
         if self._canaries is not None:  # audit only: each unit's canary named, and clipped as the canaries' class
             self._canaries.check(classes)
         # Rounding favours privacy: clip to a hair under C_i, so that a norm computed in floating point (fp32
-        # rounds at ~1e-7) never lets a released per-sample gradient exceed the C_i the accountant charges.
+        # rounds at ~1e-7) never lets a released per-sample gradient exceed the C_i the accountant charges; and
+        # `_clip` widens each unit's norm by its rounding allowance (`persample.Calls.bounded`), for the rounding
+        # that grows with the size of a unit's terms rather than with its norm (terms that cancel).
         clip = clip * (1 - 8 * torch.finfo(dtype).eps)
         self._check_layout(examples)  # before autograd: nothing per-sample is formed from a call that is refused
         coverage.check_batch_norms(self._batch_norms)  # a model switched to train mode after the router was built
