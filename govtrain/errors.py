@@ -49,7 +49,7 @@ class Code(str, Enum):
     UNGOVERNED_UPDATE = "ungoverned_update"  # the trained weights moved outside a governed step, or a hyperparameter
     # the update reads (a rate, momentum, betas, weight decay, eps) is not RUN.toml's on the run's schedule
     STEP_FAILED = "step_failed"  # a step raised after its draw: the run in this process stops there
-    DIVERGED = "diverged"  # more units with a non-finite gradient than training.max_nonfinite_units: the run stops
+    DIVERGED = "diverged"  # more non-finite units than the opt-in training.unsafe_stop_after_nonfinite_units: stops
     NONFINITE_RELEASE = "nonfinite_release"  # a noised gradient with a nan or inf: refused before .grad (a defect)
     RANK_MISMATCH = "rank_mismatch"  # a rank joined with another config, model, data, ledger or version than the lead's
     RANK_LOST = "rank_lost"  # a rank of the run stopped, failed or never joined: every rank stops (resume to go on)

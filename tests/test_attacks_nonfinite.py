@@ -3,8 +3,9 @@ nan, as a diverging run's) through `train()` and the Python API, in one process 
 
 On main its nan passed the clip (coefficient 1), reached `.grad`, the weights and the adapter, and the run stopped
 later with a misleading `ungoverned_update`. Here each such unit contributes exactly zero and is counted in the step
-log; past `training.max_nonfinite_units` the run stops with `diverged` before the step releases anything, and writes
-no later epoch's spend."""
+log; by default the run never stops on that count (it is private: tests/test_attacks_nonfinite_review.py); past the
+opt-in `training.unsafe_stop_after_nonfinite_units` the run warns and stops with `diverged` before the step releases
+anything, and writes no later epoch's spend."""
 
 from __future__ import annotations
 
@@ -37,13 +38,13 @@ def tiny(tmp_path_factory) -> Path:
 
 def world(folder: Path, model: Path, *, steps: int, limit: int | None, extra: str = "") -> tuple[Corpus, Path]:
     """A public contribution and the poisoned one ("example": no other text holds that word), q = 0.25, ledger
-    epochs of 2 steps; `limit`: training.max_nonfinite_units (None: not set, the default)."""
+    epochs of 2 steps; `limit`: training.unsafe_stop_after_nonfinite_units (None: not set, the default: no stop)."""
     folder.mkdir(parents=True, exist_ok=True)
     policy = TEST_POLICY.replace("sampling_rate = 0.01\n", "sampling_rate = 0.25\n")
     corpus = make_corpus(folder, f"sqlite:///{folder / 'ledger.db'}", policy)
     _admit(corpus, "pub", 24)
     _admit(corpus, "example", 24)
-    setting = "" if limit is None else f"max_nonfinite_units = {limit}\n"
+    setting = "" if limit is None else f"unsafe_stop_after_nonfinite_units = {limit}\n"
     return corpus, _config(corpus, model, steps, extra="epoch_steps = 2\n" + setting + extra)
 
 
@@ -59,22 +60,27 @@ def _poisoned_task(monkeypatch, token: int) -> None:
 def test_train_completes_with_a_nan_contribution_counts_it_and_saves_a_finite_adapter(tmp_path, tiny, monkeypatch):
     from safetensors.torch import load_file
 
-    corpus, config = world(tmp_path, tiny, steps=4, limit=1000)
+    corpus, config = world(tmp_path, tiny, steps=4, limit=None)
     _poisoned_task(monkeypatch, (tiny / "vocab.txt").read_text().split("\n").index("example"))
     lines: list[str] = []
     result = loop.train(load_run_config(config), corpus.url, insecure_seed=3, log=lines.append)
     assert result.steps == 4 and result.nonfinite > 0
     logged = [line for line in lines if "non-finite gradient contributed zero" in line]
-    assert logged and f"({result.nonfinite} in the run, at most 1000)" in logged[-1]
+    assert logged and logged[-1].endswith(f"({result.nonfinite} in the run)")
+    assert not any("unsafe" in line for line in lines)  # the default stops nothing, so it warns of nothing
     weights = load_file(corpus.dir / "adapter" / "adapter_model.safetensors")
     assert weights and all(bool(torch.isfinite(w).all()) for w in weights.values())
 
 
 def test_a_diverging_run_stops_before_the_step_releases_and_charges_nothing_more(tmp_path, tiny):
+    """The opt-in stop: it warns that it weakens the guarantee, and stops before the step releases anything."""
     corpus, config = world(tmp_path, tiny, steps=8, limit=2)
     moved: list[dict[str, torch.Tensor]] = []
     counts: list[int] = []
-    with GovernedRun.open(str(config), corpus.url, insecure_seed=3, log=lambda line: None) as run:
+    lines: list[str] = []
+    with GovernedRun.open(str(config), corpus.url, insecure_seed=3, log=lines.append) as run:
+        assert [line for line in lines if line.startswith("warning: training.unsafe_stop_after_nonfinite_units = 2 "
+                                                          "weakens the guarantee")]
         token = run.tokenizer.convert_tokens_to_ids("example")
         trainable = {n: p for n, p in run.model.named_parameters() if p.requires_grad}
         with pytest.raises(ConfigError) as caught:
@@ -85,6 +91,7 @@ def test_a_diverging_run_stops_before_the_step_releases_and_charges_nothing_more
                     moved.append({n: p.detach().clone() for n, p in trainable.items()})
                     counts.append(run.nonfinite)
         assert caught.value.code == Code.DIVERGED and "\n" not in str(caught.value)
+        assert "withdraw the contribution" in str(caught.value) and "learning rate" not in str(caught.value)
         stopped_in = run._run.pending["epoch"]
         # the step in progress released nothing: no .grad written, the weights as the last step left them
         assert all(p.grad is None for p in trainable.values())
@@ -98,8 +105,8 @@ def test_a_diverging_run_stops_before_the_step_releases_and_charges_nothing_more
     assert max(epochs) == stopped_in  # no later epoch was written ahead
 
 
-def test_a_short_run_under_the_default_limit_completes_and_every_step_is_finite(tmp_path, tiny):
-    """With the default limit (16) a short run completes, every released gradient finite."""
+def test_by_default_a_run_with_nonfinite_units_completes_and_every_step_is_finite(tmp_path, tiny):
+    """By default (no stop) a run completes, every released gradient finite."""
     corpus, config = world(tmp_path, tiny, steps=2, limit=None)
     released: list[bool] = []
     with GovernedRun.open(str(config), corpus.url, insecure_seed=3, log=lambda line: None) as run:
@@ -111,7 +118,7 @@ def test_a_short_run_under_the_default_limit_completes_and_every_step_is_finite(
                 released.append(all(bool(torch.isfinite(p).all()) for p in trainable.values()))
         run.save()
         assert released == [True, True]
-        assert 0 < run.nonfinite <= 16
+        assert run.nonfinite > 0
 
 
 def start_ranks(corpus: Corpus, config: Path, out: Path, size: int, *, seed: int = 7,
@@ -144,7 +151,7 @@ def _read(out: Path, rank: int) -> dict:
 @pytest.mark.parametrize("sharded", [False, pytest.param(True, marks=pytest.mark.long)], ids=["ranks", "fsdp"])
 def test_two_ranks_take_the_nan_units_out_and_release_the_single_process_gradient(tmp_path, tiny, sharded):
     """The poisoned contribution's examples that also say "good" (3 of its 24: about one a step, on either rank),
-    under the default limit, which the count stays under: every rank's release is the single process's, finite."""
+    by default (no stop): every rank's release is the single process's, finite."""
     one = world(tmp_path / "one", tiny, steps=3, limit=None, extra="physical_batch = 4\n")
     two = world(tmp_path / "two", tiny, steps=3, limit=None,
                 extra="physical_batch = 4\n" + ("fsdp = true\n" if sharded else ""))

@@ -351,11 +351,11 @@ class _Governed:
         return self._clip_grad_norm(model) if grad_norm is None else grad_norm
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        """The Trainer's `log`; a training log (its loss) also carries each class's ε as charged so far and the run's
-        units with a non-finite gradient so far (`nonfinite_units`: each contributed zero, docs/training.md)."""
+        """The Trainer's `log`; a training log (its loss) also carries each class's ε as charged so far. The count of
+        units with a non-finite gradient is not logged here: it is an un-noised statistic of the per-sample
+        gradients, and these logs reach `report_to` and `trainer_state.json`; it stays in the run's own step log."""
         if "loss" in logs or "train_loss" in logs:
             logs.update({f"eps/{name}": eps for name, eps in sorted(self.run.epsilons().items())})
-            logs["nonfinite_units"] = self.run.nonfinite
         super().log(logs, *args, **kwargs)
 
     def _rehearse(self) -> None:

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
+from govtrain.routing.rounding import gamma, roundoff
+
 # Modules whose weight gradient is Σ_t g_t a_tᵀ: nn.Linear ([out, in]) and GPT-2's Conv1D, which stores the
 # same matrix transposed ([in, out], y = x W + b) and gets the transposed gradient.
 LINEAR = (nn.Linear, Conv1D)
@@ -169,7 +171,6 @@ def check_embedding(module: nn.Embedding, name: str) -> None:
 
 STRATEGIES = ("auto", "ghost", "materialize")
 
-
 def _keep(size: int, index: Tensor, like: Tensor) -> Tensor:
     keep = torch.zeros(size, dtype=like.dtype, device=like.device)
     keep[index] = 1
@@ -215,6 +216,7 @@ class Calls:
         """`inputs` and `grads` of the calls kept whole; `formed` the per-sample gradients already formed
         from others (`form_early`), summed over those calls."""
         self.module, self.strategy = module, strategy
+        self.precision = torch.get_float32_matmul_precision()  # read here, outside any compiled stage (`bounded`)
         per = dict(formed or {})
         if isinstance(module, nn.Embedding):  # calls side by side along the token axis: a sample's rows of
             # every call are summed before the norm (a module called twice has the sum of both calls' gradients)
@@ -270,6 +272,55 @@ class Calls:
             return torch.einsum("bto,bti->boi", g, a).pow(2).sum((1, 2))  # formed for this parameter only
         return self._masked(_take(self.per[leaf], rows), mask).pow(2).flatten(1).sum(1)
 
+    def bounded(self, leaf: str, rows: Tensor | None, mask=None) -> tuple[Tensor, Tensor]:
+        """(s, r) for the samples `rows` (None: all), each [len(rows)]: s ≥ the masked per-sample gradient's squared
+        norm as measured here, r ≥ 0 the rounding allowance, so that ‖exact gradient‖ + ‖what `weighted_sum`
+        releases of it, over its weight, minus the exact gradient‖ ≤ √s + r (the allowance above `SAFETY`). Where
+        the norm and the sum are computed from one formed per-sample tensor (a LayerNorm's, a formed LoRA factor's,
+        an expert's), the released part of a sample is that very vector, scaled: r covers only the sum over samples
+        (γ_B, relative to the vector's own norm)."""
+        if isinstance(self.module, nn.Embedding):
+            if mask is not None:
+                raise ValueError("an embedding cannot be reached in part")
+            sq = self.sq_norms(leaf, rows)
+            magnitude = torch.zeros_like(sq)
+            tokens = 0
+            for ids, g in self.pairs:  # each row of a sample is a sum over its tokens' gradients (padding: zero)
+                ids, g = _take(ids, rows).reshape(sq.shape[0], -1), _take(g, rows)
+                g = g.reshape(ids.shape[0], ids.shape[1], -1)
+                if self.module.padding_idx is not None:
+                    g = g * (ids != self.module.padding_idx).unsqueeze(-1).to(g.dtype)
+                magnitude += g.norm(dim=-1).sum(1)
+                tokens += ids.shape[1]
+            batch, width = self.pairs[0][1].shape[0], self.pairs[0][1].shape[-1]
+            # the rows, twice (norms, sum: index_add_ need not sum alike twice), then the sum over samples
+            return sq, magnitude * 2 * gamma(2 * tokens + batch + width + 2, roundoff(sq.dtype, self.precision))
+        if self.per is None:
+            a, g = self._linear(leaf, rows, mask)
+            batch, tokens = self.a.shape[0], a.shape[1]
+            units = roundoff(g.dtype, self.precision)
+            if leaf == "bias":  # Σ_t g_t per sample, against Σ_{b,t} w_b g_bt
+                sq = g.sum(1).pow(2).sum(1)
+                return sq, g.norm(dim=-1).sum(1) * gamma(tokens + batch * tokens + g.shape[2] + 2, units)
+            magnitude = (a.norm(dim=-1) * g.norm(dim=-1)).sum(1)  # Σ_t ‖a_t‖·‖g_t‖ ≥ Σ|terms|
+            release = gamma(batch * tokens + 2, units)  # the contraction over every sample's tokens at once
+            if use_ghost(a.shape[1], a.shape[2], g.shape[2], self.strategy):
+                # ⟨AAᵀ, GGᵀ⟩ errs by γ·M² (its T² + in + out terms' magnitudes sum to at most M²): taken in float64,
+                # where that is negligible, and added to the square
+                wide = torch.promote_types(a.dtype, torch.float64)
+                a64, g64 = a.to(wide), g.to(wide)
+                sq = ((a64 @ a64.transpose(1, 2)) * (g64 @ g64.transpose(1, 2))).sum((1, 2))
+                m64 = magnitude.to(wide)
+                sq = (sq.clamp(min=0) + m64.pow(2) * gamma(tokens * tokens + a.shape[2] + g.shape[2] + 2,
+                                                           roundoff(wide, self.precision))).to(g.dtype)
+                return sq, magnitude * (release + gamma(2, units))  # + the square's cast back
+            sq = torch.einsum("bto,bti->boi", g, a).pow(2).sum((1, 2))  # formed for this parameter only
+            return sq, magnitude * (release + gamma(tokens + a.shape[2] * g.shape[2] + 2, units))
+        per = self._masked(_take(self.per[leaf], rows), mask)
+        sq = per.pow(2).flatten(1).sum(1)
+        size = per.shape[0] if rows is None else self.per[leaf].shape[0]
+        return sq, sq.sqrt() * gamma(size + per.shape[1:].numel() + 2, roundoff(per.dtype, self.precision))
+
     def weighted_sum(self, leaf: str, rows: Tensor, weights: Tensor, mask=None) -> Tensor:
         """Σ_i weights_i · (masked per-sample gradient of sample rows_i): the parameter's shape. A sample of
         weight 0 adds exactly nothing: its rows are replaced by zeros before anything is scaled or summed, so a
@@ -316,6 +367,20 @@ class Shared:
         if mask is not None:
             raise ValueError("a parameter modules share cannot be reached in part")
         return self.per_sample(leaf, rows).pow(2).flatten(1).sum(1)
+
+    def bounded(self, leaf: str, rows: Tensor | None, mask=None) -> tuple[Tensor, Tensor]:
+        """As `Calls.bounded`: the norm is of the holders' per-sample gradients formed and summed here, the release
+        each holder's own `weighted_sum`; so the allowance is every holder's, twice (each of the two evaluations
+        is within a holder's allowance of the exact gradient), plus this sum's own relative rounding."""
+        if mask is not None:
+            raise ValueError("a parameter modules share cannot be reached in part")
+        per = self.per_sample(leaf, rows)
+        sq = per.pow(2).flatten(1).sum(1)
+        allowance = sq.sqrt() * gamma(len(self.sources) + per.shape[1:].numel() + 2,
+                                      roundoff(per.dtype, self.sources[0][0].precision))
+        for calls, held in self.sources:
+            allowance = allowance + 2 * calls.bounded(held, rows)[1]
+        return sq, allowance
 
     def weighted_sum(self, _leaf: str, rows: Tensor | None, weights: Tensor, mask=None) -> Tensor:
         if mask is not None:

@@ -497,7 +497,9 @@ class Router:
         if self._canaries is not None:  # audit only: each unit's canary named, and clipped as the canaries' class
             self._canaries.check(classes)
         # Rounding favours privacy: clip to a hair under C_i, so that a norm computed in floating point (fp32
-        # rounds at ~1e-7) never lets a released per-sample gradient exceed the C_i the accountant charges.
+        # rounds at ~1e-7) never lets a released per-sample gradient exceed the C_i the accountant charges; and
+        # `_clip` widens each unit's norm by its rounding allowance (`persample.Calls.bounded`), for the rounding
+        # that grows with the size of a unit's terms rather than with its norm (terms that cancel).
         clip = clip * (1 - 8 * torch.finfo(dtype).eps)
         self._check_layout(examples)  # before autograd: nothing per-sample is formed from a call that is refused
         coverage.check_batch_norms(self._batch_norms)  # a model switched to train mode after the router was built
@@ -570,20 +572,28 @@ class Router:
         compiles (`routing.compiled`); `classes` is read by the audit's canaries alone (never compiled)."""
         batch, dtype, device = clip.shape[0], clip.dtype, clip.device
         squares: dict[str, Tensor] = {}  # clipping unit (a parameter) -> [B]
+        # each parameter's rounding allowance per unit (`persample.Calls.bounded`): the unit's norm is widened by it,
+        # so that what the sum releases of a unit, rounding included, is within its clip norm, also where its
+        # examples' terms cancel (the measured norm is then a rounding residual, which the release does not repeat)
+        allowances: dict[str, Tensor] = {}
         for data_class, index in rows.items():
             take = None if len(rows) == 1 else index  # one class: every sample, in order, without a copy
             for name, mask in self.masks[data_class].items():
                 if name in self._paired or name not in calls:
                     continue  # LoRA pairs under prism are measured as stacks; a parameter with no gradient adds nothing
                 square = squares.setdefault(name, torch.zeros(batch, dtype=dtype, device=device))
+                allowance = allowances.setdefault(name, torch.zeros(batch, dtype=dtype, device=device))
                 source, leaf = calls[name]
-                square.index_add_(0, index, source.sq_norms(leaf, take, mask))
+                measured, widened = source.bounded(leaf, take, mask)
+                square.index_add_(0, index, measured.to(dtype))
+                allowance.index_add_(0, index, widened.to(dtype))
         paired, measured = torch.zeros(batch, dtype=dtype, device=device), []
         if self.tangent is not None:  # prism: the squared norms of the pairs' tangent parts, a stack per shape
             paired, measured = self.tangent.measure(calls, rows, batch, dtype)
         if self._canaries is not None:  # audit only: each canary's Dirac joins its own squared norm
             self._canaries.inject(squares, classes, batch, dtype, device)
-        norms = sum(squares.values(), paired).sqrt()
+        # ‖(x_p + y_p)_p‖ ≤ ‖x‖ + Σ_p y_p: the joint norm, widened by the sum of the parameters' allowances
+        norms = sum(squares.values(), paired).sqrt() + sum(allowances.values(), torch.zeros_like(paired))
         # A unit whose norm is not finite (a nan or inf loss, an overflow: in any of its parameters, which makes the
         # joint norm nan or inf) contributes exactly zero: its coefficient is 0 in every parameter, and a weighted
         # sum takes a row of weight 0 out before it scales (`persample.Calls.weighted_sum`), since 0 * nan is nan.
@@ -595,8 +605,10 @@ class Router:
             for data_class, index in rows.items():
                 units.index_fill_(0, index, self.units[data_class])
             budget = clip / units.sqrt()
-            coefficients = {name: _coefficient(square.sqrt(), budget, finite) for name, square in squares.items()}
-            clipped = torch.stack([square.sqrt() > budget for square in squares.values()]).any(0) if squares else norms > clip
+            each = {name: square.sqrt() + allowances[name] if name in allowances else square.sqrt()  # widened, as above
+                    for name, square in squares.items()}
+            coefficients = {name: _coefficient(norm, budget, finite) for name, norm in each.items()}
+            clipped = torch.stack([norm > budget for norm in each.values()]).any(0) if each else norms > clip
         else:
             shared = _coefficient(norms, clip, finite)
             coefficients = {name: shared for name in squares}

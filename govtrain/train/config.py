@@ -232,11 +232,12 @@ class TrainingSection(_Strict):
         False, description="shard the model over the run's processes with FSDP2 (fully_shard on each transformer "
                            "block and the root), for models larger than one device: needs several processes "
                            "(--nproc N or torchrun) and mechanism dpsgd; the same released gradient as one process")
-    max_nonfinite_units: NonNegativeInt = Field(
-        16, description="units (examples, or contributions) whose per-sample gradient may be non-finite (a nan or "
-                        "inf loss) over the run: each contributes exactly zero and is counted in the step log; the "
-                        "step that would pass this many stops the run (error diverged) before it releases anything, "
-                        "so nothing more is charged")
+    unsafe_stop_after_nonfinite_units: NonNegativeInt | None = Field(
+        None, description="UNSAFE, weakens the guarantee (a warning each run): stop the run (error diverged) at the "
+                          "step that would take the run's units whose per-sample gradient is non-finite past this "
+                          "many. Whether a unit's gradient is finite is private, and the stop (no further epochs, no "
+                          "run entry) is public and charged nothing. Unset (the default): never stop; each such unit "
+                          "contributes exactly zero and is counted in the operator's step log only")
 
 
 class RunFile(_Strict):

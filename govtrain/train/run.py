@@ -286,6 +286,7 @@ class Run:
 
         config = self.config
         check_microbatches(config.file.noise)  # before anything is made: a refusal changes nothing
+        self._warn_unsafe()
         world = self.world
         # Several processes (docs/distributed.md): each step of preparing is taken on every rank and its outcome
         # gathered (`together`), so a refusal on one rank stops all of them, before any spend is written.
@@ -830,7 +831,8 @@ class Run:
 
     def move(self) -> float:
         """The router's noise once per group, then the update; the step's mean loss per example drawn. A step that
-        would pass `training.max_nonfinite_units` stops the run first (`diverged`), with nothing released."""
+        would pass the opt-in `training.unsafe_stop_after_nonfinite_units` stops the run first (`diverged`), with
+        nothing released."""
         self._count_nonfinite()
         self.router.finish(self._group_std, self.pending["expected_batch"])
         if self.world.many:  # the step's loss over every rank's share
@@ -848,9 +850,12 @@ class Run:
 
     def _count_nonfinite(self) -> None:
         """The step's units with a non-finite gradient (each contributed zero: `Router._clip`), over every rank's
-        share, into the run's count and the log; past `training.max_nonfinite_units` the run is diverging and stops
-        here, before the noise is drawn or `.grad` written, so this step releases nothing and no later epoch is
-        written ahead: nothing more is charged."""
+        share, into the run's count and the operator's step log. The count is a statistic of private data (whether a
+        unit's gradient is finite), so by default nothing public depends on it: the run goes on. Only the opt-in
+        `training.unsafe_stop_after_nonfinite_units` stops it (`diverged`), here, before the noise is drawn or
+        `.grad` written, so this step releases nothing and no later epoch is written ahead; but that stop is a
+        data-dependent event the ledger shows (no later epoch, no run entry) and no spend charges, hence its name
+        and its warning (`_warn_unsafe`)."""
         count = self.router.nonfinite
         if self.world.many:  # every rank decides alike, on the sum of the ranks' counts
             import torch
@@ -860,16 +865,27 @@ class Run:
             count = int(seen[0])
         if not count:
             return
-        total, limit = self.result.nonfinite + count, self.config.file.training.max_nonfinite_units
+        total, limit = self.result.nonfinite + count, self.config.file.training.unsafe_stop_after_nonfinite_units
         step = self.result.steps
-        if total > limit:
+        if limit is not None and total > limit:
             raise ConfigError(Code.DIVERGED, f"step {step}: {count} more unit(s) with a non-finite gradient make "
-                                             f"{total}, over training.max_nonfinite_units = {limit}: the run is "
-                                             "diverging and stops before this step releases anything (nothing more "
-                                             "is charged); lower the learning rate or fix the loss, then resume")
+                                             f"{total}, over training.unsafe_stop_after_nonfinite_units = {limit}: "
+                                             "the run stops before this step releases anything (nothing more is "
+                                             "charged); withdraw the contribution whose gradients are not finite, "
+                                             "or fix the loss, then resume with the same config (or start a new run "
+                                             "with another training.output)")
         self.result.nonfinite = total
-        self.log(f"step {step}: {count} unit(s) with a non-finite gradient contributed zero ({total} in the run, at "
-                 f"most {limit})")
+        bound = "" if limit is None else f", at most {limit}"
+        self.log(f"step {step}: {count} unit(s) with a non-finite gradient contributed zero ({total} in the run"
+                 f"{bound})")
+
+    def _warn_unsafe(self) -> None:
+        """Each time a run opens with `training.unsafe_stop_after_nonfinite_units` set, say what it weakens."""
+        limit = self.config.file.training.unsafe_stop_after_nonfinite_units
+        if limit is not None:
+            self.log(f"warning: training.unsafe_stop_after_nonfinite_units = {limit} weakens the guarantee: whether "
+                     "the run stops depends on whether private units' gradients are finite, and the ledger shows "
+                     "the stop (no later epoch, no run entry) without charging for it; unset it for real data")
 
     def record(self, loss: float) -> None:
         """Count the step moved by `move`, and save the run state at a checkpoint."""

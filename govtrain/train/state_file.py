@@ -91,7 +91,7 @@ FIELDS: dict[str, _Check] = {
     "trainable": _map_of(STR, _tensor),  # checked against the model (`resume.check_state_shapes`)
     "update": _exact(dict),  # the optimizer's (and PRISM's, Muon's) state: `Update.load_state_dict` checks it
     "noise": _optional(_exact(dict)),  # the privatizer's record and state: `Privatizer.load_state` checks it
-    "nonfinite": INT,  # the run's units whose gradient was not finite, against training.max_nonfinite_units
+    "nonfinite": INT,  # the run's units whose gradient was not finite (training.unsafe_stop_after_nonfinite_units)
     "corpus": _exact(dict),  # the corpus the units' identities name: `corpus.check` checks it on resume
     "schedule": _map_of(STR, _exact(str, int)),  # the learning rates' schedule: `Schedule.of_record` checks it
 }
