@@ -34,7 +34,9 @@ class Admitted:
 
     def __init__(self, ledger: Ledger) -> None:
         self.rows: dict[tuple[str, object], ledger_store.AdmissionRow] = {}
-        entries = verified_entries(ledger.store, policy=ledger.policy)
+        # A refusal is all this reads for (and the epoch the gate checks against): the append that follows is the
+        # signer's, which refuses a tree other than the one it signed (`fork`), an unsigned tail included.
+        entries = verified_entries(ledger.store, policy=ledger.policy, signed=False)
         for item in entries:
             if item.kind == "admit" and item.entry is not None:
                 self.add(ledger_store.AdmissionRow(item.entry["contribution_id"], item.seq, item.entry["data_class"],

@@ -67,10 +67,12 @@ class VerifiedEntries:
     """An iterable of `Verified` over `store` from `start` (entry 0, the header, is `Ledger.open`'s), with the
     summaries' record of the redacted entries (`redacted`, read the first time a body-less row is met). `policy`:
     the one whose ledger keys sign the latest checkpoint (default, or where its keys do not verify it: the policy
-    chain's last, read from the store)."""
+    chain's last, read from the store). `signed=False` (a writer about to sign, that reads only to refuse): no
+    signed checkpoint is asked for, since the signer's own check (`Ledger.append`) refuses the same tree (`fork`)."""
 
-    def __init__(self, store: ledger_store.LedgerStore, start: int = 1, *, policy: "Policy | None" = None) -> None:
-        self.store, self.start, self.policy = store, start, policy
+    def __init__(self, store: ledger_store.LedgerStore, start: int = 1, *, policy: "Policy | None" = None,
+                 signed: bool = True) -> None:
+        self.store, self.start, self.policy, self.signed = store, start, policy, signed
         self._redacted: Redacted | None = None
         self.epochs = 0  # the epoch entries read, by their bodies: the current epoch once the pass is done
 
@@ -104,7 +106,8 @@ class VerifiedEntries:
                     elif item.kind == "epoch":
                         self.epochs += 1
                     yield item
-                check_signed(self.store, tree, self.policy)
+                if self.signed:
+                    check_signed(self.store, tree, self.policy)
         except ledger_store.TamperedRow as e:  # as govtrain-verify reports it
             raise IntegrityError(Code.BAD_ENTRY, f"{e}: no ledger writes such a cell; {VERIFY}") from e
 
@@ -130,9 +133,9 @@ def _check_new(admitted: dict[tuple[str, object], int], seq: int, admit: dict) -
                                                      f"{VERIFY}")
 
 
-def verified_entries(store: ledger_store.LedgerStore, start: int = 1, *,
-                     policy: "Policy | None" = None) -> VerifiedEntries:
-    return VerifiedEntries(store, start, policy=policy)
+def verified_entries(store: ledger_store.LedgerStore, start: int = 1, *, policy: "Policy | None" = None,
+                     signed: bool = True) -> VerifiedEntries:
+    return VerifiedEntries(store, start, policy=policy, signed=signed)
 
 
 def check_signed(store: ledger_store.LedgerStore, tree: CompactRange, policy: "Policy | None" = None) -> None:
