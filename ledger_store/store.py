@@ -422,10 +422,11 @@ class Appender:
         return _node(self.connection, height, idx)
 
     def count_kind(self, kind: str) -> int:
-        """Entries of `kind`, as this transaction (holding the write lock) sees them."""
+        """Entries of `kind` (from entry 0: a row below it is no entry), as this transaction (holding the write
+        lock) sees them. An index count: nothing privacy-relevant is decided by it."""
         self.flush()
         return self.connection.execute(
-            select(func.count()).select_from(Entry).where(Entry.kind == kind)).scalar_one()
+            select(func.count()).select_from(Entry).where(Entry.kind == kind, Entry.seq >= 0)).scalar_one()
 
     def latest_checkpoint(self) -> "StoredCheckpoint | None":
         """The last checkpoint stored, as this transaction (holding the write lock) sees it."""
@@ -692,8 +693,11 @@ class LedgerStore:
         return NodeCache(lookup, lookup_many)
 
     def count_kind(self, kind: str) -> int:
+        """Entries of `kind` (from entry 0: a row below it is no entry). An index count: nothing privacy-relevant is
+        decided by it (`govtrain.ledger.verified` counts from the entries' bodies)."""
         with self._reading() as connection:
-            return connection.execute(select(func.count()).select_from(Entry).where(Entry.kind == kind)).scalar_one()
+            return connection.execute(select(func.count()).select_from(Entry).where(
+                Entry.kind == kind, Entry.seq >= 0)).scalar_one()
 
     def checkpoints(self) -> list[StoredCheckpoint]:
         with self._reading() as connection:
@@ -704,6 +708,13 @@ class LedgerStore:
         with self._reading() as connection:
             row = connection.execute(select(Checkpoint.__table__).order_by(Checkpoint.id.desc()).limit(1)).first()
         return _checkpoint(row) if row is not None else None
+
+    def checkpoints_from(self, size: int) -> list[StoredCheckpoint]:
+        """The checkpoints stored whose size column is `size` or more, the largest first."""
+        with self._reading() as connection:
+            rows = connection.execute(select(Checkpoint.__table__).where(Checkpoint.size >= size)
+                                      .order_by(Checkpoint.size.desc(), Checkpoint.id.desc())).all()
+        return [_checkpoint(r) for r in rows]
 
     def checkpoint_covering(self, seq: int) -> StoredCheckpoint | None:
         """The first checkpoint stored whose tree includes entry `seq`."""

@@ -207,19 +207,27 @@ def test_an_admissions_row_relabelled_to_another_class_does_not_move_a_tunes_tot
         assert ledger.tune_book().totals(["r"]) == truth
 
 
-def test_a_replay_through_a_deleted_admissions_row_is_refused_by_planning(store: Corpus):
-    """The writer deletes the admissions row of "a", and its attestation (public, in the admit entry) is admitted
-    again: the gate's replay check reads that index. Planning now refuses a ledger that admits one contribution twice
-    (`bad_admission`) rather than plan its data under two budgets."""
-    from govtrain.gate.admission import admit
+def test_a_replay_through_a_deleted_admissions_row_is_refused_by_the_gate_and_by_planning(store: Corpus):
+    """The writer deletes the admissions row of "a", and its attestation (public, in the admit entry) is submitted
+    again. The gate's replay check reads the admit entries besides that index: `replay`, nothing written. A duplicate
+    admission that was signed all the same (as a gate that read only the index signed it: written here past the
+    gate's lookup) stops planning (`bad_admission`) rather than have its data planned under two budgets."""
+    from govtrain.gate.admission import _write, admit
+    from govtrain.gate.gate import Gate
 
     data = store.data("a.jsonl")
     attestation = store.attestation(data, contribution_id="a")
     with store.open() as ledger:
         admit(ledger, attestation, data, now=store.now)
     _tamper(store, "DELETE FROM admissions WHERE contribution_id = 'a'")
+    before = snapshot(store.url)
     with store.open() as ledger:
-        admit(ledger, attestation, data, now=store.now)  # the index no longer knows it
+        _refused(lambda: admit(ledger, attestation, data, now=store.now), "replay")
+    assert snapshot(store.url) == before
+    with store.open() as ledger:
+        gate = Gate(ledger.policy)
+        (verified,) = gate.verify_many([attestation], now=store.now, epoch=0)
+        _write(ledger, [verified], store.now, gate)  # the index no longer knows it
     _refused(lambda: _planned(store), "bad_admission")
 
 

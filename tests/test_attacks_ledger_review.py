@@ -133,7 +133,6 @@ def test_a_retried_admission_batch_does_not_refuse_its_own_landed_admissions(cor
     admission was refused that is in the ledger (and, running it again, is refused again).
     Fix: retry the one write that was lost, not the flush: items already settled keep their outcome (or drop
     settled items from `pending` as they commit)."""
-    _admitted(corpus, "c2")  # the second writer's admission
     items = []
     for name in ("c3", "c4", "c2"):
         data = corpus.data(f"{name}.jsonl")
@@ -143,7 +142,10 @@ def test_a_retried_admission_batch_does_not_refuse_its_own_landed_admissions(cor
 
         def stale_lookup(*args):  # type: ignore[no-untyped-def]
             lookups[0] += 1
-            return [] if lookups[0] == 1 else real(*args)  # the first lookup ran before c2 was committed
+            if lookups[0] == 1:  # the first lookup (and the entries read before it) ran before c2 was committed
+                _admitted(corpus, "c2")  # the second writer's admission
+                return []
+            return real(*args)
 
         ledger.store.admission_conflicts = stale_lookup
         # write 1: the batch (Conflict on c2); write 2: c3 alone, committed; write 3: c4 alone, lost

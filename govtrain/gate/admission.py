@@ -3,8 +3,11 @@
 `admit` handles one attestation; `admit_many` verifies many and commits the admitted
 ones in batches, one transaction per batch. Replays are refused twice over: by a
 lookup before the write, and by the store's unique constraints if a concurrent
-writer got there first. A contribution that retention retired is refused (`replay`) by
-what its summary entry committed to, not only by its index rows.
+writer got there first. The lookup reads the admit entries themselves besides the admissions index
+(`Admitted`: one verified pass per call, which the epoch count reads too): a writer without keys who deleted an
+index row would otherwise have the gate sign a second admission of one attestation, which the verified pass
+then refuses for good (`bad_admission`): every later plan stopped. A contribution that retention retired is
+refused (`replay`) by what its summary entry committed to, not only by its index rows.
 """
 
 from __future__ import annotations
@@ -20,7 +23,39 @@ from govtrain.gate.gate import Gate, VerifiedAttestation
 from govtrain.ledger import availability
 from govtrain.ledger.entries import admit_entry
 from govtrain.ledger.ledger import Ledger
-from govtrain.ledger.retention import RetiredKeys
+from govtrain.ledger.retention import RETIRED_KEYS, RetiredKeys
+from govtrain.ledger.verified import verified_entries
+
+
+class Admitted:
+    """Every admission the verified entries hold (retired ones are `RetiredKeys`'), by each key a replay could
+    share with it, read in one pass with the ledger's epoch: what the admissions index should say, decided by the
+    entries."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.rows: dict[tuple[str, object], ledger_store.AdmissionRow] = {}
+        # A refusal is all this reads for (and the epoch the gate checks against): the append that follows is the
+        # signer's, which refuses a tree other than the one it signed (`fork`), an unsigned tail included.
+        entries = verified_entries(ledger.store, policy=ledger.policy, signed=False)
+        for item in entries:
+            if item.kind == "admit" and item.entry is not None:
+                self.add(ledger_store.AdmissionRow(item.entry["contribution_id"], item.seq, item.entry["data_class"],
+                                                   item.entry["descriptor_sha256"], item.entry["attestation_sha256"],
+                                                   item.entry["data_sha256"]))
+        self.epoch = entries.epochs
+
+    def add(self, row: ledger_store.AdmissionRow) -> None:
+        for name in RETIRED_KEYS:
+            self.rows.setdefault((name, getattr(row, name)), row)
+
+    def conflicts(self, verified_list: "list[VerifiedAttestation]") -> list[ledger_store.AdmissionRow]:
+        found = {}
+        for v in verified_list:
+            for key in (("contribution_id", v.descriptor.contribution_id), ("descriptor_sha256", v.descriptor_sha256),
+                        ("attestation_sha256", v.attestation_sha256), ("data_sha256", v.descriptor.data_sha256)):
+                if key in self.rows:
+                    found[self.rows[key].seq] = self.rows[key]
+        return [found[seq] for seq in sorted(found)]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -158,7 +193,8 @@ def admit_many(ledger: Ledger, items: Iterable[tuple[str, bytes, Path]], *, now:
     """
     now = int(_time.time()) if now is None else now
     gate = gate if gate is not None else Gate(ledger.policy)
-    epoch = ledger.epoch()
+    admitted = Admitted(ledger)  # the entries' admissions and epoch count: never the index alone, nor the kind column
+    epoch = admitted.epoch
     retired = RetiredKeys.read(ledger.store)
     outcomes: list[AdmitOutcome] = []
     pending: list[tuple[int, str, VerifiedAttestation]] = []
@@ -176,6 +212,8 @@ def admit_many(ledger: Ledger, items: Iterable[tuple[str, bytes, Path]], *, now:
             [v.descriptor.data_sha256 for v in verified_list],
             [v.attestation_sha256 for v in verified_list],
         )
+        indexed = {row.seq for row in rows}
+        rows += [row for row in admitted.conflicts(verified_list) if row.seq not in indexed]
         accepted: list[tuple[int, str, VerifiedAttestation]] = []
         seen_ids: set[str] = set()
         seen_descriptors: set[bytes] = set()
@@ -200,6 +238,8 @@ def admit_many(ledger: Ledger, items: Iterable[tuple[str, bytes, Path]], *, now:
             stored = _write(ledger, [v for _, _, v in accepted], now, gate)
             for (index, source, verified), entry in zip(accepted, stored):
                 outcomes[index] = _settle(source, verified, entry)
+                if not isinstance(entry, GovtrainError):
+                    admitted.add(ledger_store.AdmissionRow(seq=entry.seq, **_admission_row(verified)))
         except ledger_store.Conflict:
             # A concurrent writer admitted one of these after our lookup: redo them one by one.
             for index, source, verified in accepted:

@@ -307,8 +307,13 @@ class Ledger:
         return self.policy.origin, self._header_leaf
 
     def epoch(self) -> int:
-        """The current ledger epoch: how many `epoch` entries precede now."""
-        return self.store.count_kind("epoch")
+        """The current ledger epoch: how many `epoch` entries precede now, by their bodies in one verified pass
+        (`verified.py`), never the kind column: a row relabelled `epoch`, or one inserted below entry 0, would move
+        an epoch count that closes epochs, bounds retention and resumes a run's written-ahead epoch."""
+        entries = verified_entries(self.store, policy=self.policy)
+        for _ in entries:
+            pass
+        return entries.epochs
 
     def size(self) -> int:
         return self.store.size()
@@ -373,7 +378,7 @@ class Ledger:
         now = int(_time.time()) if now is None else now
         try:
             with self.append(now) as appender:
-                current = appender.count_kind("epoch")  # under the write lock: racing closers cannot collide
+                current = self.epoch()  # under the write lock: racing closers cannot collide
                 if epoch is not None and current != epoch:
                     raise _Unchanged
                 t = self.dated(appender, now)
@@ -420,6 +425,8 @@ class Ledger:
         """Append a `withdraw` entry. Never removes or edits earlier entries, never refunds spend."""
         now = int(_time.time()) if now is None else now
         admit = _indexed_admit(self.store, contribution_id)
+        if admit is not None and _withdrawal_of(self.store, contribution_id, admit.leaf_hash) is not None:
+            admit = None  # the index lost the withdrawal's row: the entries decide (already_withdrawn)
         indexed = admit is not None
         if admit is None:  # the index says unknown or withdrawn, or points elsewhere: the entries decide
             admit = _admit_of(self.store, contribution_id)
@@ -486,7 +493,7 @@ class Ledger:
             raise ConfigError(Code.BAD_ARGUMENT, "a contribution appears twice in one epoch's spend")
         with self.append(now) as appender:
             t = self.dated(appender, now)
-            entries = verified_entries(self.store)  # one pass, every row, none selected by its kind column
+            entries = verified_entries(self.store, policy=policy)  # one pass, every row, none selected by kind
             state, tunes, classes = SpendState(policy, lambda: entries.redacted), TuneBook(), {}
             feed(entries, state.take, lambda item: tunes.take(item, classes, lambda: entries.redacted))
             book, live_records, withdrawn = state.book, state.live_units(), state.withdrawn
@@ -606,7 +613,7 @@ class Ledger:
         now = int(_time.time()) if now is None else now
         try:
             with self.append(now) as appender:  # under the write lock: nothing is appended meanwhile
-                epoch = appender.count_kind("epoch")
+                epoch = self.epoch()  # the verified entries' count, under the write lock
                 horizon = epoch - self.policy.retention_epochs
                 if not 1 <= before_epoch <= horizon:
                     raise RejectedError(Code.RETENTION_HORIZON,
@@ -656,6 +663,23 @@ def _indexed_admit(store: ledger_store.LedgerStore, contribution_id: str) -> led
             admit.body, seq=admit.seq, kind=None).get("contribution_id") != contribution_id):
         return None
     return admit
+
+
+def _withdrawal_of(store: ledger_store.LedgerStore, contribution_id: str, admit_leaf: bytes) -> int | None:
+    """The seq of a withdraw entry of `contribution_id`, found by its body (it holds its admit entry's leaf hash:
+    one search of every body, as `policy_chain` finds policy entries), each body found checked against its leaf and
+    its kind column (`decode_stored`); None where there is none. The `withdrawals` index is not trusted to say "not
+    yet withdrawn": a deleted row would have the key sign a second withdrawal, which the verifier fails for good."""
+    try:
+        for stored in store.entries_holding(admit_leaf):
+            if stored.seq < 0 or stored.body is None:  # a row below entry 0 is no entry
+                continue
+            entry = decode_stored(stored)
+            if entry["kind"] == "withdraw" and entry["contribution_id"] == contribution_id:
+                return stored.seq
+    except ledger_store.TamperedRow as e:
+        raise IntegrityError(Code.BAD_ENTRY, f"{e}: no ledger writes such a cell; run govtrain-verify") from e
+    return None
 
 
 def _admit_of(store: ledger_store.LedgerStore, contribution_id: str) -> ledger_store.StoredEntry:

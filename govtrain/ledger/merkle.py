@@ -71,6 +71,11 @@ class CompactRange:
     def root(self) -> bytes:
         return fold_right(self.stack) if self.stack else EMPTY_ROOT
 
+    def copy(self) -> "CompactRange":
+        twin = CompactRange()
+        twin.stack, twin.size = list(self.stack), self.size
+        return twin
+
 
 def root_of(leaf_hashes: Sequence[bytes]) -> bytes:
     """MTH over a list of leaf hashes, in one left-to-right pass with a stack of perfect subtrees."""

@@ -328,7 +328,7 @@ def read_spend_state(store: "ledger_store.LedgerStore", policy: "Policy") -> tup
 
 def spend_state(store: "ledger_store.LedgerStore", policy: "Policy") -> SpendState:
     """`SpendState` from one verified pass over `store`."""
-    entries = verified_entries(store)
+    entries = verified_entries(store, policy=policy)
     state = SpendState(policy, lambda: entries.redacted)
     feed(entries, state.take)
     return state

@@ -91,7 +91,7 @@ class LedgerState:
 
 def read_state(ledger: Ledger) -> LedgerState:
     """The corpus and the spend state from one verified pass (each body hashed and decoded once)."""
-    entries = verified_entries(ledger.store)
+    entries = verified_entries(ledger.store, policy=ledger.policy)
     corpus, spend = Corpus(), SpendState(ledger.policy, lambda: entries.redacted)
     feed(entries, corpus.take, spend.take)
     return LedgerState(corpus.done(), spend)
@@ -108,7 +108,7 @@ def read_corpus(ledger: Ledger) -> tuple[dict[str, _Admitted], set[str], int]:
 def corpus_of(ledger: Ledger) -> Corpus:
     """`Corpus` from one verified pass."""
     corpus = Corpus()
-    feed(verified_entries(ledger.store), corpus.take)
+    feed(verified_entries(ledger.store, policy=ledger.policy), corpus.take)
     return corpus.done()
 
 

@@ -115,7 +115,7 @@ def written_plan(ledger: Ledger, epoch: int, lease: tuple[str, bytes]) -> dict:
     from govtrain.ledger.verified import verified_entries
 
     spends, classes = [], {}
-    entries = verified_entries(ledger.store)  # every row, its kind its body's: never the kind column or an index
+    entries = verified_entries(ledger.store, policy=ledger.policy)  # every row, its kind its body's, as signed
     for item in entries:
         if item.kind == "admit":
             admit = item.entry if item.entry is not None else entries.redacted.admits[item.seq]

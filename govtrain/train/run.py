@@ -247,7 +247,7 @@ class Run:
         self._written = False  # the pending epoch's spend is in the ledger: its steps may run
         self._charged_rates: set[int] | None = None  # the sampling rates the pending epoch's spend charged
         self._loss_sum, self._drawn = 0.0, 0  # the logical step in progress
-        self._withdrawn = Withdrawn(ledger.store)  # each step's withdrawals, read from the entries
+        self._withdrawn = Withdrawn(ledger.store, policy=ledger.policy)  # each step's withdrawals, from signed entries
         self.sharded = config.file.training.fsdp  # the model is sharded over the ranks (FSDP2, `distributed.fsdp`)
         self._whole: dict | None = None  # sharded: the trainable weights and update state, gathered after each step
         self._resume: tuple[dict, dict] | None = None  # sharded: the lead's run state weights, put back by every rank
