@@ -375,6 +375,9 @@ def test_a_row_of_the_wrong_cell_type_is_a_one_line_refusal_of_planning_not_an_i
 # -- a tail deleted with its checkpoints, against a writer whose signer did not sign it ----------------------------
 
 
+@pytest.mark.xfail(strict=True, reason="a known limit (docs/threat-model.md, ledger/verified.py): a tail deleted with "
+                   "its checkpoints is seen only by a writer whose signer state signed it; two signer states share no "
+                   "head, and only a witness (issue 39's ledger work) closes it. strict: it fails the suite once fixed")
 def test_a_withdrawal_deleted_with_its_checkpoint_is_hidden_from_a_run_whose_signer_did_not_sign_it(
         store: Corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """MEDIUM (the listed gap; the claim that a run catches it at its write-ahead does not hold). Setting: the
