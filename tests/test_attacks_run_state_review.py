@@ -11,8 +11,9 @@ The resume trusts most of the state's fields (docs/threat-model.md: "a state is 
 checked against this config, this ledger and the lease the ledger records"). Checked: config hash, run id, the
 ledger's identity, the lease, the corpus record, the trainable and optimizer shapes, the privatizer record, and a
 held epoch's plan (`lease.written_plan`) -- but only when the state's plan lists some spend. Trusted as written:
-`step`, `pending.first_step`, `pending.steps`/`allowed`/`group_std` of a plan without spend, `nonfinite`, the
-values of `trainable` and `update`.
+`step`, `pending.first_step`, the whole plan (`steps`, `allowed`, `group_std`) when its `spend` is empty,
+`confirmed` (consent), `nonfinite`, `sampling_key`, the values of `trainable` and `update` (non-finite ones are
+caught, by accident, as `ungoverned_update`: NaN != NaN), and the keys of the `dict`-typed fields.
 
 Each test below FAILS on the code under review and passes once the defect is fixed; each docstring says the attack,
 its impact and the behaviour expected.
@@ -34,7 +35,7 @@ pytest.importorskip("transformers")
 from govtrain.errors import GovtrainError  # noqa: E402
 from tests.conftest import Corpus, snapshot  # noqa: E402
 from tests.test_attacks_run_state import QUIET, _killed  # noqa: E402
-from tests.test_train import _admit, _config, tiny_model  # noqa: E402,F401
+from tests.test_train import _config, tiny_model  # noqa: E402,F401
 
 CHARGED_STD = 1.0  # the group noise the ledger's spend for epoch 0 records (s_pu 1e12 / PICO): `_killed`'s run
 CHARGED_STEPS = 4  # the steps the ledger's spend for epoch 0 charges (training.steps = 4, one epoch)
@@ -67,7 +68,8 @@ def _recorded(corpus: Corpus, run_id: str) -> bool:
         return run_id in ledger.spend_book().finished
 
 
-def _resume_recording_steps(corpus: Corpus, config, monkeypatch) -> tuple[list[tuple[int, dict]], Exception | None]:  # type: ignore[no-untyped-def]
+def _resume_recording_steps(corpus: Corpus, config,  # type: ignore[no-untyped-def]
+                            monkeypatch) -> tuple[list[tuple[int, dict]], Exception | None]:
     """Resume `config` with `train()`; every governed step's (step, group noise std) as `Run.move` released it."""
     from govtrain.train import run as run_module
     from govtrain.train.loop import train
@@ -145,8 +147,7 @@ def test_a_state_planted_in_an_empty_folder_trains_a_whole_run_with_no_spend_tha
 
     Expected: refused before any step (`run_state_invalid` or `output_taken`): a resume needs a state the run
     itself saved against this ledger store, and a plan that allows steps needs the ledger's spend for them."""
-    import os
-
+    from govtrain.release.verify import verify_adapter
     from govtrain.train import state_file
     from govtrain.train.config import load_run_config
     from govtrain.verify.verifier import verify_ledger
@@ -170,7 +171,8 @@ def test_a_state_planted_in_an_empty_folder_trains_a_whole_run_with_no_spend_tha
     spend, recorded = _spend_of(corpus, "fresh-run"), _recorded(corpus, "fresh-run")
     assert not (recorded and not spend), (f"run fresh-run is recorded with no spend at all after {len(moved)} steps, "
                                           f"{len(below)} of them at noise 1e-9; the ledger verifies: "
-                                          f"{verify_ledger(corpus.url).error is None}; refused: {refused!r}")
+                                          f"{verify_ledger(corpus.url).error is None}; verify_adapter: "
+                                          f"{verify_adapter(config.output_dir, corpus.url)}; refused: {refused!r}")
     assert not below, f"{len(below)} steps at noise below the policy's; spend {spend}; refused: {refused!r}"
 
 
@@ -280,3 +282,44 @@ def test_a_state_whose_plain_data_fields_lack_their_keys_is_refused_in_one_line(
     else:
         pytest.fail(f"a state with {field} = {value!r} was resumed")
     assert snapshot(corpus.url) == before and _files(config.output_dir) == files
+
+
+# -- 5. consent is read from the state -----------------------------------------------------------------------------
+
+def test_a_state_with_confirmed_set_charges_contributions_other_runs_charged_without_consent(corpus: Corpus,
+                                                                                             tiny_model: Path):
+    """Attack: run test-run, started without --yes, is killed; another run then charges the same contribution. Before
+    the resume, set the state's `confirmed` to true.
+
+    Why it works: `Run._start` takes `self.confirmed = self.confirm or bool(state["confirmed"])`, and a confirmed
+    run is asked nothing (`charged_before`) at the start nor at its write-ahead (`consent=None`).
+
+    Impact (budget, LOW): the operator's run spends more of contributions' budgets that other runs already charged,
+    which the operator never consented to (`docs/budget-safety.md`: "an unconfirmed one is asked again here, and at
+    each write-ahead"); the budgets' caps still hold.
+
+    Expected: `charged_before` (exit 2), nothing written: consent given at the start of a run is bound to the run's
+    ledger store (or asked again), not taken from a file anyone who writes the folder can edit."""
+    from govtrain.train.config import load_run_config
+    from govtrain.train.loop import train
+
+    config = _killed(corpus, tiny_model)
+    other = _config(corpus, tiny_model, 4)
+    other.write_text(other.read_text().replace('run_id = "test-run"', 'run_id = "other-run"')
+                     .replace('output = "adapter"', 'output = "other"'))
+    train(load_run_config(other), corpus.url, insecure_seed=2, confirm=True, **QUIET)  # charges pub again
+    before = len(_spend_of(corpus, "test-run"))
+    with pytest.raises(GovtrainError) as unconfirmed:  # the control: as saved, the resume asks for consent
+        train(config, corpus.url, insecure_seed=1, **QUIET)
+    assert unconfirmed.value.code.value == "charged_before", unconfirmed.value.line()
+
+    _craft(config, lambda state: state.update(confirmed=True))
+    try:
+        train(config, corpus.url, insecure_seed=1, **QUIET)
+    except GovtrainError as e:
+        refused: GovtrainError | None = e
+    else:
+        refused = None
+    charged = len(_spend_of(corpus, "test-run")) - before
+    assert refused is not None and refused.code.value == "charged_before" and charged == 0, \
+        f"the resume charged {charged} more spend entries without consent; refused: {refused!r}"
