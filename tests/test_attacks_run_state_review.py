@@ -248,25 +248,30 @@ def test_a_state_file_declaring_a_huge_header_is_refused_in_one_line_without_rea
         f"exit {done.returncode}: {(done.stderr or out).strip().splitlines()[-1:]}"
 
 
-# -- 4. fields typed `dict` (ANY inside) are used as if they held their keys --------------------------------------
+# -- 4. fields whose values no run saves are used as they are ----------------------------------------------------
 
 @pytest.mark.parametrize("field, value", [
     ("pending", {}),
     ("pending", {"epoch": "0"}),
     ("noise", {"privatizer": {"name": "gaussian"}}),
     ("update", {}),
+    ("step", -40),
+    ("nonfinite", -10**9),
 ])
-def test_a_state_whose_plain_data_fields_lack_their_keys_is_refused_in_one_line(corpus: Corpus, tiny_model: Path,
-                                                                                field: str, value: dict):
-    """Attack: a valid state file whose `pending`, `noise` or `update` is a map without the keys the run
-    reads (FIELDS types them `dict` only: "plain data checked where it is used").
+def test_a_state_whose_fields_hold_what_no_run_saves_is_refused_in_one_line(corpus: Corpus, tiny_model: Path,
+                                                                            field: str, value: object):
+    """Attack: a valid state file whose `pending`, `noise` or `update` is a map without the keys the run reads
+    (FIELDS types them `dict` only: "plain data checked where it is used"), or whose `step` or `nonfinite` is
+    negative (FIELDS: `int`, any).
 
-    Impact (availability, LOW): the resume dies with a Python traceback (KeyError/TypeError) from inside `Run._start`
-    instead of the documented one-line refusal; the lock file and claim are left as the crash leaves them.
+    Impact (availability, LOW): the resume dies with a Python traceback from inside `Run._start` or the first draw
+    (KeyError, TypeError, ValueError from `Update.load_state_dict`, OverflowError from `PoissonSampler.at_step` for
+    a negative step) instead of the documented one-line refusal. A negative `nonfinite` is resumed silently: it
+    lifts training.max_nonfinite_units (`diverged`) by that much for the rest of the run.
 
     Expected: `error[run_state_invalid]` (or `output_taken`), one line, the ledger and the folder unchanged: the
     state's plan and noise records are checked for their keys and types when read (`state_file`), as `corpus` is
-    (`corpus_changed`), not indexed blindly; `Update.load_state_dict` raises a coded error, not ValueError."""
+    (`corpus_changed`), counts are not negative, and `Update.load_state_dict` raises a coded error."""
     from govtrain.train.loop import train
     from tests.test_attacks_run_state import _files
 
