@@ -175,7 +175,7 @@ def test_a_withdrawal_while_a_banded_run_is_down_does_not_leave_it_unresumable(t
     at the q of the corpus it reads now (12 / 42: b·q = 8/7 > 1), and `CyclicPoissonSampler` raises a bare
     ValueError ("cycle·q ... > 1 ... pass allow_rate_cap=True") out of `prepare`. The uninterrupted run, with the
     same withdrawal, goes on (the epoch draws at its charged q; a later epoch's higher q is capped at 1, and charged
-    at min(1, b·q)).
+    at min(1, b·q): checked with epoch_steps = 4, c0 withdrawn after step 2, both epochs run).
 
     Impact: availability, not privacy: one contributor's withdrawal while a run is down leaves a run whose spend is
     written unresumable, with a traceback rather than `error[code]` (the house rule), and nothing the operator can
