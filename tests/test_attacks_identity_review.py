@@ -39,8 +39,8 @@ def _unchanged(corpus) -> tuple:  # type: ignore[no-untyped-def]
 
 
 def test_a_crafted_sampling_key_cannot_redraw_steps_already_drawn_before_a_kill(tmp_path: Path, tiny_model: Path):
-    """Attack: the operator runs a DP-SGD run (any privatizer whose draw is random: a cyclic one below b·q = 1 too), watches which contributions steps 0-2 draw (`observe`, or the
-    batches its own loop is handed), dislikes them and kills the run before the next checkpoint (the state then holds
+    """Attack: the operator runs a DP-SGD run (any privatizer whose draw is random: a cyclic one below b·q = 1 too),
+    watches which contributions steps 0-2 draw (`observe`, or the batches its own loop is handed), dislikes them and kills the run before the next checkpoint (the state then holds
     step 0). Between the kill and the resume it writes a fresh 32-byte `sampling_key` into the run state (no other
     field changes: the lease nonce, the ledger identity and the corpus record all still match) and resumes. The
     resumed run re-runs steps 0-2 under the new key: another Poisson draw of the same steps, under the spend already
@@ -63,7 +63,7 @@ def test_a_crafted_sampling_key_cannot_redraw_steps_already_drawn_before_a_kill(
     from govtrain.train.loop import train
 
     corpus = _corpus(tmp_path / "run", "example")
-    # Poisson (DP-SGD): at these settings banded-MF's part rate b·q is 1, so its draw is the whole part, whatever the key
+    # Poisson (DP-SGD): at these settings banded-MF's part rate b·q is 1: it draws the whole part, whatever the key
     config = load_run_config(_config(corpus, tiny_model, STEPS, extra=NOISE["gaussian"]))
     with pytest.MonkeyPatch.context() as patch:
         first = Draws(patch)
