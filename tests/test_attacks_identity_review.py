@@ -40,11 +40,11 @@ def _unchanged(corpus) -> tuple:  # type: ignore[no-untyped-def]
 
 def test_a_crafted_sampling_key_cannot_redraw_steps_already_drawn_before_a_kill(tmp_path: Path, tiny_model: Path):
     """Attack: the operator runs a DP-SGD run (any privatizer whose draw is random: a cyclic one below b·q = 1 too),
-    watches which contributions steps 0-2 draw (`observe`, or the batches its own loop is handed), dislikes them and kills the run before the next checkpoint (the state then holds
-    step 0). Between the kill and the resume it writes a fresh 32-byte `sampling_key` into the run state (no other
-    field changes: the lease nonce, the ledger identity and the corpus record all still match) and resumes. The
-    resumed run re-runs steps 0-2 under the new key: another Poisson draw of the same steps, under the spend already
-    written for them.
+    watches which contributions steps 0-2 draw (`observe`, or the batches its own loop is handed), dislikes them
+    and kills the run before the next checkpoint (the state then holds step 0). Between the kill and the resume it
+    writes a fresh 32-byte `sampling_key` into the run state (no other field changes: the lease nonce, the ledger
+    identity and the corpus record all still match) and resumes. The resumed run re-runs steps 0-2 under the new
+    key: another Poisson draw of the same steps, under the spend already written for them.
 
     Impact: rejection sampling of the sampler. docs/privatizers.md and routing/sampler.py promise "a step that is
     run again (after a kill, ..., from a copy of the run state) draws exactly the same batch, so no process can re-draw
