@@ -73,11 +73,13 @@ def test_a_crafted_sampling_key_cannot_redraw_steps_already_drawn_before_a_kill(
     seen = dict(first.by_step)
     assert sorted(seen) == list(range(KILLED_AFTER))
 
-    state = run_module._load_state(_state(corpus), config)
+    from tests.run_state_keys import attacker_key, ledger_key
+
+    state = run_module._load_state(_state(corpus), config, ledger_key(corpus))
     assert state["step"] < KILLED_AFTER  # the resume re-runs steps that were drawn (and watched) before the kill
     assert state["sampling_key"] != (crafted := hashlib.sha256(b"the operator's next try").digest())
     state["sampling_key"] = crafted
-    run_module._save_state(_state(corpus), state)
+    run_module._save_state(_state(corpus), state, attacker_key(corpus))  # the operator's edit: no ledger key's MAC
     before = _unchanged(corpus)
 
     with pytest.MonkeyPatch.context() as patch:
@@ -133,17 +135,21 @@ def test_a_crafted_corpus_record_does_not_let_a_resume_draw_rows_under_other_ide
             items[i] = examples.items[j]
         return type(examples)(items, examples.owner, examples.unmatched_files, examples.missing)
 
-    state = run_module._load_state(_state(corpus), config)
+    from tests.run_state_keys import attacker_key, ledger_key
+
+    state = run_module._load_state(_state(corpus), config, ledger_key(corpus))
     assert "c3" in state["corpus"]["contributions"]
-    del state["corpus"]["contributions"]["c3"]  # the attacker's whole edit
-    run_module._save_state(_state(corpus), state)
+    del state["corpus"]["contributions"]["c3"]  # the attacker's whole edit, written with govtrain's writer
+    run_module._save_state(_state(corpus), state, attacker_key(corpus))  # under a key of theirs: they hold no other
     before = _unchanged(corpus)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(data, "load_examples", reordered)
         with pytest.raises(ConfigError) as info:
             train(config, corpus.url, insecure_seed=5, **QUIET)
-    assert info.value.code is Code.CORPUS_CHANGED and "c3" in info.value.detail, info.value.detail
+    # the crafted record is refused as written by no ledger key (the run state's MAC), or the rows as changed
+    assert info.value.code is Code.RUN_STATE_INVALID or \
+        (info.value.code is Code.CORPUS_CHANGED and "c3" in info.value.detail), info.value.detail
     assert _unchanged(corpus) == before
 
 

@@ -42,16 +42,18 @@ CHARGED_STEPS = 4  # the steps the ledger's spend for epoch 0 charges (training.
 TAKEN = 2  # the steps `_killed`'s run took before the kill
 
 
-def _craft(config, edit) -> None:  # type: ignore[no-untyped-def]
-    """Read the killed run's state as its user can, `edit` it in place, write it back with govtrain's own writer:
-    a state file `state_file.read` accepts in every respect (0600, ours, canonical, typed)."""
+def _craft(config, edit, corpus: Corpus) -> None:  # type: ignore[no-untyped-def]
+    """Read the killed run's state (the folder's writer can read it: it is their user's), `edit` it in place, write it
+    back with govtrain's own writer: a state file `state_file.read` accepts in every respect (0600, ours, canonical,
+    typed) but one, since the run state is authenticated: its MAC is under a key of the writer's, who holds no
+    ledger key (`tests/run_state_keys.py`)."""
     from govtrain.train import state_file
+    from tests.run_state_keys import attacker_key, ledger_key, write_unchecked
 
     path = config.output_dir / state_file.STATE_FILE
-    state = state_file.read(path)
+    state = state_file.read(path, ledger_key(corpus))
     edit(state)
-    state_file.write(path, state)
-    assert state_file.read(path) is not None  # valid: the reader has nothing to say against it
+    write_unchecked(path, state, attacker_key(corpus))  # their own writer: govtrain's, without its field checks
 
 
 def _spend_of(corpus: Corpus, run_id: str) -> list[dict]:
@@ -120,7 +122,7 @@ def test_a_state_plan_without_spend_trains_uncharged_steps_below_the_charged_noi
         pending["allowed"] = {c: 40 for c in pending["allowed"]}
         pending["group_std"] = {g: 1e-9 for g in pending["group_std"]}
 
-    _craft(config, edit)
+    _craft(config, edit, corpus)
     moved, refused = _resume_recording_steps(corpus, config, monkeypatch)
     below = [(step, std) for step, std in moved if min(std.values()) < CHARGED_STD]
     spend = _spend_of(corpus, "test-run")
@@ -152,7 +154,10 @@ def test_a_state_planted_in_an_empty_folder_trains_a_whole_run_with_no_spend_tha
     from govtrain.train.config import load_run_config
     from govtrain.verify.verifier import verify_ledger
 
-    template = state_file.read(_killed(corpus, tiny_model).output_dir / state_file.STATE_FILE)  # any state of theirs
+    from tests.run_state_keys import attacker_key, ledger_key
+
+    template = state_file.read(_killed(corpus, tiny_model).output_dir / state_file.STATE_FILE,  # any state of theirs
+                               ledger_key(corpus))
     path = _config(corpus, tiny_model, 4)
     path.write_text(path.read_text().replace('run_id = "test-run"', 'run_id = "fresh-run"')
                     .replace('output = "adapter"', 'output = "fresh"'))
@@ -164,7 +169,7 @@ def test_a_state_planted_in_an_empty_folder_trains_a_whole_run_with_no_spend_tha
     planted["pending"] = dict(template["pending"], epoch=epoch, first_step=0, steps=40, spend=[],
                               allowed={c: 40 for c in template["pending"]["allowed"]},
                               group_std={g: 1e-9 for g in template["pending"]["group_std"]})
-    state_file.write(config.output_dir / state_file.STATE_FILE, planted)
+    state_file.write(config.output_dir / state_file.STATE_FILE, planted, attacker_key(corpus))  # they hold no key
 
     moved, refused = _resume_recording_steps(corpus, config, monkeypatch)
     below = [step for step, std in moved if min(std.values()) < CHARGED_STD]
@@ -199,7 +204,7 @@ def test_a_state_with_its_step_lowered_trains_more_steps_than_the_epoch_charged(
     (`run_state_invalid`) and no step is trained; or at least no more governed steps run in an epoch than it
     charged."""
     config = _killed(corpus, tiny_model)
-    _craft(config, lambda state: state.update(step=0, losses=[]))
+    _craft(config, lambda state: state.update(step=0, losses=[]), corpus)
     moved, refused = _resume_recording_steps(corpus, config, monkeypatch)
     assert TAKEN + len(moved) <= CHARGED_STEPS, (f"the epoch charged {CHARGED_STEPS} steps; {TAKEN} were taken "
                                                  f"before the kill and {len(moved)} more after the resume (steps "
@@ -215,7 +220,7 @@ _READ = textwrap.dedent("""
     from govtrain.errors import GovtrainError
     from govtrain.train import state_file
     try:
-        state_file.read(Path(sys.argv[1]))
+        state_file.read(Path(sys.argv[1]), None)  # refused before any key is used
     except GovtrainError as e:
         print(e.line())
 """)
@@ -276,7 +281,7 @@ def test_a_state_whose_fields_hold_what_no_run_saves_is_refused_in_one_line(corp
     from tests.test_attacks_run_state import _files
 
     config = _killed(corpus, tiny_model)
-    _craft(config, lambda state: state.update({field: value}))
+    _craft(config, lambda state: state.update({field: value}), corpus)
     before, files = snapshot(corpus.url), _files(config.output_dir)
     try:
         train(config, corpus.url, insecure_seed=1, **QUIET)
@@ -318,7 +323,7 @@ def test_a_state_with_confirmed_set_charges_contributions_other_runs_charged_wit
         train(config, corpus.url, insecure_seed=1, **QUIET)
     assert unconfirmed.value.code.value == "charged_before", unconfirmed.value.line()
 
-    _craft(config, lambda state: state.update(confirmed=True))
+    _craft(config, lambda state: state.update(confirmed=True), corpus)
     try:
         train(config, corpus.url, insecure_seed=1, **QUIET)
     except GovtrainError as e:
@@ -326,5 +331,6 @@ def test_a_state_with_confirmed_set_charges_contributions_other_runs_charged_wit
     else:
         refused = None
     charged = len(_spend_of(corpus, "test-run")) - before
-    assert refused is not None and refused.code.value == "charged_before" and charged == 0, \
+    # the edit is refused before consent is read (its MAC is not the ledger key's), or consent is asked
+    assert refused is not None and refused.code.value in ("charged_before", "run_state_invalid") and charged == 0, \
         f"the resume charged {charged} more spend entries without consent; refused: {refused!r}"
