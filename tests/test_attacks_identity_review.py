@@ -7,6 +7,9 @@ adversaries: whoever can write the output folder between a kill and the resume. 
 through `train.run._load_state` / `_save_state`, so they follow the state's format (torch.save today, safetensors +
 JSON once the format change lands).
 
+The fix authenticates the run state (`govtrain/train/state_key.py`): the edits below are written under a key of the
+editor's (`tests/run_state_keys.py`), who holds no ledger key, and are refused (`run_state_invalid`).
+
 Setups reuse tests/test_attacks_identity_sampling.py: tiny BERT, q = 0.25, bands 4, σ 2, 8 steps in one epoch.
 """
 

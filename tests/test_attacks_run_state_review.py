@@ -17,6 +17,12 @@ caught, by accident, as `ungoverned_update`: NaN != NaN), and the keys of the `d
 
 Each test below FAILS on the code under review and passes once the defect is fixed; each docstring says the attack,
 its impact and the behaviour expected.
+
+The fix authenticates the run state (`govtrain/train/state_key.py`: HMAC-SHA256 under a key derived from the ledger's
+signing key), so the adversary's states here are written with govtrain's own writer under a key of their own
+(`tests/run_state_keys.py`), and each is refused (`run_state_invalid`) before anything in it is used. The checks
+behind the MAC (a plan with no spend, a held epoch's plan from the ledger, fields no run saves) are tested with
+states sealed under the ledger's own key in tests/test_attacks_run_state_mac.py.
 """
 
 from __future__ import annotations
