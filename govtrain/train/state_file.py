@@ -5,18 +5,24 @@ folder between a kill and the resume can put anything there. So it is read as da
 
 - **one safetensors file**, written whole (`resume.write_whole`: 0600 from its creation, never through a link,
   renamed over the last one). Its tensors are named "0", "1", … in the order the state holds them; its metadata
-  (safetensors' str → str header) holds exactly `format` (`FORMAT`) and `state`: the state as canonical JSON in which
-  every tensor is a reference `{"tensor": [n, dtype, shape]}` to tensor "n". One file, so it is replaced as a unit.
+  (safetensors' str → str header) holds exactly `format` (`FORMAT`), `state`: the state as canonical JSON in which
+  every tensor is a reference `{"tensor": [n, dtype, shape]}` to tensor "n", and `mac`. One file, so it is replaced
+  as a unit.
+- **authenticated** (`state_key`): `mac` is HMAC-SHA256, under a key derived from the ledger's signing key, of the
+  format, the state's text, the tensor table and the tensors' bytes (`_mac_parts`), checked before anything is
+  decoded. Data only is not enough: the folder's writer could write any state this module writes, and a resumed run
+  trusts its plan, step, key and consent; without the ledger key they cannot write one it accepts.
 - **a small typed JSON** (`_encode`): null, booleans, text, integers and arrays as themselves; every other value as
   an object of one key naming its type: `{"float": repr}` (NaN and infinities included, exact), `{"bytes": hex}`,
   `{"tuple": [...]}`, `{"map": [[key, value], ...]}` (a dict, in its order; keys text, integers, bytes or tuples
   of them) and the tensor reference. Nothing else is written, and nothing else is read.
 - **read strictly, and before reading, only our own file** (`read`): a link, anything but a regular file, a file not
-  owned by this user or of a mode other than 0600 is refused (`run_state_unsafe`) before a byte is read; so is a
+  owned by this user or of a mode other than 0600 is refused (`run_state_unsafe`) before a byte is read; a header
+  over safetensors' limit or a file of another length than its header declares, before the rest is read; so is a
   state of an earlier govtrain (`run-state.pt`, a pickle: `refuse_legacy`), which is never opened. A file whose JSON
   is not the canonical text of what it decodes to, with an unknown tag, a field the run state does not have
-  (`FIELDS`) or one of the wrong type, a tensor its reference does not declare (dtype, shape), or one no reference
-  names, is refused (`run_state_invalid`).
+  (`FIELDS`) or one of the wrong type or range (a negative count, a plan without its keys), a tensor its reference
+  does not declare (dtype, shape), or one no reference names, is refused (`run_state_invalid`).
 
 A new field of the run state is added to `FIELDS` with its type (`ANY` for plain data checked where it is used).
 """
