@@ -133,3 +133,29 @@ def test_a_fresh_cyclic_run_whose_part_rate_exceeds_one_is_refused_in_one_line(t
     assert refused.value.code.value == "run_config_invalid" and "\n" not in refused.value.line()
     assert "cycle·q" in refused.value.detail
     assert snapshot(corpus.url) == before and not config.output_dir.exists() or not _files(config.output_dir)
+
+
+def test_an_older_state_of_the_same_run_is_accepted_and_trains_the_held_epoch_as_charged(corpus: Corpus,
+                                                                                         tiny_model: Path):
+    """A rollback (a backup, a copy of the folder) to an older state the run itself wrote: its MAC verifies, as it
+    should (it is the run's own). It brings its own older weights and step and redoes steps the ledger already
+    charged, under the same spend: nothing is charged twice, nothing goes uncharged (docs/threat-model.md)."""
+    from govtrain.train import state_file
+    from govtrain.train.config import load_run_config
+    from govtrain.train.loop import train
+    from tests.test_train import _admit
+
+    _admit(corpus, "pub")
+    config = load_run_config(_config(corpus, tiny_model, 4))
+    path = config.output_dir / state_file.STATE_FILE
+    with pytest.raises(KeyboardInterrupt):
+        train(config, corpus.url, insecure_seed=1, checkpoint_every=1, interrupt_after_steps=1, **QUIET)
+    older = path.read_bytes()
+    assert run_state_keys.read(path, corpus)["step"] == 1
+    with pytest.raises(KeyboardInterrupt):
+        train(config, corpus.url, insecure_seed=1, checkpoint_every=1, interrupt_after_steps=2, **QUIET)
+    assert run_state_keys.read(path, corpus)["step"] == 3
+    spend = _spend_of(corpus, "test-run")
+    path.write_bytes(older)  # the writer puts the older state back (0600, theirs: the run's user)
+    assert train(config, corpus.url, insecure_seed=1, **QUIET).steps == CHARGED_STEPS
+    assert _spend_of(corpus, "test-run") == spend  # the held epoch's one spend, as written before the kills
