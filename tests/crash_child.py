@@ -110,10 +110,10 @@ def install(journal: Journal, kill: str | None, nth: int, fraction: float) -> No
             die(journal, kill, n=nth)
         return original(*args, **kwargs)
 
-    def save_state(original, path, state):  # type: ignore[no-untyped-def]
+    def save_state(original, path, state, key):  # type: ignore[no-untyped-def]
         inside["state"] = journal.call("save_state")
         try:
-            return original(path, state)
+            return original(path, state, key)
         finally:
             inside["state"] = 0
 

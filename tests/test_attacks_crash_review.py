@@ -22,6 +22,7 @@ pytest.importorskip("transformers")
 from govtrain.errors import GovtrainError  # noqa: E402
 from govtrain.ledger.ledger import Ledger  # noqa: E402
 from govtrain.train import state_file  # noqa: E402
+from tests import run_state_keys  # noqa: E402
 from tests.conftest import Corpus, snapshot  # noqa: E402
 from tests.test_signed_ledger import _db, _sql  # noqa: E402
 from tests.test_train import _admit, _config, tiny_model  # noqa: E402,F401
@@ -65,7 +66,7 @@ def test_a_state_file_of_another_finished_run_does_not_finish_this_config_withou
     config_x = load_run_config(path_x)
     with pytest.raises(KeyboardInterrupt):
         train(config_x, corpus.url, insecure_seed=1, checkpoint_every=1, interrupt_after_steps=2, **QUIET)
-    stolen = state_file.read(corpus.dir / "adapter" / STATE)  # X's state, read mid-run
+    stolen = run_state_keys.read(corpus.dir / "adapter" / STATE, corpus)  # X's state, read mid-run
     train(config_x, corpus.url, insecure_seed=1, **QUIET)  # X finishes: run entry, card, state removed
 
     # config C: another run (id, folder, learning rate), never started
@@ -75,7 +76,7 @@ def test_a_state_file_of_another_finished_run_does_not_finish_this_config_withou
     config_c = load_run_config(path_c)
     folder = corpus.dir / "adapter-c"
     shutil.copytree(corpus.dir / "adapter", folder, ignore=shutil.ignore_patterns("README.md"))
-    state_file.write(folder / STATE, {**stolen, "config_sha256": config_c.sha256})
+    run_state_keys.write(folder / STATE, {**stolen, "config_sha256": config_c.sha256}, corpus)
     before, files = snapshot(corpus.url), _files(folder)
 
     with pytest.raises(GovtrainError) as info:

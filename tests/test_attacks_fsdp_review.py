@@ -111,6 +111,7 @@ def worker(spec_path: str) -> None:
 from tests.test_distributed import clean_env, make_world, run_entries, spends, tiny  # noqa: E402,F401
 from govtrain.distributed.launch import free_port  # noqa: E402
 from govtrain.train import state_file  # noqa: E402
+from tests import run_state_keys  # noqa: E402
 
 
 def start(corpus, config: Path, out: Path, attack: str, *, rank: int = 1, seed: int = 7,
@@ -202,10 +203,10 @@ def test_review_f2_a_run_state_of_wrong_shapes_is_refused_with_one_line_and_noth
     done = finish(start(corpus, config, tmp_path / "out-pause", "pause"))
     assert [code for code, _ in done] == [0, 0], [e[-1500:] for _, e in done]
     path = corpus.dir / "adapter" / state_file.STATE_FILE
-    state = state_file.read(path)
+    state = run_state_keys.read(path, corpus)
     name = next(iter(state["trainable"]))
     state["trainable"][name] = state["trainable"][name].t().contiguous()  # (r, d) as (d, r)
-    state_file.write(path, state)
+    run_state_keys.write(path, state, corpus)
     before, state_bytes = spends(corpus.url), path.read_bytes()
     done = finish(start(corpus, config, tmp_path / "out", "none"))
     assert all(code != 0 for code, _ in done), "a state of the wrong shapes was resumed"
@@ -264,7 +265,7 @@ def test_held_a_sharded_run_state_is_refused_by_the_unsharded_config_and_nothing
     assert [code for code, _ in done] == [0, 0], [e[-1500:] for _, e in done]
     state = corpus.dir / "adapter" / state_file.STATE_FILE
     assert state.exists()
-    saved = state_file.read(state)
+    saved = run_state_keys.read(state, corpus)
     assert saved["step"] == 1 and saved["trainable"] and not any(hasattr(v, "to_local") for v in
                                                                   saved["trainable"].values())
     before, state_bytes = spends(corpus.url), state.read_bytes()
@@ -292,14 +293,14 @@ def test_review_f2_in_one_process_a_run_state_of_wrong_shapes_is_refused_too(tmp
         train(load_run_config(config), corpus.url, insecure_seed=3, log=lambda line: None, checkpoint_every=2,
               interrupt_after_steps=3)
     path = corpus.dir / "adapter" / state_file.STATE_FILE
-    state = state_file.read(path)
+    state = run_state_keys.read(path, corpus)
     if edit == "weight":
         name = next(iter(state["trainable"]))
         state["trainable"][name] = state["trainable"][name].t().contiguous()
     else:
         entries = next(iter(state["update"]["optimizer"]["state"].values()))
         entries["exp_avg"] = entries["exp_avg"].t().contiguous()
-    state_file.write(path, state)
+    run_state_keys.write(path, state, corpus)
     before, state_bytes = spends(corpus.url), path.read_bytes()
     with pytest.raises(ConfigError) as refused:
         train(load_run_config(config), corpus.url, insecure_seed=3, log=lambda line: None)

@@ -18,7 +18,7 @@ from govtrain.ledger.ledger import Ledger  # noqa: E402
 from govtrain.train.config import load_run_config  # noqa: E402
 from govtrain.train.loop import train  # noqa: E402
 from govtrain.release.artifact import adapter_sha256  # noqa: E402
-from govtrain.train import state_file  # noqa: E402
+from tests import run_state_keys  # noqa: E402
 from govtrain.train.run import STATE_FILE  # noqa: E402
 from tests.conftest import snapshot  # noqa: E402
 from tests.test_api import _corpus  # noqa: E402
@@ -72,7 +72,9 @@ def test_a_run_state_of_another_ledger_is_refused(tmp_path: Path, tiny_model: Pa
     for confirm in (False, True):  # consent does not make another ledger's steps this one's
         with pytest.raises(ConfigError) as refused:
             train(config, second.url, insecure_seed=2, confirm=confirm, **QUIET)
-        assert refused.value.code.value == "output_taken" and "another ledger" in refused.value.detail
+        # its MAC is under the first ledger's identity (`state_key`): refused before anything in it is read
+        assert refused.value.code.value in ("output_taken", "run_state_invalid") \
+            and "another ledger" in refused.value.detail, refused.value.detail
     assert snapshot(second.url) == before and not _spends(second.url) and not _runs(second.url)
     assert _files(config.output_dir) == folder  # the state is left for the ledger that charged it
     result = train(config, first.url, insecure_seed=1, **QUIET)  # which resumes it
@@ -84,11 +86,11 @@ def test_a_run_state_that_took_steps_under_a_lease_this_ledger_never_saw_is_refu
     """A state edited to name this ledger (the name is no proof) resumed where its lease has no spend: refused."""
     first, second, config = _paused_on_first_ledger(tmp_path, tiny_model)
     path = config.output_dir / STATE_FILE
-    state = state_file.read(path)
+    state = run_state_keys.read(path, first)
     assert state["step"] >= 4
     with Ledger.open(second.url) as ledger:
         state["ledger"] = ledger.identity
-    state_file.write(path, state)
+    run_state_keys.write(path, state, second)  # under the second ledger's key: it reaches the lease check
     before, folder = snapshot(second.url), _files(config.output_dir)
     with pytest.raises(ConfigError) as refused:
         train(config, second.url, insecure_seed=2, confirm=True, **QUIET)

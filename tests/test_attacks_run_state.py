@@ -182,7 +182,7 @@ def test_a_state_file_that_is_not_our_own_0600_file_is_refused_before_it_is_read
         path.mkdir(mode=0o700)
     decoded = []
     original = state_file.decode
-    state_file.decode = lambda data: decoded.append(len(data)) or original(data)  # type: ignore[assignment]
+    state_file.decode = lambda data, key: decoded.append(len(data)) or original(data, key)  # type: ignore[assignment]
     try:
         _refused(corpus, config, "run_state_unsafe")
     finally:

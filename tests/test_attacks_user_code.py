@@ -41,7 +41,7 @@ from govtrain.tasks.base import Batch  # noqa: E402
 from govtrain.tasks.causal_lm import CausalLM, token_losses  # noqa: E402
 from govtrain.tasks.classification import Classification  # noqa: E402
 from govtrain.train.config import load_run_config  # noqa: E402
-from govtrain.train import state_file  # noqa: E402
+from tests import run_state_keys  # noqa: E402
 from govtrain.train.run import STATE_FILE, Chunk, Run  # noqa: E402
 from govtrain.verify.verifier import verify_ledger  # noqa: E402
 from tests import causal_models  # noqa: E402
@@ -888,7 +888,7 @@ def test_weights_written_outside_a_governed_step_are_refused_at_the_next_step_an
             next(run.batches())
         assert refused.value.code is Code.UNGOVERNED_UPDATE and "outside a governed step" in refused.value.detail
         assert run.steps == 1 and snapshot(corpus.url) == written
-    state = state_file.read(corpus.dir / "adapter" / STATE_FILE)
+    state = run_state_keys.read(corpus.dir / "adapter" / STATE_FILE, corpus)
     assert state["step"] == 0  # nothing saved on leaving: the last checkpoint (the epoch's write-ahead) stays
     with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **QUIET) as run:  # resumed from it
         assert run.steps == 0 and not _same(governed, run)

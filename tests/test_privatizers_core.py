@@ -350,7 +350,7 @@ def test_a_correlated_stream_resumed_mid_run_reproduces_the_uninterrupted_noise_
     import stat
 
     from govtrain.ledger.entries import decode_entry
-    from govtrain.train import state_file
+    from tests import run_state_keys
     from govtrain.train.run import STATE_FILE
     from tests.test_train import save_tiny_bert
 
@@ -367,7 +367,7 @@ def test_a_correlated_stream_resumed_mid_run_reproduces_the_uninterrupted_noise_
         _stream_run(killed, tiny, interrupt_after_steps=7)
     state_path = killed.dir / "adapter" / STATE_FILE
     assert stat.S_IMODE(state_path.stat().st_mode) == 0o600  # as secret as a key
-    saved = state_file.read(state_path)["noise"]
+    saved = run_state_keys.read(state_path, killed)["noise"]
     assert saved["privatizer"] == {"name": "stream-test"} and saved["state"]["step"] == 6  # the checkpoint at step 6
     first = list(Stream.drawn)
     Stream.drawn = []
@@ -388,7 +388,7 @@ def test_a_correlated_stream_resumed_mid_run_reproduces_the_uninterrupted_noise_
 
 
 def test_a_run_state_without_noise_state_cannot_resume_a_correlated_privatizer(tmp_path, stream):
-    from govtrain.train import state_file
+    from tests import run_state_keys
     from govtrain.train.run import STATE_FILE
     from tests.test_train import save_tiny_bert
 
@@ -398,9 +398,9 @@ def test_a_run_state_without_noise_state_cannot_resume_a_correlated_privatizer(t
     with pytest.raises(KeyboardInterrupt):
         _stream_run(corpus, tiny, interrupt_after_steps=4)
     state_path = corpus.dir / "adapter" / STATE_FILE
-    state = state_file.read(state_path)
+    state = run_state_keys.read(state_path, corpus)
     state["noise"] = None  # as a run state written before privatizers, or by the i.i.d. Gaussian
-    state_file.write(state_path, state)
+    run_state_keys.write(state_path, state, corpus)
     with pytest.raises(ConfigError) as info:
         _stream_run(corpus, tiny)
     assert info.value.code.value == "output_taken" and "correlates its noise" in info.value.detail

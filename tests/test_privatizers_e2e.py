@@ -137,7 +137,7 @@ def _adapter_sha(corpus: Corpus) -> str:
 
 
 def test_a_banded_mf_run_killed_mid_epoch_resumes_to_the_uninterrupted_adapter(tmp_path: Path, tiny_model: Path):
-    from govtrain.train import state_file
+    from tests import run_state_keys
     from govtrain.train.config import load_run_config
     from govtrain.train.loop import STATE_FILE, train
 
@@ -151,7 +151,7 @@ def test_a_banded_mf_run_killed_mid_epoch_resumes_to_the_uninterrupted_adapter(t
             with pytest.raises(KeyboardInterrupt):
                 train(config, corpus.url, insecure_seed=3, log=lambda _: None, checkpoint_every=4,
                       interrupt_after_steps=14)  # in ledger epoch 1, after its checkpoint at step 12
-            state = state_file.read(corpus.dir / "adapter" / STATE_FILE)
+            state = run_state_keys.read(corpus.dir / "adapter" / STATE_FILE, corpus)
             assert state["step"] == 12 and state["noise"]["state"]["step"] == 12  # the noise stream's position
             lines: list[str] = []
             result = train(config, corpus.url, insecure_seed=3, log=lines.append, checkpoint_every=4)

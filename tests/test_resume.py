@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from govtrain.errors import Code, GovtrainError  # noqa: E402
-from govtrain.train import state_file  # noqa: E402
+from tests import run_state_keys  # noqa: E402
 from govtrain.train.resume import write_whole  # noqa: E402
 from govtrain.train.state_file import STATE_FILE  # noqa: E402
 from govtrain.train.tune import TRIAL_CONFIG, _write_trial_config, check_tune_output  # noqa: E402
@@ -100,7 +100,7 @@ def test_a_recorded_run_is_finished_only_under_its_own_config_and_base_model(cor
     with pytest.raises(KeyboardInterrupt):
         train(config_x, corpus.url, insecure_seed=1, checkpoint_every=1, interrupt_after_steps=4, **quiet)
     adapter = corpus.dir / "adapter"
-    stolen = state_file.read(adapter / STATE_FILE)  # every step taken: as a kill after the entry
+    stolen = run_state_keys.read(adapter / STATE_FILE, corpus)  # every step taken: as a kill after the entry
     train(config_x, corpus.url, insecure_seed=1, **quiet)
     card = (adapter / "README.md").read_bytes()
 
@@ -111,7 +111,7 @@ def test_a_recorded_run_is_finished_only_under_its_own_config_and_base_model(cor
     config_c = load_run_config(path_c)
     folder_c = corpus.dir / "adapter-c"
     shutil.copytree(adapter, folder_c, ignore=shutil.ignore_patterns("README.md"))
-    state_file.write(folder_c / STATE_FILE, {**stolen, "config_sha256": config_c.sha256})
+    run_state_keys.write(folder_c / STATE_FILE, {**stolen, "config_sha256": config_c.sha256}, corpus)
     before, files = snapshot(corpus.url), sorted(p.name for p in folder_c.iterdir())
     with pytest.raises(GovtrainError) as info:
         train(config_c, corpus.url, insecure_seed=1, **quiet)
@@ -119,7 +119,7 @@ def test_a_recorded_run_is_finished_only_under_its_own_config_and_base_model(cor
     assert snapshot(corpus.url) == before and sorted(p.name for p in folder_c.iterdir()) == files
 
     # X's own state put back (a kill after its run entry, as it looks), on a base model that changed since.
-    state_file.write(adapter / STATE_FILE, stolen)
+    run_state_keys.write(adapter / STATE_FILE, stolen, corpus)
     (model / "notes.txt").write_text("a file more: another base model\n")
     with pytest.raises(GovtrainError) as info:
         train(config_x, corpus.url, insecure_seed=1, **quiet)

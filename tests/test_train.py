@@ -302,7 +302,7 @@ def test_prism_and_dp_muon_runs_are_governed_like_dp_sgd(corpus: Corpus, tiny_mo
     it), kill and resume with the mechanism's own state, and a run entry naming the mechanism."""
     from govtrain.ledger.entries import decode_entry
     from govtrain.train.config import load_run_config
-    from govtrain.train import state_file
+    from tests import run_state_keys
     from govtrain.train.loop import STATE_FILE, train
 
     _admit(corpus, "pub")
@@ -312,7 +312,7 @@ def test_prism_and_dp_muon_runs_are_governed_like_dp_sgd(corpus: Corpus, tiny_mo
     config = load_run_config(_config(corpus, tiny_model, 25, mechanism, extra))
     with pytest.raises(KeyboardInterrupt):
         train(config, corpus.url, insecure_seed=5, log=lambda line: None, checkpoint_every=4, interrupt_after_steps=14)
-    state = state_file.read(corpus.dir / "adapter" / STATE_FILE)
+    state = run_state_keys.read(corpus.dir / "adapter" / STATE_FILE, corpus)
     saved = state["update"]
     assert saved["mechanism"] == mechanism
     assert (saved["prism"] if mechanism == "prism" else saved["muon"])["state"]  # its own moments are resumed

@@ -65,7 +65,8 @@ def check(recorded: Any, current: dict, state_path: Path) -> None:
     """Refuse (`corpus_changed`) a resume whose surviving units would not keep their identities: another privacy
     unit, or a contribution recorded in the state whose rows now read differently. A state without the record was
     written by a govtrain that drew by position: its epoch's parts and uniforms would change under this one."""
-    if not isinstance(recorded, dict) or not isinstance(recorded.get("contributions"), dict):
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("contributions"), dict) \
+            or not recorded["contributions"]:  # a run never records none: it refuses to start with no contribution
         raise ConfigError(Code.CORPUS_CHANGED, f"{state_path} records no corpus identity (an earlier govtrain drew "
                                                "units by their position in the corpus): finish that run with the "
                                                "govtrain that started it, or move the state away and start afresh")

@@ -37,6 +37,7 @@ from govtrain.train.resume import (
     recorded_entry,
 )
 from govtrain.train import state_file
+from govtrain.train.state_key import StateKey
 from govtrain.train.withdrawals import Withdrawn
 from govtrain.train.lease import (
     LOCK_FILE,
@@ -116,14 +117,16 @@ def tree_sha256(folder: Path, *, copy_into: Path | None = None) -> bytes:
     return digest.digest()
 
 
-def _save_state(path: Path, state: dict) -> None:
+def _save_state(path: Path, state: dict, key: StateKey) -> None:
     # 0600 from its creation, never through a link planted at its temporary: it holds the sampling key, which decides
-    # every step's draw (`routing/sampler.py`). Tensors and plain data only, never a pickle (`state_file`).
-    state_file.write(path, state)
+    # every step's draw (`routing/sampler.py`). Tensors and plain data only, never a pickle (`state_file`), under a
+    # MAC of the ledger's key (`state_key`): the folder's writer holds no key, so cannot write a state a run trusts.
+    state_file.write(path, state, key)
 
 
-def _load_state(path: Path, config: RunConfig) -> dict | None:
-    state = state_file.read(path)  # refused unread unless ours and 0600; nothing in it can run code
+def _load_state(path: Path, config: RunConfig, key: StateKey) -> dict | None:
+    # refused unread unless ours and 0600, and undecoded unless written by this ledger's key; nothing in it runs code
+    state = state_file.read(path, key)
     if state is None:
         return None
     if state["config_sha256"] != config.sha256:
@@ -131,16 +134,19 @@ def _load_state(path: Path, config: RunConfig) -> dict | None:
                                              "is that run's; restore its config to resume it, or give this run "
                                              "another training.output")
     named = config.file.training.run_id
-    if named is not None and state["run_id"] != named:  # the config hash it states is not proof: it is no MAC
+    if named is not None and state["run_id"] != named:  # a state of this ledger's, for another run of this config
         raise ConfigError(Code.OUTPUT_TAKEN, f"{path} holds the state of run {state['run_id']!r}, not of "
                                              f"training.run_id {named!r}: training.output is that run's; give this "
                                              "run another training.output")
     return state
 
 
-def _sampler(privatizer, q_u: int, insecure_seed: int | None):  # type: ignore[no-untyped-def]
+def _sampler(privatizer, q_u: int, insecure_seed: int | None, *, resumed: bool = False):  # type: ignore[no-untyped-def]
     """The sampling the privatizer's accounting assumes (`Privatizer.participation`): Poisson, or cyclic Poisson
-    (`routing.sampler.CyclicPoissonSampler`) for a correlated privatizer amplified over its cycle."""
+    (`routing.sampler.CyclicPoissonSampler`) for a correlated privatizer amplified over its cycle. A fresh run whose
+    cycle·q exceeds 1 is refused (`run_config_invalid`); a `resumed` one draws its pending epoch at the q its spend
+    charged (`Run._write_ahead` sets it) and caps a later epoch's part rate at 1, as a run that was never stopped does
+    when withdrawals raise q (its charge composes at min(1, cycle·q))."""
     participation = privatizer.participation()
     if participation.scheme == "poisson":
         from govtrain.routing.sampler import PoissonSampler
@@ -154,7 +160,14 @@ def _sampler(privatizer, q_u: int, insecure_seed: int | None):  # type: ignore[n
             raise ConfigError(Code.PRIVATIZER_UNKNOWN, f"privatizer {privatizer.name!r} needs cyclic Poisson sampling, "
                                                        "which this installation of govtrain lacks: upgrade it")
         # its partition key is the run's public id, set once the id is known (`Run._prepare`)
-        return cyclic(q_u / units.MICRO, cycle=participation.cycle, partition_key=None, insecure_seed=insecure_seed)
+        if not resumed and participation.cycle * q_u > units.MICRO:
+            raise ConfigError(Code.RUN_CONFIG_INVALID, f"privatizer {privatizer.name!r} draws each of its "
+                                                       f"{participation.cycle} parts at rate cycle·q = "
+                                                       f"{participation.cycle}·{q_u / units.MICRO:g} > 1: lower the "
+                                                       "expected batch (training.expected_batch_size, or the "
+                                                       "policy's) or the bands")
+        return cyclic(q_u / units.MICRO, cycle=participation.cycle, partition_key=None, insecure_seed=insecure_seed,
+                      allow_rate_cap=resumed)
     raise RuntimeError(f"privatizer {privatizer.name!r} asks for unknown participation {participation.scheme!r}")
 
 
@@ -251,10 +264,19 @@ class Run:
         self.sharded = config.file.training.fsdp  # the model is sharded over the ranks (FSDP2, `distributed.fsdp`)
         self._whole: dict | None = None  # sharded: the trainable weights and update state, gathered after each step
         self._resume: tuple[dict, dict] | None = None  # sharded: the lead's run state weights, put back by every rank
+        self._state_key: StateKey | None = None  # the run state's MAC key (`state_key`), derived when first needed
 
     @property
     def run_id(self) -> str:
         return self.result.run_id
+
+    @property
+    def state_key(self) -> StateKey:
+        """(The lead's.) The run state's MAC key, from the ledger's signing key (`state_key`): never written or
+        logged."""
+        if self._state_key is None:
+            self._state_key = StateKey.of(self.ledger)
+        return self._state_key
 
     @property
     def done(self) -> bool:
@@ -376,7 +398,9 @@ class Run:
         check_weight_decay(resolution, config.file.optimizer.weight_decay)
         self._admitted, self._base, self._tokenizer_files, self._q_u = admitted, base, tokenizer, q_u
         self._records = records
-        return _load_state(self.state_path, config) if self.world.lead else None
+        if not self.world.lead or not state_file.present(self.state_path):
+            return None
+        return _load_state(self.state_path, config, self.state_key)
 
     def _build(self, saved: dict | None) -> None:
         """The privatizer (a resumed run's as its state `saved` it), router, update, sampler and scheduler; the
@@ -414,7 +438,8 @@ class Run:
         else:
             check_batch_independence(self.model, self.task, self.tokenizer, config.file.model.max_length, self.device)
         self.update = Update.build(self.model, config.file)
-        self.sampler = _sampler(self.privatizer, q_u, self.insecure_seed)  # its rate set again per epoch
+        # its rate set again per epoch; a resumed run (a saved noise state) draws at the rates its spend charged
+        self.sampler = _sampler(self.privatizer, q_u, self.insecure_seed, resumed=saved is not None)
         self.epoch_steps = training.epoch_steps or policy.steps_per_epoch
         if self.epoch_steps > policy.steps_per_epoch:
             raise ConfigError(Code.RUN_CONFIG_INVALID, f"training.epoch_steps: {self.epoch_steps} is more than the "
@@ -460,6 +485,7 @@ class Run:
             self.run_nonce, self.sampler.key = state.get("run_nonce"), state.get("sampling_key")
             _partition(self.sampler, run_id)
             self._check_ledger(state, book)
+            self._check_plan(state)
             if self.sampler.key is None:
                 raise ConfigError(Code.RUN_CONFIG_INVALID, f"{self.state_path} was written by an earlier govtrain (no "
                                                            "lease or sampling key): finish that run with it, or move "
@@ -487,7 +513,12 @@ class Run:
                 with torch.no_grad():
                     for name, value in state["trainable"].items():
                         self.model.get_parameter(name).copy_(value)
-                self.update.load_state_dict(state["update"])
+                try:
+                    self.update.load_state_dict(state["update"])
+                except (KeyError, TypeError, ValueError, IndexError) as e:  # no update of this run's saved it
+                    raise ConfigError(Code.RUN_STATE_INVALID, f"{self.state_path}: its optimizer state does not fit "
+                                                              f"this run's update ({type(e).__name__}: {e}): restore "
+                                                              "the file the run saved, or move it away") from None
             self._load_noise_state(state.get("noise"))
             self.pending = state["pending"]
             if self.pending is not None and ledger.epoch() > self.pending["epoch"]:
@@ -597,6 +628,25 @@ class Run:
                                                  "against the ledger that charged them, or give this run another "
                                                  "training.output")
 
+    def _check_plan(self, state: dict) -> None:
+        """Refuse (`run_state_invalid`) a state whose place or plan no run of this config saves: a step past the
+        run's, a plan whose steps leave the run's or do not hold its step, or one that lets units be drawn with no
+        spend to charge them (a plan with no spend allows nothing). The MAC already keeps such a state out; this keeps
+        a held epoch's noise and steps the ledger's even if a defect elsewhere wrote one."""
+        pending, step = state["pending"], state["step"]
+        wrong = None
+        if step > self.total:
+            wrong = f"it stands at step {step} of a run of {self.total}"
+        elif pending is not None:
+            first, steps = pending["first_step"], pending["steps"]
+            if first + steps > self.total or not first <= step <= first + steps:
+                wrong = f"its plan's steps {first}..{first + steps} leave the run's {self.total} or miss its step {step}"
+            elif not pending["spend"] and any(pending["allowed"].values()):
+                wrong = "its plan lets units be drawn with no spend that charges them"
+        if wrong is not None:
+            raise ConfigError(Code.RUN_STATE_INVALID, f"{self.state_path} is not a state a run saves ({wrong}): "
+                                                      "restore the file the run saved, or move it away")
+
     def projection(self) -> Plan:
         """What the run's remaining steps would charge, projected from what the ledger says now."""
         from govtrain.resolver.plan import read_state
@@ -674,6 +724,11 @@ class Run:
             raise RuntimeError("write_ahead() with no epoch planned: call plan_epoch() first")
         self._check_owner()
         pending, self._written = self.pending, False
+        if not pending["spend"] and any(pending["allowed"].values()):  # `_check_plan`: never drawn uncharged
+            raise RuntimeError("a plan that allows steps without spend")
+        lease = (self.run_id, self.run_nonce)
+        # an epoch the ledger holds under this lease is trained as it charged it, whatever plan the state holds
+        held = bool(pending["spend"]) or self.ledger.spend_book().holder(pending["epoch"]) == lease
         try:
             if pending["spend"] and not write_ahead(self.ledger, pending, (self.run_id, self.run_nonce), self.now,
                                                     self.log, consent=None if self.confirmed else self.siblings):
@@ -692,8 +747,8 @@ class Run:
             self.pending = None
             self._save()
             return False
-        if pending["spend"]:  # train the epoch exactly as the ledger charged it
-            written = written_plan(self.ledger, pending["epoch"], (self.run_id, self.run_nonce))
+        if held:  # train the epoch exactly as the ledger charged it
+            written = written_plan(self.ledger, pending["epoch"], lease)
             if written.pop("privatizer") != self.privatizer.record():  # its charge is that privatizer's
                 raise ConfigError(Code.PRIVATIZER_INVALID, f"ledger epoch {pending['epoch']} was written ahead under "
                                                            "this run's lease with another privatizer than RUN.toml "
@@ -707,7 +762,7 @@ class Run:
         self._retired_here |= set(pending.get("retiring", ()))  # a plan dropped before its write retires nobody
         self.sampler.sampling_rate = pending["q_u"] / units.MICRO
         self._epoch_written()
-        self._charged_rates = self.ledger.spend_book().rates.get(pending["epoch"]) if pending["spend"] else None
+        self._charged_rates = self.ledger.spend_book().rates.get(pending["epoch"]) if held else None
         return True
 
     def _epoch_written(self) -> None:
@@ -1080,6 +1135,7 @@ class Run:
         if not self.world.lead:  # the lead's state is the run's: the others hold what it holds
             return
         result = self.result
+        key = self.state_key
         _save_state(self.state_path, {
             "run_id": result.run_id, "run_nonce": self.run_nonce, "sampling_key": self.sampler.key,
             "config_sha256": self.config.sha256, "ledger": self.ledger.identity, "confirmed": self.confirmed,
@@ -1093,7 +1149,7 @@ class Run:
             "update": self._whole["update"] if self.sharded else self.update.state_dict(),
             # the privatizer's state: as secret as the noise it determines (whoever holds it can subtract it)
             "noise": {"privatizer": self.privatizer.record(),
-                      "state": self.privatizer.state_dict(self.router.noise_state)}})
+                      "state": self.privatizer.state_dict(self.router.noise_state)}}, key)
 
     # -- a sharded model (`training.fsdp`; `distributed.fsdp`) -----------------------------------------
 

@@ -5,24 +5,31 @@ folder between a kill and the resume can put anything there. So it is read as da
 
 - **one safetensors file**, written whole (`resume.write_whole`: 0600 from its creation, never through a link,
   renamed over the last one). Its tensors are named "0", "1", … in the order the state holds them; its metadata
-  (safetensors' str → str header) holds exactly `format` (`FORMAT`) and `state`: the state as canonical JSON in which
-  every tensor is a reference `{"tensor": [n, dtype, shape]}` to tensor "n". One file, so it is replaced as a unit.
+  (safetensors' str → str header) holds exactly `format` (`FORMAT`), `state`: the state as canonical JSON in which
+  every tensor is a reference `{"tensor": [n, dtype, shape]}` to tensor "n", and `mac`. One file, so it is replaced
+  as a unit.
+- **authenticated** (`state_key`): `mac` is HMAC-SHA256, under a key derived from the ledger's signing key, of the
+  format, the state's text, the tensor table and the tensors' bytes (`_mac_parts`), checked before anything is
+  decoded. Data only is not enough: the folder's writer could write any state this module writes, and a resumed run
+  trusts its plan, step, key and consent; without the ledger key they cannot write one it accepts.
 - **a small typed JSON** (`_encode`): null, booleans, text, integers and arrays as themselves; every other value as
   an object of one key naming its type: `{"float": repr}` (NaN and infinities included, exact), `{"bytes": hex}`,
   `{"tuple": [...]}`, `{"map": [[key, value], ...]}` (a dict, in its order; keys text, integers, bytes or tuples
   of them) and the tensor reference. Nothing else is written, and nothing else is read.
 - **read strictly, and before reading, only our own file** (`read`): a link, anything but a regular file, a file not
-  owned by this user or of a mode other than 0600 is refused (`run_state_unsafe`) before a byte is read; so is a
+  owned by this user or of a mode other than 0600 is refused (`run_state_unsafe`) before a byte is read; a header
+  over safetensors' limit or a file of another length than its header declares, before the rest is read; so is a
   state of an earlier govtrain (`run-state.pt`, a pickle: `refuse_legacy`), which is never opened. A file whose JSON
   is not the canonical text of what it decodes to, with an unknown tag, a field the run state does not have
-  (`FIELDS`) or one of the wrong type, a tensor its reference does not declare (dtype, shape), or one no reference
-  names, is refused (`run_state_invalid`).
+  (`FIELDS`) or one of the wrong type or range (a negative count, a plan without its keys), a tensor its reference
+  does not declare (dtype, shape), or one no reference names, is refused (`run_state_invalid`).
 
 A new field of the run state is added to `FIELDS` with its type (`ANY` for plain data checked where it is used).
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import stat
@@ -31,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from govtrain.errors import Code, ConfigError
 from govtrain.train.resume import write_whole
+from govtrain.train.state_key import StateKey
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +48,7 @@ LEGACY_FILE = "run-state.pt"  # an earlier govtrain's run state: a pickle, refus
 FORMAT = "govtrain.run-state/1"
 _DEPTH = 64  # nesting the state never reaches (the optimizer's state is four deep)
 _MODE = 0o600
+HEADER_LIMIT = 100_000_000  # safetensors' own limit on a header's length
 
 _Check = Callable[[Any], bool]
 
@@ -72,9 +81,31 @@ def _optional(inner: _Check) -> _Check:
     return lambda value: value is None or inner(value)
 
 
+def _both(*checks: _Check) -> _Check:
+    return lambda value: all(c(value) for c in checks)
+
+
+def _record(**fields: _Check) -> _Check:
+    """A map of exactly these text keys, each of its type."""
+    return lambda value: type(value) is dict and set(value) == set(fields) and all(c(value[k]) for k, c in fields.items())
+
+
 ANY: _Check = lambda value: True  # noqa: E731  plain data the encoding carries, checked where it is used
 STR, INT, BOOL, BYTES = _exact(str), _exact(int), _exact(bool), _exact(bytes)
 NUMBER = _exact(int, float)
+COUNT = _both(INT, lambda value: value >= 0)  # a step, a count: never negative
+POSITIVE = _both(NUMBER, lambda value: 0 < value < float("inf"))
+MAP = _both(_exact(dict), lambda value: all(type(k) is str for k in value))
+
+# The epoch planned (and maybe written ahead): `Run._plan_epoch`'s keys, then `lease.written_plan`'s values.
+PENDING = _record(
+    epoch=COUNT, first_step=COUNT, steps=COUNT, q_u=_both(INT, lambda value: value > 0), expected_batch=POSITIVE,
+    allowed=_map_of(STR, COUNT), group_std=_map_of(_both(_exact(tuple), lambda v: all(type(c) is str for c in v)),
+                                                   POSITIVE),
+    noise_groups=ANY,  # written to the ledger as it is, whose spend rules check it
+    spend=_list_of(_both(_exact(tuple, list), lambda v: len(v) == 4 and type(v[0]) is str
+                         and all(type(n) is int and n >= 0 for n in v[1:]))),
+    eps=_map_of(STR, _both(NUMBER, lambda value: value >= 0)), retiring=_list_of(STR), privatizer=MAP)
 
 FIELDS: dict[str, _Check] = {
     "run_id": STR,
@@ -83,15 +114,16 @@ FIELDS: dict[str, _Check] = {
     "config_sha256": BYTES,
     "ledger": _tuple_of(STR, BYTES),  # `Ledger.identity`
     "confirmed": BOOL,
-    "step": INT,
+    "step": COUNT,
     "losses": _list_of(_exact(float)),  # NaN for a step that drew nothing
     "epochs": _list_of(INT),
     "eps_by_class": _map_of(STR, _list_of(NUMBER)),
-    "pending": _optional(_exact(dict)),  # the epoch planned (and maybe written ahead), checked against the ledger
+    "pending": _optional(PENDING),  # the epoch planned (and maybe written ahead), checked against the ledger
     "trainable": _map_of(STR, _tensor),  # checked against the model (`resume.check_state_shapes`)
     "update": _exact(dict),  # the optimizer's (and PRISM's, Muon's) state: `Update.load_state_dict` checks it
-    "noise": _optional(_exact(dict)),  # the privatizer's record and state: `Privatizer.load_state` checks it
-    "nonfinite": INT,  # the run's units whose gradient was not finite (training.unsafe_stop_after_nonfinite_units)
+    # the privatizer's record and state: `Privatizer.load_state` checks the state
+    "noise": _optional(_record(privatizer=MAP, state=ANY)),
+    "nonfinite": COUNT,  # the run's units whose gradient was not finite, (training.unsafe_stop_after_nonfinite_units)
     "corpus": _exact(dict),  # the corpus the units' identities name: `corpus.check` checks it on resume
     "schedule": _map_of(STR, _exact(str, int)),  # the learning rates' schedule: `Schedule.of_record` checks it
 }
@@ -103,24 +135,43 @@ class _Invalid(Exception):
     """What is wrong with a state file's contents (`run_state_invalid`)."""
 
 
+class _Unauthentic(_Invalid):
+    """A state file whose MAC is not this ledger key's (`run_state_invalid`): nothing in it was decoded."""
+
+
 # -- writing -----------------------------------------------------------------------------------------------------
 
-def write(path: Path, state: Mapping[str, Any]) -> None:
-    """Write the run `state` to `path`, whole (0600, never through a link). A state of other fields or types, or a
-    value the encoding does not carry, is a programmer's mistake (TypeError), and nothing is written."""
-    data = encode(state)
+def write(path: Path, state: Mapping[str, Any], key: StateKey) -> None:
+    """Write the run `state` to `path`, whole (0600, never through a link), authenticated under `key` (the ledger's:
+    `StateKey.of`). A state of other fields or types, or a value the encoding does not carry, is a programmer's
+    mistake (TypeError), and nothing is written."""
+    data = encode(state, key)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_whole(path, lambda handle: handle.write(data))
 
 
-def encode(state: Mapping[str, Any]) -> bytes:
-    """The bytes of the state file for `state`."""
+def encode(state: Mapping[str, Any], key: StateKey) -> bytes:
+    """The bytes of the state file for `state`, its MAC under `key` in its metadata."""
     from safetensors.torch import save
 
     _check_fields(dict(state), TypeError)
     tensors: dict[str, "torch.Tensor"] = {}
     text = _canonical(_encode(dict(state), tensors, 0))
-    return save(tensors, metadata={"format": FORMAT, "state": text})
+    body = save(tensors, metadata={"format": FORMAT, "state": text})
+    size = int.from_bytes(body[:8], "little")
+    header = json.loads(body[8:8 + size])
+    data = body[8 + size:]
+    header["__metadata__"]["mac"] = key.mac(_mac_parts(text, header, data)).hex()
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors' alignment of the data that follows
+    return len(raw).to_bytes(8, "little") + raw + data
+
+
+def _mac_parts(text: str, header: dict, data: bytes) -> list[bytes]:
+    """What the MAC covers, as the reader finds it before decoding anything: the format, the state's JSON text (its
+    run id, lease and ledger among it), the tensor table (names, dtypes, shapes, offsets) and the tensors' bytes."""
+    table = {name: entry for name, entry in header.items() if name != "__metadata__"}
+    return [FORMAT.encode(), text.encode(), _canonical(table).encode(), data]
 
 
 def _canonical(tree: Any) -> str:
@@ -184,10 +235,11 @@ def refuse_legacy(folder: Path) -> None:
                                                  "training.output and start afresh (with another training.run_id)")
 
 
-def read(path: Path) -> dict | None:
+def read(path: Path, key: StateKey) -> dict | None:
     """The run state at `path` (None: no file there). Refused before a byte is read (`run_state_unsafe`) unless it
-    is a regular file of this user's, mode 0600; refused (`run_state_invalid`) unless its contents are exactly a
-    state `write` writes."""
+    is a regular file of this user's, mode 0600; refused (`run_state_invalid`) unless its header's length fits
+    safetensors' limit and the file is exactly as long as its header declares (checked before the rest is read),
+    its MAC is `key`'s (before anything in it is decoded), and its contents are exactly a state `write` writes."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
@@ -197,18 +249,61 @@ def read(path: Path) -> dict | None:
         raise ConfigError(Code.RUN_STATE_UNSAFE, f"{path} is {kind}: a run state is a file govtrain wrote itself; "
                                                  "remove it, and restore the file the run saved") from None
     try:
-        _check_file(os.fstat(fd), path)  # of the file opened: it cannot be swapped between the check and the read
+        st = os.fstat(fd)
+        _check_file(st, path)  # of the file opened: it cannot be swapped between the check and the read
     except BaseException:
         os.close(fd)
         raise
-    with os.fdopen(fd, "rb") as handle:
-        data = handle.read()
     try:
-        return decode(data)
+        with os.fdopen(fd, "rb") as handle:
+            data = _read_bounded(handle, st.st_size)
+        return decode(data, key)
+    except _Unauthentic:
+        raise ConfigError(Code.RUN_STATE_INVALID, f"{path} is not a run state written by this ledger's key (an edited "
+                                                  "or planted state, one of another ledger, or written before the "
+                                                  "ledger's key changed): restore the file the run saved, or move it "
+                                                  "away") from None
     except _Invalid as e:
         raise ConfigError(Code.RUN_STATE_INVALID, f"{path} is not a run state govtrain wrote ({e}): it was edited, "
                                                   "or is another file; restore the file the run saved, or give this "
                                                   "run another training.output") from None
+
+
+def _read_bounded(handle, size: int) -> bytes:  # type: ignore[no-untyped-def]
+    """The file's bytes, read only once its 8-byte header length and its header say how long it is: a header over
+    safetensors' limit, or a file longer or shorter than header and tensors, is `_Invalid` unread."""
+    head = handle.read(8)
+    if len(head) < 8:
+        raise _Invalid("not a safetensors file")
+    length = int.from_bytes(head, "little")
+    if length > HEADER_LIMIT or length > size - 8:
+        raise _Invalid(f"its header declares {length} bytes, over safetensors' limit or the file's size")
+    raw = handle.read(length)
+    header = _header(raw)
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if type(entry) is dict else None
+        if type(offsets) is not list or len(offsets) != 2 or not all(type(n) is int and n >= 0 for n in offsets):
+            raise _Invalid(f"tensor {name!r} has no data offsets")
+        end = max(end, offsets[1])
+    if size != 8 + length + end:
+        raise _Invalid(f"it is {size} bytes long, and its header declares {8 + length + end}")
+    rest = handle.read(end)
+    if len(rest) != end:
+        raise _Invalid("it was cut short while read")
+    return head + raw + rest
+
+
+def _header(raw: bytes) -> dict:
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique)
+    except (ValueError, RecursionError) as e:
+        raise _Invalid(f"its header is no JSON: {e}") from None
+    if type(header) is not dict:
+        raise _Invalid("its header is not a map")
+    return header
 
 
 def _check_file(st: os.stat_result, path: Path) -> None:
@@ -225,28 +320,33 @@ def _check_file(st: os.stat_result, path: Path) -> None:
                                                  "it so (chown, chmod 600), else remove it")
 
 
-def decode(data: bytes) -> dict:
-    """The run state in `data` (a state file's bytes); `_Invalid` for anything `encode` would not write."""
+def decode(data: bytes, key: StateKey) -> dict:
+    """The run state in `data` (a state file's bytes); `_Unauthentic` unless its MAC is `key`'s, checked before any
+    of its fields is decoded; `_Invalid` for anything else `encode` would not write."""
     from safetensors import SafetensorError
     from safetensors.torch import load
 
-    if len(data) < 8 or int.from_bytes(data[:8], "little") > len(data) - 8:
+    if len(data) < 8 or int.from_bytes(data[:8], "little") > min(len(data) - 8, HEADER_LIMIT):
         raise _Invalid("not a safetensors file")
     size = int.from_bytes(data[:8], "little")
+    header = _header(data[8:8 + size])
+    metadata = header.get("__metadata__")
+    if type(metadata) is not dict or set(metadata) != {"format", "state", "mac"} or metadata["format"] != FORMAT \
+            or type(metadata["state"]) is not str or type(metadata["mac"]) is not str:
+        raise _Invalid(f"its metadata is not exactly format {FORMAT!r}, state and mac")
     try:
-        header = json.loads(data[8:8 + size].decode("utf-8"), object_pairs_hook=_unique)
-    except (ValueError, RecursionError) as e:
-        raise _Invalid(f"its header is no JSON: {e}") from None
-    metadata = header.get("__metadata__") if type(header) is dict else None
-    if type(metadata) is not dict or set(metadata) != {"format", "state"} or metadata["format"] != FORMAT:
-        raise _Invalid(f"its metadata is not exactly format {FORMAT!r} and state")
+        tag = bytes.fromhex(metadata["mac"])
+    except ValueError:
+        tag = b""
+    # 1. authenticate the bytes as read, before any of them is decoded (safetensors' tensors included)
+    if not hmac.compare_digest(key.mac(_mac_parts(metadata["state"], header, data[8 + size:])), tag):
+        raise _Unauthentic()
+    # 2. decode what the ledger's key vouches for, as strictly as before
     try:
         tensors = load(bytes(data))
     except (SafetensorError, ValueError, TypeError) as e:
         raise _Invalid(f"its tensors do not read: {e}") from None
     text = metadata["state"]
-    if type(text) is not str:
-        raise _Invalid("its state is not text")
     try:
         tree = json.loads(text, object_pairs_hook=_unique, parse_float=_no_float, parse_constant=_no_float)
     except (ValueError, RecursionError) as e:
