@@ -36,6 +36,7 @@ from tests.conftest import snapshot  # noqa: E402
 from tests.test_api import QUIET, _corpus, _same, _trainable  # noqa: E402
 from tests.test_attacks_selection import _admitted, _evaluating  # noqa: E402
 from tests.test_attacks_user_code import _loop, _step_once  # noqa: E402
+from tests.test_hf_trainer import MECHANISMS  # noqa: E402
 from tests.test_train import _config, tiny_model  # noqa: E402,F401
 
 REFUSALS = (Code.UNGOVERNED_UPDATE, Code.UNGOVERNED_BATCH)
@@ -54,11 +55,12 @@ def _one_step(run) -> float:
     raise AssertionError("run.batches() ended before a step")
 
 
-def _second_step(tmp_path: Path, model: Path, name: str, tamper: Callable | None):
+def _second_step(tmp_path: Path, model: Path, name: str, tamper: Callable | None, mechanism: str = "dpsgd"):
     """Step 0 by the honest loop; then `tamper(run, loss)` with step 0's non-noised mean loss; then step 1.
     (refusal code or None, the trainable weights after, whether they are step 0's, the ledger before/after)."""
     corpus = _corpus(tmp_path, name)
-    with govtrain.GovernedRun.open(_config(corpus, model, 3), corpus.url, insecure_seed=1, **QUIET) as run:
+    config = _config(corpus, model, 3, mechanism, MECHANISMS[mechanism])
+    with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **QUIET) as run:
         _step_once(run, corpus)
         loss = run.result.losses[-1]
         if tamper is not None:
@@ -71,10 +73,11 @@ def _second_step(tmp_path: Path, model: Path, name: str, tamper: Callable | None
         return None, _trainable(run), _same(weights, run)
 
 
-def _inert_or_refused(tmp_path: Path, model: Path, tamper: Callable, honest: Callable | None = None) -> None:
+def _inert_or_refused(tmp_path: Path, model: Path, tamper: Callable, honest: Callable | None = None,
+                      mechanism: str = "dpsgd") -> None:
     """`tamper` is refused, nothing moved, or step 1 is what it is under `honest` (by default: nothing done)."""
-    honest = _second_step(tmp_path, model, "honest", honest)
-    code, weights, unmoved = _second_step(tmp_path, model, "steered", tamper)
+    honest = _second_step(tmp_path, model, "honest", honest, mechanism)
+    code, weights, unmoved = _second_step(tmp_path, model, "steered", tamper, mechanism)
     if code is not None:
         assert code in REFUSALS and unmoved, (code, unmoved)
         return
@@ -126,10 +129,30 @@ def _hidden_moments(run, loss: float) -> None:
             state["exp_avg"].add_(loss)  # the moments, from the data: the next update divides by them
 
 
-OPTIMIZER = {"a state_dict post-hook hides moments written from the loss": _hidden_moments,
-             "a step pre-hook on the run's optimizer sets lr": _pre_hook,
-             "a step post-hook on the run's optimizer moves the weights": _post_hook,
-             "the run's optimizer's step wrapped on the instance": _wrapped_step}
+def _prism_step(run, loss: float) -> None:
+    prism = run._run.update.prism
+    step = prism.step
+
+    def steered(*args, **kwargs):
+        prism.lr = 5.0 * loss  # after the check and `apply`; the next `apply` writes the schedule's back
+        return step(*args, **kwargs)
+    prism.step = steered
+
+
+def _muon_orthogonalize(run, loss: float) -> None:
+    muon = run._run.update.muon
+    orthogonalize = muon.orthogonalize
+    muon.orthogonalize = lambda X: orthogonalize(X) * (5.0 * loss)  # the step's direction, scaled from the data
+
+
+OPTIMIZER = {  # how -> (mechanism, the steering)
+    "a state_dict post-hook hides moments written from the loss": ("dpsgd", _hidden_moments),
+    "a step pre-hook on the run's optimizer sets lr": ("dpsgd", _pre_hook),
+    "a step post-hook on the run's optimizer moves the weights": ("dpsgd", _post_hook),
+    "the run's optimizer's step wrapped on the instance": ("dpsgd", _wrapped_step),
+    "PRISM's step wrapped on the instance sets its lr": ("prism", _prism_step),
+    "DP-Muon's orthogonalize replaced on the instance": ("dp-muon", _muon_orthogonalize),
+}
 
 
 @pytest.mark.parametrize("how", sorted(OPTIMIZER))
@@ -149,7 +172,8 @@ def test_review_code_of_the_loops_inside_the_runs_own_optimizer_is_refused(tmp_p
     Expected: `ungoverned_update` at the next check (open, draw, forward, update), nothing moved; e.g.
     `check_optimizer_hooks` and `Weights._same_groups` also refuse a non-empty instance hook dict and any
     instance attribute of the run's optimizer (and PRISM's, DP-Muon's) that shadows a method."""
-    _inert_or_refused(tmp_path, tiny_model, OPTIMIZER[how])
+    mechanism, steering = OPTIMIZER[how]
+    _inert_or_refused(tmp_path, tiny_model, steering, mechanism=mechanism)
 
 
 # -- 2. model state the forward reads that neither Weights nor the guard compares (MEDIUM) -----------------------
