@@ -11,6 +11,14 @@ breaks the sensitivity argument: the clipped sums of two neighbouring data sets 
 in one example's C. Each test runs the same seeded step with the channel untouched and with it set; the fix either
 refuses the setting before the next update (`ungoverned_update`, or `ungoverned_batch` where the guard's "model
 as opened" refuses it, nothing moved), or makes it inert (the step's weights equal the untouched run's).
+The two schedule tests: a schedule chosen again after a kill before the first checkpoint, and a schedule the
+release does not record.
+
+Probed and held (refused `ungoverned_update`, nothing moved; the shipped tests cover them): Adam moments written
+in place without a hook, a `float` or `numpy.float64` subclass as a rate, `requires_grad` switched, peft's
+`set_adapter` and `disable_adapter_layers`, `lora_alpha` edited in `peft_config` (the saved `adapter_config.json`
+is compared byte for byte at `save()`). A global `torch.autocast` around the loop's forward breaks the step (the
+router's sums refuse mixed dtypes): refused by accident, not by a check.
 """
 
 from __future__ import annotations
@@ -89,10 +97,6 @@ def _inert_or_refused(tmp_path: Path, model: Path, tamper: Callable, honest: Cal
 # -- 1. the run's own optimizer's step hooks and step method (HIGH) ----------------------------------------------
 
 
-def _groups(run):
-    return run._run.update.optimizer.param_groups  # what GovernedOptimizer(run).param_groups is, read live
-
-
 def _pre_hook(run, loss: float) -> None:
     def hook(optimizer, args, kwargs):
         for group in optimizer.param_groups:  # after the run's check and its `apply`: the update meets this
@@ -158,20 +162,27 @@ OPTIMIZER = {  # how -> (mechanism, the steering)
 @pytest.mark.parametrize("how", sorted(OPTIMIZER))
 def test_review_code_of_the_loops_inside_the_runs_own_optimizer_is_refused(tmp_path: Path, tiny_model: Path,
                                                                            how: str):
-    """Attack: the loop registers a step pre-hook on the run's own optimizer (`run._run.update.optimizer`, the
-    object whose `param_groups` `GovernedOptimizer` hands a Trainer's callbacks; the shipped test
-    `test_a_paused_run_keeps_its_schedule_when_resumed` registers one itself, unrefused) that sets every group's
-    lr = 5·(step 0's non-noised training loss); or a post-hook that adds the loss to every weight; or wraps the
-    instance's `step`. The hook runs inside `optimizer.step()`, after `_apply`'s check and its `apply` of the
-    schedule's rates; `Weights.update()` then keeps whatever the step left, and the next `apply` writes the
-    schedule's rate back, so no later check sees a trace.
-    Impact: the whole of item 8's check is bypassed (any rate, any weight, set from private data), the spend
-    unchanged and the run recorded. torch's global optimizer hooks are refused (`check_optimizer_hooks`, review 3
-    F1) for exactly this reason; the instance's own (`_optimizer_step_pre_hooks`, `_optimizer_step_post_hooks`)
-    and an instance-level `step` are not.
-    Expected: `ungoverned_update` at the next check (open, draw, forward, update), nothing moved; e.g.
-    `check_optimizer_hooks` and `Weights._same_groups` also refuse a non-empty instance hook dict and any
-    instance attribute of the run's optimizer (and PRISM's, DP-Muon's) that shadows a method."""
+    """Attack: code of the loop's placed inside the governed update, on the run's own update objects
+    (`run._run.update.optimizer`: the optimizer whose `param_groups`, `state` and `defaults` `GovernedOptimizer`
+    hands a Trainer's callbacks, reachable from them with `gc.get_referrers`; the shipped test
+    `test_a_paused_run_keeps_its_schedule_when_resumed` registers a step pre-hook on it itself, unrefused):
+    a step pre-hook that sets every group's lr = 5·(step 0's non-noised training loss); a post-hook that adds the
+    loss to every weight; `step` wrapped on the instance; a `state_dict` post-hook that answers the state as it was
+    while the Adam moments are written from the loss; PRISM's `step` wrapped to set its lr; DP-Muon's
+    `orthogonalize` replaced to scale the direction by the loss. Each runs inside `Update.step`, after `_apply`'s
+    check and its `apply` of the schedule's rates; `Weights.update()` then keeps whatever the step left, and the
+    next `apply` writes the schedule's rate back, so no later check sees a trace (the state_dict hook also blinds
+    `same_state` and what the run state saves).
+    Impact: item 8's check and "only governed steps move the weights" are both bypassed: any rate, any moment,
+    any weight, set from private data, the spend unchanged and the run recorded (measured here: 74 of 74 tensors
+    moved by 3.92 by the post-hook; lr from the loss moved 20 tensors by up to 15.4; hidden moments by 1.9e7).
+    torch's global optimizer hooks are refused (`check_optimizer_hooks`, review 3 F1) for exactly this reason;
+    the instance's own (`_optimizer_step_pre_hooks`, `_optimizer_step_post_hooks`, `_optimizer_state_dict_*`) and
+    instance attributes shadowing a method (`step`, PRISM's `step`/`_move`/`_gather`, DP-Muon's `orthogonalize`)
+    are not.
+    Expected: `ungoverned_update` at the next check (draw, forward, update), nothing moved: e.g. `Weights` also
+    refuses a non-empty instance hook dict of the run's optimizer and any instance attribute of the optimizer, PRISM
+    or DP-Muon that shadows a method of its class (as the guard does for the model's modules)."""
     mechanism, steering = OPTIMIZER[how]
     _inert_or_refused(tmp_path, tiny_model, steering, mechanism=mechanism)
 
