@@ -149,7 +149,16 @@ def _muon_orthogonalize(run, loss: float) -> None:
     muon.orthogonalize = lambda X: orthogonalize(X) * (5.0 * loss)  # the step's direction, scaled from the data
 
 
+def _reference(run, loss: float) -> None:
+    hyperparameters = run._run.update.hyperparameters  # what `changed` compares with and `apply` writes
+    for group in hyperparameters.groups:
+        group["lr"] = 5.0 * loss
+    hyperparameters.schedule = type(hyperparameters.schedule)(kind="linear", total=3)  # past set_schedule's guard
+    hyperparameters.apply(run._run.update, run.steps)  # the groups as the rewritten reference says
+
+
 OPTIMIZER = {  # how -> (mechanism, the steering)
+    "the check's own reference (Hyperparameters.groups, .schedule) rewritten": ("dpsgd", _reference),
     "a state_dict post-hook hides moments written from the loss": ("dpsgd", _hidden_moments),
     "a step pre-hook on the run's optimizer sets lr": ("dpsgd", _pre_hook),
     "a step post-hook on the run's optimizer moves the weights": ("dpsgd", _post_hook),
@@ -169,7 +178,10 @@ def test_review_code_of_the_loops_inside_the_runs_own_optimizer_is_refused(tmp_p
     a step pre-hook that sets every group's lr = 5·(step 0's non-noised training loss); a post-hook that adds the
     loss to every weight; `step` wrapped on the instance; a `state_dict` post-hook that answers the state as it was
     while the Adam moments are written from the loss; PRISM's `step` wrapped to set its lr; DP-Muon's
-    `orthogonalize` replaced to scale the direction by the loss. Each runs inside `Update.step`, after `_apply`'s
+    `orthogonalize` replaced to scale the direction by the loss; or, plainer, the check's own reference rewritten
+    (`Hyperparameters.groups[i]["lr"]` and `.schedule`, mutable lists of dicts and a settable attribute, which
+    `changed` compares with and `apply` writes: set_schedule's "before the first update" guard is bypassed too).
+    Each runs inside `Update.step`, after `_apply`'s
     check and its `apply` of the schedule's rates; `Weights.update()` then keeps whatever the step left, and the
     next `apply` writes the schedule's rate back, so no later check sees a trace (the state_dict hook also blinds
     `same_state` and what the run state saves).
@@ -182,7 +194,8 @@ def test_review_code_of_the_loops_inside_the_runs_own_optimizer_is_refused(tmp_p
     are not.
     Expected: `ungoverned_update` at the next check (draw, forward, update), nothing moved: e.g. `Weights` also
     refuses a non-empty instance hook dict of the run's optimizer and any instance attribute of the optimizer, PRISM
-    or DP-Muon that shadows a method of its class (as the guard does for the model's modules)."""
+    or DP-Muon that shadows a method of its class (as the guard does for the model's modules); the reference kept
+    immutable (a frozen record of RUN.toml's values and the schedule, as the house style keeps internal values)."""
     mechanism, steering = OPTIMIZER[how]
     _inert_or_refused(tmp_path, tiny_model, steering, mechanism=mechanism)
 
