@@ -59,6 +59,7 @@ from govtrain import units
 from govtrain.distributed.fsdp import is_sharded
 from govtrain.errors import Code, ConfigError
 from govtrain.mechanisms.hyperparameters import RATE_KEYS, Schedule
+from govtrain.mechanisms.sealed import Sealed
 from govtrain.tasks.base import Batch
 from govtrain.train.config import RunConfig, run_config
 from govtrain.train.guard import NOT_YOURS, Drawn, Guard
@@ -283,7 +284,7 @@ class GovernedRun:
         hyperparameters = run.update.hyperparameters
         hyperparameters.schedule = schedule
         hyperparameters.apply(run.update, run.result.steps)
-        self._weights.update()
+        self._weights.adopt_schedule()
 
     def _resumed_schedule(self) -> Schedule | None:
         """The schedule a resumed run's state recorded its steps under (None: a new run, or no step taken)."""
@@ -628,6 +629,16 @@ class Weights:
     def __init__(self, model: "nn.Module", mechanism: "Update", steps: Callable[[], int]) -> None:
         self.model, self.mechanism, self.steps = model, mechanism, steps  # steps(): the coming update's step
         self.unscheduled = False  # what `changed()` last found is a hyperparameter the schedule did not set
+        # the update's own objects (no hook, no method replaced on an instance) and the reference its hyperparameters
+        # are compared with (the frozen copies of RUN.toml's and the schedule set_schedule fixed), as the run opened
+        self.sealed = Sealed.of(mechanism)
+        self.hyperparameters = mechanism.hyperparameters
+        self.reference = mechanism.hyperparameters.reference()
+        self.update()
+
+    def adopt_schedule(self) -> None:
+        """`set_schedule` fixed the update's schedule: it is the reference from now on."""
+        self.reference = self.hyperparameters.reference()
         self.update()
 
     def update(self) -> None:
@@ -641,6 +652,18 @@ class Weights:
 
     def changed(self) -> str | None:
         self.unscheduled = False
+        sealed = self.sealed.changed()  # first: the state checks below call the update's state_dict()
+        if sealed is not None:
+            return sealed
+        hyperparameters = self.mechanism.hyperparameters
+        kept = self.reference
+        if hyperparameters is not self.hyperparameters or any(
+                a is not b for a, b in zip(hyperparameters.reference()[:2], kept[:2])):
+            return "the update's hyperparameters' reference (RUN.toml's values) was replaced"
+        if hyperparameters.schedule != kept[2]:
+            self.unscheduled = True
+            return (f"the run's schedule is {hyperparameters.schedule}, where set_schedule fixed {kept[2]} (set "
+                    "other than by set_schedule)")
         now = list(self.model.named_parameters())
         if len(now) != len(self.params) or any(p is not q for (_, p), (_, q, _) in zip(now, self.params)):
             return "a parameter of run.model was replaced or added"
@@ -659,7 +682,7 @@ class Weights:
         state = "the update's state (optimizer moments, step counts, parameter groups) was written"
         if not self._same_groups():  # types first
             return state
-        hyperparameters, step = self.mechanism.hyperparameters, self.steps()
+        step = self.steps()
         wrong = hyperparameters.changed(self.mechanism, step)
         self.unscheduled = wrong is not None  # a rate, momentum, betas, decay or eps set by other code (issue 34, 8)
         if wrong is not None:
