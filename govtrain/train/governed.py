@@ -276,10 +276,11 @@ class GovernedRun:
             raise ConfigError(Code.RUN_CONFIG_INVALID, f"set_schedule: {e}") from None
         resumed = self._resumed_schedule()
         if resumed is not None and resumed != schedule:
-            raise ConfigError(Code.UNGOVERNED_UPDATE, f"set_schedule({kind!r}, {warmup_steps}): this run's "
-                                                      f"{run.result.steps} step(s) were taken under {resumed}, and a "
+            raise ConfigError(Code.UNGOVERNED_UPDATE, f"set_schedule({kind!r}, {warmup_steps}): this run's state "
+                                                      f"(at step {run.result.steps}) was saved under {resumed}, and a "
                                                       "resumed run keeps its schedule (one chosen after seeing how "
-                                                      "the steps went would follow the data): set that one")
+                                                      "the steps went, those a kill undid included, would follow the "
+                                                      "data): set that one")
         self._check_governed("before set_schedule")
         hyperparameters = run.update.hyperparameters
         hyperparameters.schedule = schedule
@@ -287,7 +288,8 @@ class GovernedRun:
         self._weights.adopt_schedule()
 
     def _resumed_schedule(self) -> Schedule | None:
-        """The schedule a resumed run's state recorded its steps under (None: a new run, or no step taken)."""
+        """The schedule a resumed run's state recorded (None: a new run). Every state is saved after the schedule
+        was fixed, and steps a kill undid before the first checkpoint were taken under it too."""
         run = self._run
         if run.schedule is None:
             return None
