@@ -63,6 +63,7 @@ from govtrain.mechanisms.sealed import Sealed
 from govtrain.tasks.base import Batch
 from govtrain.train.config import RunConfig, run_config
 from govtrain.train.guard import NOT_YOURS, Drawn, Guard
+from govtrain.train.model_state import ModelState
 from govtrain.train.preflight import Plan
 from govtrain.train.rehearsal import (
     Rehearsal,
@@ -133,6 +134,7 @@ class GovernedRun:
         self._weights = Weights(run.model, run.update, lambda: run.result.steps)
         self._release = run.export  # what save() may write: peft's files for this model, govtrain's own
         self._guard = Guard(run.model, self._governed_forward)  # the run owns sampling
+        self._state = ModelState(run.model)  # buffers, plain settings and modes the forward reads (`model_state.py`)
         self._tokenizer = copy.deepcopy(run.tokenizer)  # encodes every draw: patching run.tokenizer changes none
         self._rehearsal: Rehearsal | None = None  # built when first handed out
         self._rehearsed = False  # the rehearsal's last chunk was stepped: the run may write spend
@@ -188,7 +190,8 @@ class GovernedRun:
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         run = self._run
-        stopped = self._broken or (None if self._saved or self._closed else self._weights.changed())
+        stopped = self._broken or (None if self._saved or self._closed else
+                                   self._weights.changed() or self._state.changed())
         if stopped is not None:
             run.log(f"{self.run_id} stopped ({stopped}): its state is its last checkpoint's; open the same config "
                     "again to resume from there")
@@ -557,6 +560,7 @@ class GovernedRun:
         update.hyperparameters.apply(update, run.result.steps)  # the schedule's values, as plain floats
         loss = run.move()
         self._weights.update()  # before anything else runs: the step's bookkeeping and checkpoint come after
+        self._state.take()
         run.record(loss)
         update.hyperparameters.apply(update, run.result.steps)  # the next step's rates
         return loss
@@ -606,6 +610,13 @@ class GovernedRun:
                                                       "noised updates may move what it trains, or the released "
                                                       "weights carry what no step charged; leave the model's "
                                                       "parameters alone while the run is open")
+        changed = self._state.changed()
+        if changed is not None:
+            raise ConfigError(Code.UNGOVERNED_UPDATE, f"{changed} {when}, outside a governed step: every example's "
+                                                      "forward reads it, and one set from the data (the training "
+                                                      "loss, an evaluation) makes each clipped gradient depend on all "
+                                                      "of it, which no spend charges; put it back, and leave the "
+                                                      "model's buffers and settings alone while the run is open")
 
     @contextlib.contextmanager
     def _governed_forward(self) -> Iterator[None]:
@@ -614,9 +625,18 @@ class GovernedRun:
         self._check_governed("at a governed forward")
         drawn, waiting = self._guard.drawn, self._guard.waiting
         assert waiting is not None  # the guard enters this context only for the waiting batch's forward
-        rehearsing = _rehearsing(self._run.model) if drawn is not None and drawn.rehearsal else contextlib.nullcontext()
-        with self._run.forward(waiting.chunk), rehearsing:
+        rehearsal = drawn is not None and drawn.rehearsal
+        switched = None if rehearsal else self._state.check_modes()
+        if switched is not None:
+            raise ConfigError(Code.UNGOVERNED_BATCH, f"{switched} since this process's first governed forward: "
+                                                     "dropout on or off at a step is a choice the loop could make "
+                                                     "from the data; keep run.model in one mode for every governed "
+                                                     "forward (evaluate under torch.no_grad() and switch back)")
+        rehearsing = _rehearsing(self._run.model) if rehearsal else contextlib.nullcontext()
+        place = (drawn.step, drawn.next) if drawn is not None else (-1, -1)
+        with self._run.forward(waiting.chunk), rehearsing, keyed_random(self._run, *place):
             yield
+        self._state.take()  # what the forward itself wrote (BatchNorm's running statistics)
 
 
 class Weights:
@@ -801,6 +821,28 @@ def _rehearsing(model: "nn.Module") -> Iterator[None]:
         torch.set_float32_matmul_precision(precision)
         for module, training in modes:
             module.train(training)
+
+
+@contextlib.contextmanager
+def keyed_random(run: Run, step: int, chunk: int) -> Iterator[None]:
+    """A governed forward's randomness (dropout's masks) from the run's own generator state, seeded by the run's
+    lease (its nonce, or the insecure seed of a test) and the rank, step and chunk, with torch's global generators
+    put back after it: the loop could seed those from the data between steps (an outside review seeded them from
+    the training loss, and every example's masked forward, hence its clipped gradient, followed all the data).
+    Fixed by the draw alone, so a resumed run draws the same masks. The backward reuses the forward's masks."""
+    import hashlib
+
+    material = run.run_nonce if run.insecure_seed is None else b"insecure %d" % run.insecure_seed
+    seed = hashlib.sha256(b"govtrain forward randomness\0" + (material or run.run_id.encode()) +
+                          b"%d %d %d" % (run.world.rank, step, chunk)).digest()
+    seed = int.from_bytes(seed[:8], "big") >> 1  # a generator's seed is below 2**63
+    device = run.device
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.random.default_generator.manual_seed(seed)
+        for index in cuda:
+            torch.cuda.default_generators[index].manual_seed(seed)
+        yield
 
 
 def _random_state(device: "torch.device") -> tuple:
