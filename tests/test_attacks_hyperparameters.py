@@ -324,3 +324,26 @@ def test_a_paused_run_keeps_its_schedule_when_resumed(tmp_path: Path, tiny_model
     factors = [0.0, 0.5] + [0.5 * (1 + math.cos(math.pi * (k - 2) / 3)) for k in range(2, 5)]
     assert used == pytest.approx([0.01 * f for f in factors])
     assert verify_ledger(corpus.url).by_kind["run"] == 1
+
+
+def test_the_release_records_the_schedule_and_a_folder_without_it_still_reads(tmp_path: Path, tiny_model: Path):
+    """The schedule is chosen in user code, outside RUN.toml's hash: govtrain.json (hashed into the adapter the run
+    entry records) and the card say which; a govtrain.json written before they did still reads (schedule None)."""
+    import json
+
+    from govtrain.release.artifact import RECORD, ScheduleRecord, read_record
+    from govtrain.release.verify import verify_adapter
+
+    corpus = _corpus(tmp_path, "recorded")
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 3), corpus.url, insecure_seed=1, **QUIET) as run:
+        run.set_schedule("cosine", warmup_steps=1)
+        _loop(run)
+        run.save()
+    folder = corpus.dir / "adapter"
+    assert read_record(folder).run.schedule == ScheduleRecord(kind="cosine", warmup=1)
+    assert "`cosine` schedule after 1 warm-up step(s)" in (folder / "README.md").read_text()
+    verify_adapter(folder, corpus.url)
+    written = json.loads((folder / RECORD).read_text())
+    del written["run"]["schedule"]
+    (folder / RECORD).write_text(json.dumps(written))
+    assert read_record(folder).run.schedule is None
