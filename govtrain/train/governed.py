@@ -33,7 +33,11 @@ state, groups and defaults (exact types, so no object of the loop's runs inside 
 hyperparameter it reads, which must be RUN.toml's on the run's schedule (`set_schedule`, a function of the step
 alone: a rate set from an evaluation or the training loss is a use of the data no spend charges), are
 checked before each draw, each governed forward, each update, each Trainer checkpoint and at `save()`, and
-torch's global optimizer hooks are refused (they run inside the update); all `ungoverned_update`. Leaving the
+torch's global optimizer hooks are refused (they run inside the update), and so are hooks and methods placed on the
+update's own optimizer, PRISM or DP-Muon (`mechanisms/sealed.py`) and a buffer or plain module setting the forward
+reads set since the last governed forward or step (`model_state.py`); all `ungoverned_update`. A module's mode must
+be the first governed forward's (`ungoverned_batch`), and a governed forward's randomness is the run's
+(`keyed_random`). Leaving the
 block after such a change saves nothing: the run state stays its last checkpoint's.
 
 Leaving the `with` block before the last step keeps the run's state in `<output>/run-state.safetensors`: opening
@@ -682,7 +686,7 @@ class Weights:
         if hyperparameters is not self.hyperparameters or any(
                 a is not b for a, b in zip(hyperparameters.reference()[:2], kept[:2])):
             return "the update's hyperparameters' reference (RUN.toml's values) was replaced"
-        if hyperparameters.schedule != kept[2]:
+        if type(hyperparameters.schedule) is not Schedule or hyperparameters.schedule != kept[2]:  # type first
             self.unscheduled = True
             return (f"the run's schedule is {hyperparameters.schedule}, where set_schedule fixed {kept[2]} (set "
                     "other than by set_schedule)")
