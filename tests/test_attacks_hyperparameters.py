@@ -28,7 +28,7 @@ import govtrain  # noqa: E402
 from govtrain.errors import Code, ConfigError  # noqa: E402
 from govtrain.integrations.hf import GovernedOptimizer, GovernedTrainer  # noqa: E402
 from govtrain.verify.verifier import verify_ledger  # noqa: E402
-from tests.conftest import snapshot  # noqa: E402
+from tests.conftest import rates_met, snapshot  # noqa: E402
 from tests.test_api import QUIET, _corpus, _same, _trainable  # noqa: E402
 from tests.test_attacks_selection import _admitted, _evaluating, _held_out  # noqa: E402
 from tests.test_attacks_user_code import _loop, _step_once  # noqa: E402
@@ -207,14 +207,13 @@ def test_prisms_and_muons_own_rate_written_through_the_trainers_view_is_refused(
         assert then.unchanged()
 
 
-def test_a_configured_schedule_trains_and_is_the_only_one(tmp_path: Path, tiny_model: Path):
+def test_a_configured_schedule_trains_and_is_the_only_one(tmp_path: Path, tiny_model: Path, monkeypatch):
     """`set_schedule` before the first step: the update meets RUN.toml's rate times the schedule's factor at each
     governed step; set again after a step, it is refused."""
     corpus = _corpus(tmp_path, "schedule")
     with govtrain.GovernedRun.open(_config(corpus, tiny_model, 5), corpus.url, insecure_seed=1, **QUIET) as run:
         run.set_schedule("cosine", warmup_steps=2)
-        used = []
-        run._run.update.optimizer.register_step_pre_hook(lambda o, a, k: used.append(o.param_groups[0]["lr"]))
+        used = rates_met(monkeypatch, run._run.update.optimizer)
         _step_once(run, corpus)
         with pytest.raises(ConfigError) as refused:
             run.set_schedule("constant")
@@ -226,7 +225,7 @@ def test_a_configured_schedule_trains_and_is_the_only_one(tmp_path: Path, tiny_m
     assert verify_ledger(corpus.url).by_kind["run"] == 1
 
 
-def test_the_trainers_warm_up_and_cosine_schedule_is_the_runs(tmp_path: Path, tiny_model: Path):
+def test_the_trainers_warm_up_and_cosine_schedule_is_the_runs(tmp_path: Path, tiny_model: Path, monkeypatch):
     """A standard Trainer run: `lr_scheduler_type` and warm-up name the run's schedule, which the Trainer's
     scheduler follows, with a callback that only reads (logs, evaluation on admitted rows, selecting nothing)."""
     corpus = _corpus(tmp_path, "cosine")
@@ -235,8 +234,7 @@ def test_the_trainers_warm_up_and_cosine_schedule_is_the_runs(tmp_path: Path, ti
                                                         logging_steps=1),
                                   eval_dataset=_admitted(run), processing_class=run.tokenizer)
         assert (run.schedule.kind, run.schedule.warmup, run.schedule.total) == ("cosine", 2, 6)
-        used = []
-        run._run.update.optimizer.register_step_pre_hook(lambda o, a, k: used.append(o.param_groups[0]["lr"]))
+        used = rates_met(monkeypatch, run._run.update.optimizer)
         trainer.train()
         assert run.result.adapter_sha256 is not None
     factors = [0.0, 0.5] + [0.5 * (1 + math.cos(math.pi * (k - 2) / 4)) for k in range(2, 6)]
@@ -297,7 +295,7 @@ def test_an_early_stop_from_the_training_loss_releases_nothing(tmp_path: Path, t
     assert not (corpus.dir / "adapter" / "adapter_config.json").exists()
 
 
-def test_a_paused_run_keeps_its_schedule_when_resumed(tmp_path: Path, tiny_model: Path):
+def test_a_paused_run_keeps_its_schedule_when_resumed(tmp_path: Path, tiny_model: Path, monkeypatch):
     """A schedule chosen again when a paused run is opened anew, after seeing how its steps went (the training loss
     is not noised), would be a rate set from the data: the run state records the schedule its steps were taken
     under, a resumed run keeps it, and `set_schedule` with another one is refused (`ungoverned_update`) with
@@ -307,9 +305,10 @@ def test_a_paused_run_keeps_its_schedule_when_resumed(tmp_path: Path, tiny_model
     used: list[float] = []
     with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **QUIET) as run:
         run.set_schedule("cosine", warmup_steps=2)
-        run._run.update.optimizer.register_step_pre_hook(lambda o, a, k: used.append(o.param_groups[0]["lr"]))
+        met = rates_met(monkeypatch, run._run.update.optimizer)
         _step_once(run, corpus)
         _step_once(run, corpus)
+        used += met
     with govtrain.GovernedRun.open(config, corpus.url, insecure_seed=1, **QUIET) as run:
         assert run.steps == 2 and (run.schedule.kind, run.schedule.warmup) == ("cosine", 2)
         then = _Then(run, corpus.url)
@@ -318,9 +317,33 @@ def test_a_paused_run_keeps_its_schedule_when_resumed(tmp_path: Path, tiny_model
         assert refused.value.code is Code.UNGOVERNED_UPDATE and "cosine" in refused.value.detail, refused.value
         assert then.unchanged() and run.schedule.kind == "cosine"
         run.set_schedule("cosine", warmup_steps=2)  # the same one: nothing to refuse
-        run._run.update.optimizer.register_step_pre_hook(lambda o, a, k: used.append(o.param_groups[0]["lr"]))
+        met = rates_met(monkeypatch, run._run.update.optimizer)
         _loop(run)
+        used += met
         assert run.save().steps == 5
     factors = [0.0, 0.5] + [0.5 * (1 + math.cos(math.pi * (k - 2) / 3)) for k in range(2, 5)]
     assert used == pytest.approx([0.01 * f for f in factors])
     assert verify_ledger(corpus.url).by_kind["run"] == 1
+
+
+def test_the_release_records_the_schedule_and_a_folder_without_it_still_reads(tmp_path: Path, tiny_model: Path):
+    """The schedule is chosen in user code, outside RUN.toml's hash: govtrain.json (hashed into the adapter the run
+    entry records) and the card say which; a govtrain.json written before they did still reads (schedule None)."""
+    import json
+
+    from govtrain.release.artifact import RECORD, ScheduleRecord, read_record
+    from govtrain.release.verify import verify_adapter
+
+    corpus = _corpus(tmp_path, "recorded")
+    with govtrain.GovernedRun.open(_config(corpus, tiny_model, 3), corpus.url, insecure_seed=1, **QUIET) as run:
+        run.set_schedule("cosine", warmup_steps=1)
+        _loop(run)
+        run.save()
+    folder = corpus.dir / "adapter"
+    assert read_record(folder).run.schedule == ScheduleRecord(kind="cosine", warmup=1)
+    assert "`cosine` schedule after 1 warm-up step(s)" in (folder / "README.md").read_text()
+    verify_adapter(folder, corpus.url)
+    written = json.loads((folder / RECORD).read_text())
+    del written["run"]["schedule"]
+    (folder / RECORD).write_text(json.dumps(written))
+    assert read_record(folder).run.schedule is None

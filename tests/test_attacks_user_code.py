@@ -45,7 +45,7 @@ from tests import run_state_keys  # noqa: E402
 from govtrain.train.run import STATE_FILE, Chunk, Run  # noqa: E402
 from govtrain.verify.verifier import verify_ledger  # noqa: E402
 from tests import causal_models  # noqa: E402
-from tests.conftest import TEST_POLICY, Corpus, make_corpus, snapshot  # noqa: E402
+from tests.conftest import TEST_POLICY, Corpus, make_corpus, rates_met, snapshot  # noqa: E402
 from tests.test_api import _corpus, _same, _trainable, past_rehearsal  # noqa: E402
 from tests.test_train import _config, save_tiny_bert, tiny_model  # noqa: E402,F401
 
@@ -1261,7 +1261,8 @@ def test_objects_of_the_loops_own_in_the_updates_state_are_refused(tmp_path: Pat
         assert run.steps == 1 and snapshot(corpus.url) == written and _same(weights, run)
 
 
-def test_a_numpy_learning_rate_from_a_schedule_of_ones_own_trains(tmp_path: Path, tiny_model: Path):
+def test_a_numpy_learning_rate_from_a_schedule_of_ones_own_trains(tmp_path: Path, tiny_model: Path,
+                                                                     monkeypatch):
     """Review 6, F3: a LambdaLR whose factor is numpy's writes np.float64 rates; numpy's floats are exact types
     whose arithmetic is numpy's own, so they pass, and the update meets them as plain floats. The rates it writes
     must be the run's schedule's (issue 34, item 8: here the linear one set before the first step)."""
@@ -1274,8 +1275,7 @@ def test_a_numpy_learning_rate_from_a_schedule_of_ones_own_trains(tmp_path: Path
         run.set_schedule("linear")
         view = GovernedOptimizer(run)
         schedule = torch.optim.lr_scheduler.LambdaLR(view, lambda s: np.float64(3 - s) / 3)
-        met = []
-        run._run.update.optimizer.register_step_pre_hook(lambda o, a, k: met.append(type(o.param_groups[0]["lr"])))
+        met = rates_met(monkeypatch, run._run.update.optimizer, lambda o: type(o.param_groups[0]["lr"]))
         for batch in run.batches():
             loss = run.step(run.per_example_loss(run.model(**batch.inputs), batch))
             if loss is not None:

@@ -18,7 +18,7 @@ from govtrain.integrations.hf import GovernedOptimizer, GovernedTrainer  # noqa:
 from govtrain.release.artifact import adapter_sha256  # noqa: E402
 from govtrain.train.config import load_run_config  # noqa: E402
 from govtrain.verify.verifier import verify_ledger  # noqa: E402
-from tests.conftest import snapshot  # noqa: E402
+from tests.conftest import rates_met, snapshot  # noqa: E402
 from tests.test_api import QUIET, _corpus, _spend  # noqa: E402
 from tests.test_train import _config, tiny_model  # noqa: E402,F401
 
@@ -93,7 +93,8 @@ def test_the_trainer_path_gives_the_cli_paths_gradients_adapter_and_spend(tmp_pa
     assert any("loss" in entry for entry in log.logs)  # the Trainer's own logging of the governed loss
 
 
-def test_the_users_trainer_settings_evaluation_and_schedule_apply(tmp_path: Path, tiny_model: Path):
+def test_the_users_trainer_settings_evaluation_and_schedule_apply(tmp_path: Path, tiny_model: Path,
+                                                                  monkeypatch):
     """Evaluation runs (under no_grad, between governed steps), compute_metrics and callbacks see it, and the
     Trainer's schedule scales the run's optimizer's learning rate (here linearly to zero)."""
     import numpy as np
@@ -110,9 +111,8 @@ def test_the_users_trainer_settings_evaluation_and_schedule_apply(tmp_path: Path
                                   eval_dataset=rows, compute_metrics=metrics, callbacks=[log],
                                   data_collator=None, processing_class=tokenizer)
         lr = trainer.optimizer.param_groups[0]["lr"]
-        used = []  # the rate in the run's own optimizer at each governed update (review 4: a stale copy was scaled)
-        inner = run._run.update.optimizer
-        inner.register_step_pre_hook(lambda optimizer, args, kwargs: used.append(optimizer.param_groups[0]["lr"]))
+        # the rate in the run's own optimizer at each governed update (review 4: a stale copy was scaled)
+        used = rates_met(monkeypatch, run._run.update.optimizer)
         trainer.train()
         assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.0)  # the linear schedule ran to zero
         assert used == pytest.approx([0.01 * (6 - k) / 6 for k in range(6)])  # and the update used each rate

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -92,8 +93,28 @@ class Hyperparameters:
     and `changed` (module docstring)."""
 
     def __init__(self, groups: list[dict[str, Any]], parts: dict[str, dict[str, Any]]) -> None:
-        self.groups, self.parts = groups, parts
+        # frozen copies: the reference `changed` compares with and `apply` writes is no object the loop can edit
+        # (review: `groups[i]["lr"]` rewritten moved the rates past every check); `groups` and `parts` hand out
+        # copies, and `Weights` refuses a schedule set other than by `set_schedule` (`reference()`)
+        self._groups = tuple(MappingProxyType(copy.deepcopy(dict(group))) for group in groups)
+        self._parts = MappingProxyType({name: MappingProxyType(copy.deepcopy(dict(values)))
+                                        for name, values in parts.items()})
         self.schedule = Schedule()
+
+    @property
+    def groups(self) -> list[dict[str, Any]]:
+        """A copy of each group's configured hyperparameters (writing it changes nothing)."""
+        return [copy.deepcopy(dict(group)) for group in self._groups]
+
+    @property
+    def parts(self) -> dict[str, dict[str, Any]]:
+        """A copy of PRISM's and DP-Muon's configured hyperparameters (writing it changes nothing)."""
+        return {name: copy.deepcopy(dict(values)) for name, values in self._parts.items()}
+
+    def reference(self) -> tuple:
+        """What the checks compare with, by identity, and the schedule: `Weights` keeps it as the run set it and
+        refuses any other (a schedule assigned past `set_schedule`, the frozen copies swapped)."""
+        return self._groups, self._parts, self.schedule
 
     @classmethod
     def of(cls, optimizer: Any, prism: Any, muon: Any) -> "Hyperparameters":
@@ -108,9 +129,10 @@ class Hyperparameters:
     def expected(self, step: int) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
         """Every group's hyperparameters and PRISM's and DP-Muon's at governed step `step`."""
         factor = self.schedule.factor(step)
-        groups = [{**group, "lr": float(group["lr"]) * factor, "initial_lr": float(group["lr"])}
-                  for group in self.groups]
-        parts = {name: {**values, "lr": float(values["lr"]) * factor} for name, values in self.parts.items()}
+        groups = [{**copy.deepcopy(dict(group)), "lr": float(group["lr"]) * factor, "initial_lr": float(group["lr"])}
+                  for group in self._groups]
+        parts = {name: {**copy.deepcopy(dict(values)), "lr": float(values["lr"]) * factor}
+                 for name, values in self._parts.items()}
         return groups, parts
 
     def apply(self, update: "Update", step: int) -> None:

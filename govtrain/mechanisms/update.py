@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from govtrain.errors import Code, ConfigError
 
-from govtrain.mechanisms.hyperparameters import Hyperparameters
+from govtrain.mechanisms.hyperparameters import RATE_KEYS, RATES, Hyperparameters
 from govtrain.mechanisms.muon import DPMuon
 from govtrain.mechanisms.prism import Prism, lora_pairs
 from govtrain.resolver.model import role
@@ -189,7 +189,7 @@ class Update:
 
     def state_dict(self) -> dict:
         return {"mechanism": self.mechanism,
-                "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+                "optimizer": None if self.optimizer is None else _plain_rates(self.optimizer.state_dict()),
                 "prism": None if self.prism is None else self.prism.state_dict(),
                 "muon": None if self.muon is None else self.muon.state_dict()}
 
@@ -200,3 +200,12 @@ class Update:
             part = getattr(self, name)
             if part is not None:
                 part.load_state_dict(state[name])
+
+
+def _plain_rates(state: dict) -> dict:
+    """An optimizer's state_dict with its groups' learning rates as plain floats: a scheduler of one's own may write
+    numpy's (accepted when they are the schedule's, `hyperparameters.py`), which a run state does not hold; the
+    run writes each step's rates itself anyway (`Hyperparameters.apply`)."""
+    groups = [{k: float(v) if k in RATE_KEYS and type(v) in RATES else v for k, v in group.items()}
+              for group in state.get("param_groups", [])]
+    return {**state, "param_groups": groups}

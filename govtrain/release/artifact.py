@@ -62,13 +62,24 @@ class BaseModelRecord(_Strict):
     sha256: Hex = Field(pattern=r"^[0-9a-f]{64}$")
 
 
+class ScheduleRecord(_Strict):
+    """The learning rates' schedule the run's steps followed (`GovernedRun.set_schedule`, a Trainer's
+    `lr_scheduler_type` and warm-up): the one hyperparameter of the update that RUN.toml, whose hash the run entry
+    records, does not fix; chosen in user code, so an auditor reads it here."""
+
+    kind: Literal["constant", "constant_with_warmup", "linear", "cosine"]
+    warmup: int = Field(ge=0)
+
+
 class RunRecord(_Strict):
-    """Whose adapter this is: the run entry for `run_id` in the ledger of `ledger_origin` records its hash."""
+    """Whose adapter this is: the run entry for `run_id` in the ledger of `ledger_origin` records its hash; and the
+    schedule its learning rates followed (absent from folders written before govtrain recorded it)."""
 
     run_id: str = Field(min_length=1)
     ledger_origin: str = Field(min_length=1)
     config_sha256: Hex = Field(pattern=r"^[0-9a-f]{64}$")
     mechanism: str
+    schedule: ScheduleRecord | None = None
 
 
 class ArtifactRecord(_Strict):

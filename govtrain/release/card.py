@@ -162,7 +162,7 @@ def render_card(record: ArtifactRecord, facts: RunFacts) -> str:
         f"- **Mechanism**: {MECHANISM_NAMES.get(facts.mechanism, facts.mechanism)} on LoRA factors"
         f"{' and the classifier head' if record.heads and classifier else ''}: Poisson sampling at q = {q} per ledger "
         f"epoch, each unit's gradient clipped to its class's norm, Gaussian noise added once per step; {facts.steps} "
-        "steps.",
+        f"steps{_schedule(record)}.",
         "",
         "## Ledger",
         "",
@@ -221,6 +221,15 @@ def render_card(record: ArtifactRecord, facts: RunFacts) -> str:
 
 def _yaml(value: str) -> str:
     return value if all(c.isalnum() or c in "/._-" for c in value) else '"' + value.replace('"', '\\"') + '"'
+
+
+def _schedule(record: ArtifactRecord) -> str:
+    """The learning rates' schedule as govtrain.json records it (nothing for a folder written before it did)."""
+    schedule = record.run.schedule
+    if schedule is None:
+        return ""
+    warmup = f" after {schedule.warmup} warm-up step(s)" if schedule.warmup else ""
+    return f"; learning rates: RUN.toml's, on the `{schedule.kind}` schedule{warmup}"
 
 
 def write_card(folder: Path, record: ArtifactRecord, facts: RunFacts) -> Path:

@@ -89,6 +89,15 @@ class Release:
             raise RuntimeError(f"govtrain's own files would overwrite what save_pretrained writes: {clash}")
         self.files.update(extras, **{RECORD: record.to_json()})
 
+    def fix_schedule(self, schedule: dict) -> None:
+        """Record the learning rates' schedule the run's steps followed (`Schedule.record()`: kind, warm-up) in the
+        record: it is fixed only after the run opens (`set_schedule`), so it is written in when the run finishes."""
+        from govtrain.release.artifact import ScheduleRecord
+
+        run = self.record.run.model_copy(update={"schedule": ScheduleRecord(**schedule)})
+        self.record = self.record.model_copy(update={"run": run})
+        self.files[RECORD] = self.record.to_json()
+
     def write(self, output: Path) -> None:
         """Complete the folder `save_pretrained` just wrote: its model cards out, each adapter config that is still
         what the run opened with made portable (one that is not is left for `check` to refuse), the extras in."""

@@ -33,7 +33,11 @@ state, groups and defaults (exact types, so no object of the loop's runs inside 
 hyperparameter it reads, which must be RUN.toml's on the run's schedule (`set_schedule`, a function of the step
 alone: a rate set from an evaluation or the training loss is a use of the data no spend charges), are
 checked before each draw, each governed forward, each update, each Trainer checkpoint and at `save()`, and
-torch's global optimizer hooks are refused (they run inside the update); all `ungoverned_update`. Leaving the
+torch's global optimizer hooks are refused (they run inside the update), and so are hooks and methods placed on the
+update's own optimizer, PRISM or DP-Muon (`mechanisms/sealed.py`) and a buffer or plain module setting the forward
+reads set since the last governed forward or step (`model_state.py`); all `ungoverned_update`. A module's mode must
+be the first governed forward's (`ungoverned_batch`), and a governed forward's randomness is the run's
+(`keyed_random`). Leaving the
 block after such a change saves nothing: the run state stays its last checkpoint's.
 
 Leaving the `with` block before the last step keeps the run's state in `<output>/run-state.safetensors`: opening
@@ -59,9 +63,11 @@ from govtrain import units
 from govtrain.distributed.fsdp import is_sharded
 from govtrain.errors import Code, ConfigError
 from govtrain.mechanisms.hyperparameters import RATE_KEYS, Schedule
+from govtrain.mechanisms.sealed import Sealed
 from govtrain.tasks.base import Batch
 from govtrain.train.config import RunConfig, run_config
 from govtrain.train.guard import NOT_YOURS, Drawn, Guard
+from govtrain.train.model_state import ModelState
 from govtrain.train.preflight import Plan
 from govtrain.train.rehearsal import (
     Rehearsal,
@@ -132,6 +138,7 @@ class GovernedRun:
         self._weights = Weights(run.model, run.update, lambda: run.result.steps)
         self._release = run.export  # what save() may write: peft's files for this model, govtrain's own
         self._guard = Guard(run.model, self._governed_forward)  # the run owns sampling
+        self._state = ModelState(run.model)  # buffers, plain settings and modes the forward reads (`model_state.py`)
         self._tokenizer = copy.deepcopy(run.tokenizer)  # encodes every draw: patching run.tokenizer changes none
         self._rehearsal: Rehearsal | None = None  # built when first handed out
         self._rehearsed = False  # the rehearsal's last chunk was stepped: the run may write spend
@@ -187,7 +194,8 @@ class GovernedRun:
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         run = self._run
-        stopped = self._broken or (None if self._saved or self._closed else self._weights.changed())
+        stopped = self._broken or (None if self._saved or self._closed else
+                                   self._weights.changed() or self._state.changed())
         if stopped is not None:
             run.log(f"{self.run_id} stopped ({stopped}): its state is its last checkpoint's; open the same config "
                     "again to resume from there")
@@ -275,18 +283,20 @@ class GovernedRun:
             raise ConfigError(Code.RUN_CONFIG_INVALID, f"set_schedule: {e}") from None
         resumed = self._resumed_schedule()
         if resumed is not None and resumed != schedule:
-            raise ConfigError(Code.UNGOVERNED_UPDATE, f"set_schedule({kind!r}, {warmup_steps}): this run's "
-                                                      f"{run.result.steps} step(s) were taken under {resumed}, and a "
+            raise ConfigError(Code.UNGOVERNED_UPDATE, f"set_schedule({kind!r}, {warmup_steps}): this run's state "
+                                                      f"(at step {run.result.steps}) was saved under {resumed}, and a "
                                                       "resumed run keeps its schedule (one chosen after seeing how "
-                                                      "the steps went would follow the data): set that one")
+                                                      "the steps went, those a kill undid included, would follow the "
+                                                      "data): set that one")
         self._check_governed("before set_schedule")
         hyperparameters = run.update.hyperparameters
         hyperparameters.schedule = schedule
         hyperparameters.apply(run.update, run.result.steps)
-        self._weights.update()
+        self._weights.adopt_schedule()
 
     def _resumed_schedule(self) -> Schedule | None:
-        """The schedule a resumed run's state recorded its steps under (None: a new run, or no step taken)."""
+        """The schedule a resumed run's state recorded (None: a new run). Every state is saved after the schedule
+        was fixed, and steps a kill undid before the first checkpoint were taken under it too."""
         run = self._run
         if run.schedule is None:
             return None
@@ -554,6 +564,7 @@ class GovernedRun:
         update.hyperparameters.apply(update, run.result.steps)  # the schedule's values, as plain floats
         loss = run.move()
         self._weights.update()  # before anything else runs: the step's bookkeeping and checkpoint come after
+        self._state.take()
         run.record(loss)
         update.hyperparameters.apply(update, run.result.steps)  # the next step's rates
         return loss
@@ -603,6 +614,13 @@ class GovernedRun:
                                                       "noised updates may move what it trains, or the released "
                                                       "weights carry what no step charged; leave the model's "
                                                       "parameters alone while the run is open")
+        changed = self._state.changed()
+        if changed is not None:
+            raise ConfigError(Code.UNGOVERNED_UPDATE, f"{changed} {when}, outside a governed step: every example's "
+                                                      "forward reads it, and one set from the data (the training "
+                                                      "loss, an evaluation) makes each clipped gradient depend on all "
+                                                      "of it, which no spend charges; put it back, and leave the "
+                                                      "model's buffers and settings alone while the run is open")
 
     @contextlib.contextmanager
     def _governed_forward(self) -> Iterator[None]:
@@ -611,9 +629,18 @@ class GovernedRun:
         self._check_governed("at a governed forward")
         drawn, waiting = self._guard.drawn, self._guard.waiting
         assert waiting is not None  # the guard enters this context only for the waiting batch's forward
-        rehearsing = _rehearsing(self._run.model) if drawn is not None and drawn.rehearsal else contextlib.nullcontext()
-        with self._run.forward(waiting.chunk), rehearsing:
+        rehearsal = drawn is not None and drawn.rehearsal
+        switched = None if rehearsal else self._state.check_modes()
+        if switched is not None:
+            raise ConfigError(Code.UNGOVERNED_BATCH, f"{switched} since this process's first governed forward: "
+                                                     "dropout on or off at a step is a choice the loop could make "
+                                                     "from the data; keep run.model in one mode for every governed "
+                                                     "forward (evaluate under torch.no_grad() and switch back)")
+        rehearsing = _rehearsing(self._run.model) if rehearsal else contextlib.nullcontext()
+        place = (drawn.step, drawn.next) if drawn is not None else (-1, -1)
+        with self._run.forward(waiting.chunk), rehearsing, keyed_random(self._run, *place):
             yield
+        self._state.take()  # what the forward itself wrote (BatchNorm's running statistics)
 
 
 class Weights:
@@ -628,6 +655,16 @@ class Weights:
     def __init__(self, model: "nn.Module", mechanism: "Update", steps: Callable[[], int]) -> None:
         self.model, self.mechanism, self.steps = model, mechanism, steps  # steps(): the coming update's step
         self.unscheduled = False  # what `changed()` last found is a hyperparameter the schedule did not set
+        # the update's own objects (no hook, no method replaced on an instance) and the reference its hyperparameters
+        # are compared with (the frozen copies of RUN.toml's and the schedule set_schedule fixed), as the run opened
+        self.sealed = Sealed.of(mechanism)
+        self.hyperparameters = mechanism.hyperparameters
+        self.reference = mechanism.hyperparameters.reference()
+        self.update()
+
+    def adopt_schedule(self) -> None:
+        """`set_schedule` fixed the update's schedule: it is the reference from now on."""
+        self.reference = self.hyperparameters.reference()
         self.update()
 
     def update(self) -> None:
@@ -641,6 +678,18 @@ class Weights:
 
     def changed(self) -> str | None:
         self.unscheduled = False
+        sealed = self.sealed.changed()  # first: the state checks below call the update's state_dict()
+        if sealed is not None:
+            return sealed
+        hyperparameters = self.mechanism.hyperparameters
+        kept = self.reference
+        if hyperparameters is not self.hyperparameters or any(
+                a is not b for a, b in zip(hyperparameters.reference()[:2], kept[:2])):
+            return "the update's hyperparameters' reference (RUN.toml's values) was replaced"
+        if type(hyperparameters.schedule) is not Schedule or hyperparameters.schedule != kept[2]:  # type first
+            self.unscheduled = True
+            return (f"the run's schedule is {hyperparameters.schedule}, where set_schedule fixed {kept[2]} (set "
+                    "other than by set_schedule)")
         now = list(self.model.named_parameters())
         if len(now) != len(self.params) or any(p is not q for (_, p), (_, q, _) in zip(now, self.params)):
             return "a parameter of run.model was replaced or added"
@@ -659,7 +708,7 @@ class Weights:
         state = "the update's state (optimizer moments, step counts, parameter groups) was written"
         if not self._same_groups():  # types first
             return state
-        hyperparameters, step = self.mechanism.hyperparameters, self.steps()
+        step = self.steps()
         wrong = hyperparameters.changed(self.mechanism, step)
         self.unscheduled = wrong is not None  # a rate, momentum, betas, decay or eps set by other code (issue 34, 8)
         if wrong is not None:
@@ -776,6 +825,28 @@ def _rehearsing(model: "nn.Module") -> Iterator[None]:
         torch.set_float32_matmul_precision(precision)
         for module, training in modes:
             module.train(training)
+
+
+@contextlib.contextmanager
+def keyed_random(run: Run, step: int, chunk: int) -> Iterator[None]:
+    """A governed forward's randomness (dropout's masks) from the run's own generator state, seeded by the run's
+    lease (its nonce, or the insecure seed of a test) and the rank, step and chunk, with torch's global generators
+    put back after it: the loop could seed those from the data between steps (an outside review seeded them from
+    the training loss, and every example's masked forward, hence its clipped gradient, followed all the data).
+    Fixed by the draw alone, so a resumed run draws the same masks. The backward reuses the forward's masks."""
+    import hashlib
+
+    material = run.run_nonce if run.insecure_seed is None else b"insecure %d" % run.insecure_seed
+    seed = hashlib.sha256(b"govtrain forward randomness\0" + (material or run.run_id.encode()) +
+                          b"%d %d %d" % (run.world.rank, step, chunk)).digest()
+    seed = int.from_bytes(seed[:8], "big") >> 1  # a generator's seed is below 2**63
+    device = run.device
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.random.default_generator.manual_seed(seed)
+        for index in cuda:
+            torch.cuda.default_generators[index].manual_seed(seed)
+        yield
 
 
 def _random_state(device: "torch.device") -> tuple:

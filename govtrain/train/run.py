@@ -502,7 +502,10 @@ class Run:
             if not self.recorded:  # it draws again: its surviving units must keep their identities
                 corpus.check(state.get("corpus"), self.corpus, self.state_path)
             self.corpus = corpus.merge(state.get("corpus"), self.corpus)
-            self.schedule = state["schedule"] if state["step"] else None  # no step taken: none chosen yet
+            # kept from the first state on: every state is saved after the schedule was fixed (at an epoch's
+            # write-ahead, or a pause), and a kill before the first checkpoint may come after steps that showed their
+            # loss, so a schedule chosen again then would follow the data (issue 34, review of item 8)
+            self.schedule = state["schedule"]
             check_state_shapes(state, self.model, self.update, self.state_path)  # before anything is put back
             result.steps, result.losses = state["step"], state["losses"]
             result.nonfinite = state["nonfinite"]
@@ -1063,6 +1066,8 @@ class Run:
         self._check_owner()
         output = self.config.output_dir
         result = self.result
+        if not self.recorded:  # the schedule the steps followed, which RUN.toml's hash does not cover
+            self.export.fix_schedule(self.update.hyperparameters.schedule.record())
         record = self.export.record
         if self.recorded:  # the adapter was saved and recorded before a kill: it must still be what was recorded
             result.adapter_sha256, record = read_recorded_adapter(output, self._entry)

@@ -1,0 +1,143 @@
+"""The state of `run.model` that its forward reads besides its parameters, modules, methods and hooks.
+
+An outside review of issue 34's item 8 set, between governed steps and from the non-noised training loss, state
+that every example's forward reads and that neither `Weights` (parameters, the update) nor the guard's "model as
+opened" (modules, methods, hooks, configs, by identity) compared: a registered buffer (BERT's `position_ids`,
+written in place or replaced), peft's per-adapter LoRA `scaling` (lora_alpha / r), an attention module's float
+`scaling`, the modules' `training` flag (dropout on or off). Each made every example's clipped gradient at the
+next step a function of all the data, so neighbouring data sets' clipped sums differed in every term, with the
+spend unchanged and the run recorded.
+
+`ModelState` keeps, as the last governed forward or step left them:
+- every buffer, by name: the tensor's identity and a copy of its values (compared by value: a write through
+  `.data` bumps no version counter, and one written back as it was changes nothing the forward reads);
+- every module's plain attributes (bool, int, float, str, None, and tuples, lists and dicts of them: peft's
+  `scaling`, `r`, `lora_alpha`, its active adapter, an attention's `scaling`), the `training` flag aside; one
+  added later (accelerate's `_is_accelerate_prepared`, set by a Trainer) is recorded from the next record on.
+`changed()` names the first that differs; the run refuses it (`ungoverned_update`) at every check `Weights` runs
+at (before each draw, governed forward, update, checkpoint and save). A governed forward may write buffers itself
+(BatchNorm's running statistics): the record is taken again after each one.
+
+The modes (`training`) are the loop's choice, and a Trainer switches them around its evaluations; so they are
+compared only at each governed forward, against the first governed forward's in this process (`check_modes`): a
+mode chosen from the data at a later step is refused (`ungoverned_batch`).
+
+What stays out of reach: state the forward reads that is not a buffer, a module's plain attribute or its mode (a
+tensor held as a plain attribute, a module-level global, a library patched), and the loss the loop computes from
+the output (`docs/python-api.md`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from govtrain.distributed.fsdp import is_sharded
+
+if TYPE_CHECKING:
+    from torch import nn
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+class ModelState:
+    def __init__(self, model: "nn.Module") -> None:
+        self.model = model
+        self.modes: list[bool] | None = None  # each module's `training` at this process's first governed forward
+        self.take()
+
+    def take(self) -> None:
+        """Record the model's buffers and plain attributes as they are now (after a governed forward or step)."""
+        self.buffers = [(name, b, _local(b).detach().clone())
+                        for name, b in self.model.named_buffers(remove_duplicate=False)]
+        self.attributes = _attributes(self.model)
+
+    def changed(self) -> str | None:
+        """The first buffer or plain attribute of the model that is not as last recorded, in words; None when all
+        are."""
+        now = list(self.model.named_buffers(remove_duplicate=False))
+        names = [name for name, *_ in self.buffers]
+        if [name for name, _ in now] != names:
+            added = sorted({name for name, _ in now} - set(names))
+            removed = sorted(set(names) - {name for name, _ in now})
+            return f"run.model's buffers changed ({', '.join([*added, *removed][:3]) or 'their order'})"
+        for (name, b), (_, kept, values) in zip(now, self.buffers):
+            if b is not kept:
+                return f"run.model's buffer {name} was replaced"
+            held = _local(b)
+            if held.shape != values.shape or held.dtype != values.dtype or not torch.equal(held, values):
+                return f"run.model's buffer {name} was written"
+        attributes = _attributes(self.model)
+        for where, kept in self.attributes.items():  # one added since is no setting the forward read then
+            if not _same(attributes.get(where, _MISSING), kept):
+                return f"run.model's {where} was set (to {attributes.get(where, _MISSING)!r}, from {kept!r})"
+        return None
+
+    def check_modes(self) -> str | None:
+        """At a governed forward: each module's mode against this process's first governed forward's."""
+        modes = [module.training for module in self.model.modules()]
+        if self.modes is None:
+            self.modes = modes
+            return None
+        if modes != self.modes:
+            switched = [(name or "run.model", now) for (name, _), now, then in
+                        zip(self.model.named_modules(), modes, self.modes) if now != then]
+            (name, now), more = switched[0], len(switched) - 1
+            return (f"{name}{f' and {more} more module(s)' if more else ''} switched to "
+                    f"{'training' if now else 'evaluation'} mode")
+        return None
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "nothing"
+
+
+_MISSING = _Missing()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if is_sharded(t) else t
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    if type(value) in _PLAIN:
+        return True
+    if depth < 2 and type(value) in (tuple, list):
+        return all(_plain(v, depth + 1) for v in value)
+    if depth < 2 and type(value) is dict:
+        return all(type(k) in _PLAIN and _plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def _copy(value: Any) -> Any:
+    if type(value) in (tuple, list):
+        return type(value)(_copy(v) for v in value)
+    if type(value) is dict:
+        return {k: _copy(v) for k, v in value.items()}
+    return value
+
+
+def _same(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if type(a) in (tuple, list):
+        return len(a) == len(b) and all(map(_same, a, b))
+    if type(a) is dict:
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b or (a != a and b != b)
+
+
+def _attributes(model: "nn.Module") -> dict[str, Any]:
+    """Every module's plain instance attributes (copies), by where they are, the `training` flag aside."""
+    found: dict[str, Any] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        where = path or "run.model"
+        for name, value in vars(module).items():
+            if name != "training" and _plain(value):
+                found[f"{where}.{name}"] = _copy(value)
+    return found
+
+
+__all__ = ["ModelState"]
