@@ -35,7 +35,7 @@ def tiny(tmp_path_factory) -> Path:
     return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
 
 
-def start_trainers(corpus: Corpus, config: Path, out: Path, size: int, *, seed: int = 7) -> list[subprocess.Popen]:
+def start_trainers(corpus: Corpus, config: Path, out: Path, size: int, *, seed: int = 2) -> list[subprocess.Popen]:
     """`size` ranks of tests/hf_distributed_worker.py (size 0: one process, no process group)."""
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -68,7 +68,8 @@ def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
 @pytest.mark.slow
 def test_two_trainer_ranks_train_the_single_process_adapter_and_write_the_spend_once(tmp_path, tiny, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # three processes on a few cores: threads that spin only contend
-    # contribution unit, 8 contributions at q = 0.5: a step often draws one, and one rank's share is then empty
+    # contribution unit, 8 contributions at q = 0.5: a step may draw one, and one rank's share is then empty (seed 2
+    # does, under the identity-keyed draws of issue 34; seed 7 no longer did)
     one = make_world(tmp_path / "one", tiny, unit="contribution", steps=8)
     two = make_world(tmp_path / "two", tiny, unit="contribution", steps=8)
     done = finish(start_trainers(*one, tmp_path / "out-one", 0) + start_trainers(*two, tmp_path / "out-two", 2))

@@ -62,12 +62,13 @@ class ModelState:
             added = sorted({name for name, _ in now} - set(names))
             removed = sorted(set(names) - {name for name, _ in now})
             return f"run.model's buffers changed ({', '.join([*added, *removed][:3]) or 'their order'})"
-        for (name, b), (_, kept, values) in zip(now, self.buffers):
-            if b is not kept:
-                return f"run.model's buffer {name} was replaced"
-            held = _local(b)
-            if held.shape != values.shape or held.dtype != values.dtype or not torch.equal(held, values):
-                return f"run.model's buffer {name} was written"
+        # by value, not by identity: the Trainer's distributed wrapping and `.to()` replace a buffer by an equal one,
+        # which the forward reads the same; one replaced by other values is refused as one written in place
+        for (name, b), (_, _kept, values) in zip(now, self.buffers):
+            held = _local(b).detach()
+            if held.shape != values.shape or held.dtype != values.dtype or \
+                    not torch.equal(held.to(values.device), values):
+                return f"run.model's buffer {name} was written or replaced"
         attributes = _attributes(self.model)
         for where, kept in self.attributes.items():  # one added since is no setting the forward read then
             if not _same(attributes.get(where, _MISSING), kept):
