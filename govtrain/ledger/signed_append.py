@@ -8,8 +8,8 @@ and checks the stored subtree hashes against the root before storing more.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 import time as _time
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Protocol, Sequence
 
 import ledger_store
@@ -66,7 +66,7 @@ def signed_append(ledger: SigningLedger, now: int | None = None, *, cosigners: S
                   signed_under: Policy | None = None) -> Iterator[ledger_store.Appender]:
     """A write transaction that ends by signing a checkpoint of the tree it leaves behind.
 
-    Before signing, the signer proves that tree extends the one it signed last (`_signed_prefix`),
+    Before signing, the signer proves that tree extends the one it signed last (`signed_prefix`),
     computes the new root from that head and the new leaf hashes alone, refuses entries whose times
     run backwards, and checks the stored subtree hashes against the root before storing more.
     `signed_under` is the policy whose keys signed the tree so far (default: the current one)."""
