@@ -1,28 +1,21 @@
 """Storage for govtrain ledgers: an append-only table of canonical CBOR entries."""
 
-from ledger_store.store import (
-    PERSISTED_NODE_HEIGHT,
+from ledger_store.appender import Appender, NodeCache
+from ledger_store.engines import normalize_url, redacted_url
+from ledger_store.errors import (
     AccessDenied,
-    AdmissionRow,
-    Appender,
     Conflict,
     LedgerExists,
     LedgerMissing,
-    LedgerStore,
-    NodeCache,
     NotADatabase,
-    StoredCheckpoint,
-    StoredEntry,
     StoreError,
     TamperedRow,
     Unavailable,
     UnsupportedURL,
     access_denied,
-    checked,
-    leaf_hash,
-    normalize_url,
-    redacted_url,
 )
+from ledger_store.rows import PERSISTED_NODE_HEIGHT, AdmissionRow, StoredCheckpoint, StoredEntry, checked, leaf_hash
+from ledger_store.store import LedgerStore
 
 __all__ = [
     "PERSISTED_NODE_HEIGHT", "AccessDenied", "access_denied", "NodeCache", "NotADatabase", "StoredCheckpoint", "AdmissionRow", "Appender", "Conflict", "LedgerExists", "LedgerMissing", "LedgerStore", "StoredEntry",

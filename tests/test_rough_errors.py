@@ -111,7 +111,7 @@ def test_a_sqlite_url_with_three_slashes_before_a_folder(tmp_path, monkeypatch):
 
 def test_normalized_bare_paths_pass_the_url_rule(tmp_path, monkeypatch):
     from ledger_store import normalize_url
-    from ledger_store.store import _backend
+    from ledger_store.engines import _backend
 
     monkeypatch.chdir(tmp_path)
     for path in ["ledger.db", "a/b.db", "./a/b.db", "../a/b.db", str(tmp_path / "a.db"), "~/x.db"]:

@@ -7,7 +7,7 @@ Each kind has one builder here and one exact field list (`SPECS`, mirrored by
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import ledger_store
 from govtrain.encoding import cbor
@@ -15,10 +15,13 @@ from govtrain.encoding.fields import INT63_MAX, check_shape
 from govtrain.errors import Code, GovtrainError, IntegrityError
 
 if TYPE_CHECKING:
-    from govtrain.gate.gate import VerifiedAttestation
+    from govtrain.attest.descriptor import Descriptor
     from govtrain.policy.model import Policy
 
 ENTRY_VERSION = 1
+# A run entry's mechanism (the training mechanisms, `govtrain.mechanisms`, name theirs from this list: the
+# ledger records and the verifier checks a name, and sits below the mechanisms that implement them).
+MECHANISMS = ("dpsgd", "prism", "dp-muon")
 PRECISIONS = ("fp32", "bf16")
 DEVICE = re.compile(r"cpu|cuda:[0-9]{1,2}")
 KINDS = ("header", "admit", "spend", "withdraw", "epoch", "summary", "run", "policy", "tune")
@@ -160,7 +163,18 @@ def header_entry(seq: int, time: int, policy: "Policy", policy_source_sha256: by
     return _entry(seq, "header", time, policy=policy.to_record(), policy_source_sha256=policy_source_sha256)
 
 
-def admit_entry(seq: int, time: int, verified: "VerifiedAttestation") -> bytes:
+class AdmittedAttestation(Protocol):
+    """What an admit entry records of a verified attestation (the gate's `VerifiedAttestation`, which sits above
+    the ledger and passes itself in)."""
+
+    raw: bytes
+    kid: bytes
+    descriptor: "Descriptor"
+    descriptor_sha256: bytes
+    attestation_sha256: bytes
+
+
+def admit_entry(seq: int, time: int, verified: AdmittedAttestation) -> bytes:
     d = verified.descriptor
     return _entry(
         seq,

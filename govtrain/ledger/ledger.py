@@ -13,39 +13,20 @@ import os
 import time as _time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Collection, ContextManager, Iterator, Mapping, Sequence
 
 import ledger_store
 from govtrain.attest.keys import load_private_key, raw_public_key
-from govtrain.errors import Code, ConfigError, GovtrainError, IntegrityError, RejectedError
-from govtrain.ledger import availability, retention
-from govtrain.ledger.checkpoint import Checkpoint, NoteError, sign_checkpoint, verify_checkpoint
-from govtrain.ledger.entries import (
-    DEVICE,
-    PRECISIONS,
-    decode_entry,
-    decode_stored,
-    epoch_entry,
-    header_entry,
-    policy_entry,
-    run_entry,
-    spend_entry,
-    summary_entry,
-    tune_entry,
-    withdraw_entry,
-)
-from govtrain.ledger.merkle import CompactRange, MerkleTree
-from govtrain.ledger.policy_chain import (  # noqa: F401  (re-exported: the verifier and tests read them here)
-    UnauthorisedPolicy,
-    authorise_policy_change,
-    fixed_terms_changed,
-    note_keys,
-    policy_chain,
-)
-from govtrain.ledger.signer import SignedHead
-from govtrain.ledger.spend_rules import SpendBook, SpendRuleError, SpendState, min_sampling_rate_u, read_spend_state
-from govtrain.ledger.tuning import TuneBook, TuneRuleError
-from govtrain.ledger.verified import feed, verified_entries
+from govtrain.errors import Code, ConfigError, IntegrityError, RejectedError
+from govtrain.ledger import availability, compaction, run_writes, withdrawal
+from govtrain.ledger.checkpoint import Checkpoint, verify_checkpoint
+from govtrain.ledger.entries import decode_entry, epoch_entry, header_entry, policy_entry
+from govtrain.ledger.merkle import MerkleTree
+from govtrain.ledger.policy_chain import fixed_terms_changed, note_keys, policy_chain  # note_keys: benches read it here
+from govtrain.ledger.signed_append import signed_append
+from govtrain.ledger.spend_rules import SpendBook, read_spend_state
+from govtrain.ledger.tuning import TuneBook
+from govtrain.ledger.verified import verified_entries
 from govtrain.policy.model import Policy
 
 if TYPE_CHECKING:
@@ -169,100 +150,16 @@ class Ledger:
             self._key = _load_ledger_key(path, self.policy)
         return self._key
 
-    @contextmanager
     def append(self, now: int | None = None, *, cosigners: Sequence[tuple[object, str]] = (),
-               signed_under: Policy | None = None) -> Iterator[ledger_store.Appender]:
+               signed_under: Policy | None = None) -> ContextManager[ledger_store.Appender]:
         """A write transaction that ends by signing a checkpoint of the tree it leaves behind.
 
-        Before signing, the signer proves that tree extends the one it signed last (`_signed_prefix`),
+        Before signing, the signer proves that tree extends the one it signed last (`signed_prefix`),
         computes the new root from that head and the new leaf hashes alone, refuses entries whose times
         run backwards, and checks the stored subtree hashes against the root before storing more.
-        `signed_under` is the policy whose keys signed the tree so far (default: the current one)."""
-        now = int(_time.time()) if now is None else now
-        key = self.signing_key()
-        signers = [(key, self._key_name(key)), *cosigners]
-        cache = self._nodes
-        head = None
-        committing = False
-        try:
-            with self.store.append() as appender:
-                yield appender
-                appender.flush()
-                first, size = appender.first_seq, appender.next_seq
-                _check_times(appender)
-                header_leaf = self._header_leaf or (appender.added[0].leaf_hash if first == 0 and appender.added
-                                                    else None)
-                if header_leaf is None:
-                    raise IntegrityError(Code.BAD_LEDGER_HEADER, "the ledger has no header entry")
-                head = SignedHead.of(self._signing_key_path(), header_leaf)
-                head.prepare()
-                latest = appender.latest_checkpoint()
-                tree = self._signed_prefix(appender, head, signed_under or self.policy, latest)
-                for leaf in appender.leaf_hashes(first, size):
-                    tree.append(leaf)
-                root = tree.root()
-                cache.lookup = appender.node  # inside the transaction: sees only committed subtrees
-                if MerkleTree(appender.leaf_hashes, size, cache=cache,
-                              min_cached_height=ledger_store.PERSISTED_NODE_HEIGHT).root() != root:
-                    raise IntegrityError(Code.FORK, "the database's leaf hashes or stored subtree hashes (tree_nodes) "
-                                                    "disagree with the tree this key signed: it was altered; "
-                                                    "run govtrain-verify")
-                cache.flush(appender.connection)
-                checkpoint = sign_checkpoint(self.policy.origin, size, root, signers)
-                appender.add_checkpoint(size, root, checkpoint.note, now)
-                committing = True
-        except GovtrainError as e:
-            # Lost while committing: it may have committed unacknowledged. Ask, and report what is so
-            # (availability.py); an operation is run again only where nothing of it landed.
-            try:
-                stored = committing and e.code is Code.LEDGER_UNAVAILABLE and availability.landed(
-                    self.store, appender.added, checkpoint.note, size=size,
-                    after=latest.id if latest is not None else -1, retry_s=self.retry_s)
-            except BaseException:
-                cache.rollback()
-                raise
-            if not stored:
-                cache.rollback()
-                raise
-        except BaseException:
-            cache.rollback()
-            raise
-        cache.commit()
-        self._header_leaf = header_leaf
-        head.save(tree, new_ledger=first == 0)
-
-    def _signed_prefix(self, appender: ledger_store.Appender, head: SignedHead, policy: Policy,
-                       latest: ledger_store.StoredCheckpoint | None) -> CompactRange:
-        """The tree of the entries before this write, as this signer knows it was signed.
-
-        From the head this key last signed here (kept outside the database), extended by any entries that
-        other writers holding a ledger key appended and signed since; the database's latest checkpoint must
-        be exactly that tree head. A key with no record for this ledger (its first write here) takes the
-        database as it is, once, after checking it against its latest signed checkpoint."""
-        first = appender.first_seq
-        tree = head.load() if first else None  # a new ledger starts from nothing, whatever was recorded
-        if tree is None:
-            tree = CompactRange()
-            for leaf in appender.leaf_hashes(0, first):
-                tree.append(leaf)
-        elif tree.size > first:
-            raise IntegrityError(Code.ROLLBACK, f"this key signed {tree.size} entries of this ledger but the database "
-                                                f"holds {first}: it was rolled back or truncated; restore it")
-        else:
-            for leaf in appender.leaf_hashes(tree.size, first):
-                tree.append(leaf)
-        if first == 0:
-            return tree
-        if latest is None or latest.size != first or latest.root != tree.root():
-            raise IntegrityError(Code.FORK, f"the database's entries or checkpoints differ from the {first} entries "
-                                            "signed so far (an entry was altered or a checkpoint removed): this key "
-                                            "will not sign them; run govtrain-verify")
-        try:
-            verify_checkpoint(latest.note, origin=policy.origin, keys=note_keys(policy))
-        except NoteError as e:
-            raise IntegrityError(Code.FORK, f"the database's latest checkpoint does not verify ({e.detail}): this "
-                                            "key will not sign on top of it; run govtrain-verify") from e
-        return tree
+        `signed_under` is the policy whose keys signed the tree so far (default: the current one).
+        (`signed_append.py`.)"""
+        return signed_append(self, now, cosigners=cosigners, signed_under=signed_under)
 
     def dated(self, appender: ledger_store.Appender, now: int) -> int:
         """The time to give entries written in `appender`'s transaction: `now`, or the last entry's time
@@ -423,27 +320,7 @@ class Ledger:
     @_retried
     def withdraw(self, contribution_id: str, reason: str, now: int | None = None) -> ledger_store.StoredEntry:
         """Append a `withdraw` entry. Never removes or edits earlier entries, never refunds spend."""
-        now = int(_time.time()) if now is None else now
-        admit = _indexed_admit(self.store, contribution_id)
-        if admit is not None and _withdrawal_of(self.store, contribution_id, admit.leaf_hash) is not None:
-            admit = None  # the index lost the withdrawal's row: the entries decide (already_withdrawn)
-        indexed = admit is not None
-        if admit is None:  # the index says unknown or withdrawn, or points elsewhere: the entries decide
-            admit = _admit_of(self.store, contribution_id)
-        if admit.body is None or contribution_id in retention.RetiredKeys.read(self.store):
-            raise RejectedError(Code.REDACTED, f"{contribution_id!r} was summarized by retention and is retired")
-        if not reason.strip() or len(reason) > 1024:
-            raise ConfigError(Code.BAD_ARGUMENT, "--reason must be 1-1024 characters")
-        try:
-            with self.append(now) as appender:
-                t = self.dated(appender, now)
-                stored = appender.add(
-                    "withdraw", t, lambda seq: withdraw_entry(seq, t, contribution_id, admit.leaf_hash, reason),
-                    # an index that hid the admission or forged a withdrawal gets no row: the entry is what counts
-                    withdrawal={"contribution_id": contribution_id} if indexed else None)
-        except ledger_store.Conflict as e:
-            raise RejectedError(Code.ALREADY_WITHDRAWN, f"{contribution_id!r} is already withdrawn") from e
-        return stored
+        return withdrawal.withdraw(self, contribution_id, reason, now)
 
     @_retried
     def record_spend(self, epoch: int, sampling_rate_u: int, spends: "Sequence[tuple[str, int, int, int]]", *,
@@ -463,75 +340,9 @@ class Ledger:
         again is refused even where another run charged its contributions after it opened. `privatizer`: the
         record of the privatizer the run adds its noise with (`Privatizer.record`; None: the i.i.d. Gaussian's),
         which every spend entry records and the charge follows from (`privatizers`, docs/privatizers.md)."""
-        now = int(_time.time()) if now is None else now
-        policy = self.policy
-        record = _privatizer_record(privatizer)
-        if policy.sampling_rate_u is not None and sampling_rate_u != policy.sampling_rate_u:
-            raise ConfigError(Code.BAD_ARGUMENT, f"sampling rate {sampling_rate_u} differs from the policy's "
-                                                 f"{policy.sampling_rate_u}")
-        if not 0 < sampling_rate_u <= 1_000_000:
-            raise ConfigError(Code.BAD_ARGUMENT, "the sampling rate must be in (0, 1]")
-        signed: dict[str, tuple[bytes, dict]] = {}
-        for contribution_id, steps, sigma_u, eps_u in spends:
-            admission = self.store.admission(contribution_id)
-            if admission is None:
-                raise RejectedError(Code.UNKNOWN_CONTRIBUTION, f"no admitted contribution {contribution_id!r}")
-            admit = self.store.entry(admission.seq)
-            if admit is None or admit.body is None:
-                raise RejectedError(Code.REDACTED, f"{contribution_id!r} was summarized by retention and is retired")
-            entry = decode_stored(admit)
-            if entry["contribution_id"] != contribution_id:
-                raise IntegrityError(Code.INDEX_MISMATCH, f"the admissions index points {contribution_id!r} at entry "
-                                                          f"{admit.seq}, which admits {entry['contribution_id']!r}")
-            if sigma_u < entry["noise_multiplier_u"] or eps_u > entry["eps_budget_u"]:
-                raise RejectedError(Code.BUDGET_EXCEEDED,
-                                    f"spend for {contribution_id!r} ({steps} steps, sigma {sigma_u}, ε {eps_u}) "
-                                    f"breaks its signed bounds (sigma >= {entry['noise_multiplier_u']}, "
-                                    f"ε <= {entry['eps_budget_u']})")
-            signed[contribution_id] = (admit.leaf_hash, entry)
-        if len(signed) != len(spends):
-            raise ConfigError(Code.BAD_ARGUMENT, "a contribution appears twice in one epoch's spend")
-        with self.append(now) as appender:
-            t = self.dated(appender, now)
-            entries = verified_entries(self.store, policy=policy)  # one pass, every row, none selected by kind
-            state, tunes, classes = SpendState(policy, lambda: entries.redacted), TuneBook(), {}
-            feed(entries, state.take, lambda item: tunes.take(item, classes, lambda: entries.redacted))
-            book, live_records, withdrawn = state.book, state.live_units(), state.withdrawn
-            retired = retention.RetiredKeys.read(self.store)
-            floor = (min_sampling_rate_u(policy.expected_batch_size, live_records)
-                     if policy.expected_batch_size is not None else None)
-            ledger_epoch = book.ledger_epoch  # the epoch entries by their bodies, never by the kind column
-            if consent is not None:
-                _check_consent(book, [record[0] for record in spends], {run_id, *consent}, run_id, epoch)
-            stored = []
-            for contribution_id, steps, sigma_u, eps_u in spends:
-                leaf, _ = signed[contribution_id]
-                if contribution_id in withdrawn:
-                    raise RejectedError(Code.ALREADY_WITHDRAWN, f"{contribution_id!r} was withdrawn: no more spend")
-                if contribution_id in retired:
-                    raise RejectedError(Code.REDACTED, f"{contribution_id!r} was retired by a retention summary")
-                fields = dict(contribution_id=contribution_id, admit_leaf=leaf, run_id=run_id, run_nonce=run_nonce,
-                              epoch=epoch, epoch_steps=epoch_steps, steps=steps, sampling_rate_u=sampling_rate_u,
-                              noise_multiplier_u=sigma_u, accountant=policy.accountant, delta_p=policy.delta_p,
-                              privacy_unit=policy.privacy_unit, eps_u=eps_u, noise_groups=list(noise_groups),
-                              privatizer=dict(record))
-                try:
-                    book.check(fields, ledger_epoch=ledger_epoch, steps_per_epoch=policy.steps_per_epoch,
-                               min_rate_u=floor, classes=policy.classes)
-                except SpendRuleError as e:
-                    error = RejectedError if e.code in _REJECTED else ConfigError
-                    raise error(e.code, e.detail) from e
-                try:  # the run is no trial of a recorded tune: that tune's total would no longer hold
-                    tunes.check_spend(fields)
-                except TuneRuleError as e:
-                    raise RejectedError(Code.RUN_ID_TAKEN, f"{e.detail}; give the run another id") from e
-                book.add(fields)
-                stored.append(appender.add("spend", t, functools.partial(_spend_at, now=t, fields=fields)))
-            try:  # rule 7's bound on s_g reads the whole epoch's spend: the transaction rolls back if it fails
-                book.check_schedule(ledger_epoch)
-            except SpendRuleError as e:
-                raise ConfigError(e.code, e.detail) from e
-        return stored
+        return run_writes.record_spend(self, epoch, sampling_rate_u, spends, run_id=run_id, run_nonce=run_nonce,
+                                       epoch_steps=epoch_steps, noise_groups=noise_groups, now=now,
+                                       consent=consent, privatizer=privatizer)
 
     def spend_book(self) -> SpendBook:
         """The recorded spend, as the rules a new spend must meet read it."""
@@ -550,24 +361,9 @@ class Ledger:
         """Append a `run` entry: what a training run was (config, base model, the device and precision that
         computed it) and what it produced. It ends the run's lease on its id: refused (`run_id_taken`, nothing
         written) where the id already has a run entry or its spend carries another nonce than `run_nonce`."""
-        from govtrain.mechanisms import MECHANISMS
-
-        if mechanism not in MECHANISMS:
-            raise ValueError(f"unknown mechanism {mechanism!r}: one of {', '.join(MECHANISMS)}")
-        if precision not in PRECISIONS or not DEVICE.fullmatch(device):
-            raise ValueError(f"a run's precision is one of {', '.join(PRECISIONS)} and its device cpu or cuda:N")
-        now = int(_time.time()) if now is None else now
-        record = _privatizer_record(privatizer)
-        with self.append(now) as appender:
-            t = self.dated(appender, now)
-            try:
-                self.spend_book().check_run({"run_id": run_id, "run_nonce": run_nonce, "privatizer": record})
-            except SpendRuleError as e:
-                raise (RejectedError if e.code in _REJECTED else ConfigError)(e.code, e.detail) from e
-            return appender.add("run", t, lambda seq: run_entry(
-                seq, t, run_id=run_id, run_nonce=run_nonce, mechanism=mechanism, config_sha256=config_sha256,
-                base_model_sha256=base_model_sha256, adapter_sha256=adapter_sha256, device=device,
-                precision=precision, privatizer=dict(record)))
+        return run_writes.record_run(self, run_id, mechanism, config_sha256, base_model_sha256, adapter_sha256, now,
+                                     run_nonce=run_nonce, device=device, precision=precision,
+                                     privatizer=privatizer)
 
     def tune_book(self) -> TuneBook:
         """The runs, their spend and the tunes recorded so far, as the rules a new tune must meet read them."""
@@ -581,25 +377,9 @@ class Ledger:
         hyperparameter search, with the selected run's adapter hash and the epsilon the trials' spend entries
         charged (`tuning.TuneBook.totals`), computed under the write lock. Refuses (writing nothing) an entry
         the verifier would fail. Returns the stored entry and its fields."""
-        now = int(_time.time()) if now is None else now
-        with self.append(now) as appender:
-            t = self.dated(appender, now)
-            book = self.tune_book()
-            run_ids = [run_id for run_id, _ in trials]
-            eps_u, by_class = book.totals(run_ids)
-            selected = book.runs.get(selected_run_id) if selected_run_id is not None else None
-            fields = dict(tune_id=tune_id, config_sha256=config_sha256, grid_sha256=grid_sha256,
-                          trials=[{"run_id": run_id, "config_sha256": sha} for run_id, sha in trials],
-                          selection_sha256=selection_sha256, metric=metric, selected_run_id=selected_run_id,
-                          adapter_sha256=selected[-1][1] if selected else None, accounting="composition",
-                          eps_u=eps_u, eps_by_class=by_class)
-            try:
-                book.check(fields)
-            except TuneRuleError as e:
-                error = ConfigError if e.code in (Code.TUNE_EXISTS, Code.SELECTION_ADMITTED) else RejectedError
-                raise error(e.code, e.detail) from e
-            stored = appender.add("tune", t, functools.partial(_tune_at, now=t, fields=fields))
-        return stored, fields
+        return run_writes.record_tune(self, tune_id=tune_id, config_sha256=config_sha256, grid_sha256=grid_sha256,
+                                      trials=trials, selection_sha256=selection_sha256, metric=metric,
+                                      selected_run_id=selected_run_id, now=now)
 
     def compact(self, before_epoch: int, now: int | None = None) -> list[ledger_store.StoredEntry]:
         """Retention: retire every contribution admitted before epoch `before_epoch - 1` closed and named by
@@ -610,161 +390,11 @@ class Ledger:
         Two transactions: first the summaries, computed from the entry bodies and signed by their checkpoint;
         then, once they are re-checked against those bodies with the verifier's own checks, the redaction.
         A compaction interrupted between the two is finished by the next one."""
-        now = int(_time.time()) if now is None else now
-        try:
-            with self.append(now) as appender:  # under the write lock: nothing is appended meanwhile
-                epoch = self.epoch()  # the verified entries' count, under the write lock
-                horizon = epoch - self.policy.retention_epochs
-                if not 1 <= before_epoch <= horizon:
-                    raise RejectedError(Code.RETENTION_HORIZON,
-                                        f"can compact only epochs before {max(horizon, 0)} (retention is "
-                                        f"{self.policy.retention_epochs} epochs, current epoch {epoch})")
-                boundary = retention.epoch_boundary(self.store, before_epoch)
-                contributions = retention.retirable(self.store, boundary, retention.RetiredKeys.read(self.store))
-                if not contributions:
-                    raise _NothingToRetire
-                t = self.dated(appender, now)
-                for fields in retention.summarize(before_epoch, contributions):
-                    index = {"data_class": fields["data_class"], "first_seq": fields["first_seq"],
-                             "last_seq": fields["last_seq"]}
-                    appender.add("summary", t, functools.partial(_summary_at, now=t, fields=fields),
-                                 summary=index)
-        except _NothingToRetire:
-            pass
-        redacted = self._redact_retired()
-        if not redacted:
-            raise RejectedError(Code.RETENTION_HORIZON, f"nothing left to compact before epoch {before_epoch}")
-        return redacted
-
-    def _redact_retired(self) -> list[ledger_store.StoredEntry]:
-        """Drop the bodies of every entry a summary retired, after re-checking each such summary against them."""
-        # The write lock again, so that nothing can name a retired contribution between the check and the
-        # redaction; no checkpoint, since every leaf hash stays as it was.
-        with self.store.append() as appender:
-            summaries, rows = retention.unfinished(self.store)
-            if not summaries:
-                return []
-            retention.check_unfinished(self.store, summaries, rows)
-            appender.redact(sorted(rows))
-        return [rows[seq] for seq in sorted(rows)]
-
-
-def _indexed_admit(store: ledger_store.LedgerStore, contribution_id: str) -> ledger_store.StoredEntry | None:
-    """The admit entry of `contribution_id` where the index finds it (admitted, no withdrawal row) and it is that
-    contribution's signed admit entry (its body hashes to its leaf and admits it, or retention dropped the body);
-    else None: the index is not trusted to refuse a withdrawal."""
-    admission = store.admission(contribution_id)
-    if admission is None or contribution_id in store.withdrawals():
-        return None
-    admit = store.entry(admission.seq)
-    if admit is None or admit.kind != "admit":
-        return None
-    if admit.body is not None and (ledger_store.leaf_hash(admit.body) != admit.leaf_hash or decode_entry(
-            admit.body, seq=admit.seq, kind=None).get("contribution_id") != contribution_id):
-        return None
-    return admit
-
-
-def _withdrawal_of(store: ledger_store.LedgerStore, contribution_id: str, admit_leaf: bytes) -> int | None:
-    """The seq of a withdraw entry of `contribution_id`, found by its body (it holds its admit entry's leaf hash:
-    one search of every body, as `policy_chain` finds policy entries), each body found checked against its leaf and
-    its kind column (`decode_stored`); None where there is none. The `withdrawals` index is not trusted to say "not
-    yet withdrawn": a deleted row would have the key sign a second withdrawal, which the verifier fails for good."""
-    try:
-        for stored in store.entries_holding(admit_leaf):
-            if stored.seq < 0 or stored.body is None:  # a row below entry 0 is no entry
-                continue
-            entry = decode_stored(stored)
-            if entry["kind"] == "withdraw" and entry["contribution_id"] == contribution_id:
-                return stored.seq
-    except ledger_store.TamperedRow as e:
-        raise IntegrityError(Code.BAD_ENTRY, f"{e}: no ledger writes such a cell; run govtrain-verify") from e
-    return None
-
-
-def _admit_of(store: ledger_store.LedgerStore, contribution_id: str) -> ledger_store.StoredEntry:
-    """The admit entry of `contribution_id`, from the verified entries (`verified`), where the index would refuse its
-    withdrawal: a writer without keys can delete an admissions row, or forge a withdrawals row, to keep a
-    contribution from withdrawing. `unknown_contribution` or `already_withdrawn` only where the entries say so."""
-    admit = None
-    entries = verified_entries(store)
-    for item in entries:
-        if item.kind in ("admit", "withdraw"):
-            redacted = entries.redacted.admits if item.kind == "admit" else entries.redacted.withdrawals
-            if (item.entry or redacted.get(item.seq, {})).get("contribution_id") == contribution_id:
-                if item.kind == "withdraw":
-                    raise RejectedError(Code.ALREADY_WITHDRAWN, f"{contribution_id!r} is already withdrawn")
-                admit = item.seq
-    if admit is None:
-        raise RejectedError(Code.UNKNOWN_CONTRIBUTION, f"no admitted contribution {contribution_id!r}")
-    stored = store.entry(admit)
-    assert stored is not None
-    return stored
-
-
-_REJECTED = (Code.EPOCH_HELD, Code.BUDGET_EXCEEDED, Code.RUN_ID_TAKEN)  # a request refused, not a bad argument
-
-
-def _check_consent(book: SpendBook, contributions: Sequence[str], mine: set[str], run_id: str, epoch: int) -> None:
-    """Refuse (`charged_before`) a spend of contributions that runs outside `mine` charged, unconfirmed."""
-    others = {cid: sorted(book.charged_by.get(cid, set()) - mine) for cid in contributions}
-    others = {cid: runs for cid, runs in others.items() if runs}
-    if others:
-        runs = sorted({run for found in others.values() for run in found})
-        raise ConfigError(Code.CHARGED_BEFORE, f"{len(others)} contribution(s) run {run_id!r} would charge in ledger "
-                                               f"epoch {epoch} were charged by other runs since it opened "
-                                               f"({', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}): "
-                                               "charging them again spends more of their budgets and needs "
-                                               "consent; nothing was written; open the run again with --yes "
-                                               "(confirm=True) to charge them")
-
-
-class _NothingToRetire(Exception):
-    """Rolls back the summaries' transaction (and its checkpoint) when a compaction finds nothing new."""
-
-
-def _summary_at(seq: int, *, now: int, fields: dict) -> bytes:
-    return summary_entry(seq, now, **fields)
+        return compaction.compact(self, before_epoch, now)
 
 
 class _Unchanged(Exception):
     """Raised inside `Ledger.append` to write nothing (the transaction rolls back)."""
-
-
-def _check_times(appender: ledger_store.Appender) -> None:
-    """Entry times never decrease along the ledger (the verifier checks it too): an operator cannot
-    backdate an entry to before one already written, such as an admission to before its attestation
-    expired. A clock that reads earlier than the last entry is refused, not silently corrected."""
-    previous = appender.last_time()
-    for stored in appender.added:
-        if previous is not None and stored.time < previous:
-            raise RejectedError(Code.CLOCK_BEHIND, f"entry {stored.seq} would be dated {stored.time}, before the "
-                                                   f"entry ahead of it ({previous}): entry times never decrease; "
-                                                   "check this machine's clock")
-        previous = stored.time
-
-
-def _privatizer_record(privatizer: "Mapping[str, Any] | None") -> dict:
-    """A privatizer record to write (None: the i.i.d. Gaussian's), refused (`privatizer_unknown`/`_invalid`, nothing
-    written) where its privatizer could not be rebuilt from it: the verifier could not recompute the charge."""
-    from govtrain.ledger.entries import check_privatizer_record
-    from govtrain.privatizers import GAUSSIAN_RECORD, from_record
-
-    record = dict(GAUSSIAN_RECORD if privatizer is None else privatizer)
-    try:
-        check_privatizer_record(record, what="the privatizer record")
-    except IntegrityError as e:
-        raise ConfigError(Code.PRIVATIZER_INVALID, e.detail) from e
-    from_record(record)
-    return record
-
-
-def _spend_at(seq: int, *, now: int, fields: dict) -> bytes:
-    return spend_entry(seq, now, **fields)
-
-
-def _tune_at(seq: int, *, now: int, fields: dict) -> bytes:
-    return tune_entry(seq, now, **fields)
 
 
 def _load_ledger_key(path: str | os.PathLike, policy: Policy):

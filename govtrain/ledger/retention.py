@@ -8,7 +8,9 @@ the index rows can still be checked against it and a replay of a retired contrib
 
 `Ledger.compact` builds summaries with `summarize`, and before it drops a body it re-checks what it
 wrote with `check_structure`, `check_leaves`, `check_summary` and `check_compaction`: the functions the
-verifier applies to every summary (the body checks whenever the bodies are still there).
+verifier applies to every summary (the body checks whenever the bodies are still there). Finding what a
+compaction retires, and dropping the bodies, is `compaction.py`; what the summaries retired, as the gate, the
+spend rules and the verifier read it, is the last section here (`read_summaries`, `RetiredKeys`, `Redacted`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Iterable, Mapping, NamedTuple, Sequence
 import ledger_store
 from govtrain.encoding import cbor
 from govtrain.errors import Code, IntegrityError
-from govtrain.ledger.entries import SPENT, decode_entry, decode_stored
+from govtrain.ledger.entries import SPENT, decode_stored
 
 REDACTABLE = ("admit", "spend", "withdraw")
 # Summary fields that describe one class's retired contributions (the rest describe the whole compaction).
@@ -205,101 +207,6 @@ def check_compaction(group: Sequence[dict], leaves: Mapping[int, bytes]) -> None
                 raise _bad(f"{name} does not describe the entries its compaction retires")
     if len({summary["data_class"] for summary in group}) != len(group):
         raise _bad("a compaction wrote two summaries for one class")
-
-
-# -- compacting -------------------------------------------------------------------------
-
-
-def epoch_boundary(store: ledger_store.LedgerStore, before_epoch: int) -> int:
-    """The seq of the `epoch` entry that closes epoch `before_epoch - 1`: what a compaction retires is before it."""
-    from govtrain.ledger.verified import verified_entries  # every row, never selected by its kind column
-
-    for item in verified_entries(store):
-        if item.kind == "epoch" and item.entry["epoch"] == before_epoch - 1:
-            return item.seq
-    raise IntegrityError(Code.BAD_EPOCH, f"no epoch entry closes epoch {before_epoch - 1}")
-
-
-def retirable(store: ledger_store.LedgerStore, boundary: int, retired: "RetiredKeys") -> list[list[Summarized]]:
-    """The contributions a compaction may retire, each as its entries (admit first): admitted before entry
-    `boundary`, not retired already, and named by no entry after it."""
-    from govtrain.ledger.verified import verified_entries  # every row, never selected by its kind column
-
-    by_id: dict[str, list[Summarized]] = {}
-    keep: set[str] = set()  # still active after the boundary, or not retirable whole
-    for item in verified_entries(store):
-        if item.entry is None or item.kind not in REDACTABLE:
-            continue
-        entry = item.entry
-        contribution_id = entry["contribution_id"]
-        if item.seq > boundary or (item.kind == "admit" and contribution_id in by_id):
-            keep.add(contribution_id)
-        elif item.kind == "admit":
-            by_id[contribution_id] = [Summarized(item.seq, item.leaf_hash, entry)]
-        elif contribution_id in by_id:
-            by_id[contribution_id].append(Summarized(item.seq, item.leaf_hash, entry))
-    return [items for contribution_id, items in by_id.items()
-            if contribution_id not in keep and contribution_id not in retired]
-
-
-def unfinished(store: ledger_store.LedgerStore) -> tuple[list[tuple[int, dict]], dict[int, ledger_store.StoredEntry]]:
-    """The summaries whose retired entries still have their bodies (a compaction not yet redacted, or
-    interrupted between its two transactions), with those entries."""
-    summaries = read_summaries(store)
-    wanted = sorted({s for _, summary in summaries for r in summary["retired"] for s in r["entry_seqs"]})
-    rows = {row.seq: row for row in store.entries_at(wanted)}
-    pending, held = [], {}
-    for seq, summary in summaries:
-        mine = [s for r in summary["retired"] for s in r["entry_seqs"]]
-        present = [s for s in mine if s in rows and rows[s].body is not None]
-        if present and len(present) != len(mine):
-            raise _bad(f"summary entry {seq}: some of the entries it retires were redacted and some were not")
-        if present:
-            pending.append((seq, summary))
-            held.update((s, rows[s]) for s in present)
-    return pending, held
-
-
-def check_unfinished(store: ledger_store.LedgerStore, summaries: list[tuple[int, dict]],
-                     rows: Mapping[int, ledger_store.StoredEntry]) -> None:
-    """Every check of the summaries `unfinished` returned, against their bodies, before they are dropped."""
-    for seq, row in rows.items():
-        if ledger_store.leaf_hash(row.body) != row.leaf_hash:
-            raise IntegrityError(Code.LEAF_HASH_MISMATCH, f"entry {seq}: stored leaf hash does not match its body")
-    bodies = {seq: Summarized(seq, row.leaf_hash, decode_entry(row.body, seq=seq, kind=row.kind))
-              for seq, row in rows.items()}
-    leaves = {seq: row.leaf_hash for seq, row in rows.items()}
-    ids = {r["contribution_id"] for _, summary in summaries for r in summary["retired"]}
-    named = appearances(store, ids, start=min(rows))
-    groups: dict[tuple[int, int], list[dict]] = {}
-    for seq, summary in summaries:
-        try:
-            check_structure(summary)
-            check_leaves(summary, leaves)
-            check_summary(summary, bodies, named)
-        except IntegrityError as e:
-            raise _bad(f"summary entry {seq}: {e.detail}") from e
-        groups.setdefault((summary["first_seq"], summary["last_seq"]), []).append(summary)
-    for (first, last), group in groups.items():
-        try:
-            check_compaction(group, leaves)
-        except IntegrityError as e:
-            raise _bad(f"the summaries of {first}..{last}: {e.detail}") from e
-
-
-def appearances(store: ledger_store.LedgerStore, contribution_ids: set[str], *,
-                start: int) -> dict[str, tuple[int, int]]:
-    """For each of `contribution_ids`: (how many entries from `start` on name it, the last of them)."""
-    from govtrain.ledger.verified import verified_entries  # every row, never selected by its kind column
-
-    named: dict[str, tuple[int, int]] = {}
-    for item in verified_entries(store, start=start):
-        if item.entry is None or item.kind not in REDACTABLE:
-            continue
-        contribution_id = item.entry["contribution_id"]
-        if contribution_id in contribution_ids:
-            named[contribution_id] = (named.get(contribution_id, (0, -1))[0] + 1, item.seq)
-    return named
 
 
 # -- reading ----------------------------------------------------------------------------

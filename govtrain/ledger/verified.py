@@ -21,7 +21,7 @@ trained. So nothing here selects rows by a column: every row is read, in order, 
     so a forged spend or summary there is never read as the ledger's; a checkpoint that signs more entries than
     are stored is `rollback`, another tree at the stored size `fork`. So a summary that lets a body-less row
     through is a signed one. A reader reads the pass to its end before it acts on what it read (a writer's early
-    stop inside `Ledger.append` is covered by the signer's own check there, `_signed_prefix`).
+    stop inside `Ledger.append` is covered by the signer's own check there, `signed_append.signed_prefix`).
 Rows are read from `start` up, so a row stored below entry 0 (a plain INSERT at seq -1) is no entry: nothing here
 counts it, as nothing counts epochs or any other privacy-relevant number by the kind column (`Ledger.epoch` is this
 pass's count); the verifier refuses such a row (`sequence_gap`). A cell of a type no ledger writes is `bad_entry`.

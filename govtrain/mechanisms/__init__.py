@@ -10,4 +10,4 @@
 `stacking.py` groups the parameters of one shape so that PRISM and DP-Muon move each group as one batch.
 """
 
-MECHANISMS = ("dpsgd", "prism", "dp-muon")
+from govtrain.ledger.entries import MECHANISMS  # noqa: F401  (the names a run entry may record)

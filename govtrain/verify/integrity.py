@@ -10,49 +10,19 @@ from __future__ import annotations
 import hashlib
 import os
 from operator import itemgetter
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import ledger_store
 from govtrain.encoding import cbor
 from govtrain.errors import Code, IntegrityError
 from govtrain.ledger.checkpoint import NoteError, verify_checkpoint
 from govtrain.ledger.entries import ENTRY_VERSION, SPECS, decode_entry
-from govtrain.ledger.ledger import UnauthorisedPolicy, note_keys, policy_chain
+from govtrain.ledger.policy_chain import UnauthorisedPolicy, note_keys, policy_chain
 from govtrain.ledger.merkle import fold_right
 from govtrain.policy.model import Policy
 from ledger_store.models import REDACTABLE_KINDS
 
-if TYPE_CHECKING:
-    from govtrain.verify.verifier import VerificationReport
-
-
-class _Failure(IntegrityError):
-    def __init__(self, code: Code, detail: str, *, seq: int | None = None, checkpoint: int | None = None) -> None:
-        super().__init__(code, detail)
-        self.seq = seq
-        self.checkpoint = checkpoint
-
-
-# A cell of the wrong type (ledger_store.TamperedRow) is a row no ledger wrote: reported as that table's tampering.
-TAMPERED_CODES = {"entries": Code.BAD_ENTRY, "checkpoints": Code.BAD_CHECKPOINT, "admissions": Code.INDEX_MISMATCH,
-                  "withdrawals": Code.INDEX_MISMATCH, "summaries": Code.INDEX_MISMATCH}
-
-
-def tampered(error: ledger_store.TamperedRow) -> _Failure:
-    """The verdict on a cell of the wrong type: the table's code (`integrity` for the tree cache and settings)."""
-    key = error.key if type(error.key) is int else None
-    return _Failure(TAMPERED_CODES.get(error.table, Code.INTEGRITY),
-                    f"{error}: no ledger writes that, so the database was altered",
-                    seq=key if error.table == "entries" else None,
-                    checkpoint=key if error.table == "checkpoints" else None)
-
-
-def fork_detail(size: int, agreed: int) -> str:
-    """What a trusted checkpoint that this ledger contradicts says about where the two differ."""
-    where = (f"entries 0..{size - 1}" if agreed == 0 else
-             f"entries {agreed}..{size - 1} (the first {agreed} agree with an earlier trusted checkpoint)")
-    return (f"the first {size} entries are not the ones the trusted checkpoint signed: the ledger forked; the first "
-            f"differing entry is among {where}")
+from govtrain.verify.report import VerificationReport, _Failure, fork_detail, tampered
 
 
 def _build_levels(leaves: list[bytes]) -> list[list[bytes]]:

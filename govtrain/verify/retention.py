@@ -24,7 +24,7 @@ from govtrain.errors import Code, IntegrityError
 from govtrain.ledger import retention
 from govtrain.ledger.entries import decode_entry
 from govtrain.policy.model import Policy
-from govtrain.verify.integrity import _Failure
+from govtrain.verify.report import _Failure
 
 
 class RetentionAudit:

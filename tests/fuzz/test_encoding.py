@@ -60,9 +60,10 @@ def _cbor_seeds() -> list[bytes]:
 
 
 TARGETS = [
-    Target("cbor", run_cbor, _cbor_seeds, ("govtrain/encoding/cbor.py",)),
+    Target("cbor", run_cbor, _cbor_seeds, ("govtrain/encoding/cbor_decoder.py", "govtrain/encoding/cbor_encoder.py")),
     Target("descriptor", run_descriptor, _descriptor_seeds,
-           ("govtrain/attest/descriptor.py", "govtrain/encoding/cbor.py", "govtrain/encoding/fields.py")),
+           ("govtrain/attest/descriptor.py", "govtrain/encoding/cbor_decoder.py", "govtrain/encoding/cbor_templates.py",
+            "govtrain/encoding/fields.py")),
     Target("attestation", run_attestation, _cose_seeds,
            ("govtrain/attest/cose.py", "govtrain/gate/gate.py", "govtrain/attest/descriptor.py"), setup=world),
     Target("signed_descriptor", run_signed_descriptor, _descriptor_seeds,

@@ -182,11 +182,12 @@ TARGETS = [
     Target("entry", run_entry, _entry_seeds, ("govtrain/ledger/entries.py", "govtrain/encoding/fields.py"),
            setup=world),
     Target("verifier", run_verifier, _entry_seeds,
-           ("govtrain/verify/verifier.py", "govtrain/verify/retention.py", "govtrain/ledger/entries.py"), setup=world),
+           ("govtrain/verify/full_audit.py", "govtrain/verify/retention.py", "govtrain/ledger/entries.py"), setup=world),
     Target("verifier_cell", run_verifier_cell, lambda: [bytes((i, 1)) + b"x" for i in range(len(CELLS))],
-           ("govtrain/verify/verifier.py", "govtrain/verify/integrity.py", "ledger_store/store.py"), setup=world),
+           ("govtrain/verify/full_audit.py", "govtrain/verify/integrity.py", "ledger_store/store.py",
+            "ledger_store/rows.py"), setup=world),
     Target("trusted_checkpoint", run_trusted_checkpoint, _note_seeds,
-           ("govtrain/verify/verifier.py", "govtrain/ledger/checkpoint.py"), setup=world),
+           ("govtrain/verify/checkpoint_audit.py", "govtrain/ledger/checkpoint.py"), setup=world),
 ]
 
 # -- hypothesis ----------------------------------------------------------------------------------------------------
