@@ -10,7 +10,7 @@ through `DrawnChunk`, the fields of `run.Chunk` a draw's record is read by, so t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -73,7 +73,7 @@ class Drawn:
     the rehearsal (`rehearsal.py`), whose chunks index its synthetic rows and whose sums are dropped."""
 
     step: int
-    chunks: list[DrawnChunk]
+    chunks: Sequence[DrawnChunk]
     next: int = 0
     rehearsal: bool = False
 

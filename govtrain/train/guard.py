@@ -55,18 +55,15 @@ from __future__ import annotations
 import contextlib
 import operator
 import sys
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from torch import Tensor, nn
 
 from govtrain.distributed.fsdp import is_sharded
 from govtrain.errors import Code, ConfigError
-from govtrain.train.drawn import NOT_YOURS, Drawn, Waiting, leaves
+from govtrain.train.drawn import NOT_YOURS, Drawn, GovernedBatch, Waiting, leaves
 from govtrain.train.model_structure import dispatch, fingerprint, structure
-
-if TYPE_CHECKING:
-    from govtrain.tasks.base import Batch
 
 PLAIN = (bool, int, float, str, type(None))
 
@@ -104,7 +101,7 @@ class Guard:
         self._hooks.clear()
         self._uninstall()
 
-    def wait(self, batch: "Batch") -> None:
+    def wait(self, batch: GovernedBatch) -> None:
         """`batch`, the next chunk of the step being handed out, is handed out: record its tensors as drawn."""
         assert self.drawn is not None
         self.waiting = Waiting.of(batch, self.drawn)
