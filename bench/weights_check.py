@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import step as bench_step  # noqa: E402
 from harness import data_class  # noqa: E402
 
-from govtrain.train.governed import Weights  # noqa: E402
+from govtrain.train.weights import Weights  # noqa: E402
 
 
 def median_seconds(work, repeats: int, inner: int) -> float:

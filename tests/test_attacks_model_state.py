@@ -51,7 +51,7 @@ def test_dropout_masks_do_not_follow_a_seed_the_loop_sets_from_the_data(tmp_path
 def test_a_governed_forwards_randomness_is_the_runs_keyed_by_its_place(tmp_path: Path, tiny_model: Path):
     """The masks of a step's chunk are a function of the run's lease and the place alone (so a resumed run, which
     keeps its nonce, draws a step's masks again), differ between places, and torch's generator is put back."""
-    from govtrain.train.governed import keyed_random
+    from govtrain.train.governed_loop import keyed_random
 
     corpus = _corpus(tmp_path, "keyed")
     with govtrain.GovernedRun.open(_config(corpus, tiny_model, 2), corpus.url, **QUIET) as run:

@@ -886,7 +886,7 @@ def test_tune_accepts_a_causal_lm_selection_file_with_a_short_common_opening(cor
     """The held-out rows of the Trainer case: checked, and not refused (the search itself is tested elsewhere)."""
     from govtrain.tasks import task_for
     from govtrain.train.config import load_run_config
-    from govtrain.train.tune import check_selection, read_selection
+    from govtrain.train.tune_selection import check_selection, read_selection
     from tests.test_causal_lm import _contribution, _run_toml
 
     _contribution(corpus, "texts", _long_texts(40))

@@ -66,7 +66,7 @@ def _optimizer_state(run) -> dict:
 
 
 def _same_state(a, b) -> bool:
-    from govtrain.train.governed import same_state
+    from govtrain.train.weights import same_state
 
     return same_state(a, b)
 

@@ -63,7 +63,8 @@ from govtrain.errors import Code, ConfigError
 from govtrain.integrations.selection import (Evaluations, SelectionCheck, changed_by_evaluation, evaluation_flags,
                                              materialised, named, selection_settings)
 from govtrain.mechanisms.hyperparameters import SCHEDULES, Schedule
-from govtrain.train.governed import GovernedBatch, GovernedRun, same_state
+from govtrain.train.governed import GovernedBatch, GovernedRun
+from govtrain.train.weights import same_state
 
 if TYPE_CHECKING:
     from govtrain.mechanisms.update import Update

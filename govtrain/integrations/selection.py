@@ -65,7 +65,8 @@ from transformers import EarlyStoppingCallback, TrainingArguments
 
 from govtrain.data.rows import PrefixIndex
 from govtrain.errors import Code, ConfigError
-from govtrain.train.governed import GovernedRun, trainable_weights
+from govtrain.train.governed import GovernedRun
+from govtrain.train.weights import trainable_weights
 
 EVALUATION_FLAGS = ("should_training_stop", "should_epoch_stop", "should_save")
 _SCHEDULES = ("reduce_lr_on_plateau", "greedy")  # schedules that step on an evaluation metric

@@ -24,112 +24,25 @@ Each trial's own loop is rehearsed before its first spend, as any run's is.
 The output folder is the search's: `training.output` holds only its trials' `trial-<k>.json` and `trial-<k>/`
 (`check_tune_output`), each config file this search's own (a resumed search); another run's adapter there, or
 another search's trials, is refused (`output_taken`).
+
+The grid and its trials' configs are `tune_grid.py`'s; the selection file and its check that no row is admitted
+`tune_selection.py`'s. This module runs the search: trains, scores, selects and records.
 """
 
 from __future__ import annotations
 
-import copy
-import hashlib
-import itertools
-import json
-import os
 import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError, field_validator
+from typing import Callable
 
 from govtrain.errors import Code, ConfigError
-from govtrain.ledger.tuning import MAX_TRIALS, TUNE_ID, trial_run_id
-from govtrain.policy.config import format_errors, read_toml_file
-from govtrain.train.config import (
-    DataSection,
-    LoraSection,
-    ModelSection,
-    MuonSection,
-    OptimizerSection,
-    PrismSection,
-    RunConfig,
-    RunFile,
-    TrainingSection,
-)
+from govtrain.train.config import RunConfig
 from govtrain.train.resume import TEMPORARY, write_whole
+from govtrain.train.tune_grid import Grid, Trial, load_grid, new_tune_id, plan_trials, selection_metric, shown
+from govtrain.train.tune_selection import check_selection, read_selection
 
-SECTIONS: dict[str, type[BaseModel]] = {
-    "model": ModelSection, "data": DataSection, "lora": LoraSection, "optimizer": OptimizerSection,
-    "training": TrainingSection, "prism": PrismSection, "muon": MuonSection,
-}
-# What a grid may not vary, and why: the search is over how one corpus is trained and scored, not which.
-REFUSED = {
-    "training.run_id": "each trial's run id is <tune_id>-trial-<k>",
-    "training.output": "each trial's adapter goes to <training.output>/trial-<k>",
-    "training.data": "every trial trains on the same admitted contributions",
-    "model.base": "every trial adapts the same base model (the selection compares adapters of one model)",
-    "model.task": "every trial has the task the selection metric scores",
-    "data.text_column": "every trial reads the same rows", "data.label_column": "every trial reads the same rows",
-    "data.prompt_column": "every trial reads the same rows",
-    "data.completion_column": "every trial reads the same rows",
-    "data.messages_column": "every trial reads the same rows",
-    "training.device": "a performance flag, not a hyperparameter: it never changes the mechanism",
-    "training.precision": "a performance flag, not a hyperparameter: it never changes the mechanism",
-    "training.physical_batch": "a performance flag, not a hyperparameter: it never changes the mechanism",
-    "training.compiled": "a performance flag, not a hyperparameter: it never changes the mechanism",
-}
 TRIAL_CONFIG = "trial-{k}.json"  # beside the trial folders: the derived config each trial's hash is over
-
-
-class SelectSection(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    data: StrictStr = Field(description="held-out file the trials are scored on; no row of it an admitted "
-                                        "contribution's (path relative to the grid file)")
-    metric: Literal["accuracy", "loss"] | None = Field(
-        None, description="accuracy (higher is better; classification) or loss (lower is better; causal LM); "
-                          "default the task's")
-
-
-class GridFile(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    grid: dict[StrictStr, Annotated[list[Any], Field(min_length=1)]] = Field(min_length=1)
-    select: SelectSection
-
-    @field_validator("grid", mode="before")
-    @classmethod
-    def _dotted(cls, value: Any) -> Any:
-        """`optimizer.lr = [...]` unquoted is a TOML table {optimizer: {lr: [...]}}: read it as "optimizer.lr"."""
-        if not isinstance(value, dict):
-            return value
-        flat: dict[str, Any] = {}
-        for key, item in value.items():
-            if isinstance(item, dict):
-                flat.update({f"{key}.{name}": inner for name, inner in item.items()})
-            else:
-                flat[key] = item
-        return flat
-
-
-@dataclass(frozen=True, kw_only=True)
-class Grid:
-    file: GridFile
-    sha256: bytes
-    base: Path  # the folder the grid file is in
-
-    @property
-    def selection(self) -> Path:
-        path = Path(self.file.select.data)
-        return path if path.is_absolute() else self.base / path
-
-
-@dataclass(frozen=True, kw_only=True)
-class Trial:
-    index: int
-    run_id: str
-    values: dict[str, Any]  # the grid point: dotted key -> value
-    config: RunConfig
-    document: bytes  # the derived config as canonical JSON: what `config.sha256` is the hash of
 
 
 @dataclass(kw_only=True)
@@ -164,157 +77,6 @@ class TuneResult:
             "eps": self.eps_u / 1e6, "eps_by_class": {name: eps / 1e6 for name, eps in self.eps_by_class.items()},
             "exhausted": self.exhausted,
         }
-
-
-def load_grid(path: str | Path) -> Grid:
-    path = Path(path)
-    file, raw = read_toml_file(path, GridFile, what="grid", unreadable=Code.GRID_INVALID, invalid=Code.GRID_INVALID)
-    return Grid(file=file, sha256=hashlib.sha256(raw).digest(), base=path.resolve().parent)
-
-
-def new_tune_id(now: int) -> str:
-    return f"tune-{now}-{os.urandom(4).hex()}"
-
-
-def plan_trials(config: RunConfig, config_path: str | Path, grid: Grid, tune_id: str) -> list[Trial]:
-    """Every trial's config, built from the base RUN.toml and validated, before anything is trained or written.
-    Refuses (GRID_INVALID) a key the run config does not have or that `REFUSED` names, a list with a value
-    twice, more than `MAX_TRIALS` trials, and any trial whose config is invalid."""
-    if not TUNE_ID.fullmatch(tune_id) or len(trial_run_id(tune_id, MAX_TRIALS)) > 128:
-        raise ConfigError(Code.BAD_ARGUMENT, f"--id {tune_id!r}: 1-100 characters of [A-Za-z0-9._:-]")
-    raw = Path(config_path).read_bytes()
-    if hashlib.sha256(raw).digest() != config.sha256:
-        raise ConfigError(Code.RUN_CONFIG_INVALID, f"{config_path} changed while it was being read")
-    base = tomllib.loads(raw.decode("utf-8"))
-    axes = list(grid.file.grid.items())
-    for key, values in axes:
-        section, _, name = key.partition(".")
-        if key in REFUSED:
-            raise ConfigError(Code.GRID_INVALID, f"grid key {key!r} may not vary: {REFUSED[key]}")
-        if section not in SECTIONS or name not in SECTIONS[section].model_fields:
-            raise ConfigError(Code.GRID_INVALID, f"grid key {key!r} is not a run config setting (section.name, "
-                                                 f"e.g. \"optimizer.lr\")")
-        try:  # the trials' configs are hashed as JSON: a TOML date or time, NaN or infinity has no JSON form
-            canonical = [json.dumps(v, sort_keys=True, allow_nan=False) for v in values]
-        except (TypeError, ValueError) as e:
-            raise ConfigError(Code.GRID_INVALID, f"grid key {key!r} lists a value that is not a number, string, "
-                                                 f"boolean, array or table ({e})") from e
-        if len(set(canonical)) != len(canonical):
-            raise ConfigError(Code.GRID_INVALID, f"grid key {key!r} lists a value twice: each trial is charged")
-    count = 1
-    for _, values in axes:
-        count *= len(values)
-    if count > MAX_TRIALS:
-        raise ConfigError(Code.GRID_INVALID, f"the grid has {count} trials; at most {MAX_TRIALS}, each charged")
-    output = config.output_dir
-    trials = []
-    for index, point in enumerate(itertools.product(*(values for _, values in axes))):
-        document = copy.deepcopy(base)
-        values = dict(zip((key for key, _ in axes), point))
-        for key, value in values.items():
-            section, _, name = key.partition(".")
-            document.setdefault(section, {})[name] = value
-        run_id = trial_run_id(tune_id, index)
-        document["training"]["run_id"] = run_id
-        document["training"]["output"] = str(output / f"trial-{index}")
-        try:
-            file = RunFile.model_validate(document)
-        except ValidationError as e:
-            raise ConfigError(Code.GRID_INVALID, f"trial {index} ({_show(values)}): {format_errors(e)}") from e
-        text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-        trials.append(Trial(index=index, run_id=run_id, values=values, document=text,
-                            config=RunConfig(file, hashlib.sha256(text).digest(), config.base)))
-    return trials
-
-
-def _show(values: dict[str, Any]) -> str:
-    return ", ".join(f"{key} = {json.dumps(value)}" for key, value in values.items())
-
-
-def selection_metric(config: RunConfig, grid: Grid) -> str:
-    task = config.file.model.task
-    metric = grid.file.select.metric or ("accuracy" if task == "sequence-classification" else "loss")
-    if task == "causal-lm" and metric != "loss":
-        raise ConfigError(Code.GRID_INVALID, "select.metric: a causal LM is scored by its per-token loss")
-    if task == "sequence-classification" and metric != "accuracy":
-        raise ConfigError(Code.GRID_INVALID, "select.metric: a classifier is scored by its accuracy")
-    return metric
-
-
-@dataclass(frozen=True, kw_only=True)
-class Selection:
-    """The selection file, read once: its digest (a file's SHA-256 or a directory's tree hash) and its rows as
-    the task's examples, each with where it is (file:line)."""
-
-    path: Path
-    sha256: bytes
-    where: list[str]
-    examples: list[Any]
-
-
-def read_selection(path: Path, task, integer_columns: tuple[str, ...]) -> Selection:  # type: ignore[no-untyped-def]
-    """Every row of the selection file (any format training reads) as the task's example; a row the task cannot
-    use is refused (BAD_DATA, naming file and row), as `govtrain eval` refuses it."""
-    from govtrain.data import read_data
-    from govtrain.train.data import rows_of
-
-    if not path.exists():
-        raise ConfigError(Code.DATA_UNREADABLE, f"select.data {path}: no such file or directory")
-    data = read_data(path)
-    rows = rows_of(data, integer_columns)
-    if not rows:
-        raise ConfigError(Code.BAD_DATA, f"select.data {path}: no rows to score on")
-    return Selection(path=path, sha256=data.sha256, where=[where for where, _ in rows],
-                     examples=[task.example(row, where) for where, row in rows])
-
-
-def check_selection(ledger, config: RunConfig, task, selection: Selection) -> None:  # type: ignore[no-untyped-def]
-    """Refuse (SELECTION_ADMITTED) a selection file that is an admitted contribution's data (its digest, for
-    every admitted contribution), or that holds any row of one (against the rows of every admitted contribution
-    whose data is in training.data, withdrawn ones included), compared as inputs, the label left out: by input
-    digest (`govtrain.data.rows`), then as the base model's tokenizer reads them: by input digest after its
-    normaliser (a zero-width space, an uncased text's case), and by the token ids it gives them, cut at
-    `model.max_length` as the trials are scored, without padding and structural special tokens (an admitted row
-    with an unknown token by its digests only). For a causal task those token ids are also compared by prefix
-    (`PrefixIndex`): a selection row that starts with an admitted row (its loss on those tokens is the admitted
-    row's), or that is an admitted row's first `MIN_PREFIX` tokens or more. Selecting on private data is not
-    post-processing."""
-    from govtrain.data.rows import (AdmittedRows, PrefixIndex, admitted_summary, input_digest, normalised_digest,
-                                    token_rows)
-    from govtrain.train.data import load_examples
-    from govtrain.train.model import load_tokenizer
-
-    admissions = _admitted_data(ledger)
-    for data_sha256, contribution_id in admissions.items():
-        if data_sha256 == selection.sha256:
-            raise ConfigError(Code.SELECTION_ADMITTED, f"select.data {selection.path} is the data of admitted "
-                                                       f"contribution {contribution_id!r}: selecting on private "
-                                                       "data is not post-processing; hold out a file that is not "
-                                                       "admitted")
-    loaded = load_examples(config.data_dir, admissions, task, integer_columns=(config.file.data.label_column,))
-    admitted = AdmittedRows(tuple(loaded.items), tuple(loaded.owner))
-    matched: list[tuple[str, ...]] = list(admitted.matches(zip(selection.where,
-                                                               map(input_digest, selection.examples))))
-    if not matched and admitted.examples:
-        tokenizer, _ = load_tokenizer(config)
-        length, normalised = config.file.model.max_length, admitted.normalised(tokenizer)
-        tokens = admitted.tokens(task, tokenizer, length, keep_unknown=False)
-        prefixes = PrefixIndex.of(tokens) if task.causal else None
-        # A selection row as it is read, unknown tokens kept: no admitted row here holds one, so an unknown token
-        # never makes a row match an admitted row it does not hold, and after an admitted opening it still counts
-        # (an admitted row with an unknown word appended is refused).
-        read = token_rows(task, selection.examples, tokenizer, length)
-        for where, example, row in zip(selection.where, selection.examples, read):
-            owner = normalised.get(normalised_digest(example, tokenizer)) or tokens.get(row)  # type: ignore[arg-type]
-            if owner is not None:
-                matched.append((where, owner))
-            elif prefixes is not None and (found := prefixes.match(row)) is not None:
-                matched.append((where, found[1], found[0]))
-    if matched:
-        raise ConfigError(Code.SELECTION_ADMITTED, f"select.data {selection.path}: "
-                                                   f"{admitted_summary(matched, len(selection.examples))}: selecting "
-                                                   "on private data is not post-processing; score on rows that no "
-                                                   "contribution admitted")
 
 
 def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str, *, tune_id: str,
@@ -368,9 +130,9 @@ def tune(config: RunConfig, config_path: str | Path, grid: Grid, ledger_url: str
             if adapter is None or adapter_sha256(trial.config.output_dir) != adapter:
                 raise ConfigError(Code.BAD_ARGUMENT, f"{trial.config.output_dir} is not the adapter run "
                                                      f"{trial.run_id!r} recorded")
-            log(f"trial {trial.index} ({_show(trial.values)}): finished before, kept")
+            log(f"trial {trial.index} ({shown(trial.values)}): finished before, kept")
         else:
-            log(f"trial {trial.index} ({_show(trial.values)})")
+            log(f"trial {trial.index} ({shown(trial.values)})")
             seed = None if insecure_seed is None else insecure_seed + trial.index
             try:
                 # the trials charge the contributions one after the other by design (siblings); runs outside
@@ -456,21 +218,6 @@ def check_tune_output(folder: Path, trials: list[Trial]) -> None:
                                              f"({shown}): a search writes its trials into a folder of its own "
                                              "(another run's adapter, another search's trials); give it another "
                                              "training.output, or resume a search with its own --id and files")
-
-
-def _admitted_data(ledger) -> dict[bytes, str]:  # type: ignore[no-untyped-def]
-    """Data SHA-256 -> contribution id of every admission, retired ones too, from the verified entries (`verified`):
-    never the admissions index, whose rows a database writer without keys can delete to pass admitted data off as
-    a held-out selection file."""
-    from govtrain.ledger.verified import verified_entries
-
-    found: dict[bytes, str] = {}
-    entries = verified_entries(ledger.store)
-    for item in entries:
-        if item.kind == "admit":
-            admit = item.entry if item.entry is not None else entries.redacted.admits[item.seq]
-            found.setdefault(admit["data_sha256"], admit["contribution_id"])
-    return found
 
 
 def _charged_outside(ledger, trials: set[str]) -> dict[str, tuple[int, int]]:  # type: ignore[no-untyped-def]
