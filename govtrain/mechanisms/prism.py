@@ -40,8 +40,8 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from govtrain.mechanisms.reach import lora_pairs
 from govtrain.mechanisms.stacking import shape_groups, write
+from govtrain.resolver.reach import lora_pairs
 
 __all__ = ["Gram", "gram", "grams", "tangent_lift", "intrinsic_sq_norm", "projected_sq_norm", "tangent_noise",
            "tangent_dimension", "factor_gradients", "retract", "retract_aligned", "canonical", "tangent_matrix",

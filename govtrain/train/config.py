@@ -67,6 +67,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, Valida
 from govtrain.errors import Code, ConfigError
 from govtrain.policy.config import format_errors, read_toml_file, schema_of
 from govtrain.privatizers import REGISTRY
+from govtrain.privatizers.base import FIELDS as PRIVATIZER_FIELDS
+from govtrain.privatizers.base import PrivatizerSpec
 
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -182,7 +184,7 @@ class MuonSection(_Strict):
 
 class NoiseSection(_Strict):
     """RUN.toml [noise]: which privatizer adds the noise, and its parameters (docs/privatizers.md). Each field
-    besides `privatizer` applies to some privatizers only: the privatizer's `from_config` refuses the others
+    besides `privatizer` applies to some privatizers only: the privatizer's `from_parameters` refuses the others
     (`privatizer_invalid`, when the run is prepared)."""
 
     privatizer: Literal[tuple(REGISTRY)] = Field(  # type: ignore[valid-type]
@@ -202,6 +204,13 @@ class NoiseSection(_Strict):
         1, description="per-microbatch noise: each step's units are split into this many microbatches by a public "
                        "rule on their ids, and each microbatch's clipped sum is noised on its own (the same charge; "
                        "k times the noise variance). 1: one noise per step. More than 1 takes the i.i.d. gaussian")
+
+    def privatizer_spec(self) -> PrivatizerSpec:
+        """The privatizer's own parameters, from this section: the fields set that parametrise a privatizer
+        (`privatizers.base.FIELDS`; the others configure the router). `privatizers.build` takes it (or this
+        section, which it asks for it): the config layer builds the privatizer's inputs, never the reverse."""
+        params = {k: v for k, v in self.model_dump().items() if k in PRIVATIZER_FIELDS and v is not None}
+        return PrivatizerSpec(name=self.privatizer, params=params, microbatches=self.microbatches)
 
 
 class TrainingSection(_Strict):

@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import ledger_store
-from govtrain.accounting.charges import check_record, spend_item
 from govtrain.errors import Code, ConfigError, GovtrainError, IntegrityError
 from govtrain.gate.gate import Gate
 from govtrain.ledger import availability
@@ -55,6 +54,7 @@ from govtrain.ledger.retention import Redacted
 from govtrain.ledger.spend_rules import SpendBook, SpendRuleError, min_sampling_rate_u
 from govtrain.ledger.tuning import TuneBook, TuneRuleError
 from govtrain.mechanisms import MECHANISMS
+from govtrain.privatizers.charges import check_record, spend_item
 from govtrain.policy.model import Policy
 from govtrain.ledger.merkle import CompactRange, root_of
 from govtrain.verify.integrity import NOT_CHECKED, _Failure, _integrity, fork_detail, tampered
@@ -409,7 +409,7 @@ class _Audit:
             raise bad("effective noise multiplier is below the one the contributor signed")
         if entry["eps_u"] > c.eps_budget_u:
             raise bad(f"cumulative ε {entry['eps_u']} exceeds the signed budget {c.eps_budget_u}")
-        try:  # the charge follows from the record, through its rule (accounting/charges.py, privatizers/rules.py)
+        try:  # the charge follows from the record, through its rule (privatizers/charges.py, privatizers/rules.py)
             item = spend_item(entry)
         except ConfigError as e:
             raise _Failure(Code.BAD_PRIVATIZER, f"{where}: {e.detail}", seq=seq) from e
