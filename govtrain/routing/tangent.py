@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from govtrain.distributed import fsdp
-from govtrain.mechanisms import prism
+from govtrain.mechanisms import tangent_space
 from govtrain.mechanisms.stacking import shape_groups
 from govtrain.routing.persample import Calls
 
@@ -101,7 +101,7 @@ class TangentStacks:
             kinds.setdefault((A.shape[-1], self.params[stack.lora_B[0]].dtype, A.device), []).append(i)
         grams: dict[int, tuple[prism.Gram, prism.Gram]] = {}
         for (r, dtype, _), members in kinds.items():  # `gram`'s numerical rank: that of the parameters' dtype
-            found = prism.grams(*(F for i in members for F in factors[i]), rtol=r * torch.finfo(dtype).eps)
+            found = tangent_space.grams(*(F for i in members for F in factors[i]), rtol=r * torch.finfo(dtype).eps)
             grams.update((i, (found[2 * j], found[2 * j + 1])) for j, i in enumerate(members))
         self._geometry = [_Geometry(A=A, B=B, grams=grams[i]) for i, (A, B) in enumerate(factors)]
         return self._geometry
@@ -131,7 +131,7 @@ class TangentStacks:
                 gA, gBt = torch.where(keep, gA, 0), torch.where(keep, gBt, 0)
             GM, GN = geometry.grams
             per_sample_grams = _per_sample_gram(GM), _per_sample_gram(GN)
-            square += prism.projected_sq_norm(geometry.A.unsqueeze(1), geometry.B.unsqueeze(1), gA,
+            square += tangent_space.projected_sq_norm(geometry.A.unsqueeze(1), geometry.B.unsqueeze(1), gA,
                                               gBt.transpose(-1, -2), grams=per_sample_grams).sum(0).to(dtype)
             measured.append(Measured(gA=gA, gBt=gBt))
         return square, measured
@@ -172,10 +172,10 @@ class TangentStacks:
                 scale: float | Tensor = stds[0] if len(set(stds)) == 1 else \
                     torch.tensor(stds, dtype=A.dtype, device=A.device).view(-1, 1, 1)
                 # the noise as factor gradients, so one lift gives the sum's canonical lift plus the noise's
-                xi_A, xi_B = prism.tangent_noise(A, B, scale, None, grams=grams, omega=drawn)
-                noise_A, noise_B = prism.factor_gradients(A, B, xi_A, xi_B)
+                xi_A, xi_B = tangent_space.tangent_noise(A, B, scale, None, grams=grams, omega=drawn)
+                noise_A, noise_B = tangent_space.factor_gradients(A, B, xi_A, xi_B)
                 gA, gB = gA + noise_A, gB + noise_B
-            dA, dB = prism.tangent_lift(A, B, gA, gB, grams=grams)
+            dA, dB = tangent_space.tangent_lift(A, B, gA, gB, grams=grams)
             totals.update(zip(stack.lora_B, dA.to(dtype).unbind(0)))
             totals.update(zip(stack.lora_A, dB.to(dtype).transpose(-1, -2).unbind(0)))
 
