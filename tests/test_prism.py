@@ -15,8 +15,8 @@ from hypothesis import strategies as st  # noqa: E402
 from govtrain.mechanisms import tangent_space  # noqa: E402
 from govtrain.mechanisms.prism import Prism, floored_inverse_sqrt  # noqa: E402
 from govtrain.mechanisms.retraction import align, retract  # noqa: E402
-from govtrain.mechanisms.tangent_space import (canonical, gram, intrinsic_sq_norm, tangent_dimension, tangent_lift,  # noqa: E402
-                                               tangent_matrix, tangent_noise)
+from govtrain.mechanisms.tangent_space import (canonical, gram, intrinsic_sq_norm, tangent_dimension,  # noqa: E402
+                                               tangent_lift, tangent_matrix, tangent_noise)
 from govtrain.resolver import reach  # noqa: E402
 
 F64 = torch.float64

@@ -203,8 +203,8 @@ class SpendCalculator:
     def max_steps(self, history: History, sampling_rate_u: int, sigma_u: int, limit: int,
                   budget_u: int, *, bucket: Bucketer | None = None) -> tuple[int, int]:
         """The most steps k <= `limit` at (q, sigma) after `history` whose cumulative epsilon stays within
-        `budget_u`, and that epsilon. `bucket(q, sigma, k)`: what k steps charge (`privatizers.charges.bucketer` of the run's
-        privatizer; None: the i.i.d. Gaussian's (q, sigma, k)).
+        `budget_u`, and that epsilon. `bucket(q, sigma, k)`: what k steps charge (`privatizers.charges.bucketer` of
+        the run's privatizer; None: the i.i.d. Gaussian's (q, sigma, k)).
 
         Epsilon grows with k, so this keeps a bracket (lo within budget, hi over it) and shrinks it by
         interpolating the budget's position between the ends, probing one step past each landing to

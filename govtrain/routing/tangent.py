@@ -6,12 +6,12 @@ noise. Pair by pair, each of these is a few small kernels, and each pair's Gram 
 eigendecomposition that waits for the device: with dozens of pairs the loop, not the arithmetic, set the
 time of a GPU step. Here the pairs are grouped by shape (`stacking.shape_groups` on m, n, r, dtype and
 device) and every operation runs once per group on [P, ...] stacks, the Gram matrices of all the groups of
-one rank in one batched eigh per step (`prism.grams`).
+one rank in one batched eigh per step (`tangent_space.grams`).
 
 The arithmetic is the per-pair arithmetic: the PRISM functions broadcast over the stack's leading axis.
 Only the order of the noise draws differs from a loop over the pairs: Ω_A of a whole stack [P, m, r], then
 its Ω_B [P, n, r], stack after stack, drawn by the router's privatizer (`routing/slots.py`) and handed to
-`prism.tangent_noise`. Each pair's noise is distributed as before,
+`tangent_space.tangent_noise`. Each pair's noise is distributed as before,
 isotropic on its tangent space with the standard deviation of the one group that holds it.
 
 A sample whose class does not reach a pair adds nothing to it: its per-sample gradients are zeroed in the
@@ -51,7 +51,7 @@ class _Geometry:
 
     A: Tensor  # [P, m, r]
     B: Tensor  # [P, n, r]
-    grams: tuple[prism.Gram, prism.Gram]
+    grams: tuple[tangent_space.Gram, tangent_space.Gram]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,7 +99,7 @@ class TangentStacks:
         kinds: dict[tuple, list[int]] = {}
         for i, ((A, _), stack) in enumerate(zip(factors, self.stacks)):
             kinds.setdefault((A.shape[-1], self.params[stack.lora_B[0]].dtype, A.device), []).append(i)
-        grams: dict[int, tuple[prism.Gram, prism.Gram]] = {}
+        grams: dict[int, tuple[tangent_space.Gram, tangent_space.Gram]] = {}
         for (r, dtype, _), members in kinds.items():  # `gram`'s numerical rank: that of the parameters' dtype
             found = tangent_space.grams(*(F for i in members for F in factors[i]), rtol=r * torch.finfo(dtype).eps)
             grams.update((i, (found[2 * j], found[2 * j + 1])) for j, i in enumerate(members))
@@ -187,6 +187,6 @@ class TangentStacks:
         return source.per_sample(leaf, None)
 
 
-def _per_sample_gram(g: prism.Gram) -> prism.Gram:
+def _per_sample_gram(g: tangent_space.Gram) -> tangent_space.Gram:
     """A stack's Gram [P, r, r] as [P, 1, r, r], to broadcast against per-sample gradients [P, b, ...]."""
-    return prism.Gram(g.inverse.unsqueeze(1), g.inverse_sqrt.unsqueeze(1), g.rank.unsqueeze(1))
+    return tangent_space.Gram(g.inverse.unsqueeze(1), g.inverse_sqrt.unsqueeze(1), g.rank.unsqueeze(1))
