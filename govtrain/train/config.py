@@ -184,9 +184,11 @@ class MuonSection(_Strict):
 
 class NoiseSection(_Strict):
     """RUN.toml [noise]: which privatizer adds the noise, and its parameters (docs/privatizers.md). Each field
-    besides `privatizer` applies to some privatizers only: the privatizer's `from_parameters` refuses the others
+    besides `privatizer` applies to some privatizers only: the privatizer's `from_config` refuses the others
     (`privatizer_invalid`, when the run is prepared)."""
 
+    # The docstring above is schemas/run.schema.json's description, kept as published: its `from_config` is now
+    # `Privatizer.from_parameters`, which takes `privatizer_spec()`'s parameters.
     privatizer: Literal[tuple(REGISTRY)] = Field(  # type: ignore[valid-type]
         "gaussian", description="gaussian (i.i.d., DP-SGD's), banded-mf, blt (correlated: matrix factorization), "
                                 "laplace, discrete-gaussian, skellam (noise families)")
