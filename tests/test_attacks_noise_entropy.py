@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from govtrain.routing import entropy
+from govtrain.privatizers import entropy
 
 
 class _Counting:

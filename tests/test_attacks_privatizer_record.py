@@ -274,7 +274,7 @@ def test_a_history_with_another_family_goes_to_the_families_accountant(monkeypat
     import types
 
     import govtrain.accounting as accounting
-    from govtrain.accounting import charges
+    from govtrain.privatizers import charges
     from govtrain.accounting.spend import SpendCalculator
 
     monkeypatch.setitem(REGISTRY, "family-test", f"{__name__}:FamilyTest")

@@ -105,7 +105,7 @@ def test_finding_2_the_charge_of_a_decoded_mf_record_crashes_with_a_type_error(r
     ConfigError only), so govtrain-verify crashes instead of recomputing. Should: the cache key freezes list
     values (tuples), and the rebuilt record compares equal to the decoded one, so the spend charges
     DP-SGD at min(1, b·q) over ceil(steps/b) rounds (banded) or the unamplified BLT charge."""
-    from govtrain.accounting.charges import spend_item
+    from govtrain.privatizers.charges import spend_item
     from govtrain.privatizers.mf.charge import banded_charge, blt_charge
 
     charge = banded_charge if record["name"] == "banded-mf" else blt_charge
@@ -136,7 +136,7 @@ def test_finding_3_the_verifier_imports_torch_to_rebuild_an_mf_record(corpus: Co
         ledger.record_run("run-a", "dpsgd", bytes(32), bytes(32), None, corpus.now, run_nonce=lease("run-a"),
                           privatizer=record)
     code = ("import sys\nfrom govtrain.privatizers.rules import check_record, record_charge\n"
-            "from govtrain.accounting import charges\n"
+            "from govtrain.privatizers import charges\n"
             f"check_record({record!r})\n"
             f"record_charge({record!r}, sampling_rate_u=10_000, noise_multiplier_u=1_000_000, steps=10)\n"
             f"charges.check_record({record!r})\n"
@@ -200,7 +200,7 @@ def test_finding_6_a_blt_charge_with_no_noise_left_crashes_the_verifier():
     invalid Charge"), and the verifier's `_charge` catches ConfigError only: govtrain-verify would crash instead of
     flagging the spend. Should: a charge the accountant cannot compose is a GovtrainError (privatizer_invalid ->
     bad_privatizer, or an infinite ε -> bad_spend), never an uncaught ValueError."""
-    from govtrain.accounting.charges import bucketer
+    from govtrain.privatizers.charges import bucketer
     from govtrain.privatizers import from_record
 
     record = {"name": "blt", "buffers": 1, "horizon": 100, "min_separation": 1, "theta_p": [P - 1], "omega_p": [P]}

@@ -16,7 +16,7 @@ pytest.importorskip("peft")
 from govtrain.resolver.model import describe  # noqa: E402
 from govtrain.resolver.profile import resolve  # noqa: E402
 from govtrain.routing.router import Router  # noqa: E402
-from govtrain.mechanisms.prism import tangent_matrix  # noqa: E402
+from govtrain.mechanisms.tangent_space import tangent_matrix  # noqa: E402
 from tests.conftest import lease, noise_groups_for, record_spend  # noqa: E402
 from tests.test_train import tiny_model  # noqa: E402,F401  (fixture)
 from tests.test_routing import CLASSES, batch, losses_of, model, per_sample  # noqa: E402

@@ -11,10 +11,11 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from govtrain.errors import ConfigError  # noqa: E402
-from govtrain.mechanisms.prism import canonical, lora_pairs, tangent_dimension, tangent_matrix  # noqa: E402
+from govtrain.mechanisms.tangent_space import canonical, tangent_dimension, tangent_matrix  # noqa: E402
 from govtrain.mechanisms.update import Update  # noqa: E402
 from govtrain.resolver.model import describe  # noqa: E402
 from govtrain.resolver.profile import resolve  # noqa: E402
+from govtrain.resolver.reach import lora_pairs  # noqa: E402
 from govtrain.routing.router import Router  # noqa: E402
 from govtrain.train.config import RunFile  # noqa: E402
 from tests.test_resolver import cls  # noqa: E402

@@ -12,9 +12,12 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from govtrain.mechanisms import prism  # noqa: E402
-from govtrain.mechanisms.prism import (Prism, align, canonical, floored_inverse_sqrt, gram, intrinsic_sq_norm,  # noqa: E402
-                                       retract, tangent_dimension, tangent_lift, tangent_matrix, tangent_noise)
+from govtrain.mechanisms import tangent_space  # noqa: E402
+from govtrain.mechanisms.prism import Prism, floored_inverse_sqrt  # noqa: E402
+from govtrain.mechanisms.retraction import align, retract  # noqa: E402
+from govtrain.mechanisms.tangent_space import (canonical, gram, intrinsic_sq_norm, tangent_dimension,  # noqa: E402
+                                               tangent_lift, tangent_matrix, tangent_noise)
+from govtrain.resolver import reach  # noqa: E402
 
 F64 = torch.float64
 
@@ -226,7 +229,7 @@ def test_lora_pairs_finds_both_factors_of_each_module_and_adapter():
              "m.layer.0.attention.self.query.lora_A.own.weight", "m.layer.0.attention.self.query.lora_B.own.weight",
              "m.layer.1.attention.self.value.lora_A.default.weight",  # its lora_B is frozen: no pair
              "m.classifier.modules_to_save.default.weight"]
-    assert prism.lora_pairs(names) == {names[1]: names[0], names[3]: names[2]}
+    assert reach.lora_pairs(names) == {names[1]: names[0], names[3]: names[2]}
 
 
 @settings(max_examples=30, deadline=None)
@@ -239,7 +242,7 @@ def test_the_norm_from_factor_gradients_equals_the_norm_of_the_lift(shape, batch
     G = torch.randn(batch, m, n, generator=generator, dtype=F64)
     gA, gB = G @ B, G.transpose(1, 2) @ A
     expected = tangent_projection(A, B, G).pow(2).sum((1, 2))
-    assert torch.allclose(prism.projected_sq_norm(A, B, gA, gB), expected, rtol=1e-8, atol=1e-9)
+    assert torch.allclose(tangent_space.projected_sq_norm(A, B, gA, gB), expected, rtol=1e-8, atol=1e-9)
     assert torch.allclose(intrinsic_sq_norm(A, B, *tangent_lift(A, B, gA, gB)), expected, rtol=1e-8, atol=1e-9)
 
 

@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from govtrain.mechanisms import prism  # noqa: E402
+from govtrain.mechanisms import retraction, tangent_space  # noqa: E402
 from govtrain.mechanisms.prism import Prism, _floored, _pinv_trace  # noqa: E402
 from govtrain.mechanisms.stacking import shape_groups, write  # noqa: E402
 
@@ -160,8 +160,8 @@ def run_both(dtype, steps: int):
         for key, (lora_A, lora_B) in legacy_pairs.items():
             A, B = lora_B.detach().to(F64), lora_A.detach().to(F64).T
             G = torch.randn(A.shape[0], B.shape[0], generator=generator, dtype=F64)
-            dA, dB = prism.tangent_lift(A, B, G @ B, G.T @ A)
-            xA, xB = prism.canonical(A, B, *prism.tangent_noise(A, B, 0.3, generator))
+            dA, dB = tangent_space.tangent_lift(A, B, G @ B, G.T @ A)
+            xA, xB = tangent_space.canonical(A, B, *tangent_space.tangent_noise(A, B, 0.3, generator))
             grads[key] = ((dB + xB).T, dA + xA)
         feed(pairs, grads, SKIPPED.get(t, set()))
         feed(legacy_pairs, grads, SKIPPED.get(t, set()))
@@ -200,7 +200,7 @@ def test_the_retraction_of_near_dependent_columns_is_the_per_stack_one(delta):
     dA = A @ torch.randn(4, 4, generator=generator, dtype=F64) + delta * torch.randn(5, 40, 4, generator=generator,
                                                                                     dtype=F64)
     dB = torch.randn(5, 30, 4, generator=generator, dtype=F64)
-    for got, want in zip(prism.retract_aligned(A, B, dA, dB, -0.1), legacy_retract_aligned(A, B, dA, dB, -0.1)):
+    for got, want in zip(retraction.retract_aligned(A, B, dA, dB, -0.1), legacy_retract_aligned(A, B, dA, dB, -0.1)):
         assert float((got - want).norm()) <= 1e-12 * float(want.norm())
 
 

@@ -16,8 +16,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from govtrain.mechanisms.prism import (canonical, gram, grams, lora_pairs, projected_sq_norm,  # noqa: E402
-                                       tangent_dimension, tangent_lift, tangent_matrix, tangent_noise)
+from govtrain.mechanisms.tangent_space import (canonical, gram, grams, projected_sq_norm,  # noqa: E402
+                                               tangent_dimension, tangent_lift, tangent_matrix, tangent_noise)
+from govtrain.resolver.reach import lora_pairs  # noqa: E402
 from govtrain.mechanisms.stacking import shape_groups  # noqa: E402
 from govtrain.resolver.model import describe  # noqa: E402
 from govtrain.resolver.profile import resolve  # noqa: E402

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from govtrain import units
-from govtrain.accounting.charges import bucketer, spend_item
+from govtrain.privatizers.charges import bucketer, spend_item
 from govtrain.encoding import cbor
 from govtrain.errors import ConfigError, IntegrityError
 from govtrain.ledger.entries import PRIVATIZER_LIST_MAX, check_privatizer_record
@@ -55,7 +55,7 @@ def test_the_rules_name_the_privatizers_the_classes_do():
 def test_the_writer_charges_what_the_verifier_recomputes(record, q_u, sigma_u, steps):
     """The class the writer runs (`from_record`, its `charge`), the scheduler's bucketer and the verifier's
     `spend_item` give one charge for every privatizer."""
-    from govtrain.accounting.charges import as_item
+    from govtrain.accounting.records import as_item
 
     privatizer = from_record(record)
     charged = privatizer.charge(sampling_rate_u=q_u, noise_multiplier_u=sigma_u, steps=steps)

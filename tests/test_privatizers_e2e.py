@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 from click.testing import CliRunner  # noqa: E402
 
-from govtrain.accounting.charges import spend_item  # noqa: E402
+from govtrain.privatizers.charges import spend_item  # noqa: E402
 from govtrain.accounting.spend import SpendCalculator  # noqa: E402
 from govtrain.cli.main import cli  # noqa: E402
 from govtrain.cli.verify import verify_cli  # noqa: E402

@@ -19,9 +19,10 @@ from hypothesis import strategies as st  # noqa: E402
 
 from govtrain.mechanisms import prism  # noqa: E402
 from govtrain.mechanisms.muon import DPMuon, newton_schulz, quintic  # noqa: E402
-from govtrain.mechanisms.prism import (Prism, align, canonical, floored_inverse_sqrt, gram,  # noqa: E402
-                                       intrinsic_sq_norm, projected_sq_norm, retract, retract_aligned,
-                                       tangent_lift, tangent_noise)
+from govtrain.mechanisms.prism import Prism, floored_inverse_sqrt  # noqa: E402
+from govtrain.mechanisms.retraction import align, retract, retract_aligned  # noqa: E402
+from govtrain.mechanisms.tangent_space import (canonical, gram, intrinsic_sq_norm, projected_sq_norm,  # noqa: E402
+                                               tangent_lift, tangent_noise)
 from govtrain.mechanisms.stacking import shape_groups, write  # noqa: E402
 
 F64 = torch.float64

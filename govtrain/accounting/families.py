@@ -53,7 +53,7 @@ from govtrain import units
 if TYPE_CHECKING:
     import numpy as np
 
-    from govtrain.privatizers.base import Charge
+    from govtrain.accounting.records import Charge
 
 __all__ = ["FAMILIES", "LATTICE_FAMILIES", "SKELLAM_MAX_BITS", "check_skellam_bits", "l2_bound", "l1_bound",
            "integer_l1_bound", "Lattice", "gaussian_step_rdp", "discrete_gaussian_rdp", "skellam_rdp", "pure_rdp",

@@ -8,7 +8,7 @@ corpus of 100,000 contributions that share a handful of parameter sets costs a h
 accountant calls, and the verifier, which recomputes every recorded spend, gets the same
 numbers from the same function.
 
-A history may also hold the charge of a privatizer of another noise family (`accounting/charges.py`): its key is
+A history may also hold the charge of a privatizer of another noise family (`accounting/records.py`): its key is
 then its charges in epoch order, and `govtrain.accounting.families.epsilon_u` accounts it.
 
 sigma_eff is only ever bucketed by rounding **down** (`bucket_sigma_u`): a smaller noise
@@ -24,8 +24,7 @@ from typing import Iterable, Sequence
 
 from govtrain import units
 from govtrain.accounting.accountants import Accountant, Bucket, EpsilonResult, get_accountant
-from govtrain.accounting.charges import Bucketer, family_charges
-from govtrain.privatizers.base import Charge
+from govtrain.accounting.records import Bucketer, Charge, family_charges
 
 History = tuple[tuple[int, int, int], ...]  # (sampling_rate_u, noise_multiplier_u, steps), epoch order
 
@@ -204,8 +203,8 @@ class SpendCalculator:
     def max_steps(self, history: History, sampling_rate_u: int, sigma_u: int, limit: int,
                   budget_u: int, *, bucket: Bucketer | None = None) -> tuple[int, int]:
         """The most steps k <= `limit` at (q, sigma) after `history` whose cumulative epsilon stays within
-        `budget_u`, and that epsilon. `bucket(q, sigma, k)`: what k steps charge (`charges.bucketer` of the run's
-        privatizer; None: the i.i.d. Gaussian's (q, sigma, k)).
+        `budget_u`, and that epsilon. `bucket(q, sigma, k)`: what k steps charge (`privatizers.charges.bucketer` of
+        the run's privatizer; None: the i.i.d. Gaussian's (q, sigma, k)).
 
         Epsilon grows with k, so this keeps a bracket (lo within budget, hi over it) and shrinks it by
         interpolating the budget's position between the ends, probing one step past each landing to

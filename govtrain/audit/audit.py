@@ -206,9 +206,9 @@ def _calibrate(config: AuditConfig) -> tuple[float, float]:
 def _claimed_mechanism(world: worlds.World, canaries: Canaries) -> SubsampledGaussian | None:
     """The mechanism the ledger charges a canary for, from its spend entries' records (`charges.spend_item`): one
     subsampled Gaussian where every spend is a Gaussian bucket of one (rate, σ), None for another family."""
-    from govtrain.accounting.charges import spend_item
     from govtrain.ledger.entries import decode_entry
     from govtrain.ledger.ledger import Ledger
+    from govtrain.privatizers.charges import spend_item
 
     charged = [cid for cid, inside in zip(canaries.ids, canaries.included) if inside]
     with Ledger.open(world.url) as ledger:

@@ -26,12 +26,9 @@ import copy
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from govtrain.mechanisms.update import Update
 
 SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")  # Hugging Face's, as functions of the step
 RATE_KEYS = ("lr", "initial_lr")  # what a learning-rate schedule writes into an optimizer's groups
@@ -40,6 +37,14 @@ _PLAIN = (bool, int, float, str, type(None))
 _ROUNDING = 1e-12  # relative: what two computations of one factor times one rate may differ by
 _PARTS = {"prism": ("lr", "betas", "floor", "max_condition", "eps"),
           "muon": ("lr", "momentum", "kappa", "steps", "iteration")}
+
+
+class Tuned(Protocol):
+    """What `Hyperparameters.apply` and `changed` reach of an update (`mechanisms.update.Update` is one): its
+    optimizer (None where the mechanism keeps none), and the parts its schedule names (`prism`, `muon`) as
+    attributes. A protocol, so that the update imports this module and not the other way round."""
+
+    optimizer: Any
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,7 +140,7 @@ class Hyperparameters:
                  for name, values in self._parts.items()}
         return groups, parts
 
-    def apply(self, update: "Update", step: int) -> None:
+    def apply(self, update: Tuned, step: int) -> None:
         """Write step `step`'s values into the update: each group then holds exactly the configured keys."""
         groups, parts = self.expected(step)
         optimizer = update.optimizer
@@ -147,7 +152,7 @@ class Hyperparameters:
             for key, value in values.items():
                 setattr(getattr(update, name), key, value)
 
-    def changed(self, update: "Update", step: int) -> str | None:
+    def changed(self, update: Tuned, step: int) -> str | None:
         """The first hyperparameter of `update` that is not step `step`'s, in words; None when all are."""
         groups, parts = self.expected(step)
         optimizer = update.optimizer

@@ -38,8 +38,9 @@ from govtrain.errors import Code, ConfigError
 
 from govtrain.mechanisms.hyperparameters import RATE_KEYS, RATES, Hyperparameters
 from govtrain.mechanisms.muon import DPMuon
-from govtrain.mechanisms.prism import Prism, lora_pairs
+from govtrain.mechanisms.prism import Prism
 from govtrain.resolver.model import role
+from govtrain.resolver.reach import lora_pairs
 
 
 def make_optimizer(settings, params: Mapping[str, nn.Parameter]) -> torch.optim.Optimizer | None:

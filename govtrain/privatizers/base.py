@@ -1,7 +1,7 @@
 """The privatizer interface (docs/design.md §9; seed 003): what turns the router's clipped sums into the released
 gradient, with state that may carry noise from one step to the next.
 
-    privatizer = build(noise_section)                  # RUN.toml [noise]: which privatizer, and its parameters
+    privatizer = build(spec)                           # which privatizer, and its parameters (a PrivatizerSpec)
     state = privatizer.init(slots)                     # once per run: one Slot per tensor the step noises
     noisy, state = privatizer.update(sums, state, std=std, keep=keep, step=t)   # once per logical step
 
@@ -22,19 +22,38 @@ written only into the run state (0600), never logged, and deleted with it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Protocol, Sequence
+
+# What a spend charges is accounting's plain record: a privatizer produces it (`charge`), accounting composes it.
+from govtrain.accounting.records import Charge
 
 if TYPE_CHECKING:  # the verifier charges records through `rules.py` and never imports torch; nor does this module
     import torch
     from torch import Tensor
 
-    from govtrain.train.config import NoiseSection
-
 # The RUN.toml [noise] fields that parametrise a privatizer; any other field of the section configures the router.
 FIELDS = ("bands", "buffers", "min_separation", "granularity_bits", "beta_exp")
 
 State = Any  # a privatizer's own state: secret; persisted only through `state_dict` / `load_state`
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrivatizerSpec:
+    """What a privatizer is built from: its `name` (a key of `privatizers.REGISTRY`), the parameters set for it
+    (`params`: some of `FIELDS`, each set), and the `microbatches` each step's noise is split into. The config layer
+    makes one from its section (`govtrain.train.config.NoiseSection.privatizer_spec`, RUN.toml [noise]): the
+    privatizers take their own parameters and know nothing of the configuration file."""
+
+    name: str = "gaussian"
+    params: Mapping[str, Any] = field(default_factory=dict)
+    microbatches: int = 1
+
+
+class SpecSource(Protocol):
+    """A configuration section that makes a privatizer's spec (RUN.toml [noise]: `NoiseSection`)."""
+
+    def privatizer_spec(self) -> PrivatizerSpec: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,21 +78,6 @@ class Participation:
     cycle: int = 1
 
 
-@dataclass(frozen=True, kw_only=True)
-class Charge:
-    """What one spend entry charges, as the accountant reads it: `family` names the mechanism the accountant
-    composes (gaussian, laplace, discrete-gaussian, skellam), at rate `sampling_rate_u` (micro), noise multiplier
-    `noise_multiplier_u` (micro; for laplace the scale over the L1 clip norm) over `rounds` compositions.
-    `params`: what else the family's accountant needs, as ints from the privatizer's record (the quantised
-    sensitivities of the integer families); empty for gaussian and laplace. Hashable: the accountants key on it."""
-
-    family: str
-    sampling_rate_u: int
-    noise_multiplier_u: int
-    rounds: int
-    params: tuple[int, ...] = ()
-
-
 class Privatizer(ABC):
     name: ClassVar[str]  # the RUN.toml [noise] privatizer name, and the record's "name"
     family: ClassVar[str] = "gaussian"  # the accounting family of what it releases
@@ -83,7 +87,7 @@ class Privatizer(ABC):
     # (`quantize`) before the sum, so that integer noise is added in the quantised domain.
     norm: ClassVar[str] = "l2"
     quantized: ClassVar[bool] = False
-    # The RUN.toml [noise] fields it takes besides `privatizer` (`from_config` refuses any other that is set).
+    # The RUN.toml [noise] fields it takes besides `privatizer` (`from_parameters` refuses any other that is set).
     parameters: ClassVar[tuple[str, ...]] = ()
     # Whether it adds per-microbatch noise (RUN.toml [noise] microbatches > 1, the router's mode): then its record
     # holds "microbatches" where it is more than 1 (`build` refuses microbatches > 1 for the others).
@@ -93,19 +97,20 @@ class Privatizer(ABC):
     generator: "torch.Generator | None" = None
 
     @classmethod
-    def from_config(cls, noise: "NoiseSection", *, horizon: int | None = None,
-                    insecure_seed: int | None = None) -> "Privatizer":
-        """From RUN.toml [noise] (`privatizer` names this class) and what the run knows: its `horizon` (total
-        steps), and `insecure_seed` (tests only; never recorded). Refuses (ValueError, one line saying what to
-        change) a field set that it does not take, then rebuilds from the record those fields make. A privatizer
-        whose record is not its config fields one to one overrides it."""
-        return cls.from_record({"name": cls.name, **cls.config_fields(noise)})
+    def from_parameters(cls, params: Mapping[str, Any], *, horizon: int | None = None,
+                        insecure_seed: int | None = None) -> "Privatizer":
+        """From the parameters set for it (`PrivatizerSpec.params`: RUN.toml [noise]'s, whose `privatizer` names
+        this class) and what the run knows: its `horizon` (total steps), and `insecure_seed` (tests only; never
+        recorded). Refuses (ValueError, one line saying what to change) a parameter that it does not take, then
+        rebuilds from the record those parameters make. A privatizer whose record is not its parameters one to one
+        overrides it."""
+        return cls.from_record({"name": cls.name, **cls.check_parameters(params)})
 
     @classmethod
-    def config_fields(cls, noise: "NoiseSection") -> dict[str, Any]:
-        """The [noise] fields set that parametrise a privatizer (`FIELDS`; the others configure the router), after
-        refusing (ValueError) any this class does not take."""
-        given = {k: v for k, v in noise.model_dump().items() if k in FIELDS and v is not None}
+    def check_parameters(cls, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The parameters set that parametrise a privatizer (`FIELDS`; the section's others configure the router),
+        after refusing (ValueError) any this class does not take."""
+        given = {k: v for k, v in params.items() if k in FIELDS and v is not None}
         other = sorted(set(given) - set(cls.parameters))
         if other:
             takes = f"it takes {', '.join(cls.parameters)}" if cls.parameters else "it takes none"

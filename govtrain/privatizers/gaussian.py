@@ -68,8 +68,8 @@ class IIDGaussian(Privatizer):
         unknown = sorted(set(sums) - set(state))
         if unknown:
             raise ValueError(f"slot {unknown[0]!r} was not among the slots the privatizer was initialised with")
-        if self.generator is None:  # the OS's entropy, on the sums' device, once: its whole state (routing.entropy)
-            from govtrain.routing import entropy
+        if self.generator is None:  # the OS's entropy, on the sums' device, once: its whole state (privatizers.entropy)
+            from govtrain.privatizers import entropy
 
             device = next(iter(sums.values())).device if sums else torch.device("cpu")
             self.generator = entropy.generator(device)

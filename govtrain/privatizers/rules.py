@@ -24,7 +24,7 @@ from typing import Any, Callable, Hashable, Mapping
 
 from govtrain import units
 from govtrain.errors import Code, ConfigError, GovtrainError
-from govtrain.privatizers.base import Charge
+from govtrain.accounting.records import Charge
 from govtrain.privatizers.mf.charge import BLT_MAX_BUFFERS  # check_blt's bound (the class refuses no less)
 
 __all__ = ["RULES", "BLT_MAX_BUFFERS", "MIN_CHARGED_MULTIPLIER_U", "Charger", "check_record", "record_charge",

@@ -14,15 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from govtrain import units
-from govtrain.accounting.charges import spend_item
 from govtrain.accounting.spend import SpendCalculator
 from govtrain.errors import Code, ConfigError
 from govtrain.ledger.ledger import Ledger
 from govtrain.ledger.spend_rules import SpendBook, SpendState
 from govtrain.ledger.verified import Verified, feed, verified_entries
-from govtrain.mechanisms.reach import check_reach
+from govtrain.privatizers.charges import spend_item
 from govtrain.resolver.model import ModelLayout, role
 from govtrain.resolver.profile import describe_profile, format_ranges, resolve
+from govtrain.resolver.reach import check_reach
 from govtrain.resolver.schedule import Cohort, Member, Scheduler, cohorts_of, disjoint_groups
 
 
@@ -66,7 +66,7 @@ class Corpus:
             self.withdrawn.add(entry["contribution_id"])
         elif kind == "spend" and entry["contribution_id"] in self.admitted:
             spent = self.admitted[entry["contribution_id"]]
-            spent.history.append(spend_item(entry))  # through the privatizer it records (accounting/charges.py)
+            spent.history.append(spend_item(entry))  # through the privatizer it records (privatizers/charges.py)
             spent.eps_u, spent.last_epoch = entry["eps_u"], entry["epoch"]
             spent.retired = entry["steps"] < entry["epoch_steps"]
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from govtrain import units
-from govtrain.accounting.charges import bucketer
 from govtrain.accounting.spend import History, SpendCalculator, bucket_sigma_u
+from govtrain.privatizers.charges import bucketer
 
 if TYPE_CHECKING:
     from govtrain.privatizers.base import Privatizer

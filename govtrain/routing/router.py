@@ -60,12 +60,13 @@ from govtrain.distributed import fsdp
 from govtrain.distributed.world import World
 from govtrain.errors import Code, ConfigError
 from govtrain.mechanisms import MECHANISMS
-from govtrain.mechanisms.reach import check_reach, lora_pairs
+from govtrain.privatizers import entropy
 from govtrain.privatizers.base import Privatizer
 from govtrain.privatizers.gaussian import IIDGaussian
+from govtrain.resolver.reach import check_reach, lora_pairs
 from govtrain.resolver.profile import Resolution
 from govtrain.routing import compiled as compiled_routing
-from govtrain.routing import coverage, entropy, layout, materialized, moe, persample, slots
+from govtrain.routing import coverage, layout, materialized, moe, persample, slots
 from govtrain.routing.adapters import AdapterRoutes
 from govtrain.routing.tangent import TangentStacks
 

@@ -6,12 +6,12 @@ noise. Pair by pair, each of these is a few small kernels, and each pair's Gram 
 eigendecomposition that waits for the device: with dozens of pairs the loop, not the arithmetic, set the
 time of a GPU step. Here the pairs are grouped by shape (`stacking.shape_groups` on m, n, r, dtype and
 device) and every operation runs once per group on [P, ...] stacks, the Gram matrices of all the groups of
-one rank in one batched eigh per step (`prism.grams`).
+one rank in one batched eigh per step (`tangent_space.grams`).
 
 The arithmetic is the per-pair arithmetic: the PRISM functions broadcast over the stack's leading axis.
 Only the order of the noise draws differs from a loop over the pairs: Ω_A of a whole stack [P, m, r], then
 its Ω_B [P, n, r], stack after stack, drawn by the router's privatizer (`routing/slots.py`) and handed to
-`prism.tangent_noise`. Each pair's noise is distributed as before,
+`tangent_space.tangent_noise`. Each pair's noise is distributed as before,
 isotropic on its tangent space with the standard deviation of the one group that holds it.
 
 A sample whose class does not reach a pair adds nothing to it: its per-sample gradients are zeroed in the
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from govtrain.distributed import fsdp
-from govtrain.mechanisms import prism
+from govtrain.mechanisms import tangent_space
 from govtrain.mechanisms.stacking import shape_groups
 from govtrain.routing.persample import Calls
 
@@ -51,7 +51,7 @@ class _Geometry:
 
     A: Tensor  # [P, m, r]
     B: Tensor  # [P, n, r]
-    grams: tuple[prism.Gram, prism.Gram]
+    grams: tuple[tangent_space.Gram, tangent_space.Gram]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,9 +99,9 @@ class TangentStacks:
         kinds: dict[tuple, list[int]] = {}
         for i, ((A, _), stack) in enumerate(zip(factors, self.stacks)):
             kinds.setdefault((A.shape[-1], self.params[stack.lora_B[0]].dtype, A.device), []).append(i)
-        grams: dict[int, tuple[prism.Gram, prism.Gram]] = {}
+        grams: dict[int, tuple[tangent_space.Gram, tangent_space.Gram]] = {}
         for (r, dtype, _), members in kinds.items():  # `gram`'s numerical rank: that of the parameters' dtype
-            found = prism.grams(*(F for i in members for F in factors[i]), rtol=r * torch.finfo(dtype).eps)
+            found = tangent_space.grams(*(F for i in members for F in factors[i]), rtol=r * torch.finfo(dtype).eps)
             grams.update((i, (found[2 * j], found[2 * j + 1])) for j, i in enumerate(members))
         self._geometry = [_Geometry(A=A, B=B, grams=grams[i]) for i, (A, B) in enumerate(factors)]
         return self._geometry
@@ -131,7 +131,7 @@ class TangentStacks:
                 gA, gBt = torch.where(keep, gA, 0), torch.where(keep, gBt, 0)
             GM, GN = geometry.grams
             per_sample_grams = _per_sample_gram(GM), _per_sample_gram(GN)
-            square += prism.projected_sq_norm(geometry.A.unsqueeze(1), geometry.B.unsqueeze(1), gA,
+            square += tangent_space.projected_sq_norm(geometry.A.unsqueeze(1), geometry.B.unsqueeze(1), gA,
                                               gBt.transpose(-1, -2), grams=per_sample_grams).sum(0).to(dtype)
             measured.append(Measured(gA=gA, gBt=gBt))
         return square, measured
@@ -172,10 +172,10 @@ class TangentStacks:
                 scale: float | Tensor = stds[0] if len(set(stds)) == 1 else \
                     torch.tensor(stds, dtype=A.dtype, device=A.device).view(-1, 1, 1)
                 # the noise as factor gradients, so one lift gives the sum's canonical lift plus the noise's
-                xi_A, xi_B = prism.tangent_noise(A, B, scale, None, grams=grams, omega=drawn)
-                noise_A, noise_B = prism.factor_gradients(A, B, xi_A, xi_B)
+                xi_A, xi_B = tangent_space.tangent_noise(A, B, scale, None, grams=grams, omega=drawn)
+                noise_A, noise_B = tangent_space.factor_gradients(A, B, xi_A, xi_B)
                 gA, gB = gA + noise_A, gB + noise_B
-            dA, dB = prism.tangent_lift(A, B, gA, gB, grams=grams)
+            dA, dB = tangent_space.tangent_lift(A, B, gA, gB, grams=grams)
             totals.update(zip(stack.lora_B, dA.to(dtype).unbind(0)))
             totals.update(zip(stack.lora_A, dB.to(dtype).transpose(-1, -2).unbind(0)))
 
@@ -187,6 +187,6 @@ class TangentStacks:
         return source.per_sample(leaf, None)
 
 
-def _per_sample_gram(g: prism.Gram) -> prism.Gram:
+def _per_sample_gram(g: tangent_space.Gram) -> tangent_space.Gram:
     """A stack's Gram [P, r, r] as [P, 1, r, r], to broadcast against per-sample gradients [P, b, ...]."""
-    return prism.Gram(g.inverse.unsqueeze(1), g.inverse_sqrt.unsqueeze(1), g.rank.unsqueeze(1))
+    return tangent_space.Gram(g.inverse.unsqueeze(1), g.inverse_sqrt.unsqueeze(1), g.rank.unsqueeze(1))

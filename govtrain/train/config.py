@@ -67,6 +67,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, Valida
 from govtrain.errors import Code, ConfigError
 from govtrain.policy.config import format_errors, read_toml_file, schema_of
 from govtrain.privatizers import REGISTRY
+from govtrain.privatizers.base import FIELDS as PRIVATIZER_FIELDS
+from govtrain.privatizers.base import PrivatizerSpec
 
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -185,6 +187,8 @@ class NoiseSection(_Strict):
     besides `privatizer` applies to some privatizers only: the privatizer's `from_config` refuses the others
     (`privatizer_invalid`, when the run is prepared)."""
 
+    # The docstring above is schemas/run.schema.json's description, kept as published: its `from_config` is now
+    # `Privatizer.from_parameters`, which takes `privatizer_spec()`'s parameters.
     privatizer: Literal[tuple(REGISTRY)] = Field(  # type: ignore[valid-type]
         "gaussian", description="gaussian (i.i.d., DP-SGD's), banded-mf, blt (correlated: matrix factorization), "
                                 "laplace, discrete-gaussian, skellam (noise families)")
@@ -202,6 +206,13 @@ class NoiseSection(_Strict):
         1, description="per-microbatch noise: each step's units are split into this many microbatches by a public "
                        "rule on their ids, and each microbatch's clipped sum is noised on its own (the same charge; "
                        "k times the noise variance). 1: one noise per step. More than 1 takes the i.i.d. gaussian")
+
+    def privatizer_spec(self) -> PrivatizerSpec:
+        """The privatizer's own parameters, from this section: the fields set that parametrise a privatizer
+        (`privatizers.base.FIELDS`; the others configure the router). `privatizers.build` takes it (or this
+        section, which it asks for it): the config layer builds the privatizer's inputs, never the reverse."""
+        params = {k: v for k, v in self.model_dump().items() if k in PRIVATIZER_FIELDS and v is not None}
+        return PrivatizerSpec(name=self.privatizer, params=params, microbatches=self.microbatches)
 
 
 class TrainingSection(_Strict):

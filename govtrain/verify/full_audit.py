@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import ledger_store
-from govtrain.accounting.charges import check_record, spend_item
+from govtrain.privatizers.charges import check_record, spend_item
 from govtrain.errors import Code, ConfigError, GovtrainError, IntegrityError
 from govtrain.gate.gate import Gate
 from govtrain.ledger.entries import DEVICE, PRECISIONS, decode_entry
@@ -276,7 +276,7 @@ class _Audit:
             raise bad("effective noise multiplier is below the one the contributor signed")
         if entry["eps_u"] > c.eps_budget_u:
             raise bad(f"cumulative ε {entry['eps_u']} exceeds the signed budget {c.eps_budget_u}")
-        try:  # the charge follows from the record, through its rule (accounting/charges.py, privatizers/rules.py)
+        try:  # the charge follows from the record, through its rule (privatizers/charges.py, privatizers/rules.py)
             item = spend_item(entry)
         except ConfigError as e:
             raise _Failure(Code.BAD_PRIVATIZER, f"{where}: {e.detail}", seq=seq) from e

@@ -23,7 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from govtrain import units
-from govtrain.accounting.charges import spend_item
+from govtrain.privatizers.charges import spend_item
 from govtrain.privatizers.rules import RULES
 from govtrain.verify.verifier import inspect_ledger, recorded_accountant
 from tests.fuzz.common import check, fuzz_settings

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
 
-from govtrain.privatizers.base import Charge, Privatizer, Slot
+from govtrain.accounting.records import Charge
+from govtrain.privatizers.base import Privatizer, Slot
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
     from torch import Tensor
-
-    from govtrain.train.config import NoiseSection
 
 __all__ = ["LatticePrivatizer", "dimension_of", "check_lattice", "lattice_charge"]
 
@@ -106,11 +105,11 @@ class LatticePrivatizer(Privatizer):
                 "dimension": self.dimension}
 
     @classmethod
-    def from_config(cls, noise: "NoiseSection", *, horizon: int | None = None,
-                    insecure_seed: int | None = None) -> "LatticePrivatizer":
+    def from_parameters(cls, params: Mapping[str, Any], *, horizon: int | None = None,
+                        insecure_seed: int | None = None) -> "LatticePrivatizer":
         """RUN.toml [noise]'s granularity_bits and beta_exp (defaults otherwise): its dimension is not a setting
         (`init` binds it from the slots)."""
-        given = cls.config_fields(noise)
+        given = cls.check_parameters(params)
         if any(type(v) is not int for v in given.values()):
             raise ValueError(f"{cls.name}: granularity_bits and beta_exp are integers")
         return cls(**given, insecure_seed=insecure_seed)

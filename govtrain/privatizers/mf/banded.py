@@ -39,7 +39,8 @@ import torch
 from torch import Tensor
 
 from govtrain import units
-from govtrain.privatizers.base import Charge, Participation
+from govtrain.accounting.records import Charge
+from govtrain.privatizers.base import Participation
 from govtrain.privatizers.mf.charge import banded_charge, check_banded
 from govtrain.privatizers.mf.optimize import banded_column
 from govtrain.privatizers.mf.stream import StreamingPrivatizer

@@ -36,7 +36,8 @@ import torch
 from torch import Tensor
 
 from govtrain import units
-from govtrain.privatizers.base import Charge, Participation
+from govtrain.accounting.records import Charge
+from govtrain.privatizers.base import Participation
 from govtrain.privatizers.mf.charge import applied_parameters, blt_charge, check_blt, factor_p
 from govtrain.privatizers.mf.optimize import blt_parameters
 from govtrain.privatizers.mf.stream import StreamingPrivatizer

@@ -5,6 +5,9 @@ PRISM works on whole LoRA pairs (A, B) = (lora_B.weight, lora_A.weightᵀ): a cl
 factors of a pair entirely, or neither. A `heads` profile reaches rows of the q/k/v `lora_B` (or columns
 of the output projection's `lora_A`) and not the other factor, which has no tangent-space meaning.
 DP-Muon and DP-SGD take any profile.
+
+It sits with the resolver, below the mechanisms, because it reads only what the resolved profiles reach (the
+planner checks it before a run; the router and PRISM's pairing use `lora_pairs`).
 """
 
 from __future__ import annotations
