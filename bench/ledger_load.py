@@ -47,7 +47,7 @@ class _Writer:
     """One process's operations, each timed and its outcome kept as the writer saw it."""
 
     def __init__(self, index: int, url: str, keys: Path, folder: Path) -> None:
-        from govtrain.accounting.accountants import spend_epsilon_u
+        from govtrain.accounting.spend import spend_epsilon_u
         from govtrain.attest.keys import load_private_key
         from govtrain.ledger.ledger import Ledger
 

@@ -41,7 +41,7 @@ def spend_problems(s: "Scene", events: list[dict], reference: dict[str, int] | N
     (its last cumulative eps_u) is then at least the accountant's epsilon of the steps that ran at the charged
     parameters, and at least what an uninterrupted run of the same config charges (`reference`): a crash may
     over-count (a step lost and redone under a later epoch's spend), never under-count."""
-    from govtrain.accounting.accountants import spend_epsilon_u
+    from govtrain.accounting.spend import spend_epsilon_u
     from govtrain.train.config import load_run_config
 
     problems: list[str] = []

@@ -13,7 +13,8 @@ from scipy import stats
 from scipy.special import logsumexp
 
 from govtrain.accounting import families
-from govtrain.accounting.accountants import _rdp_curve, _rdp_orders, spend_epsilon_u
+from govtrain.accounting.accountants import _rdp_curve, _rdp_orders
+from govtrain.accounting.spend import spend_epsilon_u
 from govtrain.privatizers.base import Charge
 
 ORDERS = _rdp_orders()

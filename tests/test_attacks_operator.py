@@ -19,7 +19,7 @@ import hashlib
 
 import pytest
 
-from govtrain.accounting.accountants import spend_epsilon_u
+from govtrain.accounting.spend import spend_epsilon_u
 from govtrain.errors import Code, ConfigError, GovtrainError, IntegrityError
 from govtrain.ledger.entries import decode_entry, run_entry, spend_entry, tune_entry
 from govtrain.ledger.ledger import Ledger

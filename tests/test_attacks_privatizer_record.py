@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 import pytest
 
-from govtrain.accounting.accountants import spend_epsilon_u
+from govtrain.accounting.spend import spend_epsilon_u
 from govtrain.errors import ConfigError, IntegrityError, RejectedError
 from govtrain.ledger.entries import decode_entry
 from govtrain.ledger.ledger import Ledger

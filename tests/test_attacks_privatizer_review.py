@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 from govtrain import units
-from govtrain.accounting.accountants import spend_epsilon_u
+from govtrain.accounting.spend import spend_epsilon_u
 from govtrain.errors import ConfigError, GovtrainError, IntegrityError
 from govtrain.verify.verifier import verify_ledger
 from tests.conftest import Corpus, lease, noise_groups_for, record_spend, snapshot

@@ -233,7 +233,7 @@ def _tuned_release(tmp_path: Path):  # type: ignore[no-untyped-def]
     entry's adapter hash that of a one-file folder; and the release manifest of the selected trial, built from the
     ledger's own facts as `build_release` does (the adapter is a placeholder file, so its groups are the noise groups
     the spend entries recorded, placed in the default adapter: what a verifier can check them against)."""
-    from govtrain.accounting.accountants import spend_epsilon_u
+    from govtrain.accounting.spend import spend_epsilon_u
     from govtrain.attest.keys import generate_key_pair, load_private_key, load_public_key
     from govtrain.gate.admission import admit
     from govtrain.release.artifact import adapter_digest

@@ -71,7 +71,7 @@ def test_ledger_entries_match_their_cddl(corpus: Corpus):
 
 def test_every_entry_kind_matches_its_cddl(corpus: Corpus):
     from govtrain.gate.admission import admit
-    from govtrain.accounting.accountants import spend_epsilon_u
+    from govtrain.accounting.spend import spend_epsilon_u
     from govtrain.ledger.entries import SPECS, run_entry, spend_entry
 
     data = corpus.data("k.jsonl")

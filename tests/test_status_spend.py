@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from govtrain.accounting.accountants import spend_epsilon_u
+from govtrain.accounting.spend import spend_epsilon_u
 from govtrain.cli.main import cli
 from govtrain.gate.admission import admit
 from govtrain.ledger.entries import decode_stored

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from govtrain.accounting.accountants import spend_epsilon_u
+from govtrain.accounting.spend import spend_epsilon_u
 from govtrain.errors import Code, GovtrainError
 from govtrain.gate.admission import admit
 from govtrain.ledger.entries import decode_entry, tune_entry

@@ -8,8 +8,8 @@ from govtrain.accounting.accountants import (
     PRVAccountant,
     RDPAccountant,
     get_accountant,
-    spend_epsilon_u,
 )
+from govtrain.accounting.spend import spend_epsilon_u
 
 __all__ = ["ACCOUNTANTS", "Bucket", "EpsilonResult", "PLDAccountant", "PRVAccountant", "RDPAccountant",
            "get_accountant", "spend_epsilon_u"]

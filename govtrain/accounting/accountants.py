@@ -247,12 +247,3 @@ def get_accountant(name: str) -> Accountant:
         return ACCOUNTANTS[name]()
     except KeyError:
         raise ValueError(f"unknown accountant {name!r}; choose one of {', '.join(ACCOUNTANTS)}") from None
-
-
-def spend_epsilon_u(accountant: str, delta_p: int, history: Sequence[tuple[int, int, int]]) -> int:
-    """The verifier's `SpendAccountant`: epsilon (micro-units, rounded up) of a recorded history of
-    (sampling_rate_u, noise_multiplier_u, steps), in epoch order, under the named accountant at
-    delta_p / 10^12. Shares one cached `SpendCalculator` per (accountant, delta)."""
-    from govtrain.accounting.spend import shared_calculator
-
-    return shared_calculator(accountant, delta_p).epsilon_u(history)

@@ -4,7 +4,7 @@ Gaussian with Laplace, discrete Gaussian and Skellam charges (docs/privatizers.m
     epsilon_u(accountant, delta_p, charges)      # micro-units, rounded up; what the ledger and the verifier charge
 
 A history of gaussian charges alone is what the policy's accountant (`prv`, `pld`, `rdp`) has always charged,
-unchanged (`accountants.spend_epsilon_u`). Any other history is composed in RDP over dp-accounting's default
+unchanged (`history.gaussian_epsilon_u`, the function `spend.spend_epsilon_u` caches). Any other history is composed in RDP over dp-accounting's default
 orders and converted once at δ by dp-accounting's own `compute_epsilon`:
 
 - gaussian: dp-accounting's exact Poisson-subsampled Gaussian RDP;
@@ -297,14 +297,14 @@ def epsilon(charges: Sequence["Charge"], delta: float) -> float:
 
 def epsilon_u(accountant: str, delta_p: int, charges: Sequence["Charge"]) -> int:
     """ε (micro-units, rounded up) of `charges` in epoch order at δ = delta_p / 10^12. All gaussian: the policy's
-    `accountant` exactly as before noise families (`spend_epsilon_u`); otherwise RDP, as above."""
+    `accountant` exactly as before noise families (`gaussian_epsilon_u`); otherwise RDP, as above."""
     paying = _checked(charges)
     if all(charge.family == "gaussian" for charge in paying):
-        from govtrain.accounting.accountants import spend_epsilon_u
+        from govtrain.accounting.history import gaussian_epsilon_u
 
         for charge in paying:
             if charge.params:
                 raise ValueError("a gaussian charge carries no params")
-        return spend_epsilon_u(accountant, delta_p,
+        return gaussian_epsilon_u(accountant, delta_p,
                                [(c.sampling_rate_u, c.noise_multiplier_u, c.rounds) for c in paying])
     return units.spent_eps_u(epsilon(paying, delta_p / units.PICO))

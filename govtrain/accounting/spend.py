@@ -24,40 +24,8 @@ from typing import Iterable, Sequence
 
 from govtrain import units
 from govtrain.accounting.accountants import Accountant, Bucket, EpsilonResult, get_accountant
+from govtrain.accounting.history import SIGMA_DIGITS, History, bucket_sigma_u, canonical  # noqa: F401 (spend's vocabulary)
 from govtrain.accounting.records import Bucketer, Charge, family_charges
-
-History = tuple[tuple[int, int, int], ...]  # (sampling_rate_u, noise_multiplier_u, steps), epoch order
-
-SIGMA_DIGITS = 3  # sigma_eff is recorded to 3 significant digits, rounded down (<= 1% below the true value)
-
-
-def bucket_sigma_u(sigma_eff_u: int, signed_u: int) -> int:
-    """sigma_eff rounded down to `SIGMA_DIGITS` significant digits, but never below the signed sigma.
-
-    Rounding down over-charges (more epsilon for less noise claimed); the floor at the signed value
-    keeps the recorded multiplier admissible, and it is still <= the true sigma_eff because the
-    true sigma_eff is at least the signed one (docs/design.md §5).
-    """
-    if sigma_eff_u < signed_u:
-        raise ValueError(f"sigma_eff {sigma_eff_u} is below the signed noise multiplier {signed_u}")
-    quantum = 10 ** max(0, len(str(sigma_eff_u)) - SIGMA_DIGITS)
-    return max(sigma_eff_u // quantum * quantum, signed_u)
-
-
-def canonical(history: Iterable[tuple[int, int, int]], ordered: bool = False) -> History:
-    paying = []
-    for q_u, sigma_u, steps in history:
-        if q_u < 0 or q_u > units.MICRO or sigma_u <= 0 or steps < 0:
-            raise ValueError(f"invalid spend bucket (q_u={q_u}, sigma_u={sigma_u}, steps={steps})")
-        if q_u and steps:
-            paying.append((q_u, sigma_u, steps))
-    if ordered:
-        return tuple(paying)
-    merged: dict[tuple[int, int], int] = {}
-    for q_u, sigma_u, steps in paying:
-        merged[(q_u, sigma_u)] = merged.get((q_u, sigma_u), 0) + steps
-    return tuple((q, s, t) for (q, s), t in sorted(merged.items()))
-
 
 def _serve(connection, name: str, delta: float) -> None:
     """A worker process: one accountant (and its caches) for its whole life."""
@@ -274,3 +242,10 @@ def shared_calculator(accountant: str, delta_p: int) -> SpendCalculator:
 
 def default_workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def spend_epsilon_u(accountant: str, delta_p: int, history: Sequence[tuple[int, int, int]]) -> int:
+    """The verifier's `SpendAccountant`: epsilon (micro-units, rounded up) of a recorded history of
+    (sampling_rate_u, noise_multiplier_u, steps), in epoch order, under the named accountant at
+    delta_p / 10^12. Shares one cached `SpendCalculator` per (accountant, delta)."""
+    return shared_calculator(accountant, delta_p).epsilon_u(history)

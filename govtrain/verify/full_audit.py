@@ -17,7 +17,7 @@ from govtrain.ledger.policy_chain import fixed_terms_changed
 from govtrain.ledger.retention import Redacted
 from govtrain.ledger.spend_rules import SpendBook, SpendRuleError, min_sampling_rate_u
 from govtrain.ledger.tuning import TuneBook, TuneRuleError
-from govtrain.mechanisms import MECHANISMS
+from govtrain.ledger.entries import MECHANISMS
 from govtrain.policy.model import Policy
 from govtrain.verify.checkpoint_audit import CheckpointAudit
 from govtrain.verify.report import SpendAccountant, VerificationReport, _Failure

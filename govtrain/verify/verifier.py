@@ -62,7 +62,7 @@ def verify_ledger(url: str, **options) -> VerificationReport:
 
 def recorded_accountant(accountant: str, delta_p: int, history: Sequence[tuple[int, int, int]]) -> int:
     """The default `SpendAccountant`: govtrain's own accountants, cached across contributions."""
-    from govtrain.accounting.accountants import spend_epsilon_u
+    from govtrain.accounting.spend import spend_epsilon_u
 
     return spend_epsilon_u(accountant, delta_p, history)
 
