@@ -7,7 +7,7 @@ per key at corpus scale): both compose the same function of the same key, so the
 
 from __future__ import annotations
 
-import functools
+from collections import OrderedDict
 from typing import Iterable
 
 from govtrain import units
@@ -48,10 +48,27 @@ def canonical(history: Iterable[tuple[int, int, int]], ordered: bool = False) ->
 
 def gaussian_epsilon_u(accountant: str, delta_p: int, history: Iterable[tuple[int, int, int]]) -> int:
     """Epsilon (micro-units, rounded up) of a history of i.i.d. Gaussian buckets under the named accountant at
-    delta_p / 10^12: the accountant's answer on the history's canonical key, cached per key in this process."""
-    return _gaussian(accountant, delta_p, canonical(history, get_accountant(accountant).ordered)).epsilon_u
+    delta_p / 10^12: the accountant's answer on the history's canonical key, shared per key in this process."""
+    key = canonical(history, get_accountant(accountant).ordered)
+    found = shared_result(accountant, delta_p, key)
+    if found is None:
+        found = get_accountant(accountant).epsilon([Bucket.from_micro(*b) for b in key], delta_p / units.PICO)
+        share_result(accountant, delta_p, key, found)
+    return found.epsilon_u
 
 
-@functools.lru_cache(maxsize=65_536)
-def _gaussian(accountant: str, delta_p: int, key: History) -> EpsilonResult:
-    return get_accountant(accountant).epsilon([Bucket.from_micro(*b) for b in key], delta_p / units.PICO)
+# Every answer of an accountant on a canonical key, in this process: epsilon is a pure function of (accountant,
+# delta, key), so a run's plan, its GovernedRun, the verifier and the next run in the same process account each
+# key once. Bounded: the oldest answers go first.
+_SHARED: OrderedDict[tuple[str, int, History], EpsilonResult] = OrderedDict()
+SHARED_MAX = 100_000
+
+
+def shared_result(accountant: str, delta_p: int, key: History) -> EpsilonResult | None:
+    return _SHARED.get((accountant, delta_p, key))
+
+
+def share_result(accountant: str, delta_p: int, key: History, result: EpsilonResult) -> None:
+    _SHARED[(accountant, delta_p, key)] = result
+    while len(_SHARED) > SHARED_MAX:
+        _SHARED.popitem(last=False)

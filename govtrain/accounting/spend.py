@@ -24,7 +24,8 @@ from typing import Iterable, Sequence
 
 from govtrain import units
 from govtrain.accounting.accountants import Accountant, Bucket, EpsilonResult, get_accountant
-from govtrain.accounting.history import SIGMA_DIGITS, History, bucket_sigma_u, canonical  # noqa: F401 (spend's vocabulary)
+from govtrain.accounting.history import (  # noqa: F401 (the first four: spend's vocabulary)
+    SIGMA_DIGITS, History, bucket_sigma_u, canonical, share_result, shared_result)
 from govtrain.accounting.records import Bucketer, Charge, family_charges
 
 def _serve(connection, name: str, delta: float) -> None:
@@ -92,8 +93,10 @@ class SpendCalculator:
     code that holds the GIL, so threads would not help, and long-lived workers keep their caches.
     """
 
-    def __init__(self, accountant: str, delta_p: int, *, workers: int = 1, max_cached: int = 1_000_000) -> None:
+    def __init__(self, accountant: str, delta_p: int, *, workers: int = 1, max_cached: int = 1_000_000,
+                 share: bool = True) -> None:
         self.name = accountant
+        self.share = share  # take and give answers to the process's shared ones (`history.shared_result`)
         self.accountant: Accountant = get_accountant(accountant)
         self.delta_p = delta_p
         self.delta = delta_p / units.PICO
@@ -102,7 +105,7 @@ class SpendCalculator:
         self.max_cached = max_cached
         self._cache: dict[History, EpsilonResult] = {}
         self._pool: _Workers | None = None
-        self.calls = 0  # accountant evaluations actually run
+        self.calls = 0  # keys this calculator had to account (its misses; the answer may be a shared one)
         self.lookups = 0
 
     def __enter__(self) -> "SpendCalculator":
@@ -159,6 +162,13 @@ class SpendCalculator:
             if not keys:
                 return
         self.calls += len(keys)
+        if self.share:
+            known = {key: found for key in keys if (found := shared_result(self.name, self.delta_p, key)) is not None}
+            for key, found in known.items():
+                self._store(key, found)
+            keys = [key for key in keys if key not in known]
+            if not keys:
+                return
         if self.workers == 1:
             results = [self.accountant.epsilon([Bucket.from_micro(*b) for b in key], self.delta) for key in keys]
         else:
@@ -167,6 +177,8 @@ class SpendCalculator:
             results = self._pool.evaluate(keys)
         for key, result in zip(keys, results):
             self._store(key, result)
+            if self.share:
+                share_result(self.name, self.delta_p, key, result)
 
     def max_steps(self, history: History, sampling_rate_u: int, sigma_u: int, limit: int,
                   budget_u: int, *, bucket: Bucketer | None = None) -> tuple[int, int]:
