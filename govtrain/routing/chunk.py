@@ -1,6 +1,7 @@
 """One physical chunk's arguments checked, its per-example losses differentiated to the tapped outputs, and its
 report (`Router.accumulate`, `StepReport`): a loss per example, a unit per example with at least one example per
-unit, a positive clipping norm per clipping unit, and no backward through the forward before the router's own.
+unit, resolved classes routed as captured, a positive clipping norm per clipping unit, and no backward through the
+forward before the router's own.
 
 Every refusal here comes before anything per-sample is formed, summed or drawn, so a programmer's mistake leaves
 the step as it was (a ValueError; a backward the router did not run is `ungoverned_batch`).
@@ -9,13 +10,14 @@ the step as it was (a ValueError; a backward the router did not run is `ungovern
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from govtrain.errors import Code, ConfigError
 from govtrain.routing import release
+from govtrain.routing.adapters import AdapterRoutes
 from govtrain.routing.taps import Tap
 
 
@@ -52,6 +54,19 @@ def unit_losses(losses: Tensor, batch: int, units: Tensor | Sequence[int] | None
             raise ValueError(f"need one unit in [0, {batch}) per example, and at least one example per unit")
         losses = losses / counts[units].to(losses.dtype)  # a unit's gradient is its examples' mean
     return losses, units, examples
+
+
+def check_classes(classes: Sequence[str], units: Tensor | None, masks: Mapping[str, Any], routes: AdapterRoutes,
+                  routed: tuple[str, ...] | None) -> None:
+    """Refuse a class with no resolved profile, and a chunk whose captured forward (`routed`: its examples' classes
+    as `capture` routed them) went through the adapters of other classes than these examples are clipped as."""
+    unknown = sorted(set(classes) - masks.keys())
+    if unknown:
+        raise ValueError(f"class {unknown[0]!r} has no resolved profile")
+    if routes.adapters and routed != tuple(routes.examples(classes, units)):
+        raise ValueError("the captured forward was routed through the adapters of other classes than these "
+                         "examples are clipped as (or of none): capture(classes, units) with the classes and "
+                         "units given here")
 
 
 def clip_norms_of(clip_norms: Tensor | Sequence[float], losses: Tensor, batch: int) -> tuple[Tensor, torch.dtype]:

@@ -303,14 +303,8 @@ class Router:
                      units: Tensor | Sequence[int] | None) -> tuple[dict[str, Tensor], StepReport]:
         batch = len(classes)  # clipping units: examples, or contributions
         losses, units, examples = chunk.unit_losses(losses, batch, units)
-        unknown = sorted(set(classes) - self.masks.keys())
-        if unknown:
-            raise ValueError(f"class {unknown[0]!r} has no resolved profile")
         routed, self._routed = self._routed, None
-        if self.routes.adapters and routed != tuple(self.routes.examples(classes, units)):
-            raise ValueError("the captured forward was routed through the adapters of other classes than these "
-                             "examples are clipped as (or of none): capture(classes, units) with the classes and "
-                             "units given here")
+        chunk.check_classes(classes, units, self.masks, self.routes, routed)
         clip, dtype = chunk.clip_norms_of(clip_norms, losses, batch)
         if self._canaries is not None:  # audit only: each unit's canary named, and clipped as the canaries' class
             self._canaries.check(classes)
