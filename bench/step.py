@@ -45,15 +45,16 @@ and prints PRISM / DP-SGD and DP-Muon / DP-SGD.
 
 The routing layer records only modules that hold a parameter some class reaches, so autograd stops at the
 deepest reached layer: a top-2-layer band is cheaper than a non-private step that trains every layer's LoRA.
+
+The models, batches and timing the modes share are `step_models.py`; --nproc is `step_distributed.py`, --compiled
+`step_compiled.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -61,106 +62,12 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import torch  # noqa: E402
 
-from harness import (TARGETS, Governed, NonPrivate, OpacusStep, data_class, report_rss_growth,  # noqa: E402
-                     rss_growth_in_child, rss_mb, run_file)
-import harness  # noqa: E402
-
-LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SETTINGS = {"model": "minilm", "device": "cpu", "precision": "fp32"}  # set once by main()
-
-
-def layers() -> int:
-    return {"minilm": 6, "bert-base": 12, "llama-1b": 16}[SETTINGS["model"]]
-
-
-def autocast():
-    return harness.autocast(SETTINGS["device"], SETTINGS["precision"])
-
-
-def sync() -> None:
-    harness.sync(SETTINGS["device"])
-
-
-def build(seed: int = 0):
-    import peft
-    import transformers
-    from transformers import AutoModelForSequenceClassification
-
-    from govtrain.resolver.load import model_path
-
-    torch.manual_seed(seed)
-    name = SETTINGS["model"]
-    if name == "minilm":
-        path = os.environ.get("GOVTRAIN_MINILM_PATH") or model_path("minilm")
-        base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2,
-                                                                  local_files_only=True, hidden_dropout_prob=0.0,
-                                                                  attention_probs_dropout_prob=0.0, dtype=torch.float32)
-        targets, head = TARGETS, "classifier"
-    elif name == "bert-base":
-        base = transformers.BertForSequenceClassification(transformers.BertConfig(
-            num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
-        targets, head = TARGETS, "classifier"
-    else:
-        base = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(
-            hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
-            num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, num_labels=2, pad_token_id=0))
-        targets, head = LLAMA_TARGETS, "score"
-    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets,
-                                                      modules_to_save=[head]))
-    model.train()  # dropout is off; Opacus only records in training mode
-    return model.to(SETTINGS["device"])
-
-
-def batch(size: int, seq: int, seed: int):
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1000, 20000, (size, seq), generator=generator)
-    labels = torch.randint(0, 2, (size,), generator=generator)
-    device = SETTINGS["device"]
-    return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}, labels.to(device)
-
-
-def non_private(model):
-    return NonPrivate(model, autocast=autocast)
-
-
-def governed(model, classes: dict, name: str, mechanism: str = "dpsgd"):
-    return Governed(model, classes, run_file(mechanism), name=name, autocast=autocast)
-
-
-def opacus(model, size: int):
-    return OpacusStep(model, expected_batch=size, autocast=autocast)
-
-
-CAUSAL_LLAMAS = {"tiny-llama": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, vocab_size=64),
-                 "small-llama": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                                     num_key_value_heads=2, vocab_size=4096)}
-
-
-def build_causal(seed: int = 0):
-    """A random Llama causal LM with the run's LoRA as `govtrain train` builds it for task = "causal-lm"."""
-    import transformers
-
-    from govtrain.train.config import LoraSection
-    from govtrain.train.model import quiet_loading, wrap_lora
-
-    torch.manual_seed(seed)
-    shape = CAUSAL_LLAMAS[SETTINGS["model"]]
-    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(max_position_embeddings=512, **shape))
-    with quiet_loading():
-        model = wrap_lora(base, LoraSection(r=8, alpha=16, target_modules=LLAMA_TARGETS), [], heads=())
-    return model.eval().to(SETTINGS["device"])
-
-
-def causal_batch(size: int, seq: int, seed: int):
-    """Random token ids, every token after the first a target (a text row)."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, CAUSAL_LLAMAS[SETTINGS["model"]]["vocab_size"], (size, seq), generator=generator)
-    targets = ids.clone()
-    targets[:, 0] = -100
-    device = SETTINGS["device"]
-    return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}, targets.to(device)
-
+from harness import (TARGETS, Governed, NonPrivate, data_class, report_rss_growth, rss_growth_in_child,  # noqa: E402
+                     rss_mb, run_file)
+from step_compiled import compiled  # noqa: E402
+from step_distributed import distributed  # noqa: E402
+from step_models import (CAUSAL_LLAMAS, LLAMA_TARGETS, SETTINGS, autocast, batch, build, build_causal,  # noqa: E402
+                         causal_batch, governed, layers, non_private, opacus, report, sync, timed, variant_makers)
 
 def causal(args) -> None:
     """Causal-LM routing (one class over every layer) against a non-private step, interleaved."""
@@ -222,16 +129,6 @@ def memory(args) -> None:
     print(f"{SETTINGS['model']}, {SETTINGS['precision']}, {what}, batch {args.batch}, seq {args.seq}")
     for name, value in peak.items():
         print(f"  {name:<26} {value:9.1f} MB   / non-private {value / peak['non-private']:5.2f}")
-
-
-def variant_makers(args, full=None) -> dict:
-    last = layers() - 1
-    top2 = {"sensitive": data_class("sensitive", band=(last - 1, last), head=True)}
-    full = full or {"all": data_class("all", band=(0, last), head=True)}
-    return {"non-private": lambda: non_private(build()),
-            "govtrain top-2 band": lambda: governed(build(), top2, "govtrain top-2 band"),
-            "govtrain full band": lambda: governed(build(), full, "govtrain full band"),
-            "opacus": lambda: opacus(build(), args.batch)}
 
 
 def main() -> None:
@@ -307,129 +204,6 @@ def main() -> None:
     print(f"  peak RSS of the process: {rss_mb():.0f} MB")
 
 
-def distributed(args) -> None:
-    """The governed full-band DP-SGD step as 1 and as --nproc processes on one machine (docs/distributed.md): the
-    same global batch of --batch examples, each rank clipping its share, the ranks' clipped sums summed, noise drawn
-    once by the lead and shared. Each process runs with one thread. Prints wall seconds per step (median of the
-    rounds, every rank synchronised by a barrier before and after each round), the speed-up, and the peak memory of
-    each process (CPU: peak RSS; CUDA: peak allocated)."""
-    import json
-    import subprocess
-    import tempfile
-
-    from govtrain.distributed.launch import free_port
-
-    if "RANK" in os.environ:
-        return distributed_rank(args)
-    counts = sorted({1, args.nproc})
-    rows = {}
-    for count in counts:
-        with tempfile.TemporaryDirectory() as folder:
-            port, out = free_port(), Path(folder) / "rank0.json"
-            argv = [sys.executable, __file__, "--nproc", str(count), "--batch", str(args.batch), "--seq",
-                    str(args.seq), "--repeats", str(args.repeats), "--steps", str(args.steps), "--model",
-                    SETTINGS["model"], "--device", SETTINGS["device"], "--precision", SETTINGS["precision"]]
-            ranks = [subprocess.Popen(argv, env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(count),
-                                                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                                                     GOVTRAIN_BENCH_OUT=str(out)))
-                     for r in range(count)]
-            if any(rank.wait() for rank in ranks):
-                raise SystemExit(f"a rank of the {count}-process run failed")
-            rows[count] = json.loads(out.read_text())
-    backend = "nccl" if SETTINGS["device"].startswith("cuda") else "gloo"
-    print(f"{SETTINGS['model']} on {SETTINGS['device']} ({SETTINGS['precision']}, {backend}), governed full band, "
-          f"global batch {args.batch}, seq {args.seq}, 1 thread per process, median of {args.repeats} rounds x "
-          f"{args.steps} steps (wall seconds per step)")
-    one = rows[1]["step_s"]
-    if rows[1]["grouped"]:
-        print(f"  1 process, {backend} group of one: collectives cost {one / rows[1]['alone_s']:.3f}x the step without "
-              f"them ({rows[1]['alone_s']:.4f} s)")
-    for count, row in rows.items():
-        print(f"  {count} process{'es' if count > 1 else ''}: {row['step_s']:.4f} s/step  speed-up {one / row['step_s']:.2f}x"
-              f"  peak memory per process {', '.join(f'{m:.0f}' for m in row['memory_mb'])} MB ({row['memory']})")
-
-
-def distributed_rank(args) -> None:
-    import json
-    import resource
-
-    from govtrain.distributed.shares import bounds
-    from govtrain.distributed.world import World
-
-    cuda = SETTINGS["device"].startswith("cuda")
-    if cuda and os.environ["WORLD_SIZE"] == "1":  # one GPU: a process group of one, so NCCL's collectives still run
-        import datetime
-
-        import torch.distributed as dist
-
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", rank=0, world_size=1, timeout=datetime.timedelta(seconds=600))
-        world = World(rank=0, size=1, device="cuda", owned=True, grouped=True)
-    else:
-        world = World.from_env("cuda" if cuda else "cpu")
-    if cuda:
-        SETTINGS["device"] = f"cuda:{torch.cuda.current_device()}"
-    full = {"all": data_class("all", band=(0, layers() - 1), head=True)}
-    variant = Governed(build(), full, run_file("dpsgd"), name="governed", autocast=autocast,
-                       expected_batch=float(args.batch))
-    variant.router.world = world
-    start, stop = bounds(args.batch, world.size, world.rank)
-    inputs, labels = batch(args.batch, args.seq, 0)
-    inputs, labels = {k: v[start:stop] for k, v in inputs.items()}, labels[start:stop]
-    variant.step(inputs, labels)  # warm up
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.repeats):
-        world.barrier()
-        sync()
-        began = time.perf_counter()
-        for _ in range(args.steps):
-            variant.step(inputs, labels)
-        sync()
-        world.barrier()
-        times.append((time.perf_counter() - began) / args.steps)
-    memory = torch.cuda.max_memory_allocated() / 2**20 if cuda else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    memories = world.gather(memory)
-    alone = None
-    if world.size == 1:  # the same step with no collective: what summing and sharing cost on one rank
-        variant.router.world = World.single()
-        alone = []
-        for _ in range(args.repeats):
-            sync()
-            began = time.perf_counter()
-            for _ in range(args.steps):
-                variant.step(inputs, labels)
-            sync()
-            alone.append((time.perf_counter() - began) / args.steps)
-    if world.lead:
-        Path(os.environ["GOVTRAIN_BENCH_OUT"]).write_text(json.dumps({
-            "step_s": statistics.median(times), "memory_mb": memories, "grouped": world.many,
-            "alone_s": statistics.median(alone) if alone else None,
-            "memory": "peak allocated" if cuda else "peak RSS"}))
-    world.close()
-
-
-def timed(variants, args, make_batch=None) -> dict[str, float]:
-    """Median seconds per step of each variant, interleaved: CPU seconds on the CPU, synchronized wall seconds
-    on CUDA."""
-    clock = time.perf_counter if SETTINGS["device"].startswith("cuda") else time.process_time
-    inputs, labels = (make_batch or batch)(args.batch, args.seq, 0)
-    for variant in variants:  # warm up
-        variant.step(inputs, labels)
-    times: dict[str, list[float]] = {v.name: [] for v in variants}
-    for round_ in range(args.repeats):
-        for variant in variants[round_ % len(variants):] + variants[:round_ % len(variants)]:
-            sync()
-            start = clock()
-            for _ in range(args.steps):
-                variant.step(inputs, labels)
-            sync()
-            times[variant.name].append((clock() - start) / args.steps)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
 def compare(args) -> None:
     """Non-private, governed (full band, top-2 band) and Opacus on --model and --device, one at a time."""
     makers = variant_makers(args)
@@ -448,98 +222,6 @@ def compare(args) -> None:
     report(times, f"{SETTINGS['model']} on {SETTINGS['device']} ({SETTINGS['precision']}), LoRA r=8 on every "
                   f"projection + head, batch {args.batch}, seq {args.seq}, median of {args.repeats} rounds x "
                   f"{args.steps} steps ({unit} per step)")
-
-
-def report(times: dict[str, float], header: str) -> None:
-    """Seconds per step of each variant against non-private, and the governed bands against Opacus."""
-    base = times["non-private"]
-    print(header)
-    for name, value in times.items():
-        print(f"  {name:<26} {value:8.4f} s   / non-private {value / base:5.2f}")
-    if "opacus" in times:
-        for name in ("govtrain top-2 band", "govtrain full band"):
-            print(f"  {name} / opacus: {times[name] / times['opacus']:.2f}")
-
-
-def build_tiny_bert(seed: int = 0):
-    """A random BERT of hidden 128 and 2 layers, with the bench's LoRA (r = 8 on six projections) and head."""
-    import peft
-    import transformers
-
-    torch.manual_seed(seed)
-    base = transformers.BertForSequenceClassification(transformers.BertConfig(
-        hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512, num_labels=2,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
-    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS,
-                                                      modules_to_save=["classifier"]))
-    return model.train().to(SETTINGS["device"])
-
-
-class _StageClock:
-    """Wraps a router's clipping stage (`Router._clip`, or its compiled graph) and adds up the time it takes."""
-
-    def __init__(self, stage, clock) -> None:
-        self.stage, self.clock, self.seconds = stage, clock, 0.0
-
-    def __call__(self, *args):
-        start = self.clock()
-        try:
-            return self.stage(*args)
-        finally:
-            self.seconds += self.clock() - start
-
-
-def compiled(args) -> None:
-    """The compiled clipping stage against the hooks' eager one, step and stage, per model and profile mix."""
-    clock = time.perf_counter if SETTINGS["device"].startswith("cuda") else time.process_time
-    models = {"tiny BERT (random, 128 x 2)": (build_tiny_bert, 2), "MiniLM (all-MiniLM-L6-v2)": (build, 6)}
-    unit = "wall seconds, synchronized" if SETTINGS["device"].startswith("cuda") else \
-        f"CPU seconds, {torch.get_num_threads()} thread(s)"
-    print(f"compiled clipping stage (aot_eager) against the hooks on {SETTINGS['device']}, batch {args.batch}, seq "
-          f"{args.seq}, median of {args.repeats} rounds x {args.steps} steps ({unit} per step)")
-    for label, (make, depth) in models.items():
-        last = depth - 1
-        mixes = {"one class, every layer": {"all": data_class("all", band=(0, last), head=True)},
-                 "three profiles": {"public": data_class("public", fraction_u=(500_000, 1_000_000), head=True),
-                                    "sensitive": data_class("sensitive", band=(last - 1, last) if last else (0, 0)),
-                                    "heads": data_class("heads", band=(last, last), heads=((last, (0,)),))}}
-        for mix, classes in mixes.items():
-            pair = []
-            for is_compiled in (False, True):
-                variant = Governed(make(), classes, run_file("dpsgd"), name="compiled" if is_compiled else "hooks",
-                                   autocast=autocast, compiled=is_compiled)
-                router = variant.router
-                if is_compiled:
-                    router._compiled = _StageClock(router._compiled, clock)
-                else:
-                    router._clip = _StageClock(router._clip, clock)
-                pair.append((variant, router._compiled if is_compiled else router._clip))
-            inputs, labels = batch(args.batch, args.seq, 0)
-            first = {}
-            for variant, _ in pair:  # the first step: the compiled variant traces its graph here
-                start = time.perf_counter()
-                variant.step(inputs, labels)
-                first[variant.name] = time.perf_counter() - start
-            steps: dict[str, list[float]] = {v.name: [] for v, _ in pair}
-            stages: dict[str, list[float]] = {v.name: [] for v, _ in pair}
-            for round_ in range(args.repeats):
-                for variant, stage in pair[round_ % 2:] + pair[:round_ % 2]:
-                    sync()
-                    stage.seconds, start = 0.0, clock()
-                    for _ in range(args.steps):
-                        variant.step(inputs, labels)
-                    sync()
-                    steps[variant.name].append((clock() - start) / args.steps)
-                    stages[variant.name].append(stage.seconds / args.steps)
-            step = {name: statistics.median(values) for name, values in steps.items()}
-            stage = {name: statistics.median(values) for name, values in stages.items()}
-            print(f"  {label}, {mix}:")
-            print(f"    step   hooks {step['hooks']:8.4f} s   compiled {step['compiled']:8.4f} s   "
-                  f"compiled / hooks {step['compiled'] / step['hooks']:5.2f}")
-            print(f"    stage  hooks {stage['hooks']:8.4f} s   compiled {stage['compiled']:8.4f} s   "
-                  f"compiled / hooks {stage['compiled'] / stage['hooks']:5.2f}")
-            print(f"    first step (wall s, compiling included): hooks {first['hooks']:.2f}, "
-                  f"compiled {first['compiled']:.2f}")
 
 
 def mechanisms(args) -> None:

@@ -1,7 +1,7 @@
 """Attack class: brute-forcing the noise's seed. Adversary: anyone holding one released step (a model consumer
 with two checkpoints). torch's CPU generator keeps only the low 32 bits of `manual_seed`'s seed, so a router
 seeded that way from 8 OS bytes drew one of 2³² noise streams: enumerable, after which the noise is subtracted.
-The router's generator now takes its whole state from the OS (`routing.entropy`)."""
+The router's generator now takes its whole state from the OS (`privatizers.entropy`)."""
 
 from __future__ import annotations
 

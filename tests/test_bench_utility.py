@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 utility = pytest.importorskip("utility")
+runs = pytest.importorskip("utility_runs")
 
 WORDS = "good bad movie film great awful plot acting fun dull the a is was and very not".split()
 
@@ -38,7 +39,7 @@ def tiny(tmp_path_factory):
         from govtrain.train.model import wrap_lora
 
         torch.manual_seed(seed)
-        model = wrap_lora(transformers.BertForSequenceClassification(config), utility.run_file("dpsgd").lora, [])
+        model = wrap_lora(transformers.BertForSequenceClassification(config), runs.run_file("dpsgd").lora, [])
         return model.eval(), tokenizer
 
     task = utility.Task(train=_snippets(16, 0), validation=_snippets(8, 1), heldout=_snippets(8, 2))
@@ -94,7 +95,7 @@ def test_the_contribution_unit_draws_movies_and_clips_each_movie_once(tiny, one_
     setup = replace(tiny, task=replace(tiny.task, movies=movies), unit="contribution", per_contribution=3, batch=2,
                     steps=6)
     assert [len(m) for m in setup.task.contributions()] == [5, 5, 5, 1] and setup.sampling_rate == 0.5
-    for chosen, units in utility.draws("dpsgd", setup):
+    for chosen, units in runs.draws("dpsgd", setup):
         assert len(chosen) == len(units) and units == sorted(units)
         owners = [movies[i] for i in chosen]
         for unit in set(units):

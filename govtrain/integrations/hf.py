@@ -47,207 +47,29 @@ no `args`, its default output folder is a temporary one, removed when the check 
 The model is `run.model` itself: not wrapped, same type, same `state_dict` keys. An empty Poisson draw is a
 governed step too (noise only), taken between two Trainer steps, so `state.global_step` can trail
 `run.steps` by the number of empty draws; the run ends at `training.steps`.
+
+Here: the Trainer subclasses. Beside it: `hf_optimizer.py` (the Trainer's view of the update and its schedule),
+`hf_loader.py` (one logical Poisson step per Trainer step) and `hf_arguments.py` (the arguments refused).
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any
 
 import torch
 from transformers import Trainer, TrainingArguments
 
 from govtrain.errors import Code, ConfigError
+from govtrain.integrations.hf_arguments import REFUSED, check_arguments
+from govtrain.integrations.hf_loader import GovernedLoader, LogicalStep
+from govtrain.integrations.hf_optimizer import GovernedOptimizer, RunSchedule, run_schedule
 from govtrain.integrations.selection import (Evaluations, SelectionCheck, changed_by_evaluation, evaluation_flags,
                                              materialised, named, selection_settings)
-from govtrain.mechanisms.hyperparameters import SCHEDULES, Schedule
 from govtrain.train.governed import GovernedBatch, GovernedRun
-from govtrain.train.weights import same_state
-
-if TYPE_CHECKING:
-    from govtrain.mechanisms.update import Update
 
 __all__ = ["GovernedTrainer", "GovernedSFTTrainer", "GovernedOptimizer"]
-
-_REFUSED = {
-    "train_dataset": "the run draws its own Poisson batches from training.data",
-    "data_collator": "the run's task encodes its batches",
-    "model_init": "the model is run.model",
-    "optimizers": "the update is RUN.toml's [optimizer] (and [prism] or [muon])",
-    "optimizer_cls_and_kwargs": "the update is RUN.toml's [optimizer] (and [prism] or [muon])",
-    "compute_loss_func": "the loss is one value per example: override per_example_loss",
-    "peft_config": "run.model already carries the run's LoRA adapters",
-}
-
-
-class _MechanismGroup(dict):
-    """A param group standing for PRISM's or DP-Muon's parameters: its "lr" is the mechanism's own learning
-    rate, read and written through, so a Trainer's schedule scales it as it scales the optimizer's groups."""
-
-    def __init__(self, owner: Any, params: list[torch.Tensor]) -> None:
-        super().__init__(params=params)
-        self._owner = owner
-
-    def __getitem__(self, key: str) -> Any:
-        return self._owner.lr if key == "lr" else super().__getitem__(key)
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        if key == "lr":
-            self._owner.lr = float(value)
-        else:
-            super().__setitem__(key, value)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self[key] if key == "lr" or key in self else default
-
-    def __contains__(self, key: object) -> bool:
-        return key == "lr" or super().__contains__(key)
-
-
-class GovernedOptimizer(torch.optim.Optimizer):
-    """The Trainer's view of the run's update: its learning rates (the run's optimizer's param groups, shared,
-    and one group each for PRISM's and DP-Muon's own rate, so the Trainer's schedule scales them all) and its
-    state for the Trainer's checkpoints. `step()` moves nothing: the governed step (noise, then the update)
-    already ran at the logical step's last chunk; it checks that one did, so a Trainer that steps without a
-    governed step fails loudly."""
-
-    def __init__(self, run: GovernedRun) -> None:  # no super().__init__: the groups are the update's
-        self._run = run
-        self._update: Update = run._run.update
-        update = self._update
-        self._mechanism_groups: list[_MechanismGroup] = []
-        if update.prism is not None:
-            self._mechanism_groups.append(_MechanismGroup(update.prism, [p for pair in update.prism.pairs.values()
-                                                                         for p in pair]))
-        if update.muon is not None:
-            self._mechanism_groups.append(_MechanismGroup(update.muon, list(update.muon.params.values())))
-        self._optimizer_step_pre_hooks: dict = OrderedDict()  # torch's handles hold weak references to these
-        self._optimizer_step_post_hooks: dict = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: dict = OrderedDict()
-        self._optimizer_state_dict_post_hooks: dict = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: dict = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: dict = OrderedDict()
-        self._stepped = run.steps
-
-    @property
-    def param_groups(self) -> list[Any]:  # type: ignore[override]
-        """The run's optimizer's groups as they are now, then PRISM's and DP-Muon's: read live, so a schedule
-        scales the rates the update uses (a copy taken once went stale when torch replaced the dicts)."""
-        inner = self._update.optimizer
-        return [*(inner.param_groups if inner is not None else ()), *self._mechanism_groups]
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        inner = self._update.optimizer
-        return inner.state if inner is not None else {}
-
-    @property
-    def defaults(self) -> dict:  # type: ignore[override]
-        inner = self._update.optimizer
-        return inner.defaults if inner is not None else {}
-
-    def step(self, closure: Any = None) -> None:
-        if closure is not None:
-            raise ValueError("a governed step takes no closure")
-        if self._run.steps == self._stepped:
-            raise RuntimeError("the Trainer stepped its optimizer without a governed step: the training step must "
-                               "run a logical step of run.batches() to its last chunk")
-        for hook in list(self._optimizer_step_pre_hooks.values()):  # torch's step hooks, on the view: they run
-            hook(self, (), {})                                     # after the governed update, never inside it
-        self._stepped = self._run.steps
-        for hook in list(self._optimizer_step_post_hooks.values()):
-            hook(self, (), {})
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._update.zero_grad()
-
-    def state_dict(self) -> dict:
-        return self._update.state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Only the update's own state as it is (accelerate loads `state_dict()` back when the Trainer prepares
-        the optimizer): nothing is loaded. Any other state would steer the next governed update, moments and step
-        count being what it divides the noise by (review 4: forged Adam moments landed a weight on chosen values
-        and the run was recorded); a governed run resumes from its own state."""
-        if not same_state(state_dict, self._update.state_dict()):
-            raise ConfigError(Code.UNGOVERNED_UPDATE, "the Trainer's optimizer was given a state other than the run "
-                                                      "update's own: it would steer the next governed update; a "
-                                                      "governed run resumes when the same config is opened again")
-
-    def __repr__(self) -> str:
-        return f"GovernedOptimizer({self._update.mechanism})"
-
-
-class _RunSchedule(torch.optim.lr_scheduler.LRScheduler):
-    """The Trainer's learning-rate scheduler: the run's own schedule (`GovernedRun.set_schedule`, from
-    `lr_scheduler_type` and warm-up when the Trainer is built), which the run applies at each governed step (empty
-    draws count, which the Trainer's own count skips). Stepping it writes back the rates the run set, and the
-    Trainer logs them."""
-
-    def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups]
-
-
-def _schedule(args: TrainingArguments, run: GovernedRun) -> Schedule:
-    """The run's schedule that `args.lr_scheduler_type` and its warm-up name, over the run's `training.steps`."""
-    kind = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
-    if kind in ("reduce_lr_on_plateau", "greedy"):
-        raise ConfigError(Code.UNGOVERNED_UPDATE, f"TrainingArguments.lr_scheduler_type = {kind!r} sets the learning "
-                                                  "rate from evaluations, which the run cannot tell from a use of the "
-                                                  f"data no spend charges: use one of {', '.join(SCHEDULES)}")
-    if kind not in SCHEDULES or args.lr_scheduler_kwargs:
-        raise ConfigError(Code.RUN_CONFIG_INVALID, f"TrainingArguments.lr_scheduler_type = {kind!r}"
-                                                   f"{' with lr_scheduler_kwargs' if args.lr_scheduler_kwargs else ''}"
-                                                   ": a governed run's learning rates follow one of "
-                                                   f"{', '.join(SCHEDULES)} (no lr_scheduler_kwargs) at its own step")
-    total = max(run.total_steps, 1)
-    return Schedule(kind=kind, warmup=0 if kind == "constant" else args.get_warmup_steps(total), total=total)
-
-
-class _LogicalStep:
-    """One Trainer step's input: the chunks of one logical Poisson step, drawn one at a time as the training
-    step asks (the run hands out a chunk only once the one before is stepped). Under several processes, a step
-    this rank already took with an empty share of the draw (`first` None: `idle`) has no chunks."""
-
-    def __init__(self, first: GovernedBatch | None, batches: Iterator[GovernedBatch | None]) -> None:
-        self.first, self._batches = first, batches
-
-    @property
-    def idle(self) -> bool:
-        return self.first is None
-
-    def __iter__(self) -> Iterator[GovernedBatch]:
-        batch = self.first
-        if batch is None:
-            return
-        yield batch
-        while not batch.last:
-            batch = next(self._batches)
-            assert batch is not None  # None comes only between logical steps
-            yield batch
-
-    def __contains__(self, key: object) -> bool:  # the Trainer looks for "labels" or "input_ids" in a batch
-        return False
-
-
-class _GovernedLoader:
-    """The training loader: one `_LogicalStep` per remaining logical step of the run, in order, but for the
-    empty draws, which the run steps between two of them. Under several processes every rank yields one for
-    each draw that any rank had examples of, so each rank's Trainer takes as many steps, at the same draws, and
-    the Trainer's own collectives (the logged loss gathered across ranks) meet between the run's."""
-
-    def __init__(self, run: GovernedRun) -> None:
-        self.run = run
-
-    def __len__(self) -> int:
-        return max(self.run.total_steps - self.run.steps, 0)
-
-    def __iter__(self) -> Iterator[_LogicalStep]:
-        batches = self.run._batches(idle=True)
-        for first in batches:
-            yield _LogicalStep(first, batches)
 
 
 class _Governed:
@@ -259,7 +81,7 @@ class _Governed:
     def __init__(self, run: GovernedRun, args: TrainingArguments | None = None, **kwargs: Any) -> None:
         if not isinstance(run, GovernedRun):
             raise TypeError(f"the first argument is the GovernedRun to train, not {type(run).__name__}")
-        for name, why in _REFUSED.items():
+        for name, why in REFUSED.items():
             if kwargs.get(name) not in (None, (None, None)):
                 code = Code.UNGOVERNED_BATCH if name in ("train_dataset", "data_collator") else Code.RUN_CONFIG_INVALID
                 raise ConfigError(code, f"{type(self).__name__}({name}=...) is refused: {why}")
@@ -276,7 +98,7 @@ class _Governed:
         elif args is None:  # beside the adapter's folder, which holds only what save() writes
             output = run.config.output_dir
             args = TrainingArguments(output_dir=str(output.with_name(f"{output.name}-trainer")))
-        _check_arguments(args, run)
+        check_arguments(args, run)
         left = run.total_steps - run.steps  # a resumed run has taken some already
         if args.max_steps <= 0:
             args.max_steps = left  # the Trainer's steps: the run's (an empty draw is one too)
@@ -288,7 +110,7 @@ class _Governed:
         self._selection = SelectionCheck(run)
         self._selection.check(named(kwargs.get("eval_dataset"), "eval_dataset"),
                               selection_settings(args, kwargs.get("callbacks") or ()))
-        schedule = _schedule(args, run)  # after the selection check: a metric's schedule on admitted rows is that
+        schedule = run_schedule(args, run)  # after the selection check: a metric's schedule on admitted rows is that
         if schedule != run.schedule:
             run.set_schedule(schedule.kind, schedule.warmup)
         super().__init__(model=run.model, args=args, optimizers=(GovernedOptimizer(run), None),
@@ -305,16 +127,16 @@ class _Governed:
         return kwargs
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
-        """The Trainer's scheduler follows the run's (`_RunSchedule`): the run writes each step's rates."""
+        """The Trainer's scheduler follows the run's (`RunSchedule`): the run writes each step's rates."""
         if self.lr_scheduler is None:
-            self.lr_scheduler = _RunSchedule(self.optimizer if optimizer is None else optimizer)
+            self.lr_scheduler = RunSchedule(self.optimizer if optimizer is None else optimizer)
             self._created_lr_scheduler = True
         return self.lr_scheduler
 
     # -- the data and the step are the run's -----------------------------------------------------------
 
     def get_train_dataloader(self) -> Any:
-        return _GovernedLoader(self.run)
+        return GovernedLoader(self.run)
 
     def _get_train_sampler(self, train_dataset: Any = None) -> Any:
         raise ConfigError(Code.UNGOVERNED_BATCH, "a governed Trainer has no sampler of its own: the run draws its "
@@ -328,7 +150,7 @@ class _Governed:
     def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         """One logical Poisson step: each physical chunk forward and clipped, then the noise once and the update
         (`GovernedRun.step`). Returns the step's mean loss per example for the Trainer's logs."""
-        if not isinstance(inputs, _LogicalStep):
+        if not isinstance(inputs, LogicalStep):
             raise ConfigError(Code.UNGOVERNED_BATCH, "the training step got a batch the run did not draw: the "
                                                      "accountant's q holds only for run.batches()")
         loss = None
@@ -368,7 +190,7 @@ class _Governed:
         try:
             first = next(batches, None)
             if first is not None:
-                self.training_step(self.model, _LogicalStep(first, batches))
+                self.training_step(self.model, LogicalStep(first, batches))
             if run.checking:
                 next(batches, None)  # the plan, logged as the check ends
         finally:
@@ -491,39 +313,6 @@ class _Governed:
         if not (settings or acting):
             self._evaluations.unchecked.append(label)
         return metrics
-
-
-def _check_arguments(args: TrainingArguments, run: GovernedRun) -> None:
-    """Refuse the Trainer settings that would change what the run samples, computes on, or charges."""
-    device = next(run.model.parameters()).device
-    problems = []
-    if args.gradient_accumulation_steps != 1:
-        problems.append("gradient_accumulation_steps must be 1 (a logical step is the Poisson batch; set "
-                        "training.physical_batch for chunks)")
-    if args.fp16 or args.bf16:
-        problems.append("fp16 and bf16 must be False (set training.precision in RUN.toml; TRL's SFTConfig turns bf16 "
-                        "on by default)")
-    if args.gradient_checkpointing:
-        problems.append("gradient_checkpointing must be False (per-sample gradients are formed from the forward the "
-                        "run recorded, not a recomputed one)")
-    if args.n_gpu > 1:
-        problems.append("one device per process (several GPUs: start one process each with torchrun)")
-    if args.world_size != run._run.world.size:
-        problems.append(f"the Trainer sees {args.world_size} processes, but the run was opened in "
-                        f"{run._run.world.size}: start every process with torchrun, and open the run in each")
-    if run._run.sharded:
-        problems.append("the run shards its model (training.fsdp), and the Trainer's loop is not built for FSDP's "
-                        "equal forwards per rank: train it with govtrain train --nproc N or the Python API")
-    if args.device.type != device.type or (device.index is not None and args.device.index not in (None, device.index)):
-        problems.append(f"the Trainer would put the model on {args.device}, but the run trains on {device} "
-                        "(set training.device, or use_cpu=True)")
-    if getattr(args, "packing", False) or getattr(args, "padding_free", False):
-        problems.append("packing and padding_free put several examples in one sequence: per-example clipping needs "
-                        "one example per row")
-    if args.include_num_input_tokens_seen not in ("no", False, None):
-        problems.append("include_num_input_tokens_seen must be off")
-    if problems:
-        raise ConfigError(Code.RUN_CONFIG_INVALID, "TrainingArguments: " + "; ".join(problems))
 
 
 class GovernedTrainer(_Governed, Trainer):

@@ -13,8 +13,9 @@ sizes, neither equal to any other dimension of the inputs, before a run spends a
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import torch
 from torch import Tensor
 
 from govtrain.errors import Code, ConfigError
@@ -58,3 +59,27 @@ def probe_size(batch: Mapping[str, Any]) -> int:
             raise ValueError(f"layout probe input {key} {tuple(value.shape)} has another dimension equal to its batch "
                              f"size {size}: pad or truncate it to another length")
     return size
+
+
+def probe(router: Any, batches: Iterable[Mapping[str, Any]]) -> None:
+    """`Router.probe`: run `router`'s model forward on each of `batches` under its capture and refuse every
+    tapped call whose input or output does not have that batch's size first.
+
+    One step's shapes cannot tell a sequence-first [T, B, D] call from a batch-first one when T = B, nor a call on
+    a fixed-size tensor [n, ...] from one at batch size n. So the probe batches must come in at least two different
+    sizes, each larger than one and different from every other dimension of its inputs (`probe_size`): then a
+    leading dimension that follows the batch size through all of them is the batch."""
+    batches = list(batches)
+    sizes = [probe_size(batch) for batch in batches]
+    if len(set(sizes)) < 2:
+        raise ValueError(f"a layout probe needs batches of at least two different sizes: got {sizes}")
+    device = next(iter(router.params.values())).device if router.params else torch.device("cpu")
+    try:
+        for batch, size in zip(batches, sizes):
+            inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+            with router.capture(), torch.no_grad():
+                router.model(**inputs)
+            router._check_layout(size)
+    finally:
+        for tap in router.taps.values():
+            tap.clear()

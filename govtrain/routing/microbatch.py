@@ -23,6 +23,8 @@ import hashlib
 import hmac
 from typing import Sequence
 
+from govtrain.errors import Code, ConfigError
+
 LABEL = b"govtrain-microbatch\0"
 
 
@@ -47,3 +49,15 @@ def split(key: bytes, step: int, units: Sequence[str], microbatches: int) -> lis
 def example_id(contribution_id: str, index: int) -> str:
     """The id of a contribution's `index`-th example, for the example unit: unchanged by any other contribution."""
     return f"{contribution_id}/{index}"
+
+
+def check_count(microbatches: int, privatizer) -> None:  # type: ignore[no-untyped-def]
+    """Refuse a count of microbatches that is not a positive integer, and k > 1 with a correlated privatizer, whose
+    state advances once per step (`Router`'s `microbatches`)."""
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive integer: got {microbatches!r}")
+    if microbatches > 1 and privatizer is not None and privatizer.correlated:
+        raise ConfigError(Code.PRIVATIZER_UNSUPPORTED,
+                          f"the {privatizer.name} privatizer's noise is correlated across steps and its state "
+                          "advances once per step: per-microbatch noise (microbatches > 1) takes the i.i.d. "
+                          "gaussian or a noise family; set microbatches = 1")

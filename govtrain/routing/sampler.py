@@ -24,7 +24,7 @@ joins if that is below q. So:
 The key is as secret as the draws it decides (knowing which units a step drew voids amplification too): it lives only
 in the run state (0600), never in a log, and goes with the state when the run ends. AES under a 256-bit key derived
 per step is a pseudorandom function of the identity: no one without the key can predict or correlate two units'
-uniforms (a 64-bit mixer or a 32-bit seed would not do for a secret draw: routing/entropy.py).
+uniforms (a 64-bit mixer or a 32-bit seed would not do for a secret draw: privatizers/entropy.py).
 """
 
 from __future__ import annotations
