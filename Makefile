@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo demo-contribution scratch test test-long test-all fuzz docs bench schemas vectors readme clean
+.PHONY: demo demo-contribution scratch test test-quick test-long test-all fuzz docs bench schemas vectors readme clean
 
 # torch first, pinned to the release whose CPU wheel lies on this machine's disk; a bare `torch`
 # requirement resolved later would pull a multi-GB CUDA build. The bundled model and data packages
@@ -28,15 +28,62 @@ scratch: $(STAMP)
 	$(PY) examples/scratch.py
 
 # The suite, but for its long tier (further variants of what it tests: more kill points, process counts, units);
-# `make test-long` runs that tier alone, `make test-all` both.
+# `make test-long` runs that tier alone, `make test-all` both. Test files run in parallel on every core
+# (pytest-xdist; a file stays on one worker: its module fixtures are built once); PYTEST_WORKERS=1 runs them in one.
+PYTEST_WORKERS ?= auto
+XDIST := -n $(PYTEST_WORKERS) --dist loadfile
+
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not long"
+	$(PY) -m pytest -q -m "not long" $(XDIST)
 
 test-long: $(STAMP)
-	$(PY) -m pytest -q -m long
+	$(PY) -m pytest -q -m long $(XDIST)
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
+
+# The inner loop: the torch-free layers (encoding, attestation, policy, gate, ledger, accounting, verify, the
+# privatizers' rules) and the unit tests of configs, schedules and errors, in about two minutes.
+QUICK := tests/test_accounting_families.py \
+	tests/test_attacks_fuzz_review.py \
+	tests/test_attacks_ledger_review.py \
+	tests/test_attacks_privatizer_record.py \
+	tests/test_attacks_privatizer_review.py \
+	tests/test_attacks_proof.py \
+	tests/test_attacks_retention.py \
+	tests/test_attestation.py \
+	tests/test_audit_bounds.py \
+	tests/test_audit_scores.py \
+	tests/test_cbor.py \
+	tests/test_checkpoint.py \
+	tests/test_cli.py \
+	tests/test_cyclic_sampler.py \
+	tests/test_data_formats.py \
+	tests/test_distributed_sampling.py \
+	tests/test_family_floors.py \
+	tests/test_gate_rejections.py \
+	tests/test_inference_budget.py \
+	tests/test_inference_mechanism.py \
+	tests/test_keys.py \
+	tests/test_ledger.py \
+	tests/test_ledger_robustness.py \
+	tests/test_merkle.py \
+	tests/test_mf_accounting.py \
+	tests/test_noise_families.py \
+	tests/test_plain_output.py \
+	tests/test_policy.py \
+	tests/test_privatizer_rules.py \
+	tests/test_rights.py \
+	tests/test_rough_errors.py \
+	tests/test_run_config.py \
+	tests/test_schedule.py \
+	tests/test_schemas.py \
+	tests/test_signed_ledger.py \
+	tests/test_vectors.py \
+	tests/test_import_graph.py
+
+test-quick: $(STAMP)
+	$(PY) -m pytest -q -m "not long and not slow" $(XDIST) $(QUICK)
 
 # Every parser of untrusted input, coverage-guided (atheris) for FUZZ_SECONDS each, then the hypothesis tests at the
 # "fuzz" profile: executions, coverage and findings per target (docs/fuzzing.md); corpora and crashes in fuzz-out/.

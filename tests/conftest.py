@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -21,6 +22,15 @@ from govtrain.ledger.ledger import Ledger
 from govtrain.policy.config import load_policy
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker's share of the cores: its torch threads, and those of the processes it starts
+    (through OMP_NUM_THREADS, read when torch loads). Workers that each spin the machine's every core only contend."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // workers))
 KEYS_EXAMPLE = REPO / "keys.example"
 
 TEST_POLICY = """

@@ -170,11 +170,12 @@ def back_up_arrows(graph: list[Edge]) -> list[Edge]:
     return [edge for edge in graph if floor(edge.target) > floor(edge.source)]
 
 
-def closure(graph: list[Edge], start: str) -> set[str]:
-    """Every module reachable from the modules under `start` (a package or module name)."""
+def closure(graph: list[Edge], start: str, kinds: frozenset[str] = frozenset({"top", "lazy", "typing"})) -> set[str]:
+    """Every module reachable from the modules under `start` (a package or module name) along imports of `kinds`."""
     adjacency: dict[str, set[str]] = defaultdict(set)
     for edge in graph:
-        adjacency[edge.source].add(edge.target)
+        if edge.kinds & kinds:
+            adjacency[edge.source].add(edge.target)
     seen = {m for m in modules() if m == start or m.startswith(start + ".")}
     todo = list(seen)
     while todo:
