@@ -119,3 +119,12 @@ def test_the_graph_reader_sees_each_kind_of_import(tmp_path):
     assert circles(graph) == [["govtrain.accounting.spend", "govtrain.train.config"]]
     assert [(e.source, e.target) for e in back_up_arrows(graph)] == [("govtrain.accounting.spend",
                                                                      "govtrain.train.config")]
+
+
+MAX_LINES = 450  # shared/STYLE.md: past ~400 lines a module is probably two
+
+
+def test_every_module_fits_in_a_head():
+    """No module of govtrain or ledger_store is longer than MAX_LINES: a file a reader can hold in one sitting."""
+    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
