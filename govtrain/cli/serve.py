@@ -53,7 +53,10 @@ def serve_command(release_path: str, adapter_dir: str, policy_path: str, base: s
         try:
             uvicorn_server(create_app(gate), host=host, port=port).run()
         except KeyboardInterrupt:  # uvicorn shut down cleanly, then passed the interrupt on: the normal way out
-            click.echo("stopped")
+            pass
+        # Also when run() returns: a process started with SIGINT ignored (a script's background job, a test
+        # runner's worker) gets uvicorn's clean shutdown, and then the interrupt it passes on is ignored.
+        click.echo("stopped")
     finally:
         gate.close()
 
