@@ -60,8 +60,8 @@ class PooledEncoder:
         govtrain.json records, loaded as training loaded it. Only the folder's govtrain.json and tokenizer are
         read: the adapter's weights stay with the server."""
         from govtrain.release.load import hold_in_memory, private_base, read_tokenizer
-        from govtrain.train.model import load_pretrained
-        from govtrain.train.pooling import use_pooling
+        from govtrain.models.loading import load_pretrained
+        from govtrain.models.pooling import use_pooling
 
         folder = Path(folder)
         record = read_record(folder)

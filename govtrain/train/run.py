@@ -25,6 +25,7 @@ from govtrain.distributed.world import World
 from govtrain.errors import Code, ConfigError, GovtrainError, RejectedError
 from govtrain.ledger.ledger import Ledger
 from govtrain.ledger.spend_rules import noise_groups_record
+from govtrain.release.tree import tree_sha256
 from govtrain.routing import microbatch
 from govtrain.train import corpus
 from govtrain.train.config import RunConfig
@@ -53,7 +54,6 @@ from govtrain.train.lease import (
 
 LOG = Callable[[str], None]
 STATE_FILE = state_file.STATE_FILE
-_NOT_ADAPTER = (STATE_FILE, STATE_FILE + TEMPORARY, LOCK_FILE)
 
 
 class BudgetExhausted(GovtrainError):
@@ -91,30 +91,6 @@ class RunResult:
     exhausted: bool = False
     nonfinite: int = 0  # units whose gradient was not finite (each contributed zero), over the run's steps
     plan: "Plan | None" = None  # a check's plan (`govtrain train --check`); None for a run that trained
-
-
-def tree_sha256(folder: Path, *, copy_into: Path | None = None) -> bytes:
-    """SHA-256 over (relative path, SHA-256 of bytes) of every file under `folder`, sorted (a run's
-    resumable state, which is deleted when the run ends, is not part of the adapter). With `copy_into` (an empty
-    folder), each file is also written there from the very bytes hashed, read once: a copy that is exactly what
-    the hash covers, whatever happens to `folder` meanwhile."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in _NOT_ADAPTER):
-        name = path.relative_to(folder)
-        file_digest = hashlib.sha256()
-        with contextlib.ExitStack() as files:
-            source = files.enter_context(path.open("rb"))
-            target = None
-            if copy_into is not None:
-                (copy_into / name).parent.mkdir(parents=True, exist_ok=True)
-                target = files.enter_context(os.fdopen(os.open(copy_into / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
-                                                               0o600), "wb"))
-            while chunk := source.read(1 << 24):
-                file_digest.update(chunk)
-                if target is not None:
-                    target.write(chunk)
-        digest.update(str(name).encode() + b"\0" + file_digest.digest())
-    return digest.digest()
 
 
 def _save_state(path: Path, state: dict, key: StateKey) -> None:
@@ -314,7 +290,11 @@ class Run:
         # gathered (`together`), so a refusal on one rank stops all of them, before any spend is written.
         state = world.together(self._load)  # the lead's run state (the others read none)
         if world.many:  # every rank trains what the lead trains, or none does
-            check_agreement(world, fingerprint(self))
+            check_agreement(world, fingerprint(
+                config_sha256=config.sha256, ledger=self.ledger.identity, base_sha256=self.base_sha256,
+                owners=self.examples.owner, items=self.examples.items, model=self.model, reach=self._resolution.reach,
+                processes=world.size, device=self.device.type, precision=self.precision,
+                insecure_seed=self.insecure_seed, check=self.check))
         saved = world.broadcast((state or {}).get("noise") and {"privatizer": state["noise"].get("privatizer")})
         world.together(lambda: self._build(state.get("noise") if state is not None else saved))
         shared = world.from_lead(lambda: self._start(state))
@@ -471,8 +451,6 @@ class Run:
         other ranks take from it (`_follow`)."""
         import torch
 
-        from govtrain.release.export import artifact_record
-
         config, ledger, log, policy = self.config, self.ledger, self.log, self.policy
         training, present, base, records = config.file.training, self.present, self._base, self._records
         expected_batch, q_u = self.expected_batch, self._q_u
@@ -551,9 +529,7 @@ class Run:
         # ledger's write lock: another run may charge them between this read and that write).
         mine = {run_id, *self.siblings}
         self.charged_before = {c for c in present if book.charged_by.get(c, set()) - mine}
-        record = artifact_record(config, self.model, base=base, base_sha256=self.base_sha256, run_id=run_id,
-                                 origin=policy.origin)
-        self.export = self._release(record)
+        self.export = self._release(self._artifact_record(run_id))
         if self.check or self.charged_before:
             self.plan = self.projection()
         if self.charged_before and not self.check and not self.recorded:  # a recorded run charges nothing more
@@ -570,6 +546,15 @@ class Run:
             f"{policy.accountant} at δ = {policy.delta_p / 1e12:g}"
             + (f", {self.world.size} processes" if self.world.many else ""))
         return self._shared() if self.world.many else {}
+
+    def _artifact_record(self, run_id: str):  # type: ignore[no-untyped-def]
+        """The run's `govtrain.json` (`release.export.artifact_record`), from what RUN.toml and the ledger say."""
+        from govtrain.release.export import artifact_record
+
+        config = self.config
+        return artifact_record(config.file.model, self.model, model_spec=config.model_spec, config_sha256=config.sha256,
+                               mechanism=config.file.training.mechanism, base=self._base, base_sha256=self.base_sha256,
+                               run_id=run_id, origin=self.policy.origin)
 
     def _release(self, record):  # type: ignore[no-untyped-def]
         """What finish() will write (`release.Release`); a sharded model's files as its shards would be saved."""
@@ -594,8 +579,6 @@ class Run:
         """A follower takes the lead's run id, lease and place (`_shared`), once it reads the lead's claim on the run in
         its own view of the ledger store: a rank opened on another store (a copy of the ledger file) is refused here,
         before any spend is written."""
-        from govtrain.release.export import artifact_record
-
         lease = (shared["run_id"], shared["run_nonce"])
         if not self.check and self.ledger.store.setting(owner_setting(lease)) != shared["owner"]:
             raise ConfigError(Code.RANK_MISMATCH, f"rank {self.world.rank} does not read the lead's claim on run "
@@ -609,9 +592,7 @@ class Run:
         self.run_nonce, self.resumed, self.recorded = shared["run_nonce"], shared["resumed"], shared["recorded"]
         self.pending, self.confirmed, self.plan = shared["pending"], shared["confirmed"], shared["plan"]
         self.charged_before = set(shared["charged_before"])
-        record = artifact_record(self.config, self.model, base=self._base, base_sha256=self.base_sha256,
-                                 run_id=result.run_id, origin=self.policy.origin)
-        self.export = self._release(record)
+        self.export = self._release(self._artifact_record(result.run_id))
 
     def _check_ledger(self, state: dict, book) -> None:  # type: ignore[no-untyped-def]
         """Refuse (`output_taken`) a run state written against another ledger, or one that took steps under a
