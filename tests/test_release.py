@@ -26,7 +26,7 @@ from govtrain.errors import Code, ConfigError, IntegrityError  # noqa: E402
 from govtrain.release.artifact import CARD, RECORD, adapter_sha256, read_record  # noqa: E402
 from govtrain.release.verify import verify_adapter  # noqa: E402
 from govtrain.train.config import load_run_config  # noqa: E402
-from govtrain.train.run import tree_sha256  # noqa: E402
+from govtrain.release.tree import tree_sha256  # noqa: E402
 from tests.test_api import _corpus as api_corpus  # noqa: E402
 from tests import causal_models  # noqa: E402
 from tests.conftest import Corpus, make_corpus  # noqa: E402
