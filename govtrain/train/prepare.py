@@ -178,6 +178,17 @@ def shard(run) -> None:
                                       seed=b"govtrain fsdp filler", admitted=run.examples.items)
 
 
+
+def share_shards(run) -> None:
+    """A resumed run's weights and update state, from the lead's run state, as every rank's shards; then the
+    first gathered copy (`Run._gather`)."""
+    from govtrain.distributed import fsdp
+
+    if run.resumed:
+        fsdp.share_resumed(run.world, run.model, run.update, run._resume)
+        run._resume = None
+    run._gather()
+
 def warn_unsafe(run) -> None:
     """Each time a run opens with `training.unsafe_stop_after_nonfinite_units` set, say what it weakens."""
     limit = run.config.file.training.unsafe_stop_after_nonfinite_units

@@ -8,6 +8,11 @@ spend, withdrawals, retirements) and saves the plan; `write_ahead` puts this run
 ledger before its steps run; `step` is one logical Poisson batch, computed in physical chunks under the
 run's precision and privatized once by the router; `close_epoch` and `finish` close the ledger epoch and
 record the run. The run state saved along the way lets a killed run resume without under-counting.
+
+`Run` holds the run's state and strings the phases together; each phase's work is a module beside it, taking the
+run: `prepare.py`, `state.py` (save and resume), `epoch.py`, `step.py`, `finish.py`. Which rank does what is said
+here, through `World` (`distributed/world.py`), the same on one process as on N: the lead plans, writes and draws;
+the others take its outcome.
 """
 
 from __future__ import annotations
@@ -357,20 +362,10 @@ class Run:
     # -- a sharded model (`training.fsdp`; `distributed.fsdp`) -----------------------------------------
 
     def _share_shards(self) -> None:
-        """A resumed run's weights and update state, from the lead's run state, as every rank's shards; then the
-        first gathered copy (`_gather`)."""
-        from govtrain.distributed import fsdp
-
-        if self.resumed:
-            fsdp.share_resumed(self.world, self.model, self.update, self._resume)
-            self._resume = None
-        self._gather()
+        prepare.share_shards(self)
 
     def _gather(self) -> None:
-        """(Every rank.) The trainable weights and the update's state gathered whole (`fsdp.gathered`)."""
-        from govtrain.distributed import fsdp
-
-        self._whole = fsdp.gathered(self.world, self.model, self.update)
+        step.gather(self)
 
     # -- finish (`train/finish.py`) --------------------------------------------------------------------
 

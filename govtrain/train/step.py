@@ -183,6 +183,15 @@ def move(run) -> float:
     return loss
 
 
+
+def gather(run) -> None:
+    """(Every rank; a sharded model.) The trainable weights and the update's state gathered whole, for the lead's run
+    state and adapter (`fsdp.gathered`): a step's last collective, so that the lead writes them with no other rank in
+    a collective."""
+    from govtrain.distributed import fsdp
+
+    run._whole = fsdp.gathered(run.world, run.model, run.update)
+
 def count_nonfinite(run) -> None:
     """The step's units with a non-finite gradient (each contributed zero: `Router._clip`), over every rank's
     share, into the run's count and the operator's step log. The count is a statistic of private data (whether a
