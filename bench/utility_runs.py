@@ -47,7 +47,7 @@ def minilm(seed: int):
 
     from govtrain.resolver.load import model_path
     from govtrain.train.model import quiet_loading, wrap_lora
-    from govtrain.train.pooling import use_pooling
+    from govtrain.models.pooling import use_pooling
 
     torch.manual_seed(seed)
     path = model_path("minilm")

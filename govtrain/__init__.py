@@ -10,7 +10,7 @@ back for inference). `cli` is the command line. Importing govtrain imports no to
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from govtrain.version import __version__
 __all__ = ["GovernedBatch", "GovernedRun", "load", "__version__"]
 
 if TYPE_CHECKING:

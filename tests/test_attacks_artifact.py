@@ -26,8 +26,8 @@ from govtrain.cli.main import cli  # noqa: E402
 from govtrain.errors import Code, ConfigError  # noqa: E402
 from govtrain.release.artifact import RECORD, STATE, read_record  # noqa: E402
 from govtrain.release.verify import verify_adapter  # noqa: E402
-from govtrain.train import model as train_model  # noqa: E402
-from govtrain.train.run import tree_sha256  # noqa: E402
+from govtrain.models import loading as train_model  # noqa: E402
+from govtrain.release.tree import tree_sha256  # noqa: E402
 from tests.conftest import snapshot  # noqa: E402
 from tests.test_api import BATCH_POLICY, QUIET  # noqa: E402
 from tests.test_release import ONE_ADAPTER, TEXTS, _corpus, _run_toml, _train, offline  # noqa: E402,F401

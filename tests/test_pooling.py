@@ -15,7 +15,7 @@ from govtrain.resolver.profile import resolve
 from govtrain.routing.router import Router
 from govtrain.train.config import LoraSection, ModelSection
 from govtrain.train.model import wrap_lora
-from govtrain.train.pooling import MaskedMean, token_mask, use_pooling
+from govtrain.models.pooling import MaskedMean, token_mask, use_pooling
 from tests.test_routing import batch, cls, losses_of, reference
 
 

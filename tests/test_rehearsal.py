@@ -26,7 +26,8 @@ from govtrain.cli.main import cli  # noqa: E402
 from govtrain.errors import Code, ConfigError  # noqa: E402
 from govtrain.release.artifact import adapter_sha256  # noqa: E402
 from govtrain.train.config import load_run_config  # noqa: E402
-from govtrain.train.run import STATE_FILE, tree_sha256  # noqa: E402
+from govtrain.release.tree import tree_sha256  # noqa: E402
+from govtrain.train.run import STATE_FILE  # noqa: E402
 from govtrain.verify.verifier import verify_ledger  # noqa: E402
 from tests.conftest import Corpus, snapshot  # noqa: E402
 from tests.test_api import QUIET, _corpus, _same, _spend, _trainable, past_rehearsal  # noqa: E402

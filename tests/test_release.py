@@ -26,7 +26,7 @@ from govtrain.errors import Code, ConfigError, IntegrityError  # noqa: E402
 from govtrain.release.artifact import CARD, RECORD, adapter_sha256, read_record  # noqa: E402
 from govtrain.release.verify import verify_adapter  # noqa: E402
 from govtrain.train.config import load_run_config  # noqa: E402
-from govtrain.train.run import tree_sha256  # noqa: E402
+from govtrain.release.tree import tree_sha256  # noqa: E402
 from tests.test_api import _corpus as api_corpus  # noqa: E402
 from tests import causal_models  # noqa: E402
 from tests.conftest import Corpus, make_corpus  # noqa: E402
@@ -120,7 +120,7 @@ def test_the_adapter_folder_records_its_task_pooling_labels_and_base_and_no_path
     (folder / CARD).write_text("edited on the Hub")
     assert adapter_sha256(folder) == result.adapter_sha256
     from govtrain.release.artifact import STATE
-    from govtrain.train.run import _NOT_ADAPTER
+    from govtrain.release.tree import NOT_HASHED as _NOT_ADAPTER
 
     # an earlier govtrain's pickled run state is never read, but stays out of an adapter's hash (hashes unchanged)
     assert set(STATE) == set(_NOT_ADAPTER) | {"run-state.pt", "run-state.pt.tmp"}

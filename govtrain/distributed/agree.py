@@ -11,7 +11,7 @@ trainable weights (a fresh LoRA's random initialisation, or a resumed run's) and
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from govtrain.distributed.world import World
 from govtrain.errors import Code, ConfigError
@@ -19,33 +19,35 @@ from govtrain.errors import Code, ConfigError
 if TYPE_CHECKING:
     from torch import nn
 
-    from govtrain.train.run import Run
-
 __all__ = ["fingerprint", "check_agreement", "share_weights"]
 
 
-def fingerprint(run: "Run") -> dict[str, Any]:
-    """What `run` (prepared up to its model and data) is about to train, as comparable values."""
+def fingerprint(*, config_sha256: bytes, ledger: tuple[str, bytes], base_sha256: bytes, owners: Sequence[str],
+                items: Sequence[Any], model: "nn.Module", reach: Mapping[str, Any], processes: int, device: str,
+                precision: str, insecure_seed: int | None, check: bool) -> dict[str, Any]:
+    """What a run (prepared up to its model and data) is about to train, as comparable values: its RUN.toml's hash,
+    the ledger's identity, the base model's tree hash, each example's contribution (`owners`) and parsed record
+    (`items`), the `model`'s trainable parameters, each class's reach (`reach`), and how it runs. The run hands over
+    these values, not itself: the agreement compares them and knows nothing of training."""
     import torch
 
-    import govtrain
+    from govtrain.version import __version__
 
-    examples = run.examples
     # the examples in the order the lead's draw indexes them: each one's contribution and its record as parsed
     # (files of the same bytes under other names, on another node, load in another order: refused, never trained)
     data = hashlib.sha256()
-    for owner, item in zip(examples.owner, examples.items):
+    for owner, item in zip(owners, items):
         data.update(repr((owner, item)).encode() + b"\0")
-    trainable = hashlib.sha256(repr([(n, tuple(p.shape), str(p.dtype)) for n, p in run.model.named_parameters()
+    trainable = hashlib.sha256(repr([(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()
                                      if p.requires_grad]).encode()).hexdigest()
-    reach = hashlib.sha256(repr(sorted((c, sorted(repr(part) for part in parts))
-                                       for c, parts in run._resolution.reach.items())).encode()).hexdigest()
-    origin, header = run.ledger.identity
-    return {"config": run.config.sha256.hex(), "ledger": f"{origin} {bytes(header).hex()}",
-            "base model": run.base_sha256.hex(), "data": data.hexdigest(), "trainable parameters": trainable,
-            "profiles": reach, "processes": run.world.size, "device": run.device.type,
-            "precision": run.precision, "insecure seed": run.insecure_seed, "check": run.check,
-            "govtrain": govtrain.__version__, "torch": torch.__version__}
+    profiles = hashlib.sha256(repr(sorted((c, sorted(repr(part) for part in parts))
+                                          for c, parts in reach.items())).encode()).hexdigest()
+    origin, header = ledger
+    return {"config": config_sha256.hex(), "ledger": f"{origin} {bytes(header).hex()}",
+            "base model": base_sha256.hex(), "data": data.hexdigest(), "trainable parameters": trainable,
+            "profiles": profiles, "processes": processes, "device": device,
+            "precision": precision, "insecure seed": insecure_seed, "check": check,
+            "govtrain": __version__, "torch": torch.__version__}
 
 
 def check_agreement(world: World, mine: dict[str, Any]) -> None:

@@ -171,3 +171,18 @@ def load_whole(model: nn.Module, update: Any, trainable: dict[str, Tensor], stat
                     for key, value in entries.items()}
             for index, entries in optimizer["state"].items()}}}
     update.load_state_dict(state)
+
+
+def share_resumed(world: Any, model: nn.Module, update: Any, saved: tuple[dict, dict] | None) -> None:
+    """A resumed run's weights and update state, from the lead's run state (`saved`: its trainable weights and its
+    update's state, on the lead), as every rank's shards."""
+    trainable, state = world.broadcast(saved if world.lead else None)
+    load_whole(model, update, trainable, state)
+
+
+def gathered(world: Any, model: nn.Module, update: Any) -> dict:
+    """(Every rank.) The trainable weights and the update's state gathered whole, for the lead's run state and
+    adapter: a step's last collective, so that the lead writes them with no other rank in a collective."""
+    return world.guarded(lambda: {
+        "trainable": {n: full(p) for n, p in model.named_parameters() if p.requires_grad},
+        "update": whole(update.state_dict())})

@@ -2,7 +2,7 @@
 
 A release's `govtrain.json` names its base model (bound by tree hash), its pooling (`mean`: the masked mean of the
 token states; `model`: the architecture's own pooler) and its max_length; the folder holds the run's tokenizer.
-`PooledEncoder` loads that base the way training loaded it (`train.model.load_pretrained`, `train.pooling`) and
+`PooledEncoder` loads that base the way training loaded it (`models.loading.load_pretrained`, `models.pooling`) and
 returns, per text, the vector the released classifier's head reads, but computed without the adapter's LoRA: the
 client holds only the public base. Split inference serves BERT-style classifiers, whose head reads one pooled
 vector; any other is `split_unsupported`.
@@ -60,8 +60,8 @@ class PooledEncoder:
         govtrain.json records, loaded as training loaded it. Only the folder's govtrain.json and tokenizer are
         read: the adapter's weights stay with the server."""
         from govtrain.release.load import hold_in_memory, private_base, read_tokenizer
-        from govtrain.train.model import load_pretrained
-        from govtrain.train.pooling import use_pooling
+        from govtrain.models.loading import load_pretrained
+        from govtrain.models.pooling import use_pooling
 
         folder = Path(folder)
         record = read_record(folder)

@@ -11,29 +11,28 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from govtrain.errors import Code, ConfigError
 from govtrain.release.artifact import (ADAPTER_CONFIG, CARD, FORMAT, RECORD, STATE, VERSION, WEIGHTS, ArtifactRecord,
                                        BaseModelRecord, RunRecord, portable_config)
+from govtrain.version import __version__
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from govtrain.train.config import RunConfig
 
-
-def artifact_record(config: "RunConfig", model: "nn.Module", *, base: Path, base_sha256: bytes, run_id: str,
-                    origin: str) -> ArtifactRecord:
-    """The `govtrain.json` of the run `config` describes, training `model` (peft, as `train.model.for_run` built
-    it) on the base model in the folder `base`: what reproduces its predictions (task, pooling, heads, labels, max
-    length, every adapter), its base model by name and tree hash, and its run."""
-    import govtrain
+def artifact_record(section: Any, model: "nn.Module", *, model_spec: str, config_sha256: bytes, mechanism: str,
+                    base: Path, base_sha256: bytes, run_id: str, origin: str) -> ArtifactRecord:
+    """The `govtrain.json` of the run whose RUN.toml (of hash `config_sha256`) has the [model] `section` (task,
+    pooling, num_labels, max_length) and names the base model `model_spec`, training `model` (peft, as
+    `train.model.for_run` built it) on the base model in the folder `base` under `mechanism`: what reproduces its
+    predictions (task, pooling, heads, labels, max length, every adapter), its base model by name and tree hash, and
+    its run. The run hands these over, so that the release knows nothing of the training configuration."""
     from govtrain.resolver.load import base_model_source
 
-    section = config.file.model
-    source = base_model_source(config.model_spec, base)
+    source = base_model_source(model_spec, base)
     classifier = section.task == "sequence-classification"
     labels = model.get_base_model().config.id2label if classifier else {}
     id2label = {str(i): str(labels[i]) for i in sorted(labels)}
@@ -44,9 +43,8 @@ def artifact_record(config: "RunConfig", model: "nn.Module", *, base: Path, base
         heads=sorted(model.peft_config["default"].modules_to_save or ()), adapters=list(model.peft_config),
         base_model=BaseModelRecord(name=source.name, revision=source.revision, spec=source.spec,
                                    sha256=base_sha256.hex()),
-        run=RunRecord(run_id=run_id, ledger_origin=origin, config_sha256=config.sha256.hex(),
-                      mechanism=config.file.training.mechanism),
-        govtrain_version=govtrain.__version__)
+        run=RunRecord(run_id=run_id, ledger_origin=origin, config_sha256=config_sha256.hex(), mechanism=mechanism),
+        govtrain_version=__version__)
 
 
 def tokenizer_files(tokenizer) -> dict[str, bytes]:  # type: ignore[no-untyped-def]

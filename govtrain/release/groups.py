@@ -52,7 +52,7 @@ def adapter_layout(folder: Path, record: ArtifactRecord, base: Path) -> ModelLay
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from govtrain.resolver.model import describe
-    from govtrain.train.model import no_remote_code, quiet_loading
+    from govtrain.models.loading import no_remote_code, quiet_loading
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     configs = {}
@@ -68,7 +68,7 @@ def adapter_layout(folder: Path, record: ArtifactRecord, base: Path) -> ModelLay
                                             trust_remote_code=False)
         model = (AutoModelForSequenceClassification if classifier else AutoModelForCausalLM).from_config(config)
         if classifier:
-            from govtrain.train.pooling import use_pooling
+            from govtrain.models.pooling import use_pooling
 
             model = use_pooling(model, record.pooling)
         model = get_peft_model(model, configs["default"])

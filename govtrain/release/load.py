@@ -5,7 +5,7 @@
     loaded.model, loaded.tokenizer             # a peft PeftModel (eval mode) and the run's tokenizer
 
 The model is built the way training built it, from the folder's `govtrain.json`: the base loaded in fp32 for its
-task (`train.model.load_pretrained`), its pooling (`train.pooling`), then every adapter in the folder, all active.
+task (`models.loading.load_pretrained`), its pooling (`models.pooling`), then every adapter in the folder, all active.
 `govtrain eval` loads through here, so the two give the same logits.
 
 The base model is loaded from exactly the bytes its tree hash was checked over: each file is read once, hashed and
@@ -26,6 +26,7 @@ from typing import Any, Iterator, Sequence
 
 from govtrain.errors import Code, ConfigError
 from govtrain.release.artifact import ADAPTER_CONFIG, WEIGHTS, ArtifactRecord, peft_config, read_record
+from govtrain.release.tree import tree_sha256
 
 
 @dataclass(frozen=True)
@@ -117,8 +118,6 @@ def private_base(folder: Path, record: ArtifactRecord,
     """`locate_base`'s folder, copied into a private temporary folder (0700) as its tree hash is computed (each
     file read once: the copy is exactly the bytes hashed) and checked against the record's (`base_model_mismatch`);
     yields the copy, deleted when the block ends. Load from it, then `hold_in_memory`."""
-    from govtrain.train.run import tree_sha256
-
     path = locate_base(folder, record, base)
     with tempfile.TemporaryDirectory(prefix="govtrain-base-") as private:
         _check_tree_hash(folder, record, path, tree_sha256(path, copy_into=Path(private)).hex())
@@ -151,10 +150,8 @@ _HASHED: dict[tuple, str] = {}  # tree hashes of base models this process read, 
 
 
 def _tree_hash(path: Path) -> str:
-    """The base model's tree hash (`train.run.tree_sha256`, as the run entry records it), read once per process
+    """The base model's tree hash (`release.tree.tree_sha256`, as the run entry records it), read once per process
     while no file of it changes size or time: a tune scores every trial on the same base, which may be large."""
-    from govtrain.train.run import tree_sha256
-
     files = sorted((str(p), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)  # ctime: a restored mtime shows
                    for p in Path(path).rglob("*") if p.is_file() for st in (p.stat(),))
     key = (str(Path(path).resolve()), tuple(files))
@@ -167,7 +164,7 @@ def read_tokenizer(folder: Path):  # type: ignore[no-untyped-def]
     """The tokenizer the run encoded with, saved in the adapter folder (pad token set; no code run)."""
     from transformers import AutoTokenizer
 
-    from govtrain.train.model import quiet_loading, use_eos_for_padding
+    from govtrain.models.loading import quiet_loading, use_eos_for_padding
 
     for name in ("tokenizer_config.json", "config.json"):
         if (folder / name).is_file() and b'"auto_map"' in (folder / name).read_bytes():
@@ -184,8 +181,8 @@ def build(folder: Path, record: ArtifactRecord, base: Path, tokenizer):  # type:
     default one at the top, each other in its sub-folder), all active, each holding exactly the saved tensors."""
     from peft import PeftConfig, PeftModel
 
-    from govtrain.train.model import load_pretrained, quiet_loading
-    from govtrain.train.pooling import use_pooling
+    from govtrain.models.loading import load_pretrained, quiet_loading
+    from govtrain.models.pooling import use_pooling
 
     model = load_pretrained(base, record.task, record.num_labels, tokenizer, record.pooling)
     if record.task == "sequence-classification":

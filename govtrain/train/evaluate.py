@@ -48,7 +48,7 @@ def load_trained(config: RunConfig, adapter: Path):
     from govtrain.release.artifact import RECORD
     from govtrain.release.load import load
     from govtrain.train.model import load_base, quiet_loading
-    from govtrain.train.pooling import use_pooling
+    from govtrain.models.pooling import use_pooling
 
     if not (adapter / ADAPTER_CONFIG).is_file():
         raise ConfigError(Code.BAD_ARGUMENT, f"--adapter {adapter}: no {ADAPTER_CONFIG} there; name the folder "

@@ -25,7 +25,8 @@ from govtrain.train.config import RunConfig
 from govtrain.train.model import check_weight_decay, resolve_device, wrap_lora  # noqa: F401 (their old home)
 from govtrain.train import progress as _progress
 from govtrain.train.progress import ProgressLines, progress_text, step_details
-from govtrain.train.run import LOG, STATE_FILE, BudgetExhausted, Run, RunResult, tree_sha256  # noqa: F401
+from govtrain.release.tree import tree_sha256  # noqa: F401
+from govtrain.train.run import LOG, STATE_FILE, BudgetExhausted, Run, RunResult  # noqa: F401
 
 __all__ = ["train", "progress_text", "Run", "RunResult", "BudgetExhausted", "STATE_FILE"]  # progress_text: progress.py
 
