@@ -128,3 +128,28 @@ def test_every_module_fits_in_a_head():
     """No module of govtrain or ledger_store is longer than MAX_LINES: a file a reader can hold in one sitting."""
     long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def test_the_layout_page_names_every_module_and_only_modules_that_exist():
+    """docs/layout.md, the map of the code, has a row per folder naming each of its modules (a subpackage's in its
+    parent's row), and names no module that is not there."""
+    import re
+
+    rows = {}
+    for line in (import_graph.REPO / "docs" / "layout.md").read_text().splitlines():
+        found = re.match(r"\| `((?:govtrain|ledger_store)/(?:[a-z_]+/)?)` \|(.*)\|\s*$", line)
+        if found:
+            rows[found.group(1)] = set(re.findall(r"`([a-z_0-9]+\.py)`", found.group(2)))
+    assert "govtrain/" in rows and "govtrain/train/" in rows
+    missing, named = [], {folder: set() for folder in rows}
+    for name, path in modules().items():
+        parts = path.relative_to(import_graph.REPO).parts
+        folder = "/".join(parts[:2]) + "/" if len(parts) > 2 else parts[0] + "/"
+        if path.name == "__init__.py" and len(parts) > 2:
+            named.setdefault(folder, set()).add(path.name)  # a package's own __init__: named where it holds code
+            continue
+        if path.name not in rows.get(folder, set()):
+            missing.append(str(path.relative_to(import_graph.REPO)))
+        named.setdefault(folder, set()).add(path.name)
+    assert missing == []
+    assert {folder: names - named[folder] for folder, names in rows.items() if names - named[folder]} == {}
