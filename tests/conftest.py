@@ -85,6 +85,70 @@ public_key_file = "ledger.pub"
 """
 
 
+# Seconds each of the longest files took in the default tier (2 workers on this 2-core machine, 2026-12-07): under
+# pytest-xdist's --dist loadfile a file runs whole on one worker, so the longest go first and the short ones fill in
+# behind them, instead of one long file starting last and running alone. A file not listed counts as short.
+FILE_SECONDS = {
+    "test_distributed.py": 151,
+    "test_attacks_distributed_kills.py": 141,
+    "test_attacks_user_code.py": 137,
+    "test_crash.py": 130,
+    "test_attacks_second_run.py": 115,
+    "test_distributed_fsdp.py": 106,
+    "test_compiled_routing.py": 85,
+    "test_attacks_selection.py": 72,
+    "test_hf_trainer.py": 65,
+    "test_ledger_load.py": 60,
+    "test_accounting.py": 59,
+    "test_audit.py": 57,
+    "test_rehearsal.py": 52,
+    "test_attacks_fsdp_review.py": 43,
+    "test_attacks_distributed_review.py": 43,
+    "test_attacks_hyperparameters_review.py": 40,
+    "fuzz/test_atheris.py": 39,
+    "test_attacks_nonfinite.py": 39,
+    "test_attacks_hyperparameters.py": 36,
+    "test_privatizers_wiring.py": 35,
+    "test_attacks_cancellation.py": 31,
+    "test_ledger_robustness.py": 28,
+    "test_hf_distributed.py": 26,
+    "test_train.py": 26,
+    "test_attacks_identity_sampling.py": 24,
+    "test_contribution_unit.py": 24,
+    "test_api.py": 23,
+    "test_serve.py": 22,
+    "test_privatizers_e2e.py": 21,
+    "test_distributed_fsdp_probe.py": 20,
+    "test_attacks_run_state.py": 20,
+    "test_schedule.py": 19,
+    "test_attacks_class_adapters.py": 18,
+    "test_nonfinite.py": 18,
+    "test_attacks_run_state_mac.py": 17,
+    "test_bench_inference.py": 17,
+    "test_progress.py": 17,
+    "test_audit_bounds.py": 16,
+    "test_tune.py": 15,
+    "test_signed_ledger.py": 15,
+    "test_attacks_nonfinite_review.py": 15,
+    "test_docs.py": 15,
+    "test_audit_privatizers.py": 14,
+    "test_release.py": 14,
+    "test_cbor.py": 13,
+    "test_plain_output.py": 13,
+    "test_privatizers_core.py": 12,
+    "test_cli_privacy.py": 12,
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        def seconds(item: pytest.Item) -> int:
+            path = item.nodeid.split("::")[0]
+            return FILE_SECONDS.get(path.removeprefix("tests/"), 0)
+
+        items.sort(key=seconds, reverse=True)  # stable: each file's tests keep their order
+
+
 @dataclass
 class Corpus:
     """A test corpus: key files, a policy, an initialised ledger and a clock."""
