@@ -31,7 +31,7 @@ scratch: $(STAMP)
 # `make test-long` runs that tier alone, `make test-all` both. Test files run in parallel on every core
 # (pytest-xdist; a file stays on one worker: its module fixtures are built once); PYTEST_WORKERS=1 runs them in one.
 PYTEST_WORKERS ?= auto
-XDIST := -n $(PYTEST_WORKERS) --dist loadfile
+XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not long" $(XDIST)

@@ -4,6 +4,7 @@ of `make fuzz` (which runs each target for FUZZ_SECONDS). atheris is in the dev 
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -21,9 +22,12 @@ def test_atheris_harness_runs(module: str, tmp_path: Path) -> None:
     pytest.importorskip("atheris", reason="atheris has wheels for Linux only (pip install atheris): the coverage-guided "
                                           "runs are skipped here; the hypothesis tests of tests/fuzz still run")
     corpus = tmp_path / "corpus"
+    # libFuzzer's memory limit (2 GB by default) reads the peak RSS, which the child starts with from this process
+    # (a long-lived test worker can hold more than 2 GB): the harness gets its 2 GB on top of what it inherits
+    inherited_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     done = subprocess.run(
         [sys.executable, "-m", f"tests.fuzz.{module}", f"-atheris_runs={RUNS}", "-timeout=20", "-seed=1",
-         f"-artifact_prefix={tmp_path}/", str(corpus)],
+         f"-rss_limit_mb={inherited_mb + 2048}", f"-artifact_prefix={tmp_path}/", str(corpus)],
         cwd=REPO, capture_output=True, text=True, errors="replace", timeout=300,
         env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
