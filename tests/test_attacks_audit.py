@@ -227,3 +227,33 @@ def test_a_misused_canary_chunk_is_a_value_error_and_changes_nothing(tmp_path: P
         assert router._totals is not None
     finally:
         close_run(ledger, run)
+
+
+def test_the_router_takes_the_audits_own_canary_class_and_no_look_alike_even_before_the_audit_loads():
+    """Routing never imports the audit (issue 35), so the router's audit-only extension point reads the audit's
+    `DiracCanaries` from the loaded module. Code of a user's loop cannot name another class to it first: a look-alike
+    (same name and module, before and after the audit loads) and a subclass are refused, in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    script = (
+        "from govtrain.routing.router import Router\n"
+        "import govtrain.routing.router as router_module\n"
+        "assert not hasattr(router_module, 'accept_audit_canaries')\n"
+        "class DiracCanaries:\n"
+        "    pass\n"
+        "DiracCanaries.__module__ = 'govtrain.audit.canaries'\n"
+        "def refused(obj):\n"
+        "    try:\n"
+        "        Router.inject_audit_canaries(object(), obj)\n"
+        "    except TypeError:\n"
+        "        return True\n"
+        "    return False\n"
+        "before = refused(DiracCanaries())\n"
+        "import govtrain.audit.canaries as real\n"
+        "class Sub(real.DiracCanaries):\n"
+        "    pass\n"
+        "print(before, refused(DiracCanaries()), refused(Sub.__new__(Sub)))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True", "True"]

@@ -11,9 +11,9 @@ clips it with the canary's own coefficient, sums it, noises the group and divide
 exactly as it does a real example's gradient. On the materialized path (the noise families) the Dirac joins the
 unit's per-sample vector itself (`diracs`), before its L1 or L2 norm, clipping and quantisation.
 
-Only `govtrain.audit` builds a `DiracCanaries`, and the router accepts no other object: this module names the
-type to the router when it is imported (`accept_audit_canaries`; routing sits below the audit and never imports
-it). No RUN.toml field, policy entry or command-line option reaches it.
+Only `govtrain.audit` builds a `DiracCanaries`, and the router accepts no other object: it checks the exact type
+against this module's class, read from the loaded module (routing sits below the audit and never imports it). No
+RUN.toml field, policy entry or command-line option reaches it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import torch
 from torch import Tensor
 
 from govtrain import units
-from govtrain.routing.router import accept_audit_canaries
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,7 +162,6 @@ class DiracCanaries:
             totals[name].view(-1).index_add_(0, flat, coefficients[name].index_select(0, rows) * values)
 
 
-accept_audit_canaries(DiracCanaries)  # the one type the router's audit-only extension point takes
 
 
 def units_of(owners: Sequence[str], chunk_units: Sequence[int] | None) -> list[str]:

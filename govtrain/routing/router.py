@@ -50,6 +50,8 @@ is `taps.py`; a chunk's argument checks and backward `chunk.py`; the noise and t
 
 from __future__ import annotations
 
+import sys
+
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -72,18 +74,15 @@ from govtrain.routing.adapters import AdapterRoutes
 from govtrain.routing.tangent import TangentStacks
 
 
-# The one type `Router.inject_audit_canaries` takes: `govtrain.audit.canaries` names its `DiracCanaries` when it is
-# imported (the audit sits above routing, which never imports it). Until then no canary can be injected.
-_AUDIT_CANARIES: type | None = None
+# The one type `Router.inject_audit_canaries` takes: `DiracCanaries` of `govtrain.audit.canaries`, the class itself.
+# The audit sits above routing, so the router reads the class from the loaded module rather than importing it (an
+# import would point back up); no registration call exists that code of a user's loop could make first.
+_AUDIT_MODULE, _AUDIT_CLASS = "govtrain.audit.canaries", "DiracCanaries"
 
 
-def accept_audit_canaries(kind: type) -> None:
-    """AUDIT ONLY: called once, by `govtrain.audit.canaries` alone, with its `DiracCanaries`; another type after it
-    is refused, so the extension point keeps taking exactly one type."""
-    global _AUDIT_CANARIES
-    if _AUDIT_CANARIES is not None and _AUDIT_CANARIES is not kind:
-        raise RuntimeError(f"the router takes {_AUDIT_CANARIES.__qualname__} as its audit canaries already")
-    _AUDIT_CANARIES = kind
+def _audit_canaries_type() -> type | None:
+    module = sys.modules.get(_AUDIT_MODULE)
+    return getattr(module, _AUDIT_CLASS, None) if module is not None else None
 
 
 class Router:
@@ -163,8 +162,9 @@ class Router:
         canary's Dirac joins its unit's squared norm before the coefficients are formed, and its clipped value
         the sum before the noise. Its parameters must be reached, whole, by the canaries' class alone, so a real
         example's gradient, norm and coefficient are exactly what they are without it (docs/auditing.md).
-        The exact type is the one the audit named (`accept_audit_canaries`): routing never imports the audit."""
-        if _AUDIT_CANARIES is None or type(canaries) is not _AUDIT_CANARIES:
+        The exact type is the audit's own class, read from its loaded module: routing never imports the audit."""
+        kind = _audit_canaries_type()
+        if kind is None or type(canaries) is not kind:
             raise TypeError(f"inject_audit_canaries takes a govtrain.audit DiracCanaries, not {type(canaries).__name__}")
         for name in sorted(canaries.names):
             reached = {c for c, masks in self.masks.items() if name in masks}
