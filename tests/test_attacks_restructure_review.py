@@ -275,3 +275,25 @@ def test_an_altered_leaf_hash_fails_the_checkpoint_step(small: Corpus):
     report = inspect_ledger(small.url, accountant=None)
     assert report.error is not None and isinstance(report.error, (IntegrityError, GovtrainError))
     assert report.error.code in {Code.BAD_CHECKPOINT, Code.LEAF_HASH_MISMATCH, Code.BAD_ENTRY}
+
+
+# -- the verifier stays torch-free (accounting made a leaf; charges moved under privatizers) ----------------------
+
+
+def test_the_verifier_and_its_accountant_never_import_torch():
+    """A verifier that imports torch runs whatever torch runs at import: the audit of the split keeps the verifier,
+    its default accountant and the charge rules torch-free (a fresh interpreter, the tree under test)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys\n"
+            "from govtrain.verify.verifier import inspect_ledger, recorded_accountant\n"
+            "import govtrain.privatizers.rules, govtrain.accounting.spend\n"
+            "assert recorded_accountant('rdp', 10**7, [(10000, 1000000, 10)]) > 0\n"
+            "print('torch' in sys.modules)\n")
+    env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", str(root)), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
