@@ -297,3 +297,16 @@ def test_the_verifier_and_its_accountant_never_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("spec", [dict(params={"bogus": 1}), dict(microbatches=0), dict(microbatches=-1),
+                                  dict(microbatches=True), dict(microbatches=2.0)])
+def test_a_spec_made_by_hand_is_refused_where_the_section_would_be(spec):
+    """(review, low) `PrivatizerSpec` ignored a parameter no privatizer takes and took microbatches of 0, -1 or True,
+    which RUN.toml's [noise] refuses: a spec made by hand for `privatizers.build` is refused alike, one line."""
+    from govtrain.errors import ConfigError
+    from govtrain.privatizers.base import PrivatizerSpec
+
+    with pytest.raises(ConfigError) as info:
+        PrivatizerSpec(name="gaussian", **spec)
+    assert info.value.code.value == "privatizer_invalid" and "\n" not in info.value.detail

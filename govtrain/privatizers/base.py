@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Protocol, Sequence
 
 # What a spend charges is accounting's plain record: a privatizer produces it (`charge`), accounting composes it.
 from govtrain.accounting.records import Charge
+from govtrain.errors import Code, ConfigError
 
 if TYPE_CHECKING:  # the verifier charges records through `rules.py` and never imports torch; nor does this module
     import torch
@@ -48,6 +49,16 @@ class PrivatizerSpec:
     name: str = "gaussian"
     params: Mapping[str, Any] = field(default_factory=dict)
     microbatches: int = 1
+
+    def __post_init__(self) -> None:
+        # what RUN.toml's schema refuses for the section, refused for a spec made by hand too (the review of issue 35)
+        unknown = sorted(set(self.params) - set(FIELDS))
+        if unknown:
+            raise ConfigError(Code.PRIVATIZER_INVALID, f"privatizer {self.name!r}: no parameter {', '.join(unknown)}; a "
+                                                       f"privatizer takes some of {', '.join(FIELDS)}")
+        if type(self.microbatches) is not int or self.microbatches < 1:
+            raise ConfigError(Code.PRIVATIZER_INVALID, f"microbatches must be a whole number of at least 1, not "
+                                                       f"{self.microbatches!r}")
 
 
 class SpecSource(Protocol):
