@@ -31,8 +31,8 @@ def _moved(strategy: str, scale: float, *, mechanism: str = "dpsgd", compiled: b
     resolution = resolve(routing.CLASSES, describe(net))
     ids, attention, labels, _, _ = routing.batch(size=6)
     ids[1], attention[1], labels[1] = ids[0], attention[0], labels[0]  # the attacker's text, twice
-    owner = [0, 0, 0, 1, 2, 3]
-    weight = torch.tensor([scale, -scale, 1.0, 1.0, 1.0, 1.0])
+    owner = [0, 0, 0, 1, 2, 3]  # examples 0-2: the attacker's contribution; 3-5: three others, one example each
+    weight = torch.tensor([scale, -scale, 1.0, 1.0, 1.0, 1.0])  # the data's per-example weights
     clip = 1.0
 
     def clipped_sum(contributions: set[int]) -> dict[str, torch.Tensor]:
@@ -47,7 +47,7 @@ def _moved(strategy: str, scale: float, *, mechanism: str = "dpsgd", compiled: b
                 losses = routing.losses_of(net, ids[keep], attention[keep], labels[keep]) * weight[keep]
             report = router.privatize(losses, classes, torch.full((len(order),), clip), {}, expected_batch_size=1.0,
                                       units=units)
-            assert report.nonfinite == 0
+            assert report.nonfinite == 0  # every norm finite: nothing here is taken out or counted
             return {n: p.grad.detach().double().clone() for n, p in net.named_parameters() if p.grad is not None}
         finally:
             router.close()
