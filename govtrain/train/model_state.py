@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 _PLAIN = (bool, int, float, str, type(None))
+_CONTAINERS = (tuple, list, dict)  # exactly these types (an OrderedDict of hooks is none)
 
 
 class ModelState:
@@ -51,7 +52,9 @@ class ModelState:
         """Record the model's buffers and plain attributes as they are now (after a governed forward or step)."""
         self.buffers = [(name, b, _local(b).detach().clone())
                         for name, b in self.model.named_buffers(remove_duplicate=False)]
-        self.attributes = _attributes(self.model)
+        modules = list(self.model.named_modules(remove_duplicate=False))
+        self.regular = _regular(modules)
+        self.attributes = _by_module(modules) if self.regular else _attributes(modules)
 
     def changed(self) -> str | None:
         """The first buffer or plain attribute of the model that is not as last recorded, in words; None when all
@@ -69,10 +72,14 @@ class ModelState:
             if held.shape != values.shape or held.dtype != values.dtype or \
                     not torch.equal(held.to(values.device), values):
                 return f"run.model's buffer {name} was written or replaced"
-        attributes = _attributes(self.model)
-        for where, kept in self.attributes.items():  # one added since is no setting the forward read then
-            if not _same(attributes.get(where, _MISSING), kept):
-                return f"run.model's {where} was set (to {attributes.get(where, _MISSING)!r}, from {kept!r})"
+        modules = list(self.model.named_modules(remove_duplicate=False))
+        if self.regular and _regular(modules):
+            return _changed_by_module(self.attributes, dict(modules))
+        kept = _flat(self.attributes) if self.regular else self.attributes
+        attributes = _attributes(modules)
+        for where, then in kept.items():  # one added since is no setting the forward read then
+            if not _same(attributes.get(where, _MISSING), then):
+                return f"run.model's {where} was set (to {attributes.get(where, _MISSING)!r}, from {then!r})"
         return None
 
     def check_modes(self) -> str | None:
@@ -130,15 +137,67 @@ def _same(a: Any, b: Any) -> bool:
     return a == b or (a != a and b != b)
 
 
-def _attributes(model: "nn.Module") -> dict[str, Any]:
-    """Every module's plain instance attributes (copies), by where they are, the `training` flag aside."""
+def _attributes(modules: list[tuple[str, "nn.Module"]]) -> dict[str, Any]:
+    """Every module's plain instance attributes (copies), by where they are ("path.name", the root's
+    "run.model.name"), the `training` flag aside: the record of a model that is not `_regular`."""
     found: dict[str, Any] = {}
-    for path, module in model.named_modules(remove_duplicate=False):
+    for path, module in modules:
         where = path or "run.model"
         for name, value in vars(module).items():
             if name != "training" and _plain(value):
                 found[f"{where}.{name}"] = _copy(value)
     return found
+
+
+def _regular(modules: list[tuple[str, "nn.Module"]]) -> bool:
+    """Whether each (module path, attribute name) pair has a "where" of its own in `_attributes`: every module's
+    `__dict__` a dict, its children's and attributes' names strings without a dot (the child's not empty), and no
+    path under "run.model" (the root's). `nn.Module.__setattr__` takes any name, so a model can break this; such a
+    model is recorded and compared as `_attributes` has it, one value per "where"."""
+    for path, module in modules:
+        attributes = vars(module)
+        if type(attributes) is not dict or path == "run.model" or path.startswith("run.model."):
+            return False
+        for names in (attributes, module._modules):
+            for name in names:
+                if type(name) is not str or "." in name:
+                    return False
+        if "" in module._modules:
+            return False
+    return True
+
+
+def _by_module(modules: list[tuple[str, "nn.Module"]]) -> dict[str, dict[str, Any]]:
+    """`_attributes` of a `_regular` model, by module path and then attribute name (a module without any left
+    out): the same record, without building each "where"."""
+    found: dict[str, dict[str, Any]] = {}
+    for path, module in modules:
+        plain = {name: value if type(value) in _PLAIN else _copy(value) for name, value in vars(module).items()
+                 if (type(value) in _PLAIN or type(value) in _CONTAINERS and _plain(value)) and name != "training"}
+        if plain:
+            found[path] = plain
+    return found
+
+
+def _flat(by_module: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A `_by_module` record as `_attributes` has it (the same order)."""
+    return {f"{path or 'run.model'}.{name}": value for path, plain in by_module.items() for name, value in plain.items()}
+
+
+def _changed_by_module(kept: dict[str, dict[str, Any]], modules: dict[str, "nn.Module"]) -> str | None:
+    """`changed`'s comparison of the plain attributes when the model was and is `_regular`: the same report."""
+    for path, plain in kept.items():
+        module = modules.get(path)
+        now = vars(module) if module is not None else {}
+        for name, then in plain.items():
+            value = now.get(name, _MISSING)
+            if type(value) is type(then) and type(then) in _PLAIN and (value == then or (value != value and then != then)):
+                continue  # the common case without a call: the same plain value (a NaN still a NaN)
+            if value is not _MISSING and not _plain(value):
+                value = _MISSING
+            if not _same(value, then):
+                return f"run.model's {path or 'run.model'}.{name} was set (to {value!r}, from {then!r})"
+    return None
 
 
 __all__ = ["ModelState"]

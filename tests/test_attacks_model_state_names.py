@@ -1,0 +1,110 @@
+"""Attacks on the faster `ModelState` (issue 35; train/model_state.py): its review's proofs, kept.
+
+The record by module path and attribute name (`_by_module`) is only the old flat record ("path.name" keys) when each
+pair has a key of its own; `nn.Module.__setattr__` takes any name, so user code inside the loop can give two modules
+one path (a child named "" or "a.b"), two pairs one key (an attribute "b.scaling", a child path "run.model", an int
+key in `__dict__`) or a `__dict__` whose `get` lies. Each such model is recorded and compared as before (the
+oracle in tests/test_model_state.py): a change the old comparison reported is reported in the same words."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+from govtrain.train.model_state import ModelState  # noqa: E402
+from tests.test_model_state import oracle_attributes, oracle_changed  # noqa: E402
+
+
+class Root(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(3, 3)
+        self.scaling = {"default": 0.5}  # read by the forward
+        self.rate = 0.1
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.body(x) * self.scaling["default"] * self.rate
+
+
+def _decoy_at_the_roots_path() -> nn.Module:
+    model = Root()
+    setattr(model, "", nn.ReLU())  # a second module at path ""
+    return model
+
+
+def _decoy_at_a_dotted_path() -> nn.Module:
+    model = nn.Module()
+    model.a = nn.Module()
+    model.a.b = nn.Linear(2, 2)
+    model.a.b.scaling = 0.5
+    setattr(model, "a.b", nn.ReLU())  # a second module at path "a.b"
+    return model
+
+
+def _child_at_run_model() -> nn.Module:
+    model = nn.Module()
+    model.scaling = 0.5
+    model.run = nn.Module()
+    model.run.model = nn.Linear(2, 2)  # its "where" is the root's
+    model.run.model.scaling = 0.25
+    return model
+
+
+def _dotted_attribute() -> nn.Module:
+    model = nn.Module()
+    model.a = nn.Module()
+    model.a.b = nn.Linear(2, 2)
+    setattr(model.a, "b.scaling", 0.5)  # the "where" of a.b's scaling
+    return model
+
+
+def _int_key() -> nn.Module:
+    model = nn.Module()
+    model.p = nn.Linear(2, 2)
+    vars(model.p)["1"] = 0.5
+    return model
+
+
+class Lying(dict):
+    def get(self, key, default=None):  # type: ignore[no-untyped-def]
+        return dict.get(self, "_kept_" + key, dict.get(self, key, default))
+
+
+def _lying_dict() -> nn.Module:
+    model = nn.Sequential(nn.Linear(2, 2))
+    model[0].scaling = 0.5
+    model[0].__dict__ = Lying(model[0].__dict__, _kept_scaling=0.5)
+    return model
+
+
+ATTACKS = {
+    "a decoy child at the root's path, the root's scaling set": (
+        _decoy_at_the_roots_path, lambda m: (m.scaling.__setitem__("default", 100.0), setattr(m, "rate", 7.0))),
+    "a decoy child at a dotted path, the real module's scaling set": (
+        _decoy_at_a_dotted_path, lambda m: setattr(m.a.b, "scaling", 100.0)),
+    "a child at run.model given the root's attribute's where": (
+        _child_at_run_model, lambda m: setattr(m.run.model, "scaling", 2.0)),
+    "the root's and run.model's scaling both set": (
+        _child_at_run_model, lambda m: (setattr(m, "scaling", 1.0), setattr(m.run.model, "scaling", 2.0))),
+    "a dotted attribute's where given to a.b's scaling, added": (
+        _dotted_attribute, lambda m: setattr(m.a.b, "scaling", 100.0)),
+    "an int key added beside its string": (_int_key, lambda m: vars(m.p).__setitem__(1, 100.0)),
+    "a __dict__ whose get lies": (_lying_dict, lambda m: dict.__setitem__(vars(m[0]), "scaling", 100.0)),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_a_model_whose_names_collide_is_compared_as_before(attack):
+    build, edit = ATTACKS[attack]
+    model = build()
+    state = ModelState(model)
+    kept = oracle_attributes(model)
+    edit(model)
+    expected = oracle_changed(kept, model)
+    assert expected is not None, "the attack changes nothing the old comparison saw"
+    assert state.changed() == expected
+    state.take()  # taken again (after a governed forward): what it saw is the record
+    assert state.changed() is None
