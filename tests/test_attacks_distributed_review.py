@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests import forkserver
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -32,7 +32,7 @@ def tiny(tmp_path_factory) -> Path:
     return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
 
 
-def start(specs: list[dict], out: Path, *, env: dict | None = None) -> list[subprocess.Popen]:
+def start(specs: list[dict], out: Path, *, env: dict | None = None) -> list[forkserver.Child]:
     """One rank of tests/distributed_review_worker.py per spec (rank r runs specs[r]), all in one process group."""
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -46,12 +46,11 @@ def start(specs: list[dict], out: Path, *, env: dict | None = None) -> list[subp
         e = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(len(specs)), MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(port), GOVTRAIN_DIST_TIMEOUT_S="60")
         e.update((env or {}).get(rank, {}))
-        ranks.append(subprocess.Popen([sys.executable, "-m", "tests.distributed_review_worker", str(path)], cwd=ROOT,
-                                      env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        ranks.append(forkserver.start(["-m", "tests.distributed_review_worker", str(path)], cwd=ROOT, env=e))
     return ranks
 
 
-def finish(ranks: list[subprocess.Popen], timeout: float = 180) -> list[tuple[int, str]]:
+def finish(ranks: list[forkserver.Child], timeout: float = 180) -> list[tuple[int, str]]:
     return [(p.wait(timeout=timeout), p.communicate()[1]) for p in ranks]
 
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests import forkserver
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -115,7 +116,7 @@ from tests import run_state_keys  # noqa: E402
 
 
 def start(corpus, config: Path, out: Path, attack: str, *, rank: int = 1, seed: int = 7,
-          record: bool = False) -> list[subprocess.Popen]:
+          record: bool = False) -> list[forkserver.Child]:
     out.mkdir(parents=True, exist_ok=True)
     port, ranks = free_port(), []
     for r in range(2):
@@ -125,12 +126,11 @@ def start(corpus, config: Path, out: Path, attack: str, *, rank: int = 1, seed: 
         env = clean_env()
         env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    GOVTRAIN_DIST_TIMEOUT_S="60")
-        ranks.append(subprocess.Popen([sys.executable, "-m", "tests.test_attacks_fsdp_review", str(spec)], cwd=ROOT,
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        ranks.append(forkserver.start(["-m", "tests.test_attacks_fsdp_review", str(spec)], cwd=ROOT, env=env))
     return ranks
 
 
-def finish(ranks: list[subprocess.Popen], timeout: float = 200) -> list[tuple[int, str]]:
+def finish(ranks: list[forkserver.Child], timeout: float = 200) -> list[tuple[int, str]]:
     return [(p.wait(timeout=timeout), p.communicate()[1]) for p in ranks]
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests import forkserver
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -122,7 +122,7 @@ def test_by_default_a_run_with_nonfinite_units_completes_and_every_step_is_finit
 
 
 def start_ranks(corpus: Corpus, config: Path, out: Path, size: int, *, seed: int = 7,
-                also: str | None = None) -> list[subprocess.Popen]:
+                also: str | None = None) -> list[forkserver.Child]:
     """`size` ranks of tests/nonfinite_worker.py (size 0: one process, no process group), as
     tests/test_distributed.py starts its workers."""
     from govtrain.distributed.launch import free_port
@@ -138,8 +138,7 @@ def start_ranks(corpus: Corpus, config: Path, out: Path, size: int, *, seed: int
         if size:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port))
-        ranks.append(subprocess.Popen([sys.executable, "-m", "tests.nonfinite_worker", str(spec)], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        ranks.append(forkserver.start(["-m", "tests.nonfinite_worker", str(spec)], cwd=ROOT, env=env))
     return ranks
 
 

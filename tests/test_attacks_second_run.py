@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import forkserver
+
 torch = pytest.importorskip("torch")
 
 from govtrain.errors import ConfigError, GovtrainError  # noqa: E402
@@ -142,9 +144,9 @@ def _config_file(corpus: Corpus, model: Path, steps: int, run_id: str, output: s
     return path
 
 
-def _spawn(*argv: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+def _spawn(*argv: str) -> forkserver.Child:
+    """`python *argv`, forked from tests/forkserver.py's preloaded interpreter: a process of its own."""
+    return forkserver.start(list(argv), cwd=REPO)
 
 
 def _wait(*processes: subprocess.Popen) -> list[tuple[int, str]]:

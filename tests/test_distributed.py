@@ -28,6 +28,7 @@ from govtrain.distributed.launch import free_port  # noqa: E402
 from govtrain.ledger.entries import decode_entry  # noqa: E402
 from govtrain.ledger.ledger import Ledger  # noqa: E402
 from govtrain.verify.verifier import verify_ledger  # noqa: E402
+from tests import forkserver  # noqa: E402
 from tests.conftest import TEST_POLICY, Corpus, make_corpus  # noqa: E402
 from tests.test_train import _admit, _config, save_tiny_bert  # noqa: E402
 
@@ -55,9 +56,9 @@ def make_world(folder: Path, model: Path, *, mechanism: str = "dpsgd", unit: str
 
 
 def start_ranks(corpus: Corpus, config: Path, out: Path, size: int, *, seed: int = 7,
-                configs: dict[int, Path] | None = None) -> list[subprocess.Popen]:
-    """`size` ranks of tests/distributed_worker.py (size 0: one process, no process group); `configs`: a rank's own
-    RUN.toml instead of `config`."""
+                configs: dict[int, Path] | None = None) -> list[forkserver.Child]:
+    """`size` ranks of tests/distributed_worker.py (size 0: one process, no process group), forked from
+    tests/forkserver.py's preloaded interpreter; `configs`: a rank's own RUN.toml instead of `config`."""
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     ranks = []
@@ -69,19 +70,20 @@ def start_ranks(corpus: Corpus, config: Path, out: Path, size: int, *, seed: int
         if size:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port))
-        ranks.append(subprocess.Popen([sys.executable, "-m", "tests.distributed_worker", str(spec)], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        ranks.append(forkserver.start(["-m", "tests.distributed_worker", str(spec)], cwd=ROOT, env=env))
     return ranks
 
 
 def clean_env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", GOVTRAIN_DIST_TIMEOUT_S="120", OMP_NUM_THREADS="1")
+    # PYTHONFAULTHANDLER: a rank that crashes in native code (SIGSEGV, SIGABRT) prints its Python stack
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", GOVTRAIN_DIST_TIMEOUT_S="120", OMP_NUM_THREADS="1",
+               PYTHONFAULTHANDLER="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     return env
 
 
-def finish(ranks: list[subprocess.Popen], timeout: float = 240) -> list[tuple[int, str]]:
+def finish(ranks: list, timeout: float = 240) -> list[tuple[int, str]]:
     return [(p.wait(timeout=timeout), p.communicate()[1]) for p in ranks]
 
 

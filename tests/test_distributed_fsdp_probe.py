@@ -19,10 +19,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests import forkserver
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -40,9 +41,8 @@ def ranks(tmp_path_factory) -> list[dict]:
     """Both ranks' reports (each rank's own measurements; both ranks run every case)."""
     folder = tmp_path_factory.mktemp("fsdp")
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.fsdp_probe_worker", str(rank), str(WORLD),
-                               str(folder / "init"), str(folder)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in range(WORLD)]
+    procs = [forkserver.start(["-m", "tests.fsdp_probe_worker", str(rank), str(WORLD), str(folder / "init"),
+                               str(folder)], cwd=ROOT, env=env) for rank in range(WORLD)]
     errors = []
     for proc in procs:
         try:

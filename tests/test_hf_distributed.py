@@ -12,11 +12,11 @@ refused before anything is written.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests import forkserver
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -35,7 +35,7 @@ def tiny(tmp_path_factory) -> Path:
     return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
 
 
-def start_trainers(corpus: Corpus, config: Path, out: Path, size: int, *, seed: int = 2) -> list[subprocess.Popen]:
+def start_trainers(corpus: Corpus, config: Path, out: Path, size: int, *, seed: int = 2) -> list[forkserver.Child]:
     """`size` ranks of tests/hf_distributed_worker.py (size 0: one process, no process group)."""
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -48,8 +48,7 @@ def start_trainers(corpus: Corpus, config: Path, out: Path, size: int, *, seed: 
         if size:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port))
-        ranks.append(subprocess.Popen([sys.executable, "-m", "tests.hf_distributed_worker", str(spec)], cwd=ROOT,
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        ranks.append(forkserver.start(["-m", "tests.hf_distributed_worker", str(spec)], cwd=ROOT, env=env))
     return ranks
 
 
