@@ -28,9 +28,10 @@ scratch: $(STAMP)
 	$(PY) examples/scratch.py
 
 # The suite, but for its long tier (further variants of what it tests: more kill points, process counts, units);
-# `make test-long` runs that tier alone, `make test-all` both. Test files run in parallel on every core
-# (pytest-xdist; a file stays on one worker: its module fixtures are built once); PYTEST_WORKERS=1 runs them in one.
-PYTEST_WORKERS ?= auto
+# `make test-long` runs that tier alone, `make test-all` both. Test files run in parallel (pytest-xdist; a file stays on
+# one worker: its module fixtures are built once), one worker more than the cores: while one worker's test waits (for
+# ranks to meet, a killed process, a PostgreSQL restart), another's computes. PYTEST_WORKERS=1 runs them in one.
+PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || sysctl -n hw.ncpu 2>/dev/null || echo 1); echo $$((n + 1)))
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
