@@ -108,3 +108,27 @@ def test_a_model_whose_names_collide_is_compared_as_before(attack):
     assert state.changed() == expected
     state.take()  # taken again (after a governed forward): what it saw is the record
     assert state.changed() is None
+
+
+class Scaled(nn.Linear):
+    scaling = 0.5  # a class attribute the forward reads
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return super().forward(x) * self.scaling
+
+
+def test_an_instance_attribute_set_over_a_class_attribute_the_forward_reads_is_refused():
+    """The review's proof 5, which the comparison before issue 35 missed as well: an attribute set on the module since
+    the record is "one added since", yet `scaling` there hides the class's, and the forward reads the new value."""
+    model = nn.Sequential(Scaled(2, 2))
+    x = torch.ones(1, 2)
+    before = model(x)
+    state = ModelState(model)
+    model[0].scaling = 100.0
+    assert not torch.equal(before, model(x))
+    assert state.changed() == "run.model's 0.scaling was set (to 100.0, over its class's 0.5)"
+    model[0].accelerate_prepared = True  # one no class has: still a setting the forward never read
+    del model[0].scaling
+    assert state.changed() is None
+    model[0].dump_patches = True  # nn.Module's own class attributes count too
+    assert state.changed() == "run.model's 0.dump_patches was set (to True, over its class's False)"

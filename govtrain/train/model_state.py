@@ -13,7 +13,8 @@ spend unchanged and the run recorded.
   `.data` bumps no version counter, and one written back as it was changes nothing the forward reads);
 - every module's plain attributes (bool, int, float, str, None, and tuples, lists and dicts of them: peft's
   `scaling`, `r`, `lora_alpha`, its active adapter, an attention's `scaling`), the `training` flag aside; one
-  added later (accelerate's `_is_accelerate_prepared`, set by a Trainer) is recorded from the next record on.
+  added later (accelerate's `_is_accelerate_prepared`, set by a Trainer) is recorded from the next record on,
+  unless it hides an attribute of its class of the same name (a class-level `scaling` the forward read).
 `changed()` names the first that differs; the run refuses it (`ungoverned_update`) at every check `Weights` runs
 at (before each draw, governed forward, update, checkpoint and save). A governed forward may write buffers itself
 (BatchNorm's running statistics): the record is taken again after each one.
@@ -55,6 +56,7 @@ class ModelState:
         modules = list(self.model.named_modules(remove_duplicate=False))
         self.regular = _regular(modules)
         self.attributes = _by_module(modules) if self.regular else _attributes(modules)
+        self.names = {id(module): (module, frozenset(vars(module))) for _, module in modules}
 
     def changed(self) -> str | None:
         """The first buffer or plain attribute of the model that is not as last recorded, in words; None when all
@@ -74,12 +76,28 @@ class ModelState:
                 return f"run.model's buffer {name} was written or replaced"
         modules = list(self.model.named_modules(remove_duplicate=False))
         if self.regular and _regular(modules):
-            return _changed_by_module(self.attributes, dict(modules))
-        kept = _flat(self.attributes) if self.regular else self.attributes
-        attributes = _attributes(modules)
-        for where, then in kept.items():  # one added since is no setting the forward read then
-            if not _same(attributes.get(where, _MISSING), then):
-                return f"run.model's {where} was set (to {attributes.get(where, _MISSING)!r}, from {then!r})"
+            found = _changed_by_module(self.attributes, dict(modules))
+        else:
+            kept = _flat(self.attributes) if self.regular else self.attributes
+            attributes = _attributes(modules)
+            found = next((f"run.model's {where} was set (to {attributes.get(where, _MISSING)!r}, from {then!r})"
+                          for where, then in kept.items() if not _same(attributes.get(where, _MISSING), then)), None)
+        return found or self._shadowing(modules)
+
+    def _shadowing(self, modules: list[tuple[str, "nn.Module"]]) -> str | None:
+        """A plain attribute set on a module since the record (one added since is otherwise no setting the forward
+        read then) where its class has one of that name: the instance's now hides the class's, which the forward
+        read (a class-level `scaling`, say), so the forward reads another value."""
+        for path, module in modules:
+            kept = self.names.get(id(module))
+            if kept is None or kept[0] is not module:
+                continue  # a module added since: `model_structure` refuses what the forward would run of it
+            for name in vars(module).keys() - kept[1]:
+                value = vars(module)[name]
+                if name != "training" and _plain(value) and \
+                        any(name in vars(klass) for klass in type(module).__mro__):
+                    held = next(vars(klass)[name] for klass in type(module).__mro__ if name in vars(klass))
+                    return f"run.model's {path or 'run.model'}.{name} was set (to {value!r}, over its class's {held!r})"
         return None
 
     def check_modes(self) -> str | None:
