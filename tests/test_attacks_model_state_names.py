@@ -132,3 +132,10 @@ def test_an_instance_attribute_set_over_a_class_attribute_the_forward_reads_is_r
     assert state.changed() is None
     model[0].dump_patches = True  # nn.Module's own class attributes count too
     assert state.changed() == "run.model's 0.dump_patches was set (to True, over its class's False)"
+    del model[0].dump_patches
+    model[0].model_tags = ["trl", "sft"]  # text and lists (TRL tags the model it trains) stay out
+    Scaled.model_tags = None
+    try:
+        assert state.changed() is None
+    finally:
+        del Scaled.model_tags

@@ -14,7 +14,8 @@ spend unchanged and the run recorded.
 - every module's plain attributes (bool, int, float, str, None, and tuples, lists and dicts of them: peft's
   `scaling`, `r`, `lora_alpha`, its active adapter, an attention's `scaling`), the `training` flag aside; one
   added later (accelerate's `_is_accelerate_prepared`, set by a Trainer) is recorded from the next record on,
-  unless it hides an attribute of its class of the same name (a class-level `scaling` the forward read).
+  unless it is a number or flag that hides an attribute of its class of the same name (a class-level `scaling`
+  the forward read).
 `changed()` names the first that differs; the run refuses it (`ungoverned_update`) at every check `Weights` runs
 at (before each draw, governed forward, update, checkpoint and save). A governed forward may write buffers itself
 (BatchNorm's running statistics): the record is taken again after each one.
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 
 _PLAIN = (bool, int, float, str, type(None))
 _CONTAINERS = (tuple, list, dict)  # exactly these types (an OrderedDict of hooks is none)
+_NUMBERS = (bool, int, float)
 
 
 class ModelState:
@@ -85,16 +87,17 @@ class ModelState:
         return found or self._shadowing(modules)
 
     def _shadowing(self, modules: list[tuple[str, "nn.Module"]]) -> str | None:
-        """A plain attribute set on a module since the record (one added since is otherwise no setting the forward
-        read then) where its class has one of that name: the instance's now hides the class's, which the forward
-        read (a class-level `scaling`, say), so the forward reads another value."""
+        """A number or flag set on a module since the record (one added since is otherwise no setting the forward
+        read then) where its class has an attribute of that name: the instance's now hides the class's, which the
+        forward read (a class-level `scaling`, say), so the forward reads another value. Text and lists stay out:
+        TRL's SFTTrainer tags the model (`model_tags`, None on the class), which no forward reads."""
         for path, module in modules:
             kept = self.names.get(id(module))
             if kept is None or kept[0] is not module:
                 continue  # a module added since: `model_structure` refuses what the forward would run of it
             for name in vars(module).keys() - kept[1]:
                 value = vars(module)[name]
-                if name != "training" and _plain(value) and \
+                if type(value) in _NUMBERS and name != "training" and \
                         any(name in vars(klass) for klass in type(module).__mro__):
                     held = next(vars(klass)[name] for klass in type(module).__mro__ if name in vars(klass))
                     return f"run.model's {path or 'run.model'}.{name} was set (to {value!r}, over its class's {held!r})"
