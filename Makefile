@@ -31,6 +31,7 @@ scratch: $(STAMP)
 # `make test-long` runs that tier alone, `make test-all` both. Test files run in parallel (pytest-xdist; a file stays on
 # one worker: its module fixtures are built once), one worker more than the cores: while one worker's test waits (for
 # ranks to meet, a killed process, a PostgreSQL restart), another's computes. PYTEST_WORKERS=1 runs them in one.
+QUICK_WORKERS ?= auto
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || sysctl -n hw.ncpu 2>/dev/null || echo 1); echo $$((n + 1)))
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
@@ -43,7 +44,8 @@ test-long: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q $(XDIST)
 
-# The inner loop: the torch-free layers (encoding, attestation, policy, gate, ledger, accounting, verify, the
+# The inner loop (one worker per core: these tests compute and never wait, so an extra worker only adds its start-up):
+# the torch-free layers (encoding, attestation, policy, gate, ledger, accounting, verify, the
 # privatizers' rules) and the unit tests of configs, schedules and errors, in about two minutes.
 QUICK := tests/test_accounting_families.py \
 	tests/test_attacks_fuzz_review.py \
@@ -84,7 +86,7 @@ QUICK := tests/test_accounting_families.py \
 	tests/test_import_graph.py
 
 test-quick: $(STAMP)
-	$(PY) -m pytest -q -m "not long and not slow" $(XDIST) $(QUICK)
+	$(PY) -m pytest -q -m "not long and not slow" -n $(QUICK_WORKERS) --dist loadfile --no-loadscope-reorder $(QUICK)
 
 # Every parser of untrusted input, coverage-guided (atheris) for FUZZ_SECONDS each, then the hypothesis tests at the
 # "fuzz" profile: executions, coverage and findings per target (docs/fuzzing.md); corpora and crashes in fuzz-out/.
