@@ -4,7 +4,6 @@ them SIGKILLs the process midway through its n-th call. Production code has no s
 
     python -m tests.crash_child --journal J.jsonl [--kill WHERE --nth N --fraction F] -- train --config ... --ledger ...
     python -m tests.crash_child --journal J.jsonl ... -- loop --config ... --ledger ...
-    python -m tests.crash_child --serve     # a fork server: imports once, forks one such process per request
 
 Where (`--kill`), each the n-th call in this process of what it names:
 
@@ -207,49 +206,6 @@ def install(journal: Journal, kill: str | None, nth: int, fraction: float) -> No
     wrap(run_module.Run, "finish", finish)
 
 
-def serve() -> None:
-    """A fork server, so that a campaign does not pay torch's import for every run: import what a run imports, then
-    for each request line on stdin ({"argv": [...], "cwd": ..., "stderr": path}) fork a process that runs `main(argv)`
-    as `python -m tests.crash_child` would, from this pristine state (the server itself never runs one), and reply
-    on stdout with its pid, then, once it ends, its exit code (-9: SIGKILL). Nothing has run in this process
-    before a fork but imports: no thread pool exists yet to be lost across it."""
-    import peft  # noqa: F401
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-
-    import govtrain.cli.main  # noqa: F401
-    import govtrain.train.governed  # noqa: F401
-    import govtrain.train.tune  # noqa: F401
-    import govtrain.verify.verifier  # noqa: F401
-
-    replies = os.fdopen(os.dup(1), "w", buffering=1)
-    replies.write("ready\n")
-    for line in sys.stdin:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                os.chdir(request["cwd"])
-                null = os.open(os.devnull, os.O_RDWR)
-                errors = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                os.dup2(null, 0), os.dup2(null, 1), os.dup2(errors, 2)
-                code = main(request["argv"])
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-            except BaseException:
-                import traceback
-
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        replies.write(f"{pid}\n")
-        _, status = os.waitpid(pid, 0)
-        replies.write(f"{os.waitstatus_to_exitcode(status)}\n")
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--journal", required=True)
@@ -272,7 +228,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--serve"]:
-        serve()
-    else:
-        sys.exit(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

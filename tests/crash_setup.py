@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests import forkserver
 from tests.conftest import TEST_POLICY, make_corpus
 from tests.crash_checks import charged_eps, complete, hash_problems, spend_problems
 from tests.crash_child import ADAPTER, SPEND, STATE, TUNE, WHERE
@@ -125,33 +126,21 @@ class Processes:
 
 
 class ForkServer:
-    """Each run a process forked from `python -m tests.crash_child --serve`, which imported torch and govtrain once:
-    the same code from the same state as a fresh process, without its seconds of imports."""
-
-    def __init__(self) -> None:
-        self.server = subprocess.Popen([sys.executable, "-m", "tests.crash_child", "--serve"], cwd=ROOT, env=child_env(),
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
-        assert self._line(600) == "ready", "the fork server did not start"
-
-    def _line(self, timeout: float | None) -> str | None:
-        import select
-
-        if not select.select([self.server.stdout], [], [], timeout)[0]:
-            return None
-        return self.server.stdout.readline().decode().strip()
+    """Each run a process forked from tests/forkserver.py's server, which imported torch and govtrain once: the same
+    code from the same state as a fresh process, without its seconds of imports."""
 
     def start(self, argv: list[str], cwd: Path, stderr: Path) -> int:
-        request = {"argv": argv, "cwd": str(cwd), "stderr": str(stderr)}
-        self.server.stdin.write((json.dumps(request) + "\n").encode())
-        return int(self._line(600))
+        self.child = forkserver.start(["-m", "tests.crash_child", *argv], env=child_env(), cwd=cwd, stderr=stderr)
+        return self.child.pid
 
     def wait(self, timeout: float | None) -> int | None:
-        line = self._line(timeout)
-        return None if line is None else int(line)
+        try:
+            return self.child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
 
     def close(self) -> None:
-        self.server.stdin.close()
-        self.server.wait(60)
+        pass
 
 
 def launch(s: Scene, journal: Path, kill: Kill | None, runner) -> tuple[int, str, float]:  # type: ignore[no-untyped-def]

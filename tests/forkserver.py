@@ -11,7 +11,7 @@ the fork, so what a library reads only when it is imported (torch's OMP_NUM_THRE
 HF_HUB_OFFLINE) is the server's: `SERVER_ENV`, which every test environment here sets the same way.
 
 The server is `python -m tests.forkserver`, one per pytest worker, started at the first `start` and ended with the
-worker. tests/crash_child.py keeps its own server (each of its runs is journalled from inside the process).
+worker. The crash campaigns (tests/crash_setup.py's `ForkServer`) fork their runs from it too.
 """
 
 from __future__ import annotations
@@ -29,15 +29,16 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVER_ENV = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
               "TOKENIZERS_PARALLELISM": "false", "PYTHONFAULTHANDLER": "1"}
 PRELOAD = ("torch", "transformers", "peft", "govtrain.cli.main", "govtrain.train.governed", "govtrain.train.loop",
-           "govtrain.verify.verifier")
+           "govtrain.train.tune", "govtrain.verify.verifier")
 
 
 class Child:
     """A forked process, as much of `subprocess.Popen` as the tests use: `pid`, `poll`, `wait`, `communicate`,
     `returncode`, `send_signal`, `kill`."""
 
-    def __init__(self, server: "Server", pid: int, folder: Path, text: bool) -> None:
+    def __init__(self, server: "Server", pid: int, folder: Path, text: bool, stderr: Path | None = None) -> None:
         self._server, self.pid, self._folder, self._text = server, pid, folder, text
+        self._stderr = stderr or folder / "stderr"
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -54,7 +55,7 @@ class Child:
 
     def communicate(self, timeout: float | None = None) -> tuple[str | bytes, str | bytes]:
         self.wait(timeout)
-        out, err = ((self._folder / name).read_bytes() for name in ("stdout", "stderr"))
+        out, err = (self._folder / "stdout").read_bytes(), self._stderr.read_bytes()
         return (out.decode(), err.decode()) if self._text else (out, err)
 
     def send_signal(self, signum: int) -> None:
@@ -97,9 +98,9 @@ class Server:
         _, pid, code = line.split()
         self._codes[int(pid)] = int(code)
 
-    def start(self, argv: list[str], env: dict[str, str], cwd: Path, folder: Path) -> int:
+    def start(self, argv: list[str], env: dict[str, str], cwd: Path, folder: Path, stderr: Path | None) -> int:
         request = {"argv": argv, "env": env, "cwd": str(cwd), "stdout": str(folder / "stdout"),
-                   "stderr": str(folder / "stderr")}
+                   "stderr": str(stderr or folder / "stderr")}
         self.process.stdin.write((json.dumps(request) + "\n").encode())
         while True:
             line = self._line(600)
@@ -126,16 +127,17 @@ class Server:
 _server: Server | None = None
 
 
-def start(argv: list[str], *, env: dict[str, str] | None = None, cwd: Path | str = ROOT, text: bool = True) -> Child:
+def start(argv: list[str], *, env: dict[str, str] | None = None, cwd: Path | str = ROOT, text: bool = True,
+          stderr: Path | None = None) -> Child:
     """`python *argv` (`-m MODULE ...`, `-c CODE ...` or `SCRIPT ...`) forked from the server (started at the first
     call), with `env` (by default this process's) and `cwd`; its stdout and stderr are captured to files that
-    `communicate` reads once it ends."""
+    `communicate` reads once it ends (stderr to `stderr` when given)."""
     global _server
     if _server is None or _server.process.poll() is not None:
         _server = Server()
     folder = Path(tempfile.mkdtemp(prefix="forked-"))
-    pid = _server.start(list(argv), dict(os.environ if env is None else env), Path(cwd), folder)
-    return Child(_server, pid, folder, text)
+    pid = _server.start(list(argv), dict(os.environ if env is None else env), Path(cwd), folder, stderr)
+    return Child(_server, pid, folder, text, stderr)
 
 
 def _run(request: dict) -> int:

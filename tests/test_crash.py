@@ -6,8 +6,8 @@ it completes; then checked (tests/crash_setup.py, tests/crash_checks.py).
 The kills inside an operation come from the child process itself (tests/crash_child.py wraps the production
 functions in that process only: production code has no switch for it); the random ones from a timer here. The kill
 plan is drawn from a seeded RNG (`GOVTRAIN_CRASH_SEED`, default 2323; each campaign prints its seed and the table).
-The runs are forked from a process that imported torch and govtrain once (`ForkServer`); `bench/crash.py --fresh`
-runs each in a fresh `python -m` process instead, and kills `govtrain train` 20 times.
+The runs are forked from tests/forkserver.py's server, which imported torch and govtrain once (`ForkServer`);
+`bench/crash.py --fresh` runs each in a fresh `python -m` process instead, and kills `govtrain train` 20 times.
 
 **Under-counted** means: a step that moved a model ran where the ledger's write-ahead spend does not cover it, so a
 contribution's charged ε is less than the ε of the steps that touched the model. The steps that ran are read from the
