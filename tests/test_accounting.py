@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from govtrain import units
 from govtrain.accounting import Bucket, PLDAccountant, PRVAccountant, RDPAccountant, spend_epsilon_u
 
 DELTA = 1e-5
@@ -25,7 +26,12 @@ GOLDEN = {
 PRV_RAISES = {(0.1, 0.6, 100), (0.1, 0.6, 1000), (0.1, 0.6, 10000)}
 
 
-@pytest.mark.parametrize("point", [point if point != (0.1, 1.0, 10000) else pytest.param(point, marks=pytest.mark.long)
+# The long tier holds the three points of 10,000 steps at the largest epsilons (each 15-30 s of PLD convolutions on
+# 2 cores); the default tier keeps the other 24, which hold every q, sigma and step count of the grid.
+LONG_POINTS = {(0.1, 1.0, 10000), (0.1, 2.0, 10000), (0.01, 0.6, 10000)}
+
+
+@pytest.mark.parametrize("point", [point if point not in LONG_POINTS else pytest.param(point, marks=pytest.mark.long)
                                    for point in sorted(GOLDEN)], ids=str)
 def test_golden_grid(point):
     q, sigma, steps = point
@@ -45,6 +51,29 @@ def test_prv_falls_back_to_pld_where_it_raises(steps):
     result = PRVAccountant().epsilon([Bucket(0.1, 0.6, steps)], DELTA)
     assert result.fallback is not None and result.fallback.startswith("pld")
     assert result.epsilon_u == PLDAccountant().epsilon([Bucket(0.1, 0.6, steps)], DELTA).epsilon_u
+
+
+def test_prv_with_its_rdp_remembered_is_bitwise_the_library():
+    """`PRVAccountant` remembers the mechanism's RDP at each order per (q, sigma) (the domain bound prv-accountant
+    recomputes on every call); its bounds and estimate are bitwise the library's own, called afresh, for one bucket
+    and heterogeneous compositions, steps searched at a fixed (q, sigma) as a run's planner does, asked twice."""
+    from prv_accountant import PoissonSubsampledGaussianMechanism
+    from prv_accountant import PRVAccountant as Library
+
+    def library(key):
+        accountant = Library(prvs=[PoissonSubsampledGaussianMechanism(noise_multiplier=s, sampling_probability=q)
+                                   for q, s, _ in key], max_self_compositions=[t for *_, t in key],
+                             eps_error=0.01, delta_error=1e-10)
+        return accountant.compute_epsilon(delta=DELTA, num_self_compositions=[t for *_, t in key])
+
+    keys = [((0.25, 1.0, k),) for k in (1, 3, 8)] + [
+        ((0.01, 1.0, 100),), ((0.5, 0.8, 10),),
+        ((0.01, 1.0, 50), (0.01, 2.0, 30)), ((0.05, 0.9, 7), (0.25, 1.0, 3), (0.5, 1.5, 2))]
+    for key in keys + keys[:2]:
+        lower, estimate, upper = library(key)
+        ours = PRVAccountant().epsilon([Bucket(*b) for b in key], DELTA)
+        assert ours.fallback is None, key
+        assert (ours.lower, ours.estimate, ours.epsilon_u) == (lower, estimate, units.spent_eps_u(float(upper))), key
 
 
 def test_heterogeneous_composition_matches_the_library():
