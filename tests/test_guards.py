@@ -432,3 +432,37 @@ def test_a_batch_independence_probe_that_can_tell_nothing_refuses_the_run():
     assert info.value.code is Code.BATCH_COUPLED and info.value.exit_code == 2
     assert "probe is vacuous: every trainable parameter's gradient is zero" in info.value.detail
     assert "lora_B starts at zero" in info.value.detail and "\n" not in info.value.line()
+
+
+def test_the_modes_a_probe_restores_are_what_train_on_each_module_in_turn_restores():
+    """`restore_modes` (the batch-independence probe's and a rehearsal's) against its oracle, `module.train(mode)` on
+    each module in `modules()` order: the same flag on every module of a LoRA model whose modes are mixed, and the
+    classes that override `train` (transformers' models) still have it called."""
+    from govtrain.routing.independence import restore_modes, saved_modes
+
+    calls = []
+
+    class Counted(nn.Linear):
+        def train(self, mode: bool = True):
+            calls.append(mode)
+            return super().train(mode)
+
+    def mixed():
+        net = model(torch.float32)
+        net.base_model.model.bert.encoder.layer[1].add_module("extra", Counted(2, 2))
+        for i, module in enumerate(net.modules()):
+            module.training = i % 3 == 0
+        return net
+
+    expected, got = mixed(), mixed()
+    saved = [(name, module.training) for name, module in expected.named_modules()]
+    modes = saved_modes(got)
+    for net in (expected, got):
+        net.eval()
+    for (name, training), module in zip(saved, expected.modules()):
+        module.train(training)
+    calls.clear()
+    restore_modes(got, modes)
+    assert [m.training for m in got.modules()] == [m.training for m in expected.modules()] == [t for _, t in saved]
+    # the override called (also through its ancestors' overrides, as `train` recurses), last with its saved flag
+    assert calls and calls[-1] is dict(saved)["base_model.model.bert.encoder.layer.1.extra"]

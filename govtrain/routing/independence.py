@@ -35,6 +35,7 @@ The probe costs 0.04 s on the tiny models and 0.15-0.3 s on MiniLM (one thread).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
@@ -71,6 +72,34 @@ class Independence:
     share: float = 0.0
 
 
+def saved_modes(model: nn.Module) -> list[tuple[nn.Module, bool]]:
+    """Each module's train/eval mode, in `modules()` order, for `restore_modes`."""
+    return [(module, module.training) for module in model.modules()]
+
+
+def restore_modes(model: nn.Module, saved: list[tuple[nn.Module, bool]]) -> None:
+    """Put back the modes `saved_modes` took, as `module.train(mode)` on each saved module in turn did (each call sets
+    the module's whole subtree as it is now; a later, deeper call overrides what an earlier one set below it).
+
+    Where the tree is the one saved (the same modules in the same order, none at two places), no module has a `train`
+    of its own on the instance, and every flag is a bool, each module's end state is its own saved flag: that is set
+    in one pass instead of one walk per subtree, and a class that overrides `train` (transformers' models, peft's DoRA
+    layers) still has it called, last with its saved flag (fewer times than the walks called it). Otherwise (a module
+    added or shared since, a patched `train`, a flag not a bool) every saved module's `train` runs, as before."""
+    plain = nn.Module.train
+    now = [module for _, module in model.named_modules(remove_duplicate=False)]
+    same = len(now) == len(saved) and all(map(operator.is_, now, (module for module, _ in saved)))
+    if not same or any("train" in vars(module) or type(training) is not bool for module, training in saved):
+        for module, training in saved:
+            module.train(training)
+        return
+    for module, training in saved:
+        if type(module).train is plain:
+            module.training = training
+        else:
+            module.train(training)
+
+
 def check_batch_independence(model: nn.Module, task: Any, tokenizer: Any, max_length: int, device: Any, *,
                              tolerance: float = TOLERANCE) -> Independence:
     """Refuse (`batch_coupled`) a model and task under which a probe example's gradient inside a batch differs
@@ -104,7 +133,7 @@ def measure_batch_independence(model: nn.Module, task: Any, tokenizer: Any, max_
         raise ValueError(f"the batch-independence probe needs {max(map(max, BATCHES)) + 1} probe examples, "
                          f"got {len(examples)}")
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    modes = [(module, module.training) for module in model.modules()]
+    modes = saved_modes(model)
     precision, cudnn_tf32 = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     model.eval()
     worst, compared = Independence(0.0, 0), 0
@@ -131,8 +160,7 @@ def measure_batch_independence(model: nn.Module, task: Any, tokenizer: Any, max_
     finally:
         torch.set_float32_matmul_precision(precision)
         torch.backends.cudnn.allow_tf32 = cudnn_tf32
-        for module, training in modes:
-            module.train(training)
+        restore_modes(model, modes)
     return replace(worst, compared=compared)
 
 

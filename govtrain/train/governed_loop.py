@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from govtrain.errors import Code, ConfigError
+from govtrain.routing.independence import restore_modes, saved_modes
 from govtrain.train.drawn import Drawn, GovernedBatch, Waiting
 from govtrain.train.guard import Guard
 from govtrain.train.model_state import ModelState
@@ -308,7 +309,7 @@ def keyed_random(run: Run, step: int, chunk: int) -> Iterator[None]:
 def rehearsing(model: "nn.Module") -> Iterator[None]:
     """A rehearsal forward: eval mode (no dropout) and full fp32 matmul precision (no TF32), so that the row
     alone and in a batch differ only if the loop couples them; the modes and precision are put back after."""
-    modes = [(module, module.training) for module in model.modules()]
+    modes = saved_modes(model)
     precision = torch.get_float32_matmul_precision()
     model.eval()
     torch.set_float32_matmul_precision("highest")
@@ -316,8 +317,7 @@ def rehearsing(model: "nn.Module") -> Iterator[None]:
         yield
     finally:
         torch.set_float32_matmul_precision(precision)
-        for module, training in modes:
-            module.train(training)
+        restore_modes(model, modes)
 
 
 def random_state(device: "torch.device") -> tuple:
