@@ -35,6 +35,11 @@ QUICK_WORKERS ?= auto
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || sysctl -n hw.ncpu 2>/dev/null || echo 1); echo $$((n + 1)))
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
+# The tests' processes write and reuse bytecode even where the environment says not to (PYTHONDONTWRITEBYTECODE=1):
+# else every worker rewrites and compiles each test module again (23 s of a worker's collection, 11 s with the cache),
+# and every process a test starts compiles govtrain again. The caches are __pycache__ folders (.gitignore).
+test test-quick test-long test-all: export PYTHONDONTWRITEBYTECODE =
+
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not long" $(XDIST)
 

@@ -125,6 +125,18 @@ class Server:
 
 
 _server: Server | None = None
+_folders: Path | None = None  # each child's captured output, in a folder of this process's, removed at its exit
+
+
+def _folder() -> Path:
+    global _folders
+    if _folders is None:
+        import atexit
+        import shutil
+
+        _folders = Path(tempfile.mkdtemp(prefix="govtrain-forked-"))
+        atexit.register(shutil.rmtree, _folders, True)
+    return Path(tempfile.mkdtemp(prefix="forked-", dir=_folders))
 
 
 def start(argv: list[str], *, env: dict[str, str] | None = None, cwd: Path | str = ROOT, text: bool = True,
@@ -135,7 +147,7 @@ def start(argv: list[str], *, env: dict[str, str] | None = None, cwd: Path | str
     global _server
     if _server is None or _server.process.poll() is not None:
         _server = Server()
-    folder = Path(tempfile.mkdtemp(prefix="forked-"))
+    folder = _folder()
     pid = _server.start(list(argv), dict(os.environ if env is None else env), Path(cwd), folder, stderr)
     return Child(_server, pid, folder, text, stderr)
 

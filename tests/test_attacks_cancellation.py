@@ -70,7 +70,8 @@ def test_under_dp_muon_each_parameter_s_allowance_bounds_the_move(strategy):
 
 
 @pytest.mark.slow
-def test_the_compiled_stage_applies_the_same_allowance():
+@pytest.mark.long  # the compiled stage releases the hooks' bits (tests/test_compiled_routing.py, default tier), whose
+def test_the_compiled_stage_applies_the_same_allowance():  # allowance the tests above bound
     assert _moved("materialize", 1e12, compiled=True) <= 1 + 1e-5
 
 

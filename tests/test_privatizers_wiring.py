@@ -204,6 +204,8 @@ def test_the_example_unit_splits_by_contribution_and_index(tmp_path, tiny_model)
 # -- compiled routing through the run ----------------------------------------------------------------------
 
 @pytest.mark.slow  # the clipping stage traced through torch.compile for each class subset (~30-60 s on 2 cores)
+@pytest.mark.long  # a whole run of the compiled stage, which releases the hooks' bits (tests/test_compiled_routing.py,
+# default tier); that `compiled = true` builds the run's router compiled is the next test's, in the default tier
 def test_a_compiled_run_trains_the_adapter_bytes_of_the_hooks(tmp_path, tiny_model, monkeypatch):
     """[training] compiled = true: the same adapter bytes, float32 on the CPU, as the same run without it. The
     compiled stage runs the kernels eager mode runs, in its order (`routing/compiled.py`, aot_eager), so equality is
